@@ -1,0 +1,37 @@
+"""Transfer agents: the data plane. Only these modules touch NIXL or shared memory.
+
+`make_agent(backend)` picks one by configured name; nothing else in pdserve names a backend.
+"""
+
+from __future__ import annotations
+
+from pdserve.kv_transfer.agents.base import (
+    MemoryRegion,
+    TransferAgent,
+    TransferAgentError,
+    TransferHandle,
+    TransferState,
+)
+
+BACKENDS = ("nixl", "shm", "fake")
+
+
+def make_agent(backend: str, name: str | None = None) -> TransferAgent:
+    """A transfer agent for `backend` ("nixl", "shm" or "fake"); the name must be unique per process."""
+    if backend == "nixl":
+        from pdserve.kv_transfer.agents.nixl import NixlAgent
+
+        return NixlAgent(name)
+    if backend == "shm":
+        from pdserve.kv_transfer.agents.shm import ShmAgent
+
+        return ShmAgent(name)
+    if backend == "fake":
+        from pdserve.kv_transfer.agents.fake import FakeAgent
+
+        return FakeAgent(name)
+    raise ValueError(f"unknown transfer backend {backend!r}; choose one of {BACKENDS}")
+
+
+__all__ = ["BACKENDS", "MemoryRegion", "TransferAgent", "TransferAgentError", "TransferHandle",
+           "TransferState", "make_agent"]

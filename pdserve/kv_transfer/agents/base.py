@@ -1,0 +1,193 @@
+"""The transfer-agent interface: one-sided writes into memory a peer registered.
+
+Lifecycle of one agent (one per rank)::
+
+    agent = make_agent(...)                      # fake / shm / nixl, chosen by config
+    agent.register_memory(MemoryRegion(...))     # every region a peer may write or we read from
+    desc = agent.local_descriptor()              # opaque bytes, shipped inside RankInfo
+    ...
+    peer = agent.load_remote(peer_desc)          # -> peer agent name
+    h = agent.submit_write(peer, src, dst, sizes, notification=b"...")
+    while agent.poll(h) is TransferState.IN_PROGRESS: ...
+    agent.release(h)
+    ...
+    agent.get_notifications()                    # on the target: [(peer name, message), ...]
+
+Semantics every backend keeps:
+* A notification attached to a write is delivered only after every byte of that write is visible in
+  the target's memory, so "notification received" means "data landed".
+* The descriptor reflects the regions registered when it was produced; register first, then publish.
+* Addresses are absolute in the owning process (src on the initiator, dst on the target), and a
+  fragment must lie inside one registered region; otherwise `TransferAgentError` names it.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdserve.kv_transfer.errors import KVTransferError
+
+
+class TransferAgentError(KVTransferError):
+    """A transfer agent refused an operation (bad region, unknown peer, backend failure)."""
+
+
+class TransferState(enum.Enum):
+    IN_PROGRESS = "in_progress"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class MemoryRegion:
+    """A contiguous byte range owned by this process. device_id -1 is host DRAM, >= 0 a CUDA device."""
+
+    ptr: int
+    nbytes: int
+    device_id: int = -1
+
+    def __post_init__(self) -> None:
+        if self.ptr <= 0 or self.nbytes <= 0:
+            raise ValueError(f"MemoryRegion needs ptr > 0 and nbytes > 0, got ptr={self.ptr:#x} nbytes={self.nbytes}")
+
+    @property
+    def is_device(self) -> bool:
+        return self.device_id >= 0
+
+    @classmethod
+    def of_tensor(cls, tensor) -> "MemoryRegion":
+        """The region of a contiguous torch tensor (the engine's KV pool)."""
+        if not tensor.is_contiguous():
+            raise ValueError("MemoryRegion.of_tensor needs a contiguous tensor; call .contiguous() first")
+        device_id = tensor.get_device() if tensor.is_cuda else -1
+        return cls(tensor.data_ptr(), tensor.numel() * tensor.element_size(), device_id)
+
+
+class RegionTable:
+    """Sorted, non-overlapping regions; locates fragments with one vectorised search."""
+
+    def __init__(self, regions: list[MemoryRegion] | tuple[MemoryRegion, ...] = ()) -> None:
+        self._regions: list[MemoryRegion] = []
+        for region in regions:
+            self.add(region)
+
+    def __len__(self) -> int:
+        return len(self._regions)
+
+    def __iter__(self):
+        return iter(self._regions)
+
+    def add(self, region: MemoryRegion) -> None:
+        for other in self._regions:
+            if region.ptr < other.ptr + other.nbytes and other.ptr < region.ptr + region.nbytes:
+                raise TransferAgentError(
+                    f"region [{region.ptr:#x}, +{region.nbytes}) overlaps registered region "
+                    f"[{other.ptr:#x}, +{other.nbytes}); deregister it first"
+                )
+        self._regions.append(region)
+        self._regions.sort(key=lambda r: r.ptr)
+
+    def remove(self, region: MemoryRegion) -> None:
+        try:
+            self._regions.remove(region)
+        except ValueError:
+            raise TransferAgentError(f"region [{region.ptr:#x}, +{region.nbytes}) is not registered") from None
+
+    def locate(self, ptrs: np.ndarray, sizes: np.ndarray, what: str) -> np.ndarray:
+        """Index of the region holding each fragment [ptr, ptr + size); raises if any lies outside."""
+        ptrs = np.asarray(ptrs, dtype=np.uint64)
+        sizes = np.asarray(sizes, dtype=np.uint64)
+        if len(self._regions) == 0:
+            raise TransferAgentError(f"no {what} memory is registered")
+        starts = np.array([r.ptr for r in self._regions], dtype=np.uint64)
+        ends = starts + np.array([r.nbytes for r in self._regions], dtype=np.uint64)
+        idx = np.searchsorted(starts, ptrs, side="right").astype(np.int64) - 1
+        bad = idx < 0
+        safe = np.maximum(idx, 0)
+        bad |= ptrs + sizes > ends[safe]
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise TransferAgentError(
+                f"{int(bad.sum())} {what} fragment(s) fall outside registered memory, first "
+                f"[{int(ptrs[i]):#x}, +{int(sizes[i])}); register the region that holds them"
+            )
+        return safe
+
+
+def check_fragments(src_ptrs: np.ndarray, dst_ptrs: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Coerce a write's fragment arrays to uint64 and check they are parallel 1-D arrays."""
+    arrays = tuple(np.ascontiguousarray(a, dtype=np.uint64) for a in (src_ptrs, dst_ptrs, sizes))
+    if any(a.ndim != 1 for a in arrays) or not (len(arrays[0]) == len(arrays[1]) == len(arrays[2])):
+        raise ValueError(
+            "src_ptrs, dst_ptrs and sizes must be 1-D arrays of one length, got shapes "
+            f"{[a.shape for a in arrays]}"
+        )
+    return arrays
+
+
+class TransferHandle:
+    """An opaque in-flight write; backends subclass it to carry their state."""
+
+    __slots__ = ("remote", "num_bytes", "num_fragments")
+
+    def __init__(self, remote: str, num_bytes: int, num_fragments: int) -> None:
+        self.remote = remote
+        self.num_bytes = num_bytes
+        self.num_fragments = num_fragments
+
+
+class TransferAgent(abc.ABC):
+    """One rank's data-plane endpoint. Not thread-safe: call it from one thread (the executor's)."""
+
+    name: str
+
+    @abc.abstractmethod
+    def register_memory(self, region: MemoryRegion) -> None: ...
+
+    @abc.abstractmethod
+    def deregister_memory(self, region: MemoryRegion) -> None: ...
+
+    @property
+    @abc.abstractmethod
+    def registered_regions(self) -> tuple[MemoryRegion, ...]: ...
+
+    @abc.abstractmethod
+    def local_descriptor(self) -> bytes:
+        """What a peer passes to `load_remote` to write into our registered memory."""
+
+    @abc.abstractmethod
+    def load_remote(self, descriptor: bytes) -> str:
+        """Load a peer from its descriptor (idempotent); returns the peer's agent name."""
+
+    @abc.abstractmethod
+    def invalidate_remote(self, name: str) -> None:
+        """Forget a peer; later writes to it raise. Unknown names are ignored."""
+
+    @abc.abstractmethod
+    def submit_write(
+        self, remote: str, src_ptrs: np.ndarray, dst_ptrs: np.ndarray, sizes: np.ndarray, notification: bytes
+    ) -> TransferHandle:
+        """Start writing local [src, src+size) to the peer's [dst, dst+size); never blocks on the copy.
+
+        `notification` reaches the peer's `get_notifications` after the data; an empty fragment list
+        sends the notification alone.
+        """
+
+    @abc.abstractmethod
+    def poll(self, handle: TransferHandle) -> TransferState: ...
+
+    @abc.abstractmethod
+    def release(self, handle: TransferHandle) -> None:
+        """Free a finished handle (DONE or FAILED). Releasing one IN_PROGRESS is an error."""
+
+    @abc.abstractmethod
+    def get_notifications(self) -> list[tuple[str, bytes]]:
+        """Notifications received since the last call, as (sender agent name, message)."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Deregister everything and drop peers; the agent is unusable afterwards."""

@@ -1,0 +1,172 @@
+"""In-process transfer agent: every "remote" agent lives in this process and a write is a memmove.
+
+It exists so the transceiver protocol can be tested without NIXL or shared memory. It keeps the
+real agent contract (region checks on both sides, notification after data) and adds one test hook:
+`pause()` keeps submitted writes in flight until `resume()`, so "cancel while a write is in flight"
+is deterministic.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import weakref
+
+import msgpack
+import numpy as np
+
+from pdserve.kv_transfer.agents.base import (
+    MemoryRegion,
+    RegionTable,
+    TransferAgent,
+    TransferAgentError,
+    TransferHandle,
+    TransferState,
+    check_fragments,
+)
+from pdserve.kv_transfer.agents.memcopy import copy_fragments
+
+# Agents of this process by name, so a descriptor (which carries only the name) can be resolved.
+_REGISTRY: "weakref.WeakValueDictionary[str, FakeAgent]" = weakref.WeakValueDictionary()
+_REGISTRY_LOCK = threading.Lock()
+_COUNTER = itertools.count()
+logger = logging.getLogger(__name__)
+
+
+class _FakeHandle(TransferHandle):
+    __slots__ = ("state", "job")
+
+    def __init__(self, remote: str, num_bytes: int, num_fragments: int, job) -> None:
+        super().__init__(remote, num_bytes, num_fragments)
+        self.state = TransferState.IN_PROGRESS
+        self.job = job
+
+
+class FakeAgent(TransferAgent):
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name or f"fake-{next(_COUNTER)}"
+        with _REGISTRY_LOCK:
+            if self.name in _REGISTRY:
+                raise TransferAgentError(f"a fake agent named {self.name!r} already exists in this process")
+            _REGISTRY[self.name] = self
+        self._regions = RegionTable()
+        self._peers: set[str] = set()
+        self._inbox: list[tuple[str, bytes]] = []
+        self._inbox_lock = threading.Lock()
+        self._paused = False
+        self._pending: list[_FakeHandle] = []
+        self._closed = False
+
+    # -- memory -------------------------------------------------------------------------------
+    def register_memory(self, region: MemoryRegion) -> None:
+        if region.is_device:
+            raise TransferAgentError("the fake agent moves host memory only; use the nixl agent for VRAM")
+        self._regions.add(region)
+
+    def deregister_memory(self, region: MemoryRegion) -> None:
+        self._regions.remove(region)
+
+    @property
+    def registered_regions(self) -> tuple[MemoryRegion, ...]:
+        return tuple(self._regions)
+
+    def local_descriptor(self) -> bytes:
+        return msgpack.packb({"kind": "fake", "name": self.name})
+
+    # -- peers --------------------------------------------------------------------------------
+    def load_remote(self, descriptor: bytes) -> str:
+        try:
+            desc = msgpack.unpackb(descriptor)
+            kind, name = desc["kind"], desc["name"]
+        except Exception as exc:
+            raise TransferAgentError(f"not a fake-agent descriptor: {exc}") from exc
+        if kind != "fake":
+            raise TransferAgentError(f"descriptor is for a {kind!r} agent, this is a fake agent; use one backend on both sides")
+        if name not in _REGISTRY:
+            raise TransferAgentError(f"fake agent {name!r} does not exist in this process")
+        self._peers.add(name)
+        return name
+
+    def invalidate_remote(self, name: str) -> None:
+        self._peers.discard(name)
+
+    # -- writes -------------------------------------------------------------------------------
+    def submit_write(self, remote, src_ptrs, dst_ptrs, sizes, notification: bytes) -> TransferHandle:
+        src, dst, sz = check_fragments(src_ptrs, dst_ptrs, sizes)
+        peer = self._peer(remote)
+        if len(sz):
+            self._regions.locate(src, sz, "local source")
+            peer._regions.locate(dst, sz, f"destination on {remote!r}")
+
+        def job() -> None:
+            copy_fragments(dst, src, sz)
+            peer._deliver(self.name, bytes(notification))
+
+        handle = _FakeHandle(remote, int(sz.sum()), len(sz), job)
+        if self._paused:
+            self._pending.append(handle)
+        else:
+            self._run(handle)
+        return handle
+
+    def poll(self, handle: TransferHandle) -> TransferState:
+        assert isinstance(handle, _FakeHandle)
+        return handle.state
+
+    def release(self, handle: TransferHandle) -> None:
+        assert isinstance(handle, _FakeHandle)
+        if handle.state is TransferState.IN_PROGRESS:
+            raise TransferAgentError("cannot release a write that is still in flight; poll until it finishes")
+
+    def get_notifications(self) -> list[tuple[str, bytes]]:
+        with self._inbox_lock:
+            out, self._inbox = self._inbox, []
+        return out
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.resume()
+        self._regions = RegionTable()
+        self._peers.clear()
+        with _REGISTRY_LOCK:
+            if _REGISTRY.get(self.name) is self:
+                del _REGISTRY[self.name]
+
+    # -- test hooks ---------------------------------------------------------------------------
+    def pause(self) -> None:
+        """Hold every write submitted from now on in flight until `resume()`."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+        pending, self._pending = self._pending, []
+        for handle in pending:
+            self._run(handle)
+
+    # -- internals ----------------------------------------------------------------------------
+    def _peer(self, remote: str) -> "FakeAgent":
+        if self._closed:
+            raise TransferAgentError(f"agent {self.name!r} is shut down")
+        if remote not in self._peers:
+            raise TransferAgentError(f"peer {remote!r} was not loaded; call load_remote(descriptor) first")
+        peer = _REGISTRY.get(remote)
+        if peer is None or peer._closed:
+            raise TransferAgentError(f"peer {remote!r} has shut down")
+        return peer
+
+    def _run(self, handle: _FakeHandle) -> None:
+        try:
+            handle.job()
+            handle.state = TransferState.DONE
+        except Exception:
+            logger.exception("fake write to %r failed", handle.remote)
+            handle.state = TransferState.FAILED
+        finally:
+            handle.job = None
+
+    def _deliver(self, sender: str, message: bytes) -> None:
+        with self._inbox_lock:
+            self._inbox.append((sender, message))

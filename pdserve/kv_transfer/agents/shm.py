@@ -1,0 +1,302 @@
+"""Shared-memory transfer agent for peers on one host (and machines without NIXL).
+
+The target's registered memory must be shareable, so the engine allocates its KV pool with
+`allocate_shared(nbytes)`: a file in /dev/shm mapped into this process. The agent's descriptor lists
+each registered region as (ptr, nbytes, file path, offset in file). The initiator maps the peer's
+files and memmoves into them: a one-sided write, the target's CPU does nothing. After the copy the
+initiator sends the notification as one datagram to the target's abstract Unix socket, so a
+notification always follows its data.
+
+    pool = allocate_shared(num_blocks * slot_bytes)   # SharedBuffer, unlinked when freed
+    kv = pool.torch(torch.bfloat16).view(num_blocks, layers, 2, heads, tokens, head_dim)
+    agent.register_memory(pool.region)
+
+A descriptor from another host (different hostname or boot id) is refused: the files would not be
+the same memory there.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import queue
+import socket
+import threading
+import uuid
+import weakref
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+
+from pdserve.kv_transfer.agents.base import (
+    MemoryRegion,
+    RegionTable,
+    TransferAgent,
+    TransferAgentError,
+    TransferHandle,
+    TransferState,
+    check_fragments,
+)
+from pdserve.kv_transfer.agents.memcopy import copy_fragments
+
+logger = logging.getLogger(__name__)
+
+_SHM_DIR = "/dev/shm"
+_DESCRIPTOR_VERSION = 1
+
+
+def host_identity() -> tuple[str, str]:
+    """(hostname, boot id): equal only for processes that can map the same /dev/shm files."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot_id = f.read().strip()
+    except OSError:
+        boot_id = "unknown"
+    return socket.gethostname(), boot_id
+
+
+class SharedBuffer:
+    """A /dev/shm file mapped read-write; `ptr` is its address in this process.
+
+    The file is unlinked by `free()` or when the buffer is garbage collected; peers that mapped it
+    keep their mapping until they drop it.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        if nbytes <= 0:
+            raise ValueError(f"allocate_shared needs nbytes > 0, got {nbytes}")
+        self.nbytes = nbytes
+        self.path = os.path.join(_SHM_DIR, f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            self._mmap = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        self._array = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.ptr = int(self._array.ctypes.data)
+        self._unlink = weakref.finalize(self, _unlink_quietly, self.path)
+        _ALLOCATIONS[self.ptr] = self
+
+    @property
+    def region(self) -> MemoryRegion:
+        return MemoryRegion(self.ptr, self.nbytes)
+
+    def numpy(self, dtype=np.uint8) -> np.ndarray:
+        return self._array.view(dtype)
+
+    def torch(self, dtype=None):
+        """A 1-D torch tensor over the whole buffer (shares memory)."""
+        import torch
+
+        return torch.from_numpy(self._array).view(dtype or torch.uint8)
+
+    def free(self) -> None:
+        _ALLOCATIONS.pop(self.ptr, None)
+        self._unlink()
+
+
+def allocate_shared(nbytes: int) -> SharedBuffer:
+    """Allocate host memory the shm agent can register (use it for the KV pool and staging buffers)."""
+    return SharedBuffer(nbytes)
+
+
+_ALLOCATIONS: "weakref.WeakValueDictionary[int, SharedBuffer]" = weakref.WeakValueDictionary()
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _backing_file(region: MemoryRegion) -> tuple[str, int]:
+    for buf in list(_ALLOCATIONS.values()):
+        if buf.ptr <= region.ptr and region.ptr + region.nbytes <= buf.ptr + buf.nbytes:
+            return buf.path, region.ptr - buf.ptr
+    raise TransferAgentError(
+        f"region [{region.ptr:#x}, +{region.nbytes}) was not allocated with allocate_shared(); the shm agent "
+        "can only register shareable memory (allocate the KV pool with "
+        "pdserve.kv_transfer.agents.shm.allocate_shared)"
+    )
+
+
+@dataclass
+class _PeerRegion:
+    ptr: int
+    nbytes: int
+    local_ptr: int  # where this region is mapped in this process
+
+
+class _ShmHandle(TransferHandle):
+    __slots__ = ("state",)
+
+    def __init__(self, remote: str, num_bytes: int, num_fragments: int) -> None:
+        super().__init__(remote, num_bytes, num_fragments)
+        self.state = TransferState.IN_PROGRESS
+
+
+class ShmAgent(TransferAgent):
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name or f"shm-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._host = host_identity()
+        self._regions = RegionTable()
+        self._files: dict[MemoryRegion, tuple[str, int]] = {}
+        self._peers: dict[str, tuple[RegionTable, list[_PeerRegion], str]] = {}
+        self._maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
+        self._notify_addr = f"\0pdserve-shm-{uuid.uuid4().hex}"
+        self._inbox = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._inbox.bind(self._notify_addr)
+        self._inbox.setblocking(False)
+        self._outbox = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker = threading.Thread(target=self._work, name=f"{self.name}-copy", daemon=True)
+        self._worker.start()
+        self._closed = False
+
+    # -- memory -------------------------------------------------------------------------------
+    def register_memory(self, region: MemoryRegion) -> None:
+        if region.is_device:
+            raise TransferAgentError("the shm agent moves host memory only; use the nixl agent for VRAM")
+        backing = _backing_file(region)
+        self._regions.add(region)
+        self._files[region] = backing
+
+    def deregister_memory(self, region: MemoryRegion) -> None:
+        self._regions.remove(region)
+        del self._files[region]
+
+    @property
+    def registered_regions(self) -> tuple[MemoryRegion, ...]:
+        return tuple(self._regions)
+
+    def local_descriptor(self) -> bytes:
+        regions = [[r.ptr, r.nbytes, *self._files[r]] for r in self._regions]
+        return msgpack.packb(
+            {"kind": "shm", "version": _DESCRIPTOR_VERSION, "name": self.name, "host": list(self._host),
+             "notify": self._notify_addr, "regions": regions}
+        )
+
+    # -- peers --------------------------------------------------------------------------------
+    def load_remote(self, descriptor: bytes) -> str:
+        try:
+            desc = msgpack.unpackb(descriptor)
+            kind = desc["kind"]
+        except Exception as exc:
+            raise TransferAgentError(f"not a transfer-agent descriptor: {exc}") from exc
+        if kind != "shm":
+            raise TransferAgentError(
+                f"descriptor is for a {kind!r} agent, this is the shm agent; configure one backend on both sides"
+            )
+        if desc.get("version") != _DESCRIPTOR_VERSION:
+            raise TransferAgentError(f"shm descriptor version {desc.get('version')} != {_DESCRIPTOR_VERSION}")
+        host = tuple(desc["host"])
+        if host != self._host:
+            raise TransferAgentError(
+                f"shm peer {desc['name']!r} is on host {host[0]!r} (boot {host[1]}) but this agent is on "
+                f"{self._host[0]!r} (boot {self._host[1]}); shared memory only reaches peers on the same host, "
+                "use the nixl backend across hosts"
+            )
+        name = desc["name"]
+        peer_regions = []
+        for ptr, nbytes, path, offset in desc["regions"]:
+            base = self._map(path, offset + nbytes)
+            peer_regions.append(_PeerRegion(ptr, nbytes, base + offset))
+        peer_regions.sort(key=lambda r: r.ptr)
+        table = RegionTable([MemoryRegion(r.ptr, r.nbytes) for r in peer_regions])
+        self._peers[name] = (table, peer_regions, desc["notify"])
+        return name
+
+    def invalidate_remote(self, name: str) -> None:
+        self._peers.pop(name, None)
+
+    # -- writes -------------------------------------------------------------------------------
+    def submit_write(self, remote, src_ptrs, dst_ptrs, sizes, notification: bytes) -> TransferHandle:
+        if self._closed:
+            raise TransferAgentError(f"agent {self.name!r} is shut down")
+        src, dst, sz = check_fragments(src_ptrs, dst_ptrs, sizes)
+        try:
+            table, peer_regions, notify = self._peers[remote]
+        except KeyError:
+            raise TransferAgentError(f"peer {remote!r} was not loaded; call load_remote(descriptor) first") from None
+        local_dst = dst
+        if len(sz):
+            self._regions.locate(src, sz, "local source")
+            idx = table.locate(dst, sz, f"destination on {remote!r}")
+            shift = np.array([r.local_ptr - r.ptr for r in peer_regions], dtype=np.int64)
+            local_dst = (dst.astype(np.int64) + shift[idx]).astype(np.uint64)
+        handle = _ShmHandle(remote, int(sz.sum()), len(sz))
+        message = msgpack.packb([self.name, bytes(notification)])
+        self._jobs.put((handle, local_dst, src, sz, notify, message))
+        return handle
+
+    def poll(self, handle: TransferHandle) -> TransferState:
+        assert isinstance(handle, _ShmHandle)
+        return handle.state
+
+    def release(self, handle: TransferHandle) -> None:
+        assert isinstance(handle, _ShmHandle)
+        if handle.state is TransferState.IN_PROGRESS:
+            raise TransferAgentError("cannot release a write that is still in flight; poll until it finishes")
+
+    def get_notifications(self) -> list[tuple[str, bytes]]:
+        out = []
+        while True:
+            try:
+                data = self._inbox.recv(1 << 20)
+            except BlockingIOError:
+                return out
+            try:
+                sender, message = msgpack.unpackb(data)
+                out.append((str(sender), bytes(message)))
+            except Exception:
+                logger.warning("shm agent %s dropped a malformed notification (%d bytes)", self.name, len(data))
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        self._worker.join(timeout=30)
+        self._inbox.close()
+        self._outbox.close()
+        self._regions = RegionTable()
+        self._files.clear()
+        self._peers.clear()
+        self._maps.clear()  # mmaps close when their last view is dropped
+
+    # -- internals ----------------------------------------------------------------------------
+    def _map(self, path: str, min_bytes: int) -> int:
+        if path not in self._maps:
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except OSError as exc:
+                raise TransferAgentError(f"cannot open peer shm file {path}: {exc}") from exc
+            try:
+                size = os.fstat(fd).st_size
+                mm = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            array = np.frombuffer(mm, dtype=np.uint8)
+            self._maps[path] = (mm, array)
+        mm, array = self._maps[path]
+        if len(mm) < min_bytes:
+            raise TransferAgentError(f"peer shm file {path} holds {len(mm)} bytes, descriptor claims {min_bytes}")
+        return int(array.ctypes.data)
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            handle, dst, src, sz, notify, message = job
+            try:
+                copy_fragments(dst, src, sz)
+                self._outbox.sendto(message, notify)
+                handle.state = TransferState.DONE
+            except Exception:
+                logger.exception("shm write of %d bytes to %r failed", handle.num_bytes, handle.remote)
+                handle.state = TransferState.FAILED
