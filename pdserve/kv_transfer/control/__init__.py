@@ -1,0 +1,1 @@
+"""Control plane: the typed wire protocol (messages) and its ZeroMQ transport (messenger)."""

@@ -1,0 +1,126 @@
+"""Control plane: typed msgpack messages and the ZeroMQ messenger."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from pdserve.kv_transfer.control.messages import (
+    PROTOCOL_VERSION,
+    Cancel,
+    MessageType,
+    ProtocolError,
+    RankInfoReply,
+    RankInfoRequest,
+    RequestData,
+    TransferDone,
+    TransferError,
+    decode,
+)
+from pdserve.kv_transfer.control.messenger import Messenger
+
+
+def test_round_trip_every_message_type():
+    ids = {0: np.array([3, -1, 7], np.int64), 2: np.array([], np.int64)}
+    req = RequestData(11, ("gen", 1), ids, (0, 40), 2, {"offset": 4096})
+    back = decode(req.to_bytes())
+    assert isinstance(back, RequestData) and back == req
+    assert set(back.block_ids) == {0, 2} and back.block_ids[0].tolist() == [3, -1, 7]
+    for msg in (RankInfoRequest(("gen", 0)), RankInfoReply([b"a", b"b"]), TransferDone(5, ("ctx", 3), 100, False),
+                TransferError(5, ("ctx", 3), "boom"), Cancel(5, ("gen", 0))):
+        assert decode(msg.to_bytes()) == msg
+    assert {t.name for t in MessageType} >= {"RANK_INFO_REQUEST", "REQUEST_DATA", "TRANSFER_DONE", "CANCEL"}
+
+
+def _frame(t, body, v=PROTOCOL_VERSION):
+    return msgpack.packb({"v": v, "t": t, "b": body})
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        (b"\xc1\xff", "undecodable"),
+        (msgpack.packb([1, 2]), "map with keys"),
+        (_frame(99, {}), "unknown control message type 99"),
+        (_frame(int(MessageType.CANCEL), {"request_id": 1, "sender": ["g", 0]}, v=7), "version 7"),
+        (_frame(int(MessageType.CANCEL), {"request_id": 1}), "expected"),
+        (_frame(int(MessageType.CANCEL), {"request_id": "1", "sender": ["g", 0]}), "integer"),
+        (_frame(int(MessageType.REQUEST_DATA), {"request_id": 1, "sender": ["g", 0], "block_ids": {0: b"abc"},
+                                                "token_range": [0, 1], "num_requesters": 1, "bounce": None}),
+         "multiple of 8"),
+        (_frame(int(MessageType.REQUEST_DATA), {"request_id": 1, "sender": ["g", 0], "block_ids": {},
+                                                "token_range": [5, 1], "num_requesters": 1, "bounce": None}),
+         "not ordered"),
+        (msgpack.packb({"v": 1, "t": 7, "b": {"request_id": 1, "sender": ["g", 0]}, "x": 1}), "map with keys"),
+    ],
+)
+def test_malformed_messages_raise_typed_error(data, match):
+    with pytest.raises(ProtocolError, match=match):
+        decode(data)
+
+
+def test_messenger_survives_malformed_messages_and_handler_errors():
+    seen: queue.Queue = queue.Queue()
+
+    def handler(msg):
+        if isinstance(msg, Cancel) and msg.request_id == 666:
+            raise RuntimeError("handler bug")
+        seen.put(msg)
+        if isinstance(msg, RankInfoRequest):
+            return RankInfoReply([b"info-" + msg.sender[0].encode()])
+        return None
+
+    server = Messenger(handler)
+    client = Messenger(lambda m: None)
+    try:
+        raw = zmq.Context.instance().socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(server.endpoint)
+        raw.send(b"garbage")
+        raw.send(_frame(42, {}))
+        raw.send_multipart([b"a", b"b"])
+        client.send(server.endpoint, Cancel(666, ("g", 0)))
+        client.send(server.endpoint, Cancel(1, ("g", 0)))
+        assert seen.get(timeout=5) == Cancel(1, ("g", 0))
+        reply = client.request(server.endpoint, RankInfoRequest(("gen", 3)), timeout_s=5)
+        assert reply == RankInfoReply([b"info-gen"])
+        assert server.alive and server.dropped_messages == 4
+        raw.close()
+    finally:
+        client.close()
+        server.close()
+
+
+def test_request_times_out_with_endpoint_in_message():
+    silent = Messenger(lambda m: None)
+    client = Messenger(lambda m: None)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=silent.endpoint):
+            client.request(silent.endpoint, RankInfoRequest(("g", 0)), timeout_s=0.2)
+        assert time.monotonic() - t0 < 2
+    finally:
+        client.close()
+        silent.close()
+
+
+def test_handler_runs_on_listener_thread_not_caller():
+    threads = []
+    done = threading.Event()
+
+    def handler(msg):
+        threads.append(threading.current_thread().name)
+        done.set()
+
+    server, client = Messenger(handler, name="srv"), Messenger(lambda m: None)
+    try:
+        client.send(server.endpoint, Cancel(1, ("g", 0)))
+        assert done.wait(5) and threads == ["srv-control"]
+    finally:
+        client.close(), server.close()
