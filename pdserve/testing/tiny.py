@@ -1,0 +1,292 @@
+"""Tiny random-weight models saved as real Hugging Face directories.
+
+`make_tiny_model(dir, num_layers=3, num_heads=6, num_kv_heads=2, arch="qwen2")` writes config.json,
+model.safetensors, tokenizer.json, tokenizer_config.json (with a ChatML chat template) and
+generation_config.json, exactly as `save_pretrained` would, so the engine's loader, transformers
+and vLLM all read the same files. Every tensor is random but seeded: the same arguments give the
+same bytes.
+
+Weights are scaled so each residual branch contributes at unit scale and the final logits have a
+standard deviation of a few units. With the usual 0.02 init every logit is near zero, greedy decoding
+repeats one token, and a test comparing token streams would pass even with a broken attention.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from pdserve.weights.hf_dir import (
+    CONFIG_FILE,
+    GENERATION_CONFIG_FILE,
+    TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
+    ShardedWriter,
+    write_json,
+)
+
+Arch = Literal["llama", "qwen2", "mistral"]
+
+_ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+
+# ids 0, 1, 2 in every tiny vocabulary (the trainer puts special tokens first).
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+BOS_TOKEN_ID, EOS_TOKEN_ID = 1, 2
+_BYTE_ALPHABET = 256
+MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + _BYTE_ALPHABET
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Fixed training text for the tiny BPE: English, code, digits and non-ASCII, so merges exist for
+# all of them and encoded prompts are a mix of multi-byte and single-byte tokens.
+_CORPUS = """
+The quick brown fox jumps over the lazy dog. The capital of France is Paris.
+A language model predicts the next token from the tokens before it. The prefill phase reads the
+whole prompt at once; the decode phase produces one token per step and reads the KV cache.
+Disaggregated serving runs the prefill on one instance and the decode on another, and moves the
+key and value cache between them exactly once per request.
+def forward(self, hidden_states, positions):
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    return self.self_attn(hidden_states, positions) + residual
+for i in range(10): print(i * 2, i ** 2, "value", [i, i + 1])
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2024 3.14159 1e-5 65536 -7
+Unicode: café naïve résumé Zürich Ελληνικά русский 日本語 中文 한국어 emoji 🙂 🚀 ✓
+Tensor parallelism splits every weight across ranks; pipeline parallelism gives each rank a range
+of layers. Both are chosen by configuration and both must give the same tokens as one rank.
+"""
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_json(vocab_size: int) -> str:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_CORPUS.splitlines() * 4, trainer=trainer)
+    # The corpus may run out of merges before vocab_size; fill the rest with reserved specials so
+    # the tokenizer and the embedding always agree on the vocabulary size.
+    n = tokenizer.get_vocab_size(with_added_tokens=True)
+    tokenizer.add_special_tokens([f"<|reserved_{i}|>" for i in range(vocab_size - n)])
+    assert tokenizer.get_vocab_size(with_added_tokens=True) == vocab_size
+    return tokenizer.to_str()
+
+
+def build_tiny_tokenizer(vocab_size: int = 512) -> Tokenizer:
+    """A deterministic byte-level BPE tokenizer with exactly `vocab_size` ids."""
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(
+            f"vocab_size={vocab_size} is too small: a byte-level tokenizer needs "
+            f"{_BYTE_ALPHABET} byte tokens + {len(SPECIAL_TOKENS)} special tokens = {MIN_VOCAB_SIZE}"
+        )
+    return Tokenizer.from_str(_tokenizer_json(vocab_size))
+
+
+def _check_rope_scaling(rope_scaling: dict[str, Any] | None) -> None:
+    if rope_scaling is None:
+        return
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling type {kind!r} unsupported by tiny models; use rope_type='llama3' or None")
+    need = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    if missing := need - rope_scaling.keys():
+        raise ValueError(f"llama3 rope_scaling is missing {sorted(missing)}")
+
+
+def tiny_config(
+    *,
+    arch: Arch,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    hidden_size: int,
+    intermediate_size: int,
+    vocab_size: int,
+    tie_word_embeddings: bool,
+    rope_scaling: dict[str, Any] | None,
+    rope_theta: float,
+    max_position_embeddings: int,
+    dtype: torch.dtype,
+) -> dict[str, Any]:
+    """The config.json dict, in the legacy (rope_theta / rope_scaling) form real checkpoints use."""
+    cfg: dict[str, Any] = {
+        "architectures": [_ARCH_CLASSES[arch]],
+        "model_type": arch,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "tie_word_embeddings": tie_word_embeddings,
+        "bos_token_id": BOS_TOKEN_ID,
+        "eos_token_id": EOS_TOKEN_ID,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if arch == "llama":
+        cfg.update(attention_bias=False, mlp_bias=False)
+    elif arch == "mistral":
+        cfg.update(sliding_window=None)
+    else:
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=num_layers)
+    return cfg
+
+
+def tiny_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Seeded random fp32 weights under HF parameter names (see module docstring for the scales)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    def linear(out_f: int, in_f: int) -> torch.Tensor:
+        return randn(out_f, in_f, std=1.0 / math.sqrt(in_f))
+
+    def norm(n: int) -> torch.Tensor:
+        return 1.0 + randn(n, std=0.1)
+
+    h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    q_out = cfg["num_attention_heads"] * cfg["head_dim"]
+    kv_out = cfg["num_key_value_heads"] * cfg["head_dim"]
+    # Hidden states reach lm_head RMS-normalised (~unit per element), so a head of std 4/sqrt(h)
+    # gives logits ~N(0, 16). With tied embeddings the head is the embedding itself, and the token's
+    # own embedding, still in the residual stream, scores sum_j g_j * e_j^2 > 0 and makes greedy
+    # decoding repeat the last token. Two measures (chosen by measuring distinct greedy tokens):
+    # a smaller embedding next to the unit-scale residual branches, and a final-norm gain g of
+    # random sign, which cancels the bias in expectation while setting the logit scale.
+    logit_std = 4.0 / math.sqrt(h)
+    tied = cfg["tie_word_embeddings"]
+    embed_std = 1.0 / 3.0 if tied else 1.0
+    if tied:
+        sign = torch.randint(0, 2, (h,), generator=g).float() * 2 - 1
+        final_gain = sign * (logit_std / embed_std)
+    else:
+        final_gain = torch.ones(h)
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": randn(vocab, h, std=embed_std)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = norm(h)
+        w[p + "self_attn.q_proj.weight"] = linear(q_out, h)
+        w[p + "self_attn.k_proj.weight"] = linear(kv_out, h)
+        w[p + "self_attn.v_proj.weight"] = linear(kv_out, h)
+        if cfg["model_type"] == "qwen2":
+            w[p + "self_attn.q_proj.bias"] = randn(q_out, std=0.2)
+            w[p + "self_attn.k_proj.bias"] = randn(kv_out, std=0.2)
+            w[p + "self_attn.v_proj.bias"] = randn(kv_out, std=0.2)
+        w[p + "self_attn.o_proj.weight"] = linear(h, q_out)
+        w[p + "post_attention_layernorm.weight"] = norm(h)
+        w[p + "mlp.gate_proj.weight"] = linear(inter, h)
+        w[p + "mlp.up_proj.weight"] = linear(inter, h)
+        w[p + "mlp.down_proj.weight"] = linear(h, inter)
+    w["model.norm.weight"] = norm(h) * final_gain
+    if not tied:
+        w["lm_head.weight"] = randn(vocab, h, std=logit_std)
+    return w
+
+
+def make_tiny_model(
+    out_dir: str | os.PathLike,
+    *,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    hidden_size: int | None = None,
+    intermediate_size: int = 64,
+    vocab_size: int = 512,
+    arch: Arch = "llama",
+    tie_word_embeddings: bool = False,
+    rope_scaling: dict[str, Any] | None = None,
+    rope_theta: float = 10000.0,
+    max_position_embeddings: int = 2048,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write a random-weight HF model directory to `out_dir` (created if needed) and return it.
+
+    hidden_size defaults to num_heads * head_dim. rope_scaling takes a llama3 dict
+    ({"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings"}).
+    """
+    if arch not in _ARCH_CLASSES:
+        raise ValueError(f"arch={arch!r} unknown; choose one of {sorted(_ARCH_CLASSES)}")
+    if min(num_layers, num_heads, num_kv_heads, head_dim, intermediate_size) < 1:
+        raise ValueError("num_layers, num_heads, num_kv_heads, head_dim, intermediate_size must all be >= 1")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads} (GQA groups)")
+    if head_dim % 2:
+        raise ValueError(f"head_dim={head_dim} must be even for rotary embeddings")
+    hidden_size = hidden_size if hidden_size is not None else num_heads * head_dim
+    if hidden_size % num_heads:
+        raise ValueError(
+            f"hidden_size={hidden_size} must be a multiple of num_heads={num_heads}: transformers refuses "
+            "other configs, and tiny models exist to be compared with transformers"
+        )
+    _check_rope_scaling(rope_scaling)
+    tokenizer = build_tiny_tokenizer(vocab_size)
+    cfg = tiny_config(
+        arch=arch,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_scaling=dict(rope_scaling) if rope_scaling is not None else None,
+        rope_theta=rope_theta,
+        max_position_embeddings=max_position_embeddings,
+        dtype=dtype,
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    writer = ShardedWriter(out)
+    for name, tensor in tiny_weights(cfg, seed).items():
+        writer.add(name, tensor.to(dtype))
+    writer.close()
+    write_json(out / CONFIG_FILE, cfg)
+    tokenizer.save(str(out / TOKENIZER_FILE))
+    write_json(
+        out / TOKENIZER_CONFIG_FILE,
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": BOS_TOKEN,
+            "eos_token": EOS_TOKEN,
+            "pad_token": EOS_TOKEN,
+            "unk_token": UNK_TOKEN,
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "model_max_length": max_position_embeddings,
+            "chat_template": CHATML_TEMPLATE,
+        },
+    )
+    write_json(
+        out / GENERATION_CONFIG_FILE,
+        {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": EOS_TOKEN_ID},
+    )
+    return out
