@@ -1,0 +1,39 @@
+"""KV exchange: move a prompt's KV cache between instances that cut it differently.
+
+Data path: page_table -> registrar (pairing, ownership) -> mappers (bytes) -> agents/ (writes),
+with control/ (ZeroMQ) beside it. This package has no HTTP in it.
+"""
+
+from pdserve.kv_transfer.errors import AlignmentError, KVTransferError, SchemaError
+from pdserve.kv_transfer.page_table import (
+    BufferEntry,
+    LayerGroup,
+    MapperKind,
+    PageTable,
+    PhysicalPool,
+    PoolView,
+    page_table_for_block_major_pool,
+    page_table_for_layer_major_pools,
+)
+from pdserve.kv_transfer.rank_info import RankInfo, flat_rank
+from pdserve.kv_transfer.registrar import TransferPlan, overlapping_ranks, plan_write, writers_for
+
+__all__ = [
+    "AlignmentError",
+    "BufferEntry",
+    "KVTransferError",
+    "LayerGroup",
+    "MapperKind",
+    "PageTable",
+    "PhysicalPool",
+    "PoolView",
+    "RankInfo",
+    "SchemaError",
+    "TransferPlan",
+    "flat_rank",
+    "overlapping_ranks",
+    "page_table_for_block_major_pool",
+    "page_table_for_layer_major_pools",
+    "plan_write",
+    "writers_for",
+]
