@@ -1,0 +1,75 @@
+"""The `pdserve` command.
+
+    pdserve serve [MODEL] [--config worker.yaml] [--host H] [--port P]   one OpenAI-compatible instance
+    pdserve convert GGUF OUT_DIR [--dtype float32]                       GGUF -> Hugging Face directory
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pdserve.config import WorkerConfig, load_yaml
+    from pdserve.engine.async_engine import AsyncEngine
+    from pdserve.server.app import run_server
+
+    cfg = load_yaml(args.config, WorkerConfig, model=args.model, host=args.host, port=args.port,
+                    tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+                    api_key=args.api_key)
+    engine = AsyncEngine.from_config(cfg)
+    try:
+        run_server(engine, cfg)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    import torch
+
+    from pdserve.weights.gguf_convert import convert_gguf
+
+    out = convert_gguf(args.gguf, args.out_dir, dtype=getattr(torch, args.dtype))
+    print(f"wrote {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve one model over an OpenAI-compatible HTTP API")
+    s.add_argument("model", nargs="?", default=None,
+                   help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    s.add_argument("--config", "-c", default=None, help="worker YAML config (see docs/configuration.md)")
+    s.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    s.add_argument("--tensor-parallel-size", "--tp", type=int, default=None)
+    s.add_argument("--pipeline-parallel-size", "--pp", type=int, default=None)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    s.set_defaults(func=_serve)
+
+    c = sub.add_parser("convert", help="write a GGUF model as a Hugging Face directory (safetensors)")
+    c.add_argument("gguf", help="path to the .gguf file")
+    c.add_argument("out_dir", help="output directory")
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    c.set_defaults(func=_convert)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""One checked configuration per process, built once and passed whole.
+
+`EngineConfig` holds what the engine needs; `WorkerConfig` adds what `pdserve serve` needs. Both
+validate on construction: an invalid key or value is a ValueError naming the key and the fix. Every key
+is documented in docs/configuration.md.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = Field(None, description="HF directory or .gguf file; None = embedded SmolLM2-135M-Instruct")
+    served_model_name: str | None = Field(None, description="name clients use in 'model'; default: derived from the path")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    kv_layout: Literal["HND", "NHD"] = "HND"
+    tokens_per_block: int = Field(32, ge=1, le=1024)
+    kv_cache_memory_gb: float = Field(1.0, gt=0, description="KV pool size per rank, GiB")
+    num_kv_blocks: int | None = Field(None, ge=1, description="overrides kv_cache_memory_gb when set")
+    max_model_len: int | None = Field(None, ge=2, description="context window; default: the model's")
+    max_num_seqs: int = Field(64, ge=1, description="max requests in one batch")
+    max_num_tokens: int = Field(1024, ge=1, description="token budget of one forward step")
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads per rank; default: cores / ranks")
+    dist_host: str = Field("127.0.0.1", description="address of rank 0's torch.distributed store")
+    dist_port: int = Field(0, ge=0, le=65535, description="0 = pick a free port")
+    cache_dir: str | None = Field(None, description="where converted GGUF models are cached; default ~/.cache/pdserve")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineConfig":
+        if not self.enable_chunked_prefill and self.max_model_len and self.max_num_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_tokens={self.max_num_tokens} < max_model_len={self.max_model_len} needs "
+                "enable_chunked_prefill: true (or raise max_num_tokens)")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def resolved_cache_dir(self) -> Path:
+        if self.cache_dir:
+            return Path(self.cache_dir)
+        return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
+
+
+class WorkerConfig(EngineConfig):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str | None = Field(None, description="when set, /v1/* requires 'Authorization: Bearer <key>'")
+
+
+def load_yaml(path: str | Path | None, cls: type[BaseModel], **overrides) -> BaseModel:
+    """Read a YAML file (optional), apply CLI overrides that are not None, validate."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ValueError(f"config file {p} does not exist")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config file {p} must hold a mapping of keys to values")
+        data.update(loaded)
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return cls(**data)
+    except ValidationError as e:
+        lines = [f"  {'.'.join(map(str, err['loc'])) or '<config>'}: {err['msg']}" for err in e.errors()]
+        raise ValueError(f"invalid {cls.__name__}" + (f" in {path}" if path else "") + ":\n" + "\n".join(lines)) from None

@@ -1,0 +1,1 @@
+"""The inference engine: sequences, KV cache, scheduler, model runner, sampler."""

@@ -1,0 +1,162 @@
+"""An asyncio front for `LLMEngine`: the engine steps in its own thread; callers await outputs.
+
+The step thread is the only one that touches the engine. Callers talk to it through a command queue
+(add, abort) and get results through one asyncio.Queue per request, filled with
+`loop.call_soon_threadsafe`. The loop never blocks on a caller, and an idle engine sleeps on the
+command queue, not in a poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from pdserve.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine, RequestError
+from pdserve.engine.output import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import RequestType
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Add:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str | None
+    request_type: RequestType
+    sink: Callable[[RequestOutput], None]
+    done: Future = field(default_factory=Future)
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Call:
+    """Run a function on the engine thread (for helpers that must not race the step loop)."""
+
+    fn: Callable[[LLMEngine], object]
+    done: Future = field(default_factory=Future)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+        self._commands: queue.Queue = queue.Queue()
+        self._sinks: dict[str, Callable[[RequestOutput], None]] = {}
+        self._stop = threading.Event()
+        self.error: str | None = None  # set if the step loop died; /health reports it
+        self.stats = engine.stats()
+        self.on_step: Callable[[list[RequestOutput]], None] | None = None
+        self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, ecfg: EngineConfig, **kwargs) -> "AsyncEngine":
+        return cls(LLMEngine(ecfg, **kwargs))
+
+    # -- caller side (any thread, usually the event loop) -------------------------------------------
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       request_type: RequestType = RequestType.CONTEXT_AND_GENERATION) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Raises RequestError before the first output if it is refused.
+        Abandoning the iterator (client gone) aborts the request and frees its KV blocks."""
+        if self.error:
+            raise RuntimeError(f"engine is not running: {self.error}")
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        cmd = _Add(prompt_token_ids, params, request_id, request_type,
+                   lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+        self._commands.put(cmd)
+        rid = await asyncio.wrap_future(cmd.done)
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._commands.put(_Abort(rid))
+
+    async def call(self, fn: Callable[[LLMEngine], object]):
+        cmd = _Call(fn)
+        self._commands.put(cmd)
+        return await asyncio.wrap_future(cmd.done)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._commands.put(None)
+        self._thread.join(timeout=30)
+        self.engine.shutdown()
+
+    # -- engine thread ------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.engine.has_unfinished())
+                if self._stop.is_set():
+                    break
+                if self.engine.has_unfinished():
+                    self._dispatch(self.engine.step())
+                self.stats = self.engine.stats()
+        except Exception as e:  # the forward pass failed: fail every request, report unhealthy
+            log.exception("engine step loop died")
+            self.error = f"{type(e).__name__}: {e}"
+            for rid, sink in list(self._sinks.items()):
+                sink(RequestOutput(rid, [], "", True, "error", error=self.error))
+            self._sinks.clear()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while cmd is not None:
+            self._apply(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd) -> None:
+        if isinstance(cmd, _Add):
+            try:
+                rid = self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.request_type)
+            except RequestError as e:
+                cmd.done.set_exception(e)
+                return
+            self._sinks[rid] = cmd.sink
+            cmd.done.set_result(rid)
+        elif isinstance(cmd, _Abort):
+            self.engine.abort(cmd.request_id)
+            self._sinks.pop(cmd.request_id, None)
+            self.engine.take_abort_output(cmd.request_id)
+        elif isinstance(cmd, _Call):
+            try:
+                cmd.done.set_result(cmd.fn(self.engine))
+            except Exception as e:
+                cmd.done.set_exception(e)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is not None:
+                sink(out)
+                if out.finished:
+                    del self._sinks[out.request_id]
+        if self.on_step is not None and outputs:
+            self.on_step(outputs)

@@ -1,0 +1,213 @@
+"""The synchronous engine: admit requests, step, report outputs.
+
+One step reads as three calls:
+
+    batch = scheduler.schedule(); result = runner.step(spec(batch)); postprocess(batch, result)
+
+Ranks other than 0 run in their own processes (see `worker.py`) and follow rank 0's steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing as mp
+import socket
+from pathlib import Path
+from typing import Callable
+
+from pdserve.config import EngineConfig
+from pdserve.distributed import init_parallel
+from pdserve.engine.block_manager import BlockManager, KVEvent
+from pdserve.engine.model_runner import ModelRunner, SeqStep, StepSpec
+from pdserve.engine.output import OutputTracker, RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import ScheduledSeq, Scheduler
+from pdserve.engine.sequence import FinishReason, RequestType, Sequence, SeqState
+from pdserve.engine.worker import pick_device, set_threads, worker_main
+from pdserve.models.config import ModelConfig
+from pdserve.weights.hf_dir import read_config
+from pdserve.weights.resolve import resolve_model
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take; the message says why (the HTTP layer answers 400)."""
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class LLMEngine:
+    def __init__(self, ecfg: EngineConfig, on_kv_event: Callable[[KVEvent], None] | None = None,
+                 pool_allocator=None):
+        self.ecfg = ecfg
+        self.model_dir = Path(resolve_model(ecfg.model, cache_dir=ecfg.resolved_cache_dir()))
+        self.model_cfg = ModelConfig.from_hf(read_config(self.model_dir))
+        self.max_model_len = min(ecfg.max_model_len or self.model_cfg.max_position_embeddings,
+                                 self.model_cfg.max_position_embeddings)
+        self.model_name = ecfg.served_model_name or _default_name(ecfg.model, self.model_dir)
+        from pdserve.tokenizer import Tokenizer
+
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+        self._procs: list[mp.Process] = []
+        self.runner = self._start_ranks(pool_allocator)
+        self.blocks = BlockManager(self.runner.num_blocks, ecfg.tokens_per_block, ecfg.enable_prefix_caching, on_kv_event)
+        self.scheduler = Scheduler(self.blocks, ecfg.max_num_seqs, ecfg.max_num_tokens, ecfg.enable_chunked_prefill)
+        self.seqs: dict[str, Sequence] = {}
+        self.trackers: dict[str, OutputTracker] = {}
+        self._ids = itertools.count()
+
+    def _start_ranks(self, pool_allocator) -> ModelRunner:
+        ecfg = self.ecfg
+        set_threads(ecfg)
+        device = pick_device(ecfg.device, 0)
+        init_method = f"tcp://{ecfg.dist_host}:{ecfg.dist_port or _free_port(ecfg.dist_host)}"
+        if ecfg.world_size > 1:
+            ctx = mp.get_context("spawn")
+            for rank in range(1, ecfg.world_size):
+                p = ctx.Process(target=worker_main, args=(rank, ecfg, str(self.model_dir), init_method,
+                                                          self.max_model_len), daemon=True, name=f"pdserve-rank{rank}")
+                p.start()
+                self._procs.append(p)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        ps = init_parallel(ecfg.tensor_parallel_size, ecfg.pipeline_parallel_size, 0, init_method, backend)
+        return ModelRunner(ecfg, self.model_cfg, self.model_dir, ps, device, self.max_model_len, pool_allocator)
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    request_type: RequestType = RequestType.CONTEXT_AND_GENERATION) -> str:
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.seqs:
+            raise RequestError(f"request id {request_id!r} is already in flight")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty")
+        if any(not 0 <= t < self.model_cfg.vocab_size for t in prompt_token_ids):
+            raise RequestError(f"prompt token ids must be in [0, {self.model_cfg.vocab_size})")
+        if n + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} in the completion). "
+                "Please reduce the prompt or max_tokens.")
+        need = self.blocks.blocks_needed(n + params.max_tokens)
+        if need > self.blocks.num_blocks:
+            raise RequestError(f"the request needs {need} KV blocks but the cache holds {self.blocks.num_blocks}; "
+                               "raise kv_cache_memory_gb or lower max_tokens")
+        seq = Sequence(request_id, list(prompt_token_ids), params, request_type)
+        self.seqs[request_id] = seq
+        self.trackers[request_id] = OutputTracker(seq, self.tokenizer.incremental_detokenizer())
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        seq = self.seqs.get(request_id)
+        if seq is not None and not seq.is_finished:
+            seq.finish(FinishReason.ABORT)
+            self._retire(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        result = self.runner.step(self._spec(batch))
+        return self._postprocess(batch, result)
+
+    def _spec(self, batch: list[ScheduledSeq]) -> StepSpec:
+        steps = []
+        for s in batch:
+            seq = s.seq
+            start = seq.num_computed_tokens
+            sample = None
+            if s.samples:
+                p = seq.params
+                sample = dict(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+                              repetition_penalty=p.repetition_penalty, seed=p.seed, step=len(seq.output_token_ids),
+                              logprobs=p.logprobs,
+                              history=seq.all_token_ids if p.repetition_penalty != 1.0 else None)
+            steps.append(SeqStep(seq.all_token_ids[start:start + s.num_new_tokens], start, seq.block_ids, sample))
+        return StepSpec(steps)
+
+    def _postprocess(self, batch: list[ScheduledSeq], result) -> list[RequestOutput]:
+        sampling = [s for s in batch if s.samples]
+        self.scheduler.commit(batch)
+        outputs = []
+        for i, s in enumerate(sampling):
+            seq = s.seq
+            token = result.token_ids[i]
+            seq.output_token_ids.append(token)
+            if result.logprobs[i] is not None:
+                seq.output_logprobs.append({"token_id": token, "logprob": result.logprobs[i],
+                                            "top": result.top_logprobs[i] or []})
+            self._check_stop(seq, token)
+            if seq.is_finished:
+                self._retire(seq)
+            elif seq.request_type is RequestType.CONTEXT_ONLY:
+                self.scheduler.park(seq)
+            outputs.append(self.trackers[seq.request_id].flush())
+            if seq.is_finished:
+                self.trackers.pop(seq.request_id)
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        is_eos = token in self.eos_token_ids and not p.ignore_eos
+        is_stop_id = token in p.stop_token_ids
+        self.trackers[seq.request_id].on_token(token, is_eos or is_stop_id)
+        if seq.is_finished:  # a stop string matched
+            return
+        if is_eos:
+            seq.finish(FinishReason.STOP)
+        elif is_stop_id:
+            seq.finish(FinishReason.STOP, token)
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish(FinishReason.LENGTH)
+
+    def _retire(self, seq: Sequence) -> None:
+        self.scheduler.release(seq)
+        self.seqs.pop(seq.request_id, None)
+
+    def take_abort_output(self, request_id: str) -> RequestOutput | None:
+        tracker = self.trackers.pop(request_id, None)
+        return tracker.flush() if tracker else None
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        if self.runner is not None:
+            self.runner.shutdown()
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        self._procs.clear()
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.runner = None
+
+    def stats(self) -> dict:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": self.blocks.num_blocks,
+            "kv_blocks_free": self.blocks.num_free_blocks,
+        }
+
+
+def _default_name(spec: str | None, model_dir: Path) -> str:
+    if spec is None:
+        return "SmolLM2-135M-Instruct"
+    return Path(spec).stem if spec.endswith(".gguf") else Path(spec).name

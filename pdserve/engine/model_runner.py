@@ -1,0 +1,186 @@
+"""One rank's model shard, KV pool and forward step.
+
+Rank 0 turns the scheduler's batch into a `StepSpec` (plain data) and broadcasts it; every rank
+rebuilds the same tensors from it, runs its pipeline stage, and hands hidden states to the next stage.
+The last stage's first TP rank samples and returns the tokens to rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from pdserve.distributed import ParallelState, broadcast_bytes, recv_bytes, send_bytes
+from pdserve.engine.sampler import SampleResult, SampleSpec, sample
+from pdserve.models.attention import AttentionMetadata, PagedKVCache, SeqSlice
+from pdserve.models.config import ModelConfig
+from pdserve.models.llama import LlamaForCausalLM, stage_layers
+from pdserve.models.loader import load_weights
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class SeqStep:
+    token_ids: list[int]  # the tokens computed this step
+    start_pos: int  # absolute position of token_ids[0] (= tokens already in the cache)
+    block_ids: list[int]  # the sequence's whole block table
+    sample: dict | None  # SampleSpec fields when this step produces a token
+
+
+@dataclass
+class StepSpec:
+    seqs: list[SeqStep]
+    shutdown: bool = False
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb({"s": [asdict(s) for s in self.seqs], "x": self.shutdown})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "StepSpec":
+        d = msgpack.unpackb(data)
+        return cls([SeqStep(**s) for s in d["s"]], d["x"])
+
+
+def kv_block_bytes(cfg: ModelConfig, num_layers: int, tp_size: int, tokens_per_block: int, dtype: torch.dtype) -> int:
+    kv_heads = max(1, cfg.num_kv_heads // tp_size)
+    return num_layers * 2 * kv_heads * tokens_per_block * cfg.head_dim * dtype.itemsize
+
+
+def num_kv_blocks(cfg: ModelConfig, ecfg, kv_dtype: torch.dtype) -> int:
+    """Every rank computes the same count (block ids are global across ranks), sized by the largest stage."""
+    if ecfg.num_kv_blocks:
+        return ecfg.num_kv_blocks
+    most_layers = max(stage_layers(cfg.num_layers, ecfg.pipeline_parallel_size))
+    per_block = kv_block_bytes(cfg, most_layers, ecfg.tensor_parallel_size, ecfg.tokens_per_block, kv_dtype)
+    return max(1, int(ecfg.kv_cache_memory_gb * 2**30) // per_block)
+
+
+class ModelRunner:
+    def __init__(self, ecfg, model_cfg: ModelConfig, model_dir: Path, ps: ParallelState, device: torch.device,
+                 max_model_len: int, pool_allocator=None):
+        self.ecfg = ecfg
+        self.ps = ps
+        self.device = device
+        self.dtype = DTYPES[ecfg.dtype]
+        self.kv_dtype = self.dtype if ecfg.kv_cache_dtype == "auto" else DTYPES[ecfg.kv_cache_dtype]
+        self.tokens_per_block = ecfg.tokens_per_block
+        with torch.device(device):
+            self.model = LlamaForCausalLM(model_cfg, ps, self.dtype, max_model_len)
+        load_weights(self.model, model_dir, show_progress=ps.rank == 0)
+        self.num_blocks = num_kv_blocks(model_cfg, ecfg, self.kv_dtype)
+        attn = self.model.layers[0].self_attn.qkv_proj if self.model.layers else None
+        kv_heads = attn.num_kv_heads if attn else max(1, model_cfg.num_kv_heads // ps.tp_size)
+        T, D, L = self.tokens_per_block, model_cfg.head_dim, self.model.num_local_layers
+        shape = [self.num_blocks, L, 2, kv_heads, T, D] if ecfg.kv_layout == "HND" else [self.num_blocks, L, 2, T, kv_heads, D]
+        if pool_allocator is not None:
+            nbytes = self.num_blocks * L * 2 * kv_heads * T * D * self.kv_dtype.itemsize
+            self.pool = pool_allocator(nbytes).view(self.kv_dtype).view(shape)
+        else:
+            self.pool = torch.zeros(shape, dtype=self.kv_dtype, device=device)
+        self.cache = PagedKVCache(self.pool, ecfg.kv_layout)
+        self.kv_heads_per_rank = kv_heads
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def step(self, spec: StepSpec) -> SampleResult | None:
+        """Rank 0 entry point: share the spec with the other ranks, run, return sampled tokens."""
+        if self.ps.world_size > 1:
+            broadcast_bytes(spec.to_bytes())
+        return self.execute(spec)
+
+    def serve_forever(self) -> None:
+        """Non-zero ranks: run every spec rank 0 broadcasts until it says shut down."""
+        while True:
+            spec = StepSpec.from_bytes(broadcast_bytes(None))
+            if spec.shutdown:
+                return
+            self.execute(spec)
+
+    def shutdown(self) -> None:
+        if self.ps.world_size > 1:
+            broadcast_bytes(StepSpec([], shutdown=True).to_bytes())
+
+    @torch.inference_mode()
+    def execute(self, spec: StepSpec) -> SampleResult | None:
+        ids, positions, md, sample_rows = self._prepare(spec)
+        ps = self.ps
+        if ps.is_first_stage:
+            x = ids
+        else:
+            x = torch.empty(len(ids), self.model.cfg.hidden_size, dtype=self.dtype, device=self.device)
+            dist.recv(x, src=ps.stage_rank(ps.pp_rank - 1))
+        h = self.model(x, positions, self.cache, md)
+        if not ps.is_last_stage:
+            dist.send(h.contiguous(), dst=ps.stage_rank(ps.pp_rank + 1))
+            return self._result_from_last_stage() if ps.rank == 0 else None
+        if not sample_rows:
+            return self._deliver(SampleResult([], [], []))
+        logits = self.model.compute_logits(h[torch.tensor(sample_rows, device=self.device)])
+        if ps.tp_rank != 0:
+            return None
+        specs = [SampleSpec(**s.sample) for s in spec.seqs if s.sample is not None]
+        return self._deliver(sample(logits, specs))
+
+    def _deliver(self, result: SampleResult) -> SampleResult | None:
+        if self.ps.rank == 0:
+            return result
+        if self.ps.rank == self.ps.last_stage_leader:
+            send_bytes(msgpack.packb([result.token_ids, result.logprobs, result.top_logprobs]), dst=0)
+        return None
+
+    def _result_from_last_stage(self) -> SampleResult:
+        tokens, lps, tops = msgpack.unpackb(recv_bytes(self.ps.last_stage_leader))
+        return SampleResult(tokens, lps, [[tuple(p) for p in t] if t is not None else None for t in tops])
+
+    def _prepare(self, spec: StepSpec):
+        T = self.tokens_per_block
+        dev = self.device
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_blocks: list[int] = []
+        slot_offsets: list[int] = []
+        prefills: list[SeqSlice] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        sample_rows: list[int] = []
+        for s in spec.seqs:
+            start, n = s.start_pos, len(s.token_ids)
+            row = len(ids)
+            pos = range(start, start + n)
+            ids += s.token_ids
+            positions += pos
+            slot_blocks += [s.block_ids[p // T] for p in pos]
+            slot_offsets += [p % T for p in pos]
+            ctx = start + n
+            nblocks = -(-ctx // T)
+            if n == 1 and start > 0:
+                decode_rows.append(row)
+                decode_tables.append(s.block_ids[:nblocks])
+                decode_lens.append(ctx)
+            else:
+                prefills.append(SeqSlice(row, n, ctx, torch.tensor(s.block_ids[:nblocks], device=dev)))
+            if s.sample is not None:
+                sample_rows.append(row + n - 1)
+        max_blocks = max((len(t) for t in decode_tables), default=0)
+        table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long, device=dev)
+        lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
+        mask = (torch.arange(max_blocks * T, device=dev).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+        md = AttentionMetadata(
+            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
+            slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=dev),
+            prefills=prefills,
+            decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=dev),
+            decode_blocks=table.view(len(decode_tables), max_blocks),
+            decode_mask=mask,
+        )
+        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
+                md, sample_rows)

@@ -1,0 +1,82 @@
+"""A request inside the engine and its lifecycle.
+
+Lifecycle (an ordered IntEnum: a MIN across ranks gives the most cautious common state):
+
+    WAITING ──schedule──> RUNNING ──last token──> FINISHED
+       ^                     │
+       └──── preempted ──────┘               (blocks freed, recomputed later)
+
+    context_only:    WAITING -> RUNNING (prefill) -> CTX_TRANSMITTING (first token out, KV kept)
+                     -> FINISHED once the KV exchange reports the transfer done, cancelled or failed.
+    generation_only: WAITING -> GEN_AWAITING_KV (blocks allocated, KV written from outside)
+                     -> RUNNING (decode from first_gen_tokens) -> FINISHED.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class RequestType(enum.Enum):
+    CONTEXT_AND_GENERATION = "context_and_generation"
+    CONTEXT_ONLY = "context_only"
+    GENERATION_ONLY = "generation_only"
+
+
+class SeqState(enum.IntEnum):
+    WAITING = 0
+    GEN_AWAITING_KV = 1
+    RUNNING = 2
+    CTX_TRANSMITTING = 3
+    FINISHED = 4
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_type: RequestType = RequestType.CONTEXT_AND_GENERATION
+    state: SeqState = SeqState.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state == SeqState.FINISHED
+
+    def finish(self, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        self.state = SeqState.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason

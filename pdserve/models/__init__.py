@@ -1,0 +1,1 @@
+"""Model definitions. Parallelism lives in `layers`; `llama` reads like a textbook transformer."""

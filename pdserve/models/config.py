@@ -1,0 +1,83 @@
+"""The model's shape, read from a Hugging Face `config.json`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """llama3-style frequency scaling (Llama 3.1+). `None` on ModelConfig means plain RoPE."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # Qwen2: q/k/v projections carry a bias
+    rope_scaling: RopeScaling | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported model architecture {archs!r}; pdserve serves "
+                f"{sorted(SUPPORTED_ARCHITECTURES)} (config.json 'architectures')"
+            )
+        num_heads = cfg["num_attention_heads"]
+        rope = dict(cfg.get("rope_parameters") or {})
+        legacy_scaling = cfg.get("rope_scaling") or {}
+        rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type") or legacy_scaling.get("rope_type") or legacy_scaling.get("type")
+        scaling = None
+        if rope_type == "llama3":
+            src = rope if "factor" in rope else legacy_scaling
+            scaling = RopeScaling(
+                factor=float(src["factor"]),
+                low_freq_factor=float(src["low_freq_factor"]),
+                high_freq_factor=float(src["high_freq_factor"]),
+                original_max_position_embeddings=int(src["original_max_position_embeddings"]),
+            )
+        elif rope_type not in (None, "default"):
+            raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
+        default_bias = SUPPORTED_ARCHITECTURES[arch] == "qwen2"
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", default_bias)),
+            rope_scaling=scaling,
+        )

@@ -1,0 +1,200 @@
+"""Building blocks that know their tensor-parallel shard and how to load it.
+
+Each parallel layer takes the *full* checkpoint tensor in `load` and keeps only its slice, so the
+model file never does shard arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.distributed import ParallelState
+from pdserve.models.config import RopeScaling
+
+
+def _shard(full: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
+    size = full.shape[dim]
+    if size % parts:
+        raise ValueError(f"cannot split dimension {dim} of size {size} into {parts} tensor-parallel shards")
+    step = size // parts
+    return full.narrow(dim, rank * step, step)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x @ W.T with W split by output rows; each rank returns its slice of y."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, ps: ParallelState, dtype: torch.dtype):
+        super().__init__()
+        if out_features % ps.tp_size:
+            raise ValueError(f"output size {out_features} is not divisible by tensor_parallel_size {ps.tp_size}")
+        self.ps = ps
+        self.weight = nn.Parameter(torch.empty(out_features // ps.tp_size, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features // ps.tp_size, dtype=dtype), requires_grad=False) if bias else None
+
+    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight.copy_(_shard(weight, 0, self.ps.tp_rank, self.ps.tp_size))
+        if self.bias is not None:
+            self.bias.copy_(_shard(bias, 0, self.ps.tp_rank, self.ps.tp_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input fused into one matmul (gate+up)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], ps: ParallelState, dtype: torch.dtype):
+        super().__init__(in_features, sum(out_sizes), False, ps, dtype)
+        self.out_sizes = out_sizes
+
+    def load(self, weights: list[torch.Tensor]) -> None:  # type: ignore[override]
+        shards = [_shard(w, 0, self.ps.tp_rank, self.ps.tp_size) for w in weights]
+        self.weight.copy_(torch.cat(shards, dim=0))
+
+
+class QKVParallelLinear(nn.Module):
+    """Fused q/k/v projection. Query heads split evenly; KV heads split, or replicated when
+    num_kv_heads < tp_size (each group of tp_size/num_kv_heads ranks shares one KV head)."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 ps: ParallelState, dtype: torch.dtype):
+        super().__init__()
+        tp = ps.tp_size
+        if num_heads % tp:
+            raise ValueError(f"num_attention_heads={num_heads} is not divisible by tensor_parallel_size={tp}")
+        if num_kv_heads % tp and tp % num_kv_heads:
+            raise ValueError(
+                f"num_key_value_heads={num_kv_heads} and tensor_parallel_size={tp}: one must divide the other")
+        self.ps = ps
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp
+        self.num_kv_heads = max(1, num_kv_heads // tp)
+        self.kv_head_start = (ps.tp_rank * num_kv_heads) // tp if num_kv_heads < tp else ps.tp_rank * self.num_kv_heads
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        self.weight = nn.Parameter(torch.empty(out, hidden, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False) if bias else None
+
+    def _slices(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        d = self.head_dim
+        q = q.narrow(0, self.ps.tp_rank * self.num_heads * d, self.num_heads * d)
+        k = k.narrow(0, self.kv_head_start * d, self.num_kv_heads * d)
+        v = v.narrow(0, self.kv_head_start * d, self.num_kv_heads * d)
+        return torch.cat([q, k, v], dim=0)
+
+    def load(self, q, k, v, q_bias=None, k_bias=None, v_bias=None) -> None:
+        self.weight.copy_(self._slices(q, k, v))
+        if self.bias is not None:
+            self.bias.copy_(self._slices(q_bias, k_bias, v_bias))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = F.linear(x, self.weight, self.bias)
+        d = self.head_dim
+        return qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x @ W.T with W split by input columns; partial sums are all-reduced across TP."""
+
+    def __init__(self, in_features: int, out_features: int, ps: ParallelState, dtype: torch.dtype):
+        super().__init__()
+        if in_features % ps.tp_size:
+            raise ValueError(f"input size {in_features} is not divisible by tensor_parallel_size {ps.tp_size}")
+        self.ps = ps
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // ps.tp_size, dtype=dtype), requires_grad=False)
+
+    def load(self, weight: torch.Tensor) -> None:
+        self.weight.copy_(_shard(weight, 1, self.ps.tp_rank, self.ps.tp_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ps.tp_all_reduce(F.linear(x, self.weight))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split across TP ranks; out-of-shard ids contribute zeros before the all-reduce.
+    The same shard doubles as a vocab-parallel LM head (tied embeddings)."""
+
+    def __init__(self, vocab_size: int, hidden: int, ps: ParallelState, dtype: torch.dtype):
+        super().__init__()
+        self.ps = ps
+        self.shard_size = math.ceil(vocab_size / ps.tp_size)
+        self.vocab_size = vocab_size
+        self.start = ps.tp_rank * self.shard_size
+        self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden, dtype=dtype), requires_grad=False)
+
+    def load(self, weight: torch.Tensor) -> None:
+        rows = weight[self.start:self.start + self.shard_size]
+        self.weight[: rows.shape[0]].copy_(rows)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.ps.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        mask = (local < 0) | (local >= self.shard_size)
+        out = F.embedding(local.masked_fill(mask, 0), self.weight)
+        out.masked_fill_(mask.unsqueeze(-1), 0)
+        return self.ps.tp_all_reduce(out)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [n, hidden] -> full-vocabulary logits [n, vocab] on every TP rank."""
+        full = self.ps.tp_all_gather_last_dim(F.linear(h, self.weight))
+        return full[..., : self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype), requires_grad=False)
+
+    def load(self, weight: torch.Tensor) -> None:
+        self.weight.copy_(weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32, as the reference implementation does, then cast back.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def _inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * inv / scaling.factor + smooth * inv
+    out = torch.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(mid, blended, out)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE with a precomputed cos/sin table indexed by absolute position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None):
+        super().__init__()
+        inv = _inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)  # [max_positions, head_dim]
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [n, heads, head_dim], k: [n, kv_heads, head_dim], positions: [n]."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)

@@ -1,0 +1,104 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2), written as the textbook block:
+
+    h = x + attn(rms_norm(x));  out = h + mlp(rms_norm(h))
+
+The decoder owns one pipeline stage: layers [first_layer, first_layer + num_local_layers). Only the
+first stage embeds tokens and only the last computes logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.distributed import ParallelState
+from pdserve.models.attention import AttentionMetadata, PagedKVCache, paged_attention
+from pdserve.models.config import ModelConfig
+from pdserve.models.layers import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, dtype: torch.dtype):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                          cfg.attention_bias, ps, dtype)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, ps, dtype)
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x, positions, rope: RotaryEmbedding, layer: int, cache: PagedKVCache, md: AttentionMetadata):
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x)
+        q = q.view(n, -1, self.head_dim)  # [n, local heads, head_dim]
+        k = k.view(n, -1, self.head_dim)  # [n, local kv heads, head_dim]
+        v = v.view(n, -1, self.head_dim)
+        q, k = rope(positions, q, k)
+        return self.o_proj(paged_attention(q, k, v, layer, cache, md, self.scale))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, ps, dtype)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, ps, dtype)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, ps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, ps, dtype)
+
+    def forward(self, x, positions, rope, layer, cache, md):
+        h = x + self.self_attn(self.input_layernorm(x), positions, rope, layer, cache, md)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def stage_layers(num_layers: int, pp_size: int) -> list[int]:
+    """Layer counts per pipeline stage; earlier stages take the remainder."""
+    if pp_size > num_layers:
+        raise ValueError(f"pipeline_parallel_size={pp_size} exceeds the model's {num_layers} layers")
+    base, extra = divmod(num_layers, pp_size)
+    return [base + (1 if i < extra else 0) for i in range(pp_size)]
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.ps = ps
+        counts = stage_layers(cfg.num_layers, ps.pp_size)
+        self.first_layer = sum(counts[: ps.pp_rank])
+        self.num_local_layers = counts[ps.pp_rank]
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ps, dtype) if ps.is_first_stage else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ps, dtype) for _ in range(self.num_local_layers))
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        if ps.is_last_stage:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            self.lm_head = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ps, dtype)
+
+    def forward(self, ids_or_hidden: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
+                md: AttentionMetadata) -> torch.Tensor:
+        """First stage takes token ids [n]; later stages take hidden states [n, hidden]."""
+        h = self.embed_tokens(ids_or_hidden) if self.embed_tokens is not None else ids_or_hidden
+        for i, layer in enumerate(self.layers):
+            h = layer(h, positions, self.rope, i, cache, md)
+        return h
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [n, hidden] (only the positions that sample) -> [n, vocab] float32."""
+        return self.lm_head.logits(self.norm(h)).float()

@@ -1,0 +1,73 @@
+"""Load a Hugging Face checkpoint into one rank's model shard."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from pdserve.models.llama import LlamaForCausalLM
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def _checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def load_weights(model: LlamaForCausalLM, model_dir: Path, show_progress: bool = False) -> None:
+    """Read only the tensors this stage needs; each parallel layer slices its own shard."""
+    wanted: dict[str, torch.Tensor] = {}
+    lo, hi = model.first_layer, model.first_layer + model.num_local_layers
+    need_embed = model.embed_tokens is not None or (model.ps.is_last_stage and model.cfg.tie_word_embeddings)
+    files = _checkpoint_files(model_dir)
+    for path in tqdm(files, desc="loading weights", disable=not show_progress):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                m = _LAYER.match(name)
+                keep = (lo <= int(m.group(1)) < hi) if m else (
+                    name == "model.embed_tokens.weight" and need_embed
+                    or name in ("model.norm.weight", "lm_head.weight") and model.ps.is_last_stage)
+                if keep:
+                    wanted[name] = f.get_tensor(name)
+    _assign(model, wanted)
+
+
+def _assign(model: LlamaForCausalLM, w: dict[str, torch.Tensor]) -> None:
+    def take(name: str) -> torch.Tensor:
+        try:
+            return w.pop(name)
+        except KeyError:
+            raise ValueError(f"checkpoint is missing tensor {name!r}") from None
+
+    cfg = model.cfg
+    with torch.no_grad():
+        if model.embed_tokens is not None:
+            embed = w["model.embed_tokens.weight"]
+            model.embed_tokens.load(embed)
+        if model.ps.is_last_stage:
+            model.norm.load(take("model.norm.weight"))
+            head = w.get("lm_head.weight") if not cfg.tie_word_embeddings else None
+            model.lm_head.load(head if head is not None else w["model.embed_tokens.weight"])
+        for i, layer in enumerate(model.layers):
+            p = f"model.layers.{model.first_layer + i}."
+            attn = p + "self_attn."
+            biases = [take(attn + f"{x}_proj.bias") for x in "qkv"] if cfg.attention_bias else [None] * 3
+            layer.self_attn.qkv_proj.load(take(attn + "q_proj.weight"), take(attn + "k_proj.weight"),
+                                          take(attn + "v_proj.weight"), *biases)
+            layer.self_attn.o_proj.load(take(attn + "o_proj.weight"))
+            layer.mlp.gate_up_proj.load([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            layer.mlp.down_proj.load(take(p + "mlp.down_proj.weight"))
+            layer.input_layernorm.load(take(p + "input_layernorm.weight"))
+            layer.post_attention_layernorm.load(take(p + "post_attention_layernorm.weight"))

