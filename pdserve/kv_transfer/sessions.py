@@ -1,0 +1,108 @@
+"""Per-request transfer sessions of the transceiver, and the ordered status used to agree on them.
+
+Lifecycle of a send session (context rank):
+
+    respond_and_send_async ──> waiting for REQUEST_DATA from every generation rank
+        ──> one write per requester this rank owns bytes of (others are "served" with no write)
+        ──> DONE once every requester is served and every write landed
+        (CANCEL / timeout / write failure ──> FAILED, but only once no write is in flight)
+
+Lifecycle of a receive session (generation rank):
+
+    request_and_receive_async ──> session registered ──> REQUEST_DATA published to every ctx rank
+        ──> DONE when every expected writer's TRANSFER_DONE notification arrived
+        (TRANSFER_ERROR / timeout ──> FAILED; cancel ──> CANCEL sent, removed once writers settle)
+
+A session entry exists exactly while the request is in flight: empty tables mean "all done".
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pdserve.kv_transfer.agents.base import TransferHandle
+from pdserve.kv_transfer.control.messages import PeerKey
+
+
+class TransferStatus(enum.IntEnum):
+    """Ordered so that a MIN across ranks is the most cautious common outcome:
+    anyone still moving bytes -> wait; else anyone failed -> failed; else done."""
+
+    IN_PROGRESS = 0
+    FAILED = 1
+    DONE = 2
+
+
+@dataclass
+class TransferResults:
+    """What one status check finished: request ids that completed, and failures with reasons."""
+
+    completed: list[int] = field(default_factory=list)
+    failed: dict[int, str] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.completed) + len(self.failed)
+
+
+@dataclass
+class SendSession:
+    """A context rank's outgoing transfer of one request."""
+
+    request_id: int
+    block_ids: dict[int, np.ndarray]  # layer-group id -> local src block ids (-1 = skip)
+    deadline: float
+    num_requesters: int | None = None  # learnt from the first REQUEST_DATA
+    served: set[PeerKey] = field(default_factory=set)
+    writes: dict[PeerKey, TransferHandle] = field(default_factory=dict)  # in flight only
+    staging: dict[PeerKey, object] = field(default_factory=dict)  # bounce leases of in-flight writes
+    error: str | None = None
+
+    def local_status(self) -> TransferStatus:
+        if self.writes:
+            return TransferStatus.IN_PROGRESS
+        if self.error is not None:
+            return TransferStatus.FAILED
+        if time.monotonic() > self.deadline:
+            self.error = f"request {self.request_id}: context side timed out waiting for the generation side"
+            return TransferStatus.FAILED
+        if self.num_requesters is not None and len(self.served) >= self.num_requesters:
+            return TransferStatus.DONE
+        return TransferStatus.IN_PROGRESS
+
+
+@dataclass
+class RecvSession:
+    """A generation rank's incoming transfer of one request."""
+
+    request_id: int
+    writers: dict[PeerKey, str]  # ctx rank key -> its control endpoint, for CANCEL
+    all_ctx: dict[PeerKey, str]  # every ctx rank we sent REQUEST_DATA to
+    deadline: float
+    done: set[PeerKey] = field(default_factory=set)
+    errors: dict[PeerKey, str] = field(default_factory=dict)
+    cancel_sent: bool = False
+    staging: object | None = None  # bounce lease on our staging buffer, released with the session
+
+    @property
+    def settled(self) -> bool:
+        """Every expected writer either delivered or said it will not write."""
+        return all(k in self.done or k in self.errors for k in self.writers)
+
+    def local_status(self) -> TransferStatus:
+        if self.errors and self.settled:
+            return TransferStatus.FAILED
+        if len(self.done) == len(self.writers) and self.settled:
+            return TransferStatus.DONE
+        if time.monotonic() > self.deadline:
+            missing = sorted(set(self.writers) - self.done)
+            self.errors.setdefault(("timeout", -1), f"timed out waiting for writers {missing}")
+            return TransferStatus.FAILED
+        return TransferStatus.IN_PROGRESS
+
+    def error_text(self) -> str:
+        return "; ".join(f"{k}: {v}" for k, v in sorted(self.errors.items(), key=lambda kv: str(kv[0])))
+

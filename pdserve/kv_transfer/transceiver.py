@@ -1,0 +1,396 @@
+"""KVTransceiver: the API an engine executor drives to move a request's KV between instances.
+
+One transceiver per rank. Setup (every rank of both instances)::
+
+    agent = make_agent(config.backend); agent.register_memory(MemoryRegion.of_tensor(kv_pool))
+    tx = KVTransceiver(agent, TransceiverConfig(...), host=advertised_host)
+    info = RankInfo(..., agent_descriptor=tx.local_descriptor(), control_endpoint=tx.endpoint)
+    tx.start(info, instance_ranks)          # instance_ranks: all RankInfos of this instance (allgather)
+
+Context side: `respond_and_send_async(rid, block_ids)` then poll `check_context_transfer_status()`;
+free the KV of requests it reports. Generation side: `request_and_receive_async(rid, ctx_endpoint,
+block_ids)` then poll `check_gen_transfer_status()`; resume decoding of requests it reports.
+`cancel_request(rid)` is False while a write may still land (retry next step) and True once the
+blocks may be reused. See sessions.py for the lifecycles.
+
+Threads: the ZeroMQ listener only answers RankInfo requests from immutable state and enqueues
+everything else; all session state and every agent call live on the caller's (executor) thread.
+Address arithmetic happens only on the sender (`registrar.plan_write`); the receiver derives just
+which ctx ranks will write to it (`registrar.writers_for`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from pdserve.kv_transfer.agents.base import TransferAgent, TransferState
+from pdserve.kv_transfer.control.messages import (
+    Cancel,
+    Message,
+    PeerKey,
+    ProtocolError,
+    RankInfoReply,
+    RankInfoRequest,
+    RegisterPeer,
+    RequestData,
+    TransferDone,
+    TransferError,
+    decode,
+)
+from pdserve.kv_transfer.control.messenger import Messenger
+from pdserve.kv_transfer.errors import KVTransferError
+from pdserve.kv_transfer.rank_info import RankInfo
+from pdserve.kv_transfer.registrar import plan_write, writers_for
+from pdserve.kv_transfer.sessions import RecvSession, SendSession, TransferResults, TransferStatus
+
+logger = logging.getLogger(__name__)
+
+# Agree on session outcomes across the ranks of one instance: given the request ids (same order on
+# every rank) and this rank's TransferStatus per id, return the MIN over ranks. Single rank: identity.
+AgreeFn = Callable[[list[int], np.ndarray], np.ndarray]
+
+_POLL_SLEEP_S = 0.0005
+_REMEMBER_CLOSED = 4096
+
+
+def _no_agreement(request_ids: list[int], states: np.ndarray) -> np.ndarray:
+    return states
+
+
+@dataclass(frozen=True)
+class TransceiverConfig:
+    kv_transfer_timeout_ms: int = 30_000  # a session older than this errors out and releases everything
+    rank_info_timeout_s: float = 10.0  # the first contact with a context instance
+    bounce: object | None = None  # BounceConfig; None = direct writes only (the default)
+
+    def __post_init__(self) -> None:
+        if self.kv_transfer_timeout_ms <= 0:
+            raise ValueError(f"kv_transfer_timeout_ms must be > 0, got {self.kv_transfer_timeout_ms}")
+        if self.rank_info_timeout_s <= 0:
+            raise ValueError(f"rank_info_timeout_s must be > 0, got {self.rank_info_timeout_s}")
+
+
+class KVTransceiver:
+    def __init__(self, agent: TransferAgent, config: TransceiverConfig | None = None, host: str = "127.0.0.1",
+                 agree: AgreeFn | None = None) -> None:
+        self.agent = agent
+        self.config = config or TransceiverConfig()
+        self._agree = agree or _no_agreement
+        self._events: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self._own: RankInfo | None = None
+        self._instance: tuple[RankInfo, ...] = ()
+        self._instance_reply: RankInfoReply | None = None
+        self._ctx_instances: dict[str, tuple[RankInfo, ...]] = {}  # ctx endpoint -> its ranks (cached)
+        self._registered_with: set[PeerKey] = set()
+        self._gen_peers: dict[PeerKey, RankInfo] = {}
+        self._loaded_agents: dict[PeerKey, str] = {}
+        self.send_sessions: dict[int, SendSession] = {}
+        self.recv_sessions: dict[int, RecvSession] = {}
+        self._early: dict[int, list[RequestData]] = {}
+        self._closed_sends: OrderedDict[int, None] = OrderedDict()
+        self._messenger = Messenger(self._on_message, host=host, name="kv")
+
+    # -- setup --------------------------------------------------------------------------------
+    @property
+    def endpoint(self) -> str:
+        return self._messenger.endpoint
+
+    def local_descriptor(self) -> bytes:
+        return self.agent.local_descriptor()
+
+    def start(self, own: RankInfo, instance_ranks: Sequence[RankInfo] | None = None) -> None:
+        """Publish this rank (and its instance, answered to RankInfo requests)."""
+        ranks = tuple(sorted(instance_ranks or (own,), key=lambda r: r.rank))
+        if own not in ranks or len({r.instance_name for r in ranks}) != 1:
+            raise ValueError("instance_ranks must hold this rank's RankInfo and only ranks of its instance")
+        if [r.rank for r in ranks] != list(range(len(ranks))):
+            raise ValueError(f"instance_ranks must be ranks 0..n-1, got {[r.rank for r in ranks]}")
+        self._own, self._instance = own, ranks
+        self._instance_reply = RankInfoReply([r.to_bytes() for r in ranks])
+
+    def close(self) -> None:
+        self._messenger.close()
+
+    # -- context side -------------------------------------------------------------------------
+    def respond_and_send_async(self, request_id: int, block_ids: Mapping[int, np.ndarray]) -> None:
+        """Offer this rank's KV of `request_id` (layer-group id -> src block ids, -1 = skip)."""
+        own = self._require_started()
+        if request_id in self.send_sessions:
+            raise KVTransferError(f"request {request_id} is already being sent by {own.key}")
+        self._closed_sends.pop(request_id, None)
+        ids = {int(g): np.asarray(b, dtype=np.int64) for g, b in block_ids.items()}
+        self.send_sessions[request_id] = SendSession(request_id, ids, self._deadline())
+        for request in self._early.pop(request_id, []):
+            self._serve(request)
+
+    def check_context_transfer_status(self, at_least: int = 0) -> TransferResults:
+        """Finished send sessions (their KV may be freed); waits until `at_least` finished, clamped to
+        the sessions in flight so an idle loop never sleeps out a timeout."""
+        return self._check(self.send_sessions, at_least, self._step_send)
+
+    # -- generation side ----------------------------------------------------------------------
+    def request_and_receive_async(self, request_id: int, ctx_endpoint: str,
+                                  block_ids: Mapping[int, np.ndarray], token_range: tuple[int, int] = (0, 0),
+                                  ctx_dp_rank: int = 0) -> None:
+        """Ask the context instance at `ctx_endpoint` (rank 0's control endpoint) to write
+        `request_id`'s KV into our blocks (layer-group id -> dst block ids, -1 = skip).
+        `ctx_dp_rank`: the context DP group that holds the request (0 without attention DP)."""
+        own = self._require_started()
+        if request_id in self.recv_sessions:
+            raise KVTransferError(f"request {request_id} is already being received by {own.key}")
+        ctx_ranks = tuple(r for r in self._ctx_ranks(ctx_endpoint) if r.dp_rank == ctx_dp_rank)
+        if not ctx_ranks:
+            raise KVTransferError(f"context instance at {ctx_endpoint} has no DP group {ctx_dp_rank}")
+        writers = set(writers_for(own, ctx_ranks))
+        by_rank = {r.rank: r for r in ctx_ranks}
+        session = RecvSession(
+            request_id,
+            writers={by_rank[w].key: by_rank[w].control_endpoint for w in writers},
+            all_ctx={r.key: r.control_endpoint for r in ctx_ranks},
+            deadline=self._deadline(),
+        )
+        ids = {int(g): np.asarray(b, dtype=np.int64) for g, b in block_ids.items()}
+        # Every rank of our DP group asks every ctx rank, so each ctx rank knows when it served all.
+        requesters = sum(1 for r in self._instance if r.dp_rank == own.dp_rank)
+        # Registered before publishing, so a fast writer's notification always finds its session.
+        self.recv_sessions[request_id] = session
+        try:
+            for ctx in ctx_ranks:
+                self._messenger.send(ctx.control_endpoint, RequestData(
+                    request_id, own.key, ids, tuple(token_range), requesters, None))
+        except Exception:
+            del self.recv_sessions[request_id]
+            raise
+
+    def check_gen_transfer_status(self, at_least: int = 0) -> TransferResults:
+        """Finished receive sessions (their KV is in place); `at_least` as for the context side."""
+        return self._check(self.recv_sessions, at_least, self._step_recv)
+
+    # -- both ---------------------------------------------------------------------------------
+    def has_inflight_transfer(self) -> bool:
+        return bool(self.send_sessions or self.recv_sessions)
+
+    def cancel_request(self, request_id: int) -> bool:
+        """False while a write of this request may still land (call again next step); True once its
+        blocks may be freed or reused. Unknown ids are True."""
+        self._drain()
+        send = self.send_sessions.get(request_id)
+        if send is not None:
+            self._poll_writes(send)
+            if send.writes:
+                return False
+            del self.send_sessions[request_id]
+            self._remember_closed(request_id)
+            return True
+        recv = self.recv_sessions.get(request_id)
+        if recv is None:
+            self._early.pop(request_id, None)
+            self._remember_closed(request_id)
+            return True
+        if len(recv.done) == len(recv.writers):
+            del self.recv_sessions[request_id]
+            return True
+        if not recv.cancel_sent:
+            recv.cancel_sent = True
+            for endpoint in recv.all_ctx.values():
+                self._messenger.send(endpoint, Cancel(request_id, self._own.key))
+        if recv.settled:
+            del self.recv_sessions[request_id]
+            return True
+        return False
+
+    # -- internals: listener thread -----------------------------------------------------------
+    def _on_message(self, message: Message) -> Message | None:
+        if isinstance(message, RankInfoRequest):
+            return self._instance_reply  # None before start(): the asker times out with a clear error
+        self._events.put(message)
+        return None
+
+    # -- internals: executor thread -----------------------------------------------------------
+    def _require_started(self) -> RankInfo:
+        if self._own is None:
+            raise KVTransferError("KVTransceiver.start(rank_info, instance_ranks) must be called first")
+        return self._own
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.config.kv_transfer_timeout_ms / 1000.0
+
+    def _ctx_ranks(self, endpoint: str) -> tuple[RankInfo, ...]:
+        cached = self._ctx_instances.get(endpoint)
+        if cached is None:
+            reply = self._messenger.request(endpoint, RankInfoRequest(self._own.key), self.config.rank_info_timeout_s)
+            if not isinstance(reply, RankInfoReply) or not reply.rank_infos:
+                raise KVTransferError(f"context endpoint {endpoint} answered {reply.TYPE.name}, not its RankInfos")
+            cached = tuple(RankInfo.from_bytes(b) for b in reply.rank_infos)
+            self._ctx_instances[endpoint] = cached
+        register = RegisterPeer(self._own.to_bytes())
+        for ctx in cached:
+            if ctx.key not in self._registered_with:
+                self._messenger.send(ctx.control_endpoint, register)
+                self._registered_with.add(ctx.key)
+        return cached
+
+    def _check(self, table: dict, at_least: int, step: Callable[[], TransferResults]) -> TransferResults:
+        want = min(max(at_least, 0), len(table))
+        results = step()
+        while len(results) < want:
+            time.sleep(_POLL_SLEEP_S)
+            more = step()
+            results.completed += more.completed
+            results.failed.update(more.failed)
+        return results
+
+    def _drain(self) -> None:
+        """Apply queued control messages and agent notifications to the session tables."""
+        while True:
+            try:
+                message = self._events.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                self._apply(message)
+            except Exception:
+                logger.exception("%s: failed to apply %s", self._own and self._own.key, message.TYPE.name)
+        for sender, payload in self.agent.get_notifications():
+            try:
+                done = decode(payload)
+            except ProtocolError as exc:
+                logger.warning("dropped a malformed transfer notification from %s: %s", sender, exc)
+                continue
+            session = self.recv_sessions.get(getattr(done, "request_id", None))
+            if isinstance(done, TransferDone) and session is not None:
+                session.done.add(done.sender)
+
+    def _apply(self, message: Message) -> None:
+        if isinstance(message, RegisterPeer):
+            info = RankInfo.from_bytes(message.rank_info)
+            self._gen_peers[info.key] = info
+        elif isinstance(message, RequestData):
+            if message.request_id in self.send_sessions:
+                self._serve(message)
+            elif message.request_id in self._closed_sends:
+                self._refuse(message.sender, message.request_id, "the context side cancelled this request")
+            else:
+                self._early.setdefault(message.request_id, []).append(message)
+        elif isinstance(message, Cancel):
+            self._on_cancel(message)
+        elif isinstance(message, TransferError):
+            session = self.recv_sessions.get(message.request_id)
+            if session is not None:
+                session.errors[message.sender] = message.reason
+        else:
+            logger.warning("%s: unexpected control message %s", self._own.key, message.TYPE.name)
+
+    def _on_cancel(self, message: Cancel) -> None:
+        early = self._early.get(message.request_id, [])
+        self._early[message.request_id] = [r for r in early if r.sender != message.sender]
+        if not self._early[message.request_id]:
+            del self._early[message.request_id]
+        session = self.send_sessions.get(message.request_id)
+        if session is not None and message.sender not in session.writes:
+            # Nothing in flight to this requester: it will get no write, tell it so.
+            if message.sender not in session.served:
+                session.served.add(message.sender)
+                session.error = session.error or f"generation rank {message.sender} cancelled"
+        gen = self._gen_peers.get(message.sender)
+        if gen is not None and (session is None or message.sender not in session.writes):
+            self._messenger.send(gen.control_endpoint, TransferError(message.request_id, self._own.key, "cancelled"))
+
+    def _refuse(self, requester: PeerKey, request_id: int, reason: str) -> None:
+        gen = self._gen_peers.get(requester)
+        if gen is None:
+            logger.warning("%s: cannot refuse request %d of unregistered %s", self._own.key, request_id, requester)
+            return
+        self._messenger.send(gen.control_endpoint, TransferError(request_id, self._own.key, reason))
+
+    def _serve(self, request: RequestData) -> None:
+        """Plan and submit this rank's write for one requester (context side)."""
+        session = self.send_sessions[request.request_id]
+        session.num_requesters = request.num_requesters
+        if request.sender in session.served:
+            return
+        gen = self._gen_peers.get(request.sender)
+        session.served.add(request.sender)
+        if gen is None:
+            session.error = f"REQUEST_DATA from {request.sender} before its REGISTER_PEER"
+            logger.warning("%s: %s", self._own.key, session.error)
+            return
+        my_group = tuple(r for r in self._instance if r.dp_rank == self._own.dp_rank)
+        if self._own.rank not in writers_for(gen, my_group):
+            return
+        try:
+            plan = plan_write(self._own, gen, session.block_ids, request.block_ids)
+            remote = self._loaded_agents.get(gen.key)
+            if remote is None:
+                remote = self._loaded_agents[gen.key] = self.agent.load_remote(gen.agent_descriptor)
+            if plan is None:
+                src = dst = sizes = np.zeros(0, np.uint64)
+            else:
+                src, dst, sizes = plan.src_ptrs, plan.dst_ptrs, plan.sizes
+            note = TransferDone(request.request_id, self._own.key, int(np.sum(sizes, dtype=np.uint64)))
+            session.writes[gen.key] = self.agent.submit_write(remote, src, dst, sizes, note.to_bytes())
+        except KVTransferError as exc:
+            session.error = f"request {request.request_id} to {gen.key}: {exc}"
+            logger.error("%s: %s", self._own.key, session.error)
+            self._refuse(gen.key, request.request_id, str(exc))
+
+    def _poll_writes(self, session: SendSession) -> None:
+        for key, handle in list(session.writes.items()):
+            state = self.agent.poll(handle)
+            if state is TransferState.IN_PROGRESS:
+                continue
+            self.agent.release(handle)
+            del session.writes[key]
+            if state is TransferState.FAILED:
+                session.error = f"write of request {session.request_id} to {key} failed"
+                self._refuse(key, session.request_id, "the context side's write failed")
+
+    def _step_send(self) -> TransferResults:
+        self._drain()
+        ids = sorted(self.send_sessions)
+        for rid in ids:
+            self._poll_writes(self.send_sessions[rid])
+        local = np.array([self.send_sessions[r].local_status() for r in ids], dtype=np.int64)
+        results = self._finish(self.send_sessions, ids, local, lambda s: s.error)
+        for rid in results.failed:
+            self._remember_closed(rid)  # late REQUEST_DATA for it is refused, not parked forever
+        return results
+
+    def _step_recv(self) -> TransferResults:
+        self._drain()
+        sessions = dict(self.recv_sessions)
+        ids = sorted(sessions)
+        local = np.array([sessions[r].local_status() for r in ids], dtype=np.int64)
+        results = self._finish(self.recv_sessions, ids, local, lambda s: s.error_text())
+        for rid in results.failed:
+            if not sessions[rid].cancel_sent:
+                # Abandoned: the context ranks drop work they have not started for it.
+                for endpoint in sessions[rid].all_ctx.values():
+                    self._messenger.send(endpoint, Cancel(rid, self._own.key))
+        return results
+
+    def _finish(self, table: dict, ids: list[int], local: np.ndarray, reason) -> TransferResults:
+        results = TransferResults()
+        if not ids:
+            return results
+        agreed = self._agree(ids, local)
+        for rid, state in zip(ids, agreed.tolist()):
+            if state == TransferStatus.DONE:
+                del table[rid]
+                results.completed.append(rid)
+            elif state == TransferStatus.FAILED:
+                session = table.pop(rid)
+                results.failed[rid] = reason(session) or "failed on another rank of this instance"
+        return results
+
+    def _remember_closed(self, request_id: int) -> None:
+        self._closed_sends[request_id] = None
+        while len(self._closed_sends) > _REMEMBER_CLOSED:
+            self._closed_sends.popitem(last=False)
