@@ -125,11 +125,14 @@ def gen_block_ids(topo: Topology, num_tokens: int) -> np.ndarray:
     return np.arange(topo.num_blocks - 1, topo.num_blocks - 1 - n, -1, dtype=np.int64)  # reversed
 
 
-def pump_until(ranks: list[Rank], side: str, count: int, timeout_s: float) -> dict:
-    """Poll every rank until each reported `count` finished sessions; returns per-rank results."""
+def pump_until(ranks: list[Rank], side: str, count: int, timeout_s: float, also: list[Rank] = ()) -> dict:
+    """Poll every rank until each reported `count` finished sessions; returns per-rank results.
+    `also`: ranks of the other side living in this process, polled too so they make progress."""
     done = {r.info.rank: ([], {}) for r in ranks}
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        for r in also:
+            r.tx.check_context_transfer_status() if side == "gen" else r.tx.check_gen_transfer_status()
         for r in ranks:
             check = r.tx.check_context_transfer_status if side == "ctx" else r.tx.check_gen_transfer_status
             res = check()
