@@ -133,13 +133,20 @@ class RegionMapper(ABC):
 
 
 def merge_contiguous(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge neighbouring fragments that are contiguous on BOTH sides into one fragment.
+    """Merge fragments that are contiguous on BOTH sides into one fragment, in source order.
 
     src: [a][b]     a and b merge iff src_b == src_a + size_a and dst_b == dst_a + size_a
     dst: [a][b]
+
+    Within one plan no two fragments read the same source byte, so after sorting by source
+    address every mergeable pair is adjacent: one fragment per run contiguous on both sides
+    (a block-major pool merges across layers and consecutive blocks, a layer-major pool
+    across consecutive blocks of a layer).
     """
     if src.size <= 1:
         return src, dst, sizes
+    order = np.argsort(src, kind="stable")
+    src, dst, sizes = src[order], dst[order], sizes[order]
     follows = (src[1:] == src[:-1] + sizes[:-1]) & (dst[1:] == dst[:-1] + sizes[:-1])
     starts = np.flatnonzero(np.concatenate(([True], ~follows)))
     return src[starts], dst[starts], np.add.reduceat(sizes, starts)
