@@ -1,0 +1,163 @@
+"""The FastAPI app: routes, API-key check, error handlers, and `run_server`.
+
+Routes only parse, delegate to `OpenAIServing`, and wrap the answer; every failure leaves as an
+OpenAI-style body `{"error": {"message", "type", "param", "code"}}` (see errors.py for the codes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from typing import Any, Awaitable
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdserve.config import WorkerConfig
+from pdserve.server.errors import APIError
+from pdserve.server.metrics import ServerMetrics
+from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from pdserve.server.serving import OpenAIServing
+
+log = logging.getLogger(__name__)
+
+# Status for a client that went away before its non-streaming answer was ready (nginx's convention;
+# nobody receives it, it only shows in the access log).
+CLIENT_CLOSED = 499
+
+
+def build_app(engine, cfg: WorkerConfig) -> FastAPI:
+    """An app over a running `AsyncEngine`. The app never shuts the engine down; its owner does."""
+    app = FastAPI(title="pdserve", summary="OpenAI-compatible LLM server")
+    metrics = ServerMetrics(engine)
+    serving = OpenAIServing(engine, metrics)
+    app.state.metrics = metrics
+    _chain_step_hook(engine, metrics.on_step)
+
+    async def check_api_key(request: Request) -> None:
+        if not cfg.api_key:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), cfg.api_key.encode()):
+            raise APIError(401, "missing or incorrect API key: send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @app.exception_handler(APIError)
+    async def on_api_error(_: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, e: RequestValidationError):
+        return JSONResponse(validation_error(e.errors()).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, e: StarletteHTTPException):
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(_: Request, e: Exception):
+        log.exception("unhandled error in a request")
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}").body(), status_code=500)
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _answer(request, serving.completions(body))
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await _answer(request, serving.chat(body))
+
+    @v1.get("/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=engine.model_name, max_model_len=engine.max_model_len)])
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health():
+        if engine.error:
+            return JSONResponse(APIError(503, f"engine is not running: {engine.error}").body(), status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        data, content_type = metrics.render()
+        return Response(data, media_type=content_type)
+
+    return app
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """Pydantic's error list -> one 400 naming the first bad field and what was expected."""
+    err = errors[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    if err.get("type") == "json_invalid":
+        detail = err.get("ctx", {}).get("error", "")
+        return APIError(400, f"the request body is not valid JSON: {detail}".rstrip(": "), code="invalid_json")
+    field = ".".join(loc)
+    if err.get("type") == "missing":
+        return APIError(400, f"missing required field '{field}'", field or None, "missing_field")
+    if not field:
+        return APIError(400, f"the request body must be a JSON object: {err.get('msg')}", code="invalid_body")
+    got = err.get("input")
+    shown = repr(got) if not isinstance(got, (dict, list)) or len(repr(got)) < 80 else type(got).__name__
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return APIError(400, f"invalid value for '{field}': {err.get('msg')}, got {shown}{more}", field, "invalid_type")
+
+
+async def _answer(request: Request, work: Awaitable):
+    """Await the serving call; a stream becomes SSE. A non-streaming call is cancelled (aborting the
+    engine request) if the client disconnects first: Starlette does that for streams, not for these."""
+    task = asyncio.ensure_future(work)
+    disconnect = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect.cancel()
+    if not task.done():
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):
+            pass
+        return Response(status_code=CLIENT_CLOSED)
+    result = task.result()
+    if hasattr(result, "__aiter__"):
+        return StreamingResponse(result, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return result
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _chain_step_hook(engine, hook) -> None:
+    """Install `hook` as the engine's on_step, keeping any hook already there (e.g. a second app)."""
+    previous = engine.on_step
+
+    def both(outputs):
+        if previous is not None:
+            previous(outputs)
+        hook(outputs)
+
+    engine.on_step = both if previous is not None else hook
+
+
+def run_server(engine, cfg: WorkerConfig, *, graceful_shutdown_s: float = 10.0) -> None:
+    """Serve until SIGINT/SIGTERM; then stop accepting, give in-flight requests `graceful_shutdown_s`
+    to finish, and return. The caller owns the engine and shuts it down afterwards."""
+    app = build_app(engine, cfg)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="info",
+                            timeout_graceful_shutdown=graceful_shutdown_s)
+    log.info("serving %s on http://%s:%d", engine.model_name, cfg.host, cfg.port)
+    uvicorn.Server(config).run()

@@ -1,0 +1,338 @@
+"""Serving logic for /v1/completions and /v1/chat/completions, independent of the web framework.
+
+Each request becomes: check the model and unsupported fields -> prompt token ids -> SamplingParams
+-> `engine.generate`, whose first output is awaited before answering, so every refusal (context
+length, bad token ids) is a 400 rather than a broken stream. The answer is either a response model
+or, for `stream: true`, an async iterator of SSE lines ending with `data: [DONE]`.
+
+Closing that iterator (the client went away) closes the engine's generator, which aborts the
+request and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import aclosing
+from typing import AsyncIterator
+
+from pdserve.engine.llm_engine import RequestError
+from pdserve.engine.output import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.server.errors import APIError, bad_request
+from pdserve.server.metrics import ServerMetrics
+from pdserve.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    PromptTokensDetails,
+    SamplingFields,
+    TopLogprob,
+    Usage,
+    random_id,
+)
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(payload) -> str:
+    body = payload if isinstance(payload, str) else payload.model_dump_json()
+    return f"data: {body}\n\n"
+
+
+def usage_of(out: RequestOutput) -> Usage:
+    return Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
+                 total_tokens=out.num_prompt_tokens + out.num_output_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
+
+
+async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    yield first
+    async for out in rest:
+        yield out
+
+
+class OpenAIServing:
+    def __init__(self, engine, metrics: ServerMetrics):
+        self.engine = engine
+        self.metrics = metrics
+        self.tokenizer = engine.tokenizer
+        self._token_strs: dict[int, str] = {}
+
+    # -- /v1/completions --------------------------------------------------------------------------
+
+    async def completions(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+        self._check_common(req)
+        if req.echo:
+            raise bad_request("echo=true is not supported; send echo=false and prepend the prompt yourself", "echo")
+        if req.suffix:
+            raise bad_request("suffix is not supported (this server does not do fill-in-the-middle)", "suffix")
+        if req.best_of not in (None, 1):
+            raise bad_request(f"best_of must be 1, got {req.best_of}", "best_of")
+        ids = self._completion_prompt(req.prompt)
+        params = self._sampling_params(req, ids, req.max_tokens, "prompt", logprobs=req.logprobs)
+        rid = random_id("cmpl")
+        created = int(time.time())
+        outputs, first = await self._start(rid, ids, params)
+        if req.stream:
+            return self._stream_completion(req, rid, created, outputs, first)
+        async with aclosing(outputs):
+            text, logprobs, last = "", None, first
+            async for out in _chain(first, outputs):
+                logprobs = self._completion_logprobs(out, len(text), logprobs)
+                text, last = text + out.new_text, out
+        self._raise_if_failed(last)
+        choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=last.finish_reason,
+                                  stop_reason=last.stop_reason)
+        return CompletionResponse(id=rid, created=created, model=self.engine.model_name, choices=[choice],
+                                  usage=usage_of(last))
+
+    async def _stream_completion(self, req, rid, created, outputs, first) -> AsyncIterator[str]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        offset = 0
+        async with aclosing(outputs):
+            out = first
+            while True:
+                if out.finish_reason == "error":
+                    yield sse(self._error_body(out))
+                    break
+                choice = CompletionChoice(text=out.new_text, logprobs=self._completion_logprobs(out, offset),
+                                          finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+                offset += len(out.new_text)
+                yield sse(CompletionChunk(id=rid, created=created, model=self.engine.model_name, choices=[choice]))
+                if out.finished:
+                    if include_usage:
+                        yield sse(CompletionChunk(id=rid, created=created, model=self.engine.model_name,
+                                                  choices=[], usage=usage_of(out)))
+                    break
+                out = await anext(outputs)
+        yield SSE_DONE
+
+    # -- /v1/chat/completions ---------------------------------------------------------------------
+
+    async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
+        self._check_common(req)
+        if req.tools:
+            raise bad_request("tools are not supported by this server", "tools")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        ids = self._chat_prompt(req)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self._sampling_params(req, ids, max_tokens, "messages", logprobs=logprobs)
+        rid = random_id("chatcmpl")
+        created = int(time.time())
+        outputs, first = await self._start(rid, ids, params)
+        if req.stream:
+            return self._stream_chat(req, rid, created, outputs, first)
+        async with aclosing(outputs):
+            text, last = "", first
+            lps = ChatLogprobs(content=[]) if req.logprobs else None
+            async for out in _chain(first, outputs):
+                text, last = text + out.new_text, out
+                if lps is not None and out.new_logprobs:
+                    lps.content += self._chat_logprobs(out).content
+        self._raise_if_failed(last)
+        choice = ChatChoice(message=AssistantMessage(content=text), logprobs=lps, finish_reason=last.finish_reason,
+                            stop_reason=last.stop_reason)
+        return ChatCompletionResponse(id=rid, created=created, model=self.engine.model_name, choices=[choice],
+                                      usage=usage_of(last))
+
+    async def _stream_chat(self, req, rid, created, outputs, first) -> AsyncIterator[str]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(choices, usage=None) -> str:
+            return sse(ChatCompletionChunk(id=rid, created=created, model=self.engine.model_name, choices=choices,
+                                           usage=usage))
+
+        async with aclosing(outputs):
+            yield chunk([ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
+            out = first
+            while True:
+                if out.finish_reason == "error":
+                    yield sse(self._error_body(out))
+                    break
+                if out.new_text or out.new_logprobs or out.finished:
+                    yield chunk([ChatChunkChoice(delta=DeltaMessage(content=out.new_text or None),
+                                                 logprobs=self._chat_logprobs(out),
+                                                 finish_reason=out.finish_reason, stop_reason=out.stop_reason)])
+                if out.finished:
+                    if include_usage:
+                        yield chunk([], usage_of(out))
+                    break
+                out = await anext(outputs)
+        yield SSE_DONE
+
+    # -- shared steps -----------------------------------------------------------------------------
+
+    def _check_common(self, req: SamplingFields) -> None:
+        if req.model != self.engine.model_name:
+            raise APIError(404, f"The model '{req.model}' does not exist; this server serves "
+                                f"'{self.engine.model_name}' (see GET /v1/models)", "model", "model_not_found")
+        if req.n != 1:
+            raise bad_request(f"n must be 1 (one choice per request), got {req.n}", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name) not in (None, 0.0):
+                raise bad_request(f"{name} is not supported; use repetition_penalty (extension) instead", name)
+        if req.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+
+    def _completion_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self._encode(prompt)
+        if not prompt:
+            raise bad_request("prompt is empty", "prompt")
+        if isinstance(prompt[0], int):
+            return list(prompt)
+        if len(prompt) != 1:
+            raise bad_request(f"prompt holds {len(prompt)} prompts; this server takes one prompt per request",
+                              "prompt")
+        return self._encode(prompt[0]) if isinstance(prompt[0], str) else list(prompt[0])
+
+    def _encode(self, text: str) -> list[int]:
+        if not text:
+            raise bad_request("prompt is empty", "prompt")
+        return list(self.tokenizer.encode(text))
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages = []
+        for i, m in enumerate(req.messages):
+            content = m.content or ""
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise bad_request(f"messages[{i}].content: only text parts ({{\"type\": \"text\", "
+                                          f"\"text\": ...}}) are supported, got {part.get('type')!r}", "messages")
+                    parts.append(part["text"])
+                content = "\n".join(parts)
+            messages.append({"role": m.role, "content": content})
+        try:
+            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+        except ValueError as e:  # no template, or the template refused these messages
+            raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+        except Exception as e:  # jinja2 raises its own TemplateError (e.g. raise_exception in the template)
+            raise bad_request(f"the chat template refused these messages: {e}", "messages") from None
+        return self._encode(rendered) if isinstance(rendered, str) else list(rendered)
+
+    def _sampling_params(self, req: SamplingFields, ids: list[int], max_tokens: int | None, prompt_param: str,
+                         logprobs: int | None) -> SamplingParams:
+        n, limit = len(ids), self.engine.max_model_len
+        if n >= limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                              f"{n} tokens, which leaves no room for a completion. Please shorten the prompt.",
+                              prompt_param, "context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = limit - n
+        elif max_tokens >= 1 and n + max_tokens > limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
+                              f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "
+                              "Please reduce the prompt or max_tokens.", "max_tokens", "context_length_exceeded")
+        stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+        fields = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                      repetition_penalty=req.repetition_penalty)
+        try:
+            return SamplingParams(max_tokens=max_tokens, seed=req.seed, stop=tuple(stop),
+                                  stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                                  include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
+                                  **{k: v for k, v in fields.items() if v is not None})
+        except ValueError as e:
+            field = str(e).split(" ", 1)[0]
+            raise bad_request(str(e), field if field in SamplingParams.__dataclass_fields__ else None) from None
+
+    async def _start(self, rid: str, ids: list[int], params: SamplingParams):
+        """Submit to the engine and wait for the first output, turning a refusal into an APIError."""
+        outputs = self._outputs(rid, ids, params)
+        try:
+            first = await anext(outputs)
+        except RequestError as e:
+            raise bad_request(str(e)) from None
+        except RuntimeError as e:
+            if self.engine.error:
+                raise APIError(503, str(e)) from None
+            raise
+        return outputs, first
+
+    async def _outputs(self, rid: str, ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        # A normal finish is recorded by the engine's step hook; only requests that end outside a
+        # step (client gone -> abort; dead step loop -> error) are recorded here.
+        self.metrics.request_started(rid)
+        how = "abort"
+        try:
+            async with aclosing(self.engine.generate(ids, params, request_id=rid)) as gen:
+                async for out in gen:
+                    if out.finished:
+                        how = "error" if out.finish_reason == "error" else "finished"
+                    yield out
+        except (RequestError, RuntimeError):
+            how = "refused"
+            raise
+        finally:
+            self.metrics.request_ended(rid, how)
+
+    def _raise_if_failed(self, last: RequestOutput) -> None:
+        if last.finish_reason == "error":
+            raise APIError(503 if self.engine.error else 500, f"generation failed: {last.error}")
+
+    def _error_body(self, out: RequestOutput) -> str:
+        status = 503 if self.engine.error else 500
+        return json.dumps(APIError(status, f"generation failed: {out.error}").body())
+
+    # -- logprobs ---------------------------------------------------------------------------------
+
+    def _token_str(self, token_id: int) -> str:
+        """A token's text for logprobs. A token that is only part of a multi-byte character decodes to
+        U+FFFD; it is shown as "token_id:<id>" (vLLM's convention) so that distinct tokens never
+        share a key in the legacy top_logprobs dict."""
+        s = self._token_strs.get(token_id)
+        if s is None:
+            s = self.tokenizer.decode([token_id])
+            if "\ufffd" in s:
+                s = f"token_id:{token_id}"
+            self._token_strs[token_id] = s
+        return s
+
+    def _token_bytes(self, token_id: int) -> list[int] | None:
+        s = self._token_str(token_id)
+        return None if s.startswith("token_id:") else list(s.encode())
+
+    def _completion_logprobs(self, out: RequestOutput, offset: int,
+                             into: CompletionLogprobs | None = None) -> CompletionLogprobs | None:
+        if not out.new_logprobs:
+            return into
+        lp = into if into is not None else CompletionLogprobs()
+        for entry in out.new_logprobs:
+            tok = self._token_str(entry["token_id"])
+            lp.tokens.append(tok)
+            lp.token_logprobs.append(entry["logprob"])
+            # Legacy format: the top alternatives plus the sampled token, keyed by token text.
+            top = {self._token_str(t): p for t, p in entry["top"]}
+            top.setdefault(tok, entry["logprob"])
+            lp.top_logprobs.append(top)
+            lp.text_offset.append(offset)
+            offset += len(tok)
+        return lp
+
+    def _chat_logprobs(self, out: RequestOutput) -> ChatLogprobs | None:
+        if not out.new_logprobs:
+            return None
+        content = []
+        for entry in out.new_logprobs:
+            tok = self._token_str(entry["token_id"])
+            top = [TopLogprob(token=self._token_str(t), logprob=p, bytes=self._token_bytes(t)) for t, p in entry["top"]]
+            content.append(ChatTokenLogprob(token=tok, logprob=entry["logprob"], bytes=self._token_bytes(entry["token_id"]),
+                                            top_logprobs=top))
+        return ChatLogprobs(content=content)

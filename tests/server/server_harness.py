@@ -1,0 +1,76 @@
+"""Helpers for the server tests: a real uvicorn server in a thread, the tiny engine, /metrics scraping."""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+
+from pdserve.config import EngineConfig
+from pdserve.engine.async_engine import AsyncEngine
+
+MAX_MODEL_LEN = 128
+NUM_KV_BLOCKS = 48
+TOKENS_PER_BLOCK = 8
+
+
+class ServerThread:
+    """uvicorn.Server on a socket we bound to port 0, so parallel test runs never collide."""
+
+    def __init__(self, app):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
+                                       name=f"uvicorn-{self.port}")
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start within 20 s")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+        assert not self.thread.is_alive(), "uvicorn did not stop within 10 s"
+
+
+def tiny_engine(model_dir) -> AsyncEngine:
+    return AsyncEngine.from_config(EngineConfig(
+        model=str(model_dir), served_model_name="tiny", device="cpu", max_model_len=MAX_MODEL_LEN,
+        num_kv_blocks=NUM_KV_BLOCKS, tokens_per_block=TOKENS_PER_BLOCK, max_num_tokens=256))
+
+
+def scrape(http_client: httpx.Client) -> dict[str, float]:
+    """Unlabelled samples of /metrics as {name: value}; labelled ones keyed as name{labels}."""
+    text = http_client.get("/metrics").text
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) ([-+\deE.naNinf]+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def wait_kv_baseline(http_client: httpx.Client, timeout: float = 10.0) -> dict[str, float]:
+    """Poll /metrics until every KV block is free and nothing runs or waits; return the last scrape."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = scrape(http_client)
+        idle = (m["pdserve_kv_cache_blocks_free"] == m["pdserve_kv_cache_blocks_total"] == NUM_KV_BLOCKS
+                and m["pdserve_num_requests_running"] == 0 and m["pdserve_num_requests_waiting"] == 0)
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)

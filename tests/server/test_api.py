@@ -1,0 +1,181 @@
+"""The OpenAI API through the official client against a real server: streaming == non-streaming,
+usage, logprobs, stops, seeds, extensions, /v1/models, /health, /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+
+import pytest
+
+from pdserve.engine.sampling_params import SamplingParams
+
+from server_harness import MAX_MODEL_LEN, TOKENS_PER_BLOCK, scrape, wait_kv_baseline
+
+PROMPTS = ["The capital of France is", "def forward(self, hidden_states):", "Numbers: 1 2 3",
+           "Unicode: café naïve 日本語"]
+GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
+
+
+def engine_run(engine, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], str]:
+    """Ground truth straight from the engine, bypassing HTTP."""
+    async def go():
+        ids, text = [], ""
+        async for out in engine.generate(prompt_ids, params):
+            ids += out.new_token_ids
+            text += out.new_text
+        return ids, text
+    return asyncio.run(go())
+
+
+def stream_text(stream) -> tuple[str, list]:
+    chunks = list(stream)
+    return "".join(c.choices[0].text for c in chunks if c.choices), chunks
+
+
+def test_models_and_health(client, http):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"]
+    assert models[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+    assert http.get("/health").json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_completion_stream_equals_nonstream_equals_engine(client, engine, prompt):
+    full = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, **GREEDY)
+    streamed, chunks = stream_text(client.completions.create(model="tiny", prompt=prompt, max_tokens=12,
+                                                             stream=True, **GREEDY))
+    ids = engine.tokenizer.encode(prompt)
+    _, truth = engine_run(engine, ids, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert full.choices[0].text == streamed == truth
+    assert full.choices[0].finish_reason == "length" == chunks[-1].choices[0].finish_reason
+    assert full.usage.prompt_tokens == len(ids)
+    assert full.usage.completion_tokens == 12
+    assert full.usage.total_tokens == len(ids) + 12
+
+
+def test_completion_accepts_token_ids(client, engine):
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=6, **GREEDY)
+    by_text = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, **GREEDY)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+
+
+def test_chat_stream_equals_nonstream_with_usage(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox"}]
+    full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, **GREEDY)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert full.choices[0].message.content == text
+    assert full.choices[0].message.role == "assistant"
+    assert full.choices[0].finish_reason == "length"
+    usage_chunks = [c for c in chunks if c.usage is not None]
+    assert len(usage_chunks) == 1 and usage_chunks[0] is chunks[-1] and chunks[-1].choices == []
+    assert usage_chunks[0].usage.completion_tokens == full.usage.completion_tokens == 10
+    assert usage_chunks[0].usage.prompt_tokens == full.usage.prompt_tokens > 10
+
+
+def test_chat_max_completion_tokens_and_content_parts(client):
+    parts = [{"type": "text", "text": "Tensor parallelism"}, {"type": "text", "text": "splits weights"}]
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}],
+                                       max_completion_tokens=3, **GREEDY)
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+
+
+def test_prefix_cache_hit_is_reported(client, http):
+    wait_kv_baseline(http)
+    prompt = "The quick brown fox jumps over the lazy dog. " * 3  # several full blocks
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, **GREEDY)
+    second = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, **GREEDY)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % TOKENS_PER_BLOCK == 0 and cached < second.usage.prompt_tokens
+    assert first.choices[0].text == second.choices[0].text
+
+
+def test_completion_logprobs(client):
+    kw = dict(model="tiny", prompt=PROMPTS[1], max_tokens=8, logprobs=3, **GREEDY)
+    full = client.completions.create(**kw)
+    lp = full.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    for tok, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0.0
+        assert 3 <= len(top) <= 4 and top[tok] == logprob
+        assert logprob == pytest.approx(max(top.values()))  # greedy picks the most likely token
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    chunks = list(client.completions.create(stream=True, **kw))
+    streamed = [lp for c in chunks for lp in (c.choices[0].logprobs.token_logprobs if c.choices[0].logprobs else [])]
+    assert streamed == pytest.approx(lp.token_logprobs, rel=1e-4)  # prefix-cache hit: ulp-level drift
+
+
+def test_chat_logprobs(client):
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, logprobs=True,
+              top_logprobs=2, **GREEDY)
+    full = client.chat.completions.create(**kw)
+    content = full.choices[0].logprobs.content
+    assert len(content) == 5
+    for entry in content:
+        assert entry.logprob <= 0.0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert entry.bytes is None if entry.token.startswith("token_id:") else entry.bytes == list(entry.token.encode())
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    streamed = [e.logprob for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == pytest.approx([e.logprob for e in content], rel=1e-4)
+    no_lp = client.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": None})
+    assert no_lp.choices[0].logprobs is None
+
+
+def test_stop_string_stream_and_not(client):
+    base = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16, **GREEDY).choices[0].text
+    stop = base[5:8]
+    assert stop.strip(), f"pick a visible stop string from {base!r}"
+    expected = base[:base.index(stop)]
+    full = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16, stop=[stop], **GREEDY)
+    assert full.choices[0].text == expected
+    assert full.choices[0].finish_reason == "stop" and full.choices[0].model_extra["stop_reason"] == stop
+    streamed, _ = stream_text(client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16,
+                                                        stop=stop, stream=True, **GREEDY))
+    assert streamed == expected
+
+
+def test_stop_token_ids_extension(client, engine):
+    ids = engine.tokenizer.encode(PROMPTS[2])
+    tokens, _ = engine_run(engine, ids, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    at = tokens.index(tokens[4])  # first occurrence of the 5th token
+    r = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=10,
+                                  temperature=0.0, extra_body={"ignore_eos": True, "stop_token_ids": [tokens[at]]})
+    assert r.usage.completion_tokens == at + 1
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == tokens[at]
+
+
+def test_seed_reproducible_and_sampling_extensions(client):
+    kw = dict(model="tiny", prompt=PROMPTS[3], max_tokens=12, temperature=1.0, seed=1234,
+              extra_body={"ignore_eos": True, "top_k": 20, "min_p": 0.01, "repetition_penalty": 1.1})
+    a = client.completions.create(**kw).choices[0].text
+    b = client.completions.create(**kw).choices[0].text
+    assert a == b
+
+
+def test_concurrent_streams_match_sequential(client):
+    kw = dict(model="tiny", max_tokens=16, **GREEDY)
+    sequential = [client.completions.create(prompt=p, **kw).choices[0].text for p in PROMPTS]
+    with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        parallel = list(pool.map(lambda p: stream_text(client.completions.create(prompt=p, stream=True, **kw))[0],
+                                 PROMPTS))
+    assert parallel == sequential
+
+
+def test_metrics_count_requests(client, http):
+    before = scrape(http)
+    client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5, **GREEDY)
+    after = wait_kv_baseline(http)
+    assert after["pdserve_kv_cache_blocks_used"] == 0
+    for name in ("pdserve_time_to_first_token_seconds_count", "pdserve_e2e_request_latency_seconds_count",
+                 "pdserve_time_per_output_token_seconds_count"):
+        assert after[name] == before.get(name, 0) + 1, name
+    assert after["pdserve_inter_token_latency_seconds_count"] == before.get("pdserve_inter_token_latency_seconds_count", 0) + 4
+    assert after["pdserve_generation_tokens_total"] == before.get("pdserve_generation_tokens_total", 0) + 5
+    assert after["pdserve_prompt_tokens_total"] > before.get("pdserve_prompt_tokens_total", 0)
+    key = 'pdserve_request_success_total{finished_reason="length"}'
+    assert after[key] == before.get(key, 0) + 1
