@@ -5,6 +5,7 @@
     read_config(dir), open_tensors(dir)[name].narrow(dim, start, n)   lazy, shard-aware reads
 """
 
+from pdserve.weights.gguf_convert import convert_gguf
 from pdserve.weights.hf_dir import (
     LazyTensor,
     ShardedWriter,
@@ -13,12 +14,25 @@ from pdserve.weights.hf_dir import (
     open_tensors,
     read_config,
 )
+from pdserve.weights.resolve import (
+    DEFAULT_MODEL_INSTALL,
+    ModelNotFoundError,
+    default_cache_dir,
+    default_model_gguf,
+    resolve_model,
+)
 
 __all__ = [
+    "DEFAULT_MODEL_INSTALL",
     "LazyTensor",
+    "ModelNotFoundError",
     "ShardedWriter",
     "TensorStore",
     "check_hf_dir",
+    "convert_gguf",
+    "default_cache_dir",
+    "default_model_gguf",
     "open_tensors",
     "read_config",
+    "resolve_model",
 ]
