@@ -103,17 +103,19 @@ def _topology_pairs(draw):
     layers = draw(st.sampled_from([2, 4]))
     layout = draw(st.sampled_from([HND, NHD]))
     pool_kind = draw(st.sampled_from(["block_major", "layer_major"]))
+    replicated = draw(st.sampled_from([0, 4]))
+    exact_tpb = layout == NHD or replicated > 0  # NHD and REPLICATED need equal tokens_per_block
 
     def topo():
         tp = draw(st.sampled_from([1, 2, 4]))
         pp = draw(st.sampled_from([p for p in (1, 2) if p <= layers]))
-        tpb = 16 if layout == NHD else draw(st.sampled_from([16, 32]))
+        tpb = 16 if exact_tpb else draw(st.sampled_from([16, 32]))
         return Topology(tp=tp, pp=pp, cp=draw(st.sampled_from([1, 2])), layout=layout, tokens_per_block=tpb,
                         pool_kind=pool_kind, num_blocks=6)
 
     model = ModelShape(num_layers=layers, total_kv_heads=heads, head_dim=draw(st.sampled_from([1, 3])),
                        element_bytes=2, num_layer_groups=draw(st.sampled_from([1, 2])),
-                       replicated_bytes_per_token=draw(st.sampled_from([0, 4])))
+                       replicated_bytes_per_token=replicated)
     return topo(), topo(), model, draw(st.integers(1, 90)), draw(st.integers(0, 1000))
 
 
