@@ -98,8 +98,9 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     err = errors[0]
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     if err.get("type") == "json_invalid":
-        detail = err.get("ctx", {}).get("error", "")
-        return APIError(400, f"the request body is not valid JSON: {detail}".rstrip(": "), code="invalid_json")
+        detail = err.get("ctx", {}).get("error", "a JSON decode error")
+        where = f" at character {loc[0]}" if loc else ""
+        return APIError(400, f"the request body is not valid JSON: {detail}{where}", code="invalid_json")
     field = ".".join(loc)
     if err.get("type") == "missing":
         return APIError(400, f"missing required field '{field}'", field or None, "missing_field")
@@ -108,7 +109,7 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     got = err.get("input")
     shown = repr(got) if not isinstance(got, (dict, list)) or len(repr(got)) < 80 else type(got).__name__
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return APIError(400, f"invalid value for '{field}': {err.get('msg')}, got {shown}{more}", field, "invalid_type")
+    return APIError(400, f"invalid value for '{field}': {err.get('msg')}, got {shown}{more}", field, "invalid_value")
 
 
 async def _answer(request: Request, work: Awaitable):

@@ -130,9 +130,12 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         ids = self._chat_prompt(req)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens, max_tokens_param = req.max_tokens, "max_tokens"
+        if req.max_completion_tokens is not None:
+            max_tokens, max_tokens_param = req.max_completion_tokens, "max_completion_tokens"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self._sampling_params(req, ids, max_tokens, "messages", logprobs=logprobs)
+        params = self._sampling_params(req, ids, max_tokens, "messages", logprobs=logprobs,
+                                       max_tokens_param=max_tokens_param)
         rid = random_id("chatcmpl")
         created = int(time.time())
         outputs, first = await self._start(rid, ids, params)
@@ -229,7 +232,7 @@ class OpenAIServing:
         return self._encode(rendered) if isinstance(rendered, str) else list(rendered)
 
     def _sampling_params(self, req: SamplingFields, ids: list[int], max_tokens: int | None, prompt_param: str,
-                         logprobs: int | None) -> SamplingParams:
+                         logprobs: int | None, max_tokens_param: str = "max_tokens") -> SamplingParams:
         n, limit = len(ids), self.engine.max_model_len
         if n >= limit:
             raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt has "
@@ -240,7 +243,8 @@ class OpenAIServing:
         elif max_tokens >= 1 and n + max_tokens > limit:
             raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
                               f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "
-                              "Please reduce the prompt or max_tokens.", "max_tokens", "context_length_exceeded")
+                              f"Please reduce the prompt or {max_tokens_param}.", max_tokens_param,
+                              "context_length_exceeded")
         stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
         fields = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                       repetition_penalty=req.repetition_penalty)
@@ -250,8 +254,12 @@ class OpenAIServing:
                                   include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
                                   **{k: v for k, v in fields.items() if v is not None})
         except ValueError as e:
-            field = str(e).split(" ", 1)[0]
-            raise bad_request(str(e), field if field in SamplingParams.__dataclass_fields__ else None) from None
+            message = str(e)
+            field = message.split(" ", 1)[0]
+            if field == "max_tokens":  # name the field the client sent
+                field, message = max_tokens_param, message.replace("max_tokens", max_tokens_param, 1)
+            raise bad_request(message, field if field in SamplingParams.__dataclass_fields__ or field == max_tokens_param
+                              else None) from None
 
     async def _start(self, rid: str, ids: list[int], params: SamplingParams):
         """Submit to the engine and wait for the first output, turning a refusal into an APIError."""

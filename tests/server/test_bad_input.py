@@ -1,0 +1,126 @@
+"""Every bad input gets its 4xx with an OpenAI-style body and a message that says what is wrong;
+afterwards the server still answers correctly and no KV block is leaked."""
+
+from __future__ import annotations
+
+import pytest
+from server_harness import MAX_MODEL_LEN, NUM_KV_BLOCKS, wait_kv_baseline
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+OK_COMPLETION = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0,
+                 "ignore_eos": True}
+OK_CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def completion(**changes):
+    body = {**OK_COMPLETION, **changes}
+    return {k: v for k, v in body.items() if v is not ...}
+
+
+def chat(**changes):
+    body = {**OK_CHAT, **changes}
+    return {k: v for k, v in body.items() if v is not ...}
+
+
+LONG_IDS = list(range(3, 3 + MAX_MODEL_LEN + 10))
+
+# (case id, path, JSON body or raw bytes, status, substrings the message must contain, error.param)
+CASES = [
+    ("malformed-json", COMPLETIONS, b'{"model": "tiny", "prompt": ', 400, ["not valid JSON"], None),
+    ("body-not-object", COMPLETIONS, b'["tiny"]', 400, ["JSON object"], None),
+    ("missing-model", COMPLETIONS, completion(model=...), 400, ["missing required field 'model'"], "model"),
+    ("missing-prompt", COMPLETIONS, completion(prompt=...), 400, ["missing required field 'prompt'"], "prompt"),
+    ("missing-messages", CHAT, chat(messages=...), 400, ["missing required field 'messages'"], "messages"),
+    ("missing-message-role", CHAT, chat(messages=[{"content": "hi"}]), 400, ["'messages.0.role'"], "messages.0.role"),
+    ("max-tokens-string", COMPLETIONS, completion(max_tokens="5"), 400, ["'max_tokens'", "integer", "'5'"],
+     "max_tokens"),
+    ("max-tokens-bool", COMPLETIONS, completion(max_tokens=True), 400, ["'max_tokens'", "integer"], "max_tokens"),
+    ("temperature-string", COMPLETIONS, completion(temperature="hot"), 400, ["'temperature'", "number"],
+     "temperature"),
+    ("messages-not-list", CHAT, chat(messages="hi"), 400, ["'messages'"], "messages"),
+    ("unknown-role", CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), 400, ["messages.0.role", "wizard"],
+     "messages.0.role"),
+    ("prompt-over-context", COMPLETIONS, completion(prompt=LONG_IDS), 400,
+     [f"maximum context length is {MAX_MODEL_LEN}", f"{len(LONG_IDS)} tokens"], "prompt"),
+    ("prompt-plus-max-tokens-over-context", COMPLETIONS, completion(prompt=LONG_IDS[:100], max_tokens=50), 400,
+     [f"maximum context length is {MAX_MODEL_LEN}", "150 tokens"], "max_tokens"),
+    ("chat-over-context", CHAT, chat(messages=[{"role": "user", "content": "fox " * 200}]), 400,
+     ["maximum context length"], "messages"),
+    ("max-tokens-zero", COMPLETIONS, completion(max_tokens=0), 400, ["max_tokens must be an integer >= 1, got 0"],
+     "max_tokens"),
+    ("max-tokens-negative", CHAT, chat(max_tokens=-3), 400, ["max_tokens", "-3"], "max_tokens"),
+    ("max-completion-tokens-zero", CHAT, chat(max_completion_tokens=0), 400, ["max_completion_tokens must be", ">= 1"],
+     "max_completion_tokens"),
+    ("temperature-negative", COMPLETIONS, completion(temperature=-1), 400, ["temperature must be in [0, 100]"],
+     "temperature"),
+    ("top-p-zero", CHAT, chat(top_p=0), 400, ["top_p must be in (0, 1]"], "top_p"),
+    ("top-k-zero", COMPLETIONS, completion(top_k=0), 400, ["top_k must be -1"], "top_k"),
+    ("min-p-above-one", COMPLETIONS, completion(min_p=2.0), 400, ["min_p must be in [0, 1]"], "min_p"),
+    ("repetition-penalty-zero", COMPLETIONS, completion(repetition_penalty=0), 400, ["repetition_penalty"],
+     "repetition_penalty"),
+    ("logprobs-too-many", COMPLETIONS, completion(logprobs=50), 400, ["logprobs must be in [0, 20]"], "logprobs"),
+    ("top-logprobs-without-logprobs", CHAT, chat(top_logprobs=3), 400, ["top_logprobs needs logprobs=true"],
+     "top_logprobs"),
+    ("too-many-stops", COMPLETIONS, completion(stop=[f"s{i}" for i in range(20)]), 400, ["at most 16 stop strings"],
+     None),
+    ("empty-stop-string", COMPLETIONS, completion(stop=[""]), 400, ["non-empty strings"], "stop"),
+    ("n-two", CHAT, chat(n=2), 400, ["n must be 1"], "n"),
+    ("best-of-two", COMPLETIONS, completion(best_of=2), 400, ["best_of must be 1"], "best_of"),
+    ("echo", COMPLETIONS, completion(echo=True), 400, ["echo=true is not supported"], "echo"),
+    ("presence-penalty", CHAT, chat(presence_penalty=0.5), 400, ["presence_penalty is not supported"],
+     "presence_penalty"),
+    ("empty-prompt", COMPLETIONS, completion(prompt=""), 400, ["prompt is empty"], "prompt"),
+    ("batched-prompts", COMPLETIONS, completion(prompt=["a", "b"]), 400, ["one prompt per request"], "prompt"),
+    ("token-id-out-of-vocab", COMPLETIONS, completion(prompt=[1, 2, 10**6]), 400, ["prompt token ids must be in"],
+     None),
+    ("image-part", CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+     400, ["only text parts", "image_url"], "messages"),
+    ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, ["tools are not supported"],
+     "tools"),
+    ("unknown-model", COMPLETIONS, completion(model="gpt-9"), 404, ["'gpt-9' does not exist", "'tiny'"], "model"),
+    ("unknown-model-chat", CHAT, chat(model="gpt-9"), 404, ["'gpt-9' does not exist"], "model"),
+]
+
+
+
+@pytest.mark.parametrize("path,body,status,needles,param", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_gets_4xx_with_clear_message(http, path, body, status, needles, param):
+    if isinstance(body, bytes):
+        r = http.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = http.post(path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    for needle in needles:
+        assert needle in err["message"], err["message"]
+    assert err["param"] == param
+    assert err["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    assert "Traceback" not in r.text
+
+
+def test_unknown_route_and_method_are_openai_errors(http):
+    r = http.get("/v1/nothing-here")
+    assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found"
+    r = http.get(COMPLETIONS)
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_server_still_serves_and_no_kv_leak_after_bad_inputs(http):
+    """Runs after the parametrized cases (file order): the same greedy request answers identically,
+    streaming works, and every KV block is free again."""
+    first = http.post(COMPLETIONS, json=OK_COMPLETION)
+    assert first.status_code == 200
+    for path, body, *_ in CASES:
+        http.post(path, content=body, headers={"content-type": "application/json"}) if isinstance(body, bytes) \
+            else http.post(path, json=body)
+    again = http.post(COMPLETIONS, json=OK_COMPLETION)
+    assert again.status_code == 200
+    assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    assert again.json()["usage"]["completion_tokens"] == 8
+    with http.stream("POST", CHAT, json={**OK_CHAT, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+    m = wait_kv_baseline(http)
+    assert m["pdserve_kv_cache_blocks_free"] == NUM_KV_BLOCKS
+    assert m["pdserve_num_requests_running"] == 0 and m["pdserve_num_requests_waiting"] == 0
