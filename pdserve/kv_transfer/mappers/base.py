@@ -113,6 +113,26 @@ class RegionMapper(ABC):
         self.src_token_stride = as_u64(src_stride, n)
         self.dst_token_stride = as_u64(dst_stride, n)
         assert self.dst_offsets.size == n and int(self.sizes.min(initial=1)) > 0
+        self._merge_static()
+
+    def _merge_static(self) -> None:
+        """Merge neighbouring static fragments contiguous on both sides for every sub-block.
+
+        That holds when offsets are contiguous and both token strides agree, so a whole
+        contiguous slot becomes one static fragment before the per-block expansion.
+        """
+        if self.sizes.size <= 1:
+            return
+        end_src, end_dst = self.src_offsets[:-1] + self.sizes[:-1], self.dst_offsets[:-1] + self.sizes[:-1]
+        follows = (
+            (self.src_offsets[1:] == end_src) & (self.dst_offsets[1:] == end_dst)
+            & (self.src_token_stride[1:] == self.src_token_stride[:-1])
+            & (self.dst_token_stride[1:] == self.dst_token_stride[:-1])
+        )
+        starts = np.flatnonzero(np.concatenate(([True], ~follows)))
+        self.sizes = np.add.reduceat(self.sizes, starts)
+        for name in ("src_offsets", "dst_offsets", "src_token_stride", "dst_token_stride"):
+            setattr(self, name, getattr(self, name)[starts])
 
     @abstractmethod
     def _fragments(self, geom: PairGeometry) -> tuple[np.ndarray, ...]:

@@ -3,9 +3,9 @@
     src slot: [L0.K][L0.V][L1.K][L1.V] ...      each buffer -> the same buffer on dst
     dst slot: [L0.K][L0.V][L1.K][L1.V] ...
 
-Buffers (and then consecutive blocks) that are contiguous on BOTH sides are merged later by
-``merge_contiguous``, so a fully contiguous block-major pool becomes one fragment per run of
-consecutive blocks. With different tokens_per_block (HND only) a head's row is contiguous for
+Buffers contiguous on BOTH sides merge into one static fragment (``RegionMapper._merge_static``)
+and consecutive blocks contiguous on both sides merge in ``merge_contiguous``, so a fully
+contiguous block-major pool becomes one fragment per run of consecutive blocks. With different tokens_per_block (HND only) a head's row is contiguous for
 one sub-block only, and the buffer is cut per head as in ``hnd_mismatch``.
 """
 
