@@ -85,7 +85,9 @@ class RecvSession:
     done: set[PeerKey] = field(default_factory=set)
     errors: dict[PeerKey, str] = field(default_factory=dict)
     cancel_sent: bool = False
-    staging: object | None = None  # bounce lease on our staging buffer, released with the session
+    staging: object | None = None  # bounce Lease on our staging buffer, released with the session
+    bounce_slot: int = 0  # bytes of staging per writer; writer i writes at staging.ptr + i * slot
+    bounce_writers: tuple[int, ...] = ()  # ctx ranks in segment order
 
     @property
     def settled(self) -> bool:

@@ -30,7 +30,8 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from pdserve.kv_transfer.agents.base import TransferAgent, TransferState
+from pdserve.kv_transfer.agents.base import RegionTable, TransferAgent, TransferState
+from pdserve.kv_transfer.bounce import BounceConfig, StagingBuffer, gather, plan_segment_bytes, scatter, segment_bound
 from pdserve.kv_transfer.control.messages import (
     Cancel,
     Message,
@@ -68,7 +69,7 @@ def _no_agreement(request_ids: list[int], states: np.ndarray) -> np.ndarray:
 class TransceiverConfig:
     kv_transfer_timeout_ms: int = 30_000  # a session older than this errors out and releases everything
     rank_info_timeout_s: float = 10.0  # the first contact with a context instance
-    bounce: object | None = None  # BounceConfig; None = direct writes only (the default)
+    bounce: BounceConfig | None = None  # None = direct writes only (the default)
 
     def __post_init__(self) -> None:
         if self.kv_transfer_timeout_ms <= 0:
@@ -95,6 +96,9 @@ class KVTransceiver:
         self.recv_sessions: dict[int, RecvSession] = {}
         self._early: dict[int, list[RequestData]] = {}
         self._closed_sends: OrderedDict[int, None] = OrderedDict()
+        self.stats = {"direct_writes": 0, "bounced_writes": 0, "fragments_written": 0, "bytes_written": 0}
+        # Registered before local_descriptor() is taken, so peers can write into it.
+        self._staging = StagingBuffer(agent, self.config.bounce.staging_bytes) if self.config.bounce else None
         self._messenger = Messenger(self._on_message, host=host, name="kv")
 
     # -- setup --------------------------------------------------------------------------------
@@ -157,6 +161,7 @@ class KVTransceiver:
             deadline=self._deadline(),
         )
         ids = {int(g): np.asarray(b, dtype=np.int64) for g, b in block_ids.items()}
+        offer = self._bounce_offer(session, ids)
         # Every rank of our DP group asks every ctx rank, so each ctx rank knows when it served all.
         requesters = sum(1 for r in self._instance if r.dp_rank == own.dp_rank)
         # Registered before publishing, so a fast writer's notification always finds its session.
@@ -164,9 +169,9 @@ class KVTransceiver:
         try:
             for ctx in ctx_ranks:
                 self._messenger.send(ctx.control_endpoint, RequestData(
-                    request_id, own.key, ids, tuple(token_range), requesters, None))
+                    request_id, own.key, ids, tuple(token_range), requesters, offer))
         except Exception:
-            del self.recv_sessions[request_id]
+            self._close_recv(self.recv_sessions.pop(request_id))
             raise
 
     def check_gen_transfer_status(self, at_least: int = 0) -> TransferResults:
@@ -195,14 +200,14 @@ class KVTransceiver:
             self._remember_closed(request_id)
             return True
         if len(recv.done) == len(recv.writers):
-            del self.recv_sessions[request_id]
+            self._close_recv(self.recv_sessions.pop(request_id))
             return True
         if not recv.cancel_sent:
             recv.cancel_sent = True
             for endpoint in recv.all_ctx.values():
                 self._messenger.send(endpoint, Cancel(request_id, self._own.key))
         if recv.settled:
-            del self.recv_sessions[request_id]
+            self._close_recv(self.recv_sessions.pop(request_id))
             return True
         return False
 
@@ -266,7 +271,10 @@ class KVTransceiver:
                 continue
             session = self.recv_sessions.get(getattr(done, "request_id", None))
             if isinstance(done, TransferDone) and session is not None:
-                session.done.add(done.sender)
+                if done.bounced:
+                    self._unbounce(session, done)
+                else:
+                    session.done.add(done.sender)
 
     def _apply(self, message: Message) -> None:
         if isinstance(message, RegisterPeer):
@@ -334,9 +342,18 @@ class KVTransceiver:
                 src = dst = sizes = np.zeros(0, np.uint64)
             else:
                 src, dst, sizes = plan.src_ptrs, plan.dst_ptrs, plan.sizes
-            note = TransferDone(request.request_id, self._own.key, int(np.sum(sizes, dtype=np.uint64)))
+            bounced = self._bounce(session, request, gen, src, dst, sizes)
+            if bounced is not None:
+                src, dst, sizes = bounced
+            note = TransferDone(request.request_id, self._own.key, int(np.sum(sizes, dtype=np.uint64)), bounced is not None)
             session.writes[gen.key] = self.agent.submit_write(remote, src, dst, sizes, note.to_bytes())
+            self.stats["bounced_writes" if bounced is not None else "direct_writes"] += 1
+            self.stats["fragments_written"] += len(sizes)
+            self.stats["bytes_written"] += note.num_bytes
         except KVTransferError as exc:
+            lease = session.staging.pop(gen.key, None)
+            if lease is not None:
+                self._staging.release(lease)
             session.error = f"request {request.request_id} to {gen.key}: {exc}"
             logger.error("%s: %s", self._own.key, session.error)
             self._refuse(gen.key, request.request_id, str(exc))
@@ -348,6 +365,9 @@ class KVTransceiver:
                 continue
             self.agent.release(handle)
             del session.writes[key]
+            lease = session.staging.pop(key, None)
+            if lease is not None:
+                self._staging.release(lease)
             if state is TransferState.FAILED:
                 session.error = f"write of request {session.request_id} to {key} failed"
                 self._refuse(key, session.request_id, "the context side's write failed")
@@ -383,14 +403,82 @@ class KVTransceiver:
         agreed = self._agree(ids, local)
         for rid, state in zip(ids, agreed.tolist()):
             if state == TransferStatus.DONE:
-                del table[rid]
+                session = table.pop(rid)
                 results.completed.append(rid)
             elif state == TransferStatus.FAILED:
                 session = table.pop(rid)
                 results.failed[rid] = reason(session) or "failed on another rank of this instance"
+            if state != TransferStatus.IN_PROGRESS and table is self.recv_sessions:
+                self._close_recv(session)
         return results
 
     def _remember_closed(self, request_id: int) -> None:
         self._closed_sends[request_id] = None
         while len(self._closed_sends) > _REMEMBER_CLOSED:
             self._closed_sends.popitem(last=False)
+
+    # -- internals: bounce buffer -------------------------------------------------------------
+    def _bounce_offer(self, session: RecvSession, ids: dict[int, np.ndarray]) -> dict | None:
+        """Lease one staging segment per writer when the request is big enough to maybe bounce."""
+        cfg = self.config.bounce
+        num_blocks = sum(int((b >= 0).sum()) for b in ids.values())
+        if cfg is None or num_blocks < cfg.min_kv_blocks or not session.writers:
+            return None
+        table = self._own.page_table
+        payload = sum(int((ids.get(g.group_id, np.zeros(0)) >= 0).sum()) * table.pools[v.pool_index].slot_bytes
+                      for g in table.layer_groups for v in g.views)
+        slot = segment_bound(payload)
+        writers = tuple(sorted(k[1] for k in session.writers))
+        lease = self._staging.lease(slot * len(writers))
+        if lease is None:
+            logger.warning("%s: staging buffer full, request %d goes direct", self._own.key, session.request_id)
+            return None
+        session.staging, session.bounce_slot, session.bounce_writers = lease, slot, writers
+        return {"params": cfg.to_dict(), "ptr": lease.ptr, "slot": slot, "writers": list(writers)}
+
+    def _bounce(self, session: SendSession, request: RequestData, gen: RankInfo, src, dst, sizes):
+        """Gather into our staging and return the single (src, dst, size) write, or None for direct."""
+        offer, cfg = request.bounce, self.config.bounce
+        if offer is None or len(sizes) == 0:
+            return None
+        if cfg is None or offer.get("params") != cfg.to_dict():
+            logger.warning("%s: bounce parameters differ from %s's (%s vs %s); request %d goes direct",
+                           self._own.key, gen.key, cfg and cfg.to_dict(), offer.get("params"), request.request_id)
+            return None
+        num_blocks = sum(int((b >= 0).sum()) for b in request.block_ids.values())
+        if not cfg.kv_passes(num_blocks, sizes):
+            return None
+        need = plan_segment_bytes(sizes)
+        if need > offer["slot"] or self._own.rank not in offer["writers"]:
+            logger.warning("%s: bounce segment of %d bytes does not fit %s's %d; request %d goes direct",
+                           self._own.key, need, gen.key, offer["slot"], request.request_id)
+            return None
+        lease = self._staging.lease(need)
+        if lease is None:
+            return None
+        total = gather(lease, src, dst, sizes)
+        session.staging[gen.key] = lease
+        target = offer["ptr"] + offer["writers"].index(self._own.rank) * offer["slot"]
+        return (np.array([lease.ptr], np.uint64), np.array([target], np.uint64), np.array([total], np.uint64))
+
+    def _unbounce(self, session: RecvSession, done: TransferDone) -> None:
+        try:
+            if session.staging is None or done.sender[1] not in session.bounce_writers:
+                raise KVTransferError(f"{done.sender} bounced request {done.request_id} but we offered no segment")
+            index = session.bounce_writers.index(done.sender[1])
+            kv_regions = RegionTable([r for r in self.agent.registered_regions if r != self._staging.region])
+            scatter(session.staging.ptr + index * session.bounce_slot, session.bounce_slot, kv_regions)
+            session.done.add(done.sender)
+        except KVTransferError as exc:
+            session.errors[done.sender] = str(exc)
+
+    def _close_recv(self, session: RecvSession) -> None:
+        """Return the session's staging lease; quarantine it if a writer may still write into it."""
+        if session.staging is None:
+            return
+        if session.settled:
+            self._staging.release(session.staging)
+        else:
+            logger.warning("%s: request %d ended with writers unsettled; %d staging bytes quarantined",
+                           self._own.key, session.request_id, session.staging.nbytes)
+        session.staging = None

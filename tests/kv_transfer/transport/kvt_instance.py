@@ -50,7 +50,7 @@ class Rank:
         return self.pool.numpy(np.int32).reshape(-1, hi - lo, 2, *inner)
 
 
-def build_instance(topo: Topology, backend: str, timeout_ms: int = 20_000) -> list[Rank]:
+def build_instance(topo: Topology, backend: str, timeout_ms: int = 20_000, bounce=None) -> list[Rank]:
     ranks = []
     per_stage = [topo.layers // topo.pp + (1 if s < topo.layers % topo.pp else 0) for s in range(topo.pp)]
     kv_per_rank = max(1, topo.heads // topo.tp)
@@ -63,7 +63,7 @@ def build_instance(topo: Topology, backend: str, timeout_ms: int = 20_000) -> li
             pool = allocate_shared(topo.num_blocks * slot)
             agent = make_agent(backend, f"{topo.name}-{rank}-{backend}-{time.monotonic_ns()}")
             agent.register_memory(MemoryRegion(pool.ptr, pool.nbytes))
-            tx = KVTransceiver(agent, TransceiverConfig(kv_transfer_timeout_ms=timeout_ms))
+            tx = KVTransceiver(agent, TransceiverConfig(kv_transfer_timeout_ms=timeout_ms, bounce=bounce))
             table = page_table_for_block_major_pool(
                 pool.ptr, topo.num_blocks, per_stage[pp_rank], kv_per_rank, topo.tokens_per_block, topo.head_dim,
                 ELT, kind, range(lo, lo + per_stage[pp_rank]))
@@ -145,10 +145,10 @@ def pump_until(ranks: list[Rank], side: str, count: int, timeout_s: float, also:
 
 
 def run_ctx_instance(topo: Topology, backend: str, requests: dict, outbox, inbox, respond_delay_s: float = 0.0,
-                     timeout_s: float = 30.0) -> None:
+                     timeout_s: float = 30.0, bounce=None) -> None:
     """Child process: a context instance that prefills (fills the oracle) and serves `requests`
     (request id -> num_tokens), then reports its outcome and leftover state."""
-    ranks = build_instance(topo, backend)
+    ranks = build_instance(topo, backend, bounce=bounce)
     outbox.put(ranks[0].tx.endpoint)
     for r in ranks:
         for rid, num_tokens in requests.items():
@@ -159,7 +159,7 @@ def run_ctx_instance(topo: Topology, backend: str, requests: dict, outbox, inbox
             r.tx.respond_and_send_async(rid, {0: ctx_block_ids(topo, num_tokens)})
     results = pump_until(ranks, "ctx", len(requests), timeout_s)
     leftovers = sum(len(r.tx.send_sessions) + len(r.tx._early) for r in ranks)
-    outbox.put((results, leftovers))
+    outbox.put((results, leftovers, [r.tx.stats for r in ranks]))
     inbox.get(timeout=timeout_s)  # keep memory mapped until the receiver has checked
     for r in ranks:
         r.tx.close()

@@ -24,25 +24,30 @@ CASES = [
 ]
 
 
-def _run(ctx_topo, gen_topo, num_tokens, backend, respond_delay_s=0.0, requests=(7,)):
+def _run(ctx_topo, gen_topo, num_tokens, backend, respond_delay_s=0.0, requests=(7,), ctx_bounce=None,
+         gen_bounce=None, stats=None):
     spawn = mp.get_context("spawn")
     outbox, inbox = spawn.Queue(), spawn.Queue()
     reqs = {rid: num_tokens for rid in requests}
-    proc = spawn.Process(target=run_ctx_instance, args=(ctx_topo, backend, reqs, outbox, inbox, respond_delay_s),
-                         daemon=True)
+    proc = spawn.Process(target=run_ctx_instance,
+                         args=(ctx_topo, backend, reqs, outbox, inbox, respond_delay_s, 30.0, ctx_bounce), daemon=True)
     proc.start()
     gen = []
     try:
         endpoint = outbox.get(timeout=TIMEOUT_S)
-        gen = build_instance(gen_topo, backend)
+        gen = build_instance(gen_topo, backend, bounce=gen_bounce)
         ids = gen_block_ids(gen_topo, num_tokens)
         for rid in requests:
             for r in gen:
                 r.tx.request_and_receive_async(rid, endpoint, {0: ids}, (0, num_tokens))
         gen_results = pump_until(gen, "gen", len(requests), TIMEOUT_S)
-        ctx_results, ctx_leftovers = outbox.get(timeout=TIMEOUT_S)
+        ctx_results, ctx_leftovers, ctx_stats = outbox.get(timeout=TIMEOUT_S)
+        if stats is not None:
+            stats.extend(ctx_stats)
         wrong = {r.info.rank: mismatches(r, ids, num_tokens) for r in gen}
         leftovers = sum(len(r.tx.recv_sessions) for r in gen)
+        leased = [r.tx._staging.free_bytes == r.tx._staging.nbytes for r in gen if r.tx._staging is not None]
+        assert all(leased), "a receive session kept its bounce staging lease"
         inbox.put("bye")
         return gen_results, ctx_results, wrong, leftovers + ctx_leftovers
     finally:
@@ -79,3 +84,34 @@ def test_generation_first_and_several_requests_nixl():
         Topology("ctx", pp=2), Topology("gen", tp=2), 16, "nixl", respond_delay_s=0.5, requests=(3, 4))
     assert all(sorted(c) == [3, 4] and not f for c, f in gen_results.values()), gen_results
     assert wrong == {r: 0 for r in wrong} and leftovers == 0
+
+
+BOUNCE = dict(staging_bytes=8 << 20)
+NHD_CTX = Topology("ctx", tp=1, layout="NHD", num_blocks=224)
+NHD_GEN = Topology("gen", tp=2, layout="NHD", num_blocks=224)
+
+
+@pytest.mark.parametrize("backend", ["shm", "nixl"])
+def test_bounce_nhd_head_mismatch_is_byte_exact_with_one_write(backend):
+    from pdserve.kv_transfer.bounce import BounceConfig
+
+    stats = []
+    gen_results, ctx_results, wrong, leftovers = _run(
+        NHD_CTX, NHD_GEN, 96 * 4 + 3, backend, ctx_bounce=BounceConfig(**BOUNCE), gen_bounce=BounceConfig(**BOUNCE),
+        stats=stats)
+    assert all(c == [7] and not f for c, f in gen_results.values()), gen_results
+    assert wrong == {0: 0, 1: 0} and leftovers == 0
+    assert stats == [{"direct_writes": 0, "bounced_writes": 2, "fragments_written": 2,
+                      "bytes_written": stats[0]["bytes_written"]}]
+
+
+def test_bounce_parameter_mismatch_falls_back_to_direct(caplog):
+    from pdserve.kv_transfer.bounce import BounceConfig
+
+    stats = []
+    gen_results, _, wrong, leftovers = _run(
+        NHD_CTX, NHD_GEN, 96 * 4, "shm", ctx_bounce=BounceConfig(min_fragments=512, **BOUNCE),
+        gen_bounce=BounceConfig(**BOUNCE), stats=stats)
+    assert all(c == [7] for c, _ in gen_results.values()) and wrong == {0: 0, 1: 0} and leftovers == 0
+    assert stats[0]["bounced_writes"] == 0 and stats[0]["direct_writes"] == 2
+    assert stats[0]["fragments_written"] == 2 * 4 * 2 * 96 * 4  # per gen rank: layers x K/V x tokens

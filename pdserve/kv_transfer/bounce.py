@@ -1,0 +1,167 @@
+"""Bounce buffer: many small fragments -> one contiguous staging write -> scatter on the receiver.
+
+The NHD head-mismatch mapper emits one fragment per (layer, K/V, token); thousands of sub-16 KiB
+descriptors cost far more in per-descriptor overhead than in bytes. With bouncing, the sender
+gathers them into its registered staging buffer and writes that once into the receiver's staging
+segment; the receiver, on the write's notification, scatters it into its KV pool.
+
+Staging segment written by the sender (little-endian)::
+
+    [magic u64 | num_fragments u64 | payload_bytes u64 | uniform_size u64]  32 bytes
+    [dst_ptrs u64 x n][sizes u64 x n, omitted when uniform_size > 0]         the sender's plan
+    [payload: fragment 0 | fragment 1 | ...]                                 in plan order
+
+The table costs 8 bytes per fragment for equal-sized fragments (the NHD case), 16 otherwise; the
+receiver sizes its segments at 1.5x its payload bound to leave room for it.
+
+All address arithmetic stays on the sender; the receiver checks every destination lies in its own
+registered memory before it scatters. Host memory only (the gather/scatter are CPU copies).
+
+Gates (all must pass, and both sides' `BounceConfig` must be equal, else the direct path is used,
+with a warning on a mismatch): the KV payload spans >= min_kv_blocks blocks (or a state payload is
+>= min_state_bytes), and the descriptor shape is >= min_fragments fragments averaging
+<= max_avg_fragment_bytes. Off by default (TransceiverConfig.bounce = None).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from pdserve.kv_transfer.agents.base import MemoryRegion, RegionTable, TransferAgent
+from pdserve.kv_transfer.agents.memcopy import copy_fragments, host_view
+from pdserve.kv_transfer.agents.shm import allocate_shared
+from pdserve.kv_transfer.errors import KVTransferError
+
+logger = logging.getLogger(__name__)
+
+_MAGIC = 0x50445356_424F554E  # "PDSVBOUN"
+_HEADER_BYTES = 32
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class BounceConfig:
+    staging_bytes: int = 1 << 30  # per rank; holds one segment per concurrent writer/receive
+    min_kv_blocks: int = 96
+    min_state_bytes: int = 2 << 20
+    min_fragments: int = 1024
+    max_avg_fragment_bytes: int = 16 << 10
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"BounceConfig.{name} must be a positive int, got {value!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def shape_passes(self, sizes: np.ndarray) -> bool:
+        n = len(sizes)
+        return n >= self.min_fragments and int(sizes.sum()) <= self.max_avg_fragment_bytes * n
+
+    def kv_passes(self, num_blocks: int, sizes: np.ndarray) -> bool:
+        return num_blocks >= self.min_kv_blocks and self.shape_passes(sizes)
+
+    def state_passes(self, sizes: np.ndarray) -> bool:
+        return int(sizes.sum()) >= self.min_state_bytes and self.shape_passes(sizes)
+
+
+def segment_bytes(num_fragments: int, payload_bytes: int, uniform: bool = False) -> int:
+    return _HEADER_BYTES + (8 if uniform else 16) * num_fragments + payload_bytes
+
+
+def segment_bound(payload_bound: int) -> int:
+    """Receiver-side segment size for at most `payload_bound` payload bytes (see the table cost)."""
+    return segment_bytes(0, payload_bound + payload_bound // 2)
+
+
+def _uniform_size(sizes: np.ndarray) -> int:
+    return int(sizes[0]) if len(sizes) and bool((sizes == sizes[0]).all()) else 0
+
+
+def plan_segment_bytes(sizes: np.ndarray) -> int:
+    """Bytes the sender's segment for this plan takes."""
+    return segment_bytes(len(sizes), int(sizes.sum()), _uniform_size(sizes) > 0)
+
+
+@dataclass(frozen=True)
+class Lease:
+    ptr: int
+    nbytes: int
+
+
+class StagingBuffer:
+    """A registered host buffer handed out in leases (first fit, coalescing on release)."""
+
+    def __init__(self, agent: TransferAgent, nbytes: int) -> None:
+        self._memory = allocate_shared(nbytes)  # shareable, so every agent backend can register it
+        self.region = MemoryRegion(self._memory.ptr, nbytes)
+        agent.register_memory(self.region)
+        self._free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, size), sorted by offset
+        self.nbytes = nbytes
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(size for _, size in self._free)
+
+    def lease(self, nbytes: int) -> Lease | None:
+        """A segment of at least nbytes, or None when the buffer is too full (caller goes direct)."""
+        need = -(-nbytes // _ALIGN) * _ALIGN
+        for i, (offset, size) in enumerate(self._free):
+            if size >= need:
+                self._free[i:i + 1] = [(offset + need, size - need)] if size > need else []
+                return Lease(self.region.ptr + offset, need)
+        return None
+
+    def release(self, lease: Lease) -> None:
+        self._free.append((lease.ptr - self.region.ptr, lease.nbytes))
+        self._free.sort()
+        merged: list[tuple[int, int]] = []
+        for offset, size in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == offset:
+                merged[-1] = (merged[-1][0], merged[-1][1] + size)
+            else:
+                merged.append((offset, size))
+        self._free = merged
+
+
+def gather(lease: Lease, src_ptrs: np.ndarray, dst_ptrs: np.ndarray, sizes: np.ndarray) -> int:
+    """Pack the plan into `lease` (sender side); returns the segment's byte count."""
+    n, payload, uniform = len(sizes), int(sizes.sum()), _uniform_size(sizes)
+    total = plan_segment_bytes(sizes)
+    assert total <= lease.nbytes, (total, lease.nbytes)
+    table_words = n if uniform else 2 * n
+    head = host_view(lease.ptr, _HEADER_BYTES + 8 * table_words, np.uint64)
+    head[:4] = (_MAGIC, n, payload, uniform)
+    head[4:4 + n] = dst_ptrs
+    if not uniform:
+        head[4 + n:] = sizes
+    offsets = np.zeros(n, np.uint64)
+    np.cumsum(sizes[:-1], out=offsets[1:])
+    payload_ptr = np.uint64(lease.ptr + _HEADER_BYTES + 8 * table_words)
+    copy_fragments(payload_ptr + offsets, src_ptrs.astype(np.uint64), sizes.astype(np.uint64))
+    return total
+
+
+def scatter(segment_ptr: int, segment_nbytes: int, local_regions: RegionTable) -> int:
+    """Unpack a segment the sender wrote into our staging (receiver side); returns payload bytes."""
+    magic, n, payload, uniform = host_view(segment_ptr, _HEADER_BYTES, np.uint64).tolist()
+    if magic != _MAGIC or segment_bytes(n, payload, uniform > 0) > segment_nbytes:
+        raise KVTransferError(
+            f"bounce segment at {segment_ptr:#x} is corrupt (magic {magic:#x}, {n} fragments, {payload} bytes "
+            f"in a {segment_nbytes}-byte segment); both sides must run the same bounce protocol"
+        )
+    table_words = n if uniform else 2 * n
+    table = host_view(segment_ptr + _HEADER_BYTES, 8 * table_words, np.uint64)
+    dst = table[:n].copy()
+    sizes = np.full(n, uniform, np.uint64) if uniform else table[n:].copy()
+    if int(sizes.sum()) != payload:
+        raise KVTransferError(f"bounce segment sizes sum to {int(sizes.sum())}, header says {payload}")
+    local_regions.locate(dst, sizes, "bounce destination")
+    offsets = np.zeros(n, np.uint64)
+    np.cumsum(sizes[:-1], out=offsets[1:])
+    copy_fragments(dst, np.uint64(segment_ptr + _HEADER_BYTES + 8 * table_words) + offsets, sizes)
+    return payload
