@@ -261,6 +261,8 @@ def simulate_transfer(
     """Oracle: scatter, plan, copy, then assert every gen rank holds its exact re-cut KV.
 
     Gen pools must start filled with a sentinel; bytes outside the transferred span must keep it.
+    Every ctx rank's ids cover ``ceil(num_tokens / T_ctx)`` blocks (-1 where a CP rank does not
+    own the block); gen ids may cover more tokens than that.
     """
     kv = logical_kv(model, num_tokens, seed)
     rep = logical_replicated(model, num_tokens, seed + 1) if model.replicated_bytes_per_token else None
