@@ -12,7 +12,7 @@ import secrets
 from typing import Any, Awaitable
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -38,15 +38,9 @@ def build_app(engine, cfg: WorkerConfig) -> FastAPI:
     app.state.metrics = metrics
     _chain_step_hook(engine, metrics.on_step)
 
-    async def check_api_key(request: Request) -> None:
-        if not cfg.api_key:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), cfg.api_key.encode()):
-            raise APIError(401, "missing or incorrect API key: send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    if cfg.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=cfg.api_key)
+    v1 = APIRouter(prefix="/v1")
 
     @app.exception_handler(APIError)
     async def on_api_error(_: Request, e: APIError):
@@ -91,6 +85,26 @@ def build_app(engine, cfg: WorkerConfig) -> FastAPI:
         return Response(data, media_type=content_type)
 
     return app
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI (it never touches the body or the stream): /v1/* needs 'Authorization: Bearer <key>',
+    checked before the body is parsed, so a 401 wins over every other error."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key):
+                err = APIError(401, "missing or incorrect API key: send the header 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:

@@ -272,6 +272,9 @@ class OpenAIServing:
             if self.engine.error:
                 raise APIError(503, str(e)) from None
             raise
+        if first.finish_reason == "error":  # failed before producing anything: say so in the status
+            await outputs.aclose()
+            self._raise_if_failed(first)
         return outputs, first
 
     async def _outputs(self, rid: str, ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
