@@ -144,10 +144,9 @@ def test_smollm2_tensors_and_generation_equal_transformers(smollm2_dir, smollm2_
     for name in a:
         assert torch.equal(a[name], b[name]), name
     tok = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
-    for question in ["What is the capital of France?", "Write a haiku about the sea."]:
-        ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]
-        kw = dict(max_new_tokens=16, do_sample=False)
-        out_ref, out_ours = ref.generate(ids, **kw), ours.generate(ids, **kw)
-        assert torch.equal(out_ref, out_ours)
-    assert "Paris" in tok.decode(out_ref[0]) or question != "What is the capital of France?"
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    kw = dict(max_new_tokens=8, do_sample=False)
+    out_ref, out_ours = ref.generate(ids, **kw), ours.generate(ids, **kw)
+    assert torch.equal(out_ref, out_ours)
+    assert "Paris" in tok.decode(out_ours[0, ids.shape[1]:])

@@ -1,0 +1,188 @@
+"""The tokenizer of an HF model directory: ids, text, chat template, and streaming detokenization.
+
+Reads tokenizer.json (a `tokenizers` Tokenizer), tokenizer_config.json (special tokens, BOS policy,
+chat template; or chat_template.jinja beside it) and generation_config.json (end-of-generation ids).
+Chat templates render as transformers renders them: a sandboxed jinja2 environment with
+trim_blocks/lstrip_blocks, loop controls, `raise_exception`, `strftime_now` and a `tojson` that
+keeps non-ASCII text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import tokenizers
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from pdserve.weights.hf_dir import GENERATION_CONFIG_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, read_json
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# transformers' clean_up_tokenization: drop the space a word-level decoder put before punctuation.
+_CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+            (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config stores it: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _chat_template_source(model_dir: Path, config: dict[str, Any]) -> str | None:
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is None and (model_dir / "chat_template.jinja").is_file():
+        template = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    return template
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, plus its chat template and special ids."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, config: dict[str, Any] | None = None,
+                 generation_config: dict[str, Any] | None = None, chat_template: str | None = None):
+        self.backend = backend
+        self.config = dict(config or {})
+        self.special_tokens = {k: _token_text(self.config.get(k)) for k in _SPECIAL_KEYS}
+        self.bos_token_id = self.token_to_id(self.special_tokens["bos_token"])
+        self.eos_token_ids = self._eos_ids(generation_config or {})
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.chat_template = chat_template
+        self._clean_up_spaces = bool(self.config.get("clean_up_tokenization_spaces", False))
+        # Prepend BOS ourselves only when the config asks for it and tokenizer.json's
+        # post-processor does not already do so (older Llama repos rely on the Python class).
+        marked = backend.encode("", add_special_tokens=True).ids
+        self._prepend_bos = (bool(self.config.get("add_bos_token", False)) and self.bos_token_id is not None
+                             and self.bos_token_id not in marked)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | os.PathLike) -> Tokenizer:
+        d = Path(model_dir)
+        if not (d / TOKENIZER_FILE).is_file():
+            raise ValueError(
+                f"{d} has no {TOKENIZER_FILE}; pdserve needs the fast-tokenizer file (save the tokenizer with "
+                "transformers' save_pretrained, or convert a GGUF with `pdserve convert`)"
+            )
+        backend = tokenizers.Tokenizer.from_file(str(d / TOKENIZER_FILE))
+        config = read_json(d / TOKENIZER_CONFIG_FILE) if (d / TOKENIZER_CONFIG_FILE).is_file() else {}
+        generation = read_json(d / GENERATION_CONFIG_FILE) if (d / GENERATION_CONFIG_FILE).is_file() else {}
+        return cls(backend, config, generation, _chat_template_source(d, config))
+
+    def _eos_ids(self, generation_config: dict[str, Any]) -> tuple[int, ...]:
+        ids: list[int] = []
+        gen = generation_config.get("eos_token_id")
+        for i in gen if isinstance(gen, list) else [gen]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+        tok_eos = self.token_to_id(self.special_tokens["eos_token"])
+        if tok_eos is not None and tok_eos not in ids:
+            ids.append(tok_eos)
+        return tuple(ids)
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    @cached_property
+    def all_special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self._prepend_bos:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        if self._clean_up_spaces:
+            for old, new in _CLEANUP:
+                text = text.replace(old, new)
+        return text
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        if self.chat_template is None:
+            raise ValueError(
+                "this model has no chat template (tokenizer_config.json lacks 'chat_template'); "
+                "use the completions API with a plain prompt, or add a template to tokenizer_config.json"
+            )
+        return _compile_template(self.chat_template)
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """The prompt text for `messages` ([{"role": ..., "content": ...}, ...])."""
+        context = {k: v for k, v in self.special_tokens.items() if v is not None}
+        context.update(kwargs)
+        return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                     **context)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas for streaming.
+
+    Text is emitted only once it is final: a multi-byte character split across tokens (emoji, CJK
+    in byte-level vocabularies) decodes to U+FFFD until its last byte arrives, so nothing is emitted
+    while the decoded tail ends in U+FFFD. Each step decodes a short window that starts a few tokens
+    back (`prefix_offset`) so decoders that depend on the previous token (sentencepiece's leading
+    space) see the same context as a full decode. Invariant: "".join(deltas) + flush() equals
+    decode(generated ids).
+    """
+
+    _CONTEXT_TOKENS = 5
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids)
+        self.prefix_offset = max(len(self.ids) - self._CONTEXT_TOKENS, 0)
+        self.read_offset = len(self.ids)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def step(self, new_ids: int | Iterable[int]) -> str:
+        """Append token id(s); return the newly completed text ("" while a character is incomplete)."""
+        self.ids.extend([new_ids] if isinstance(new_ids, int) else new_ids)
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset:])
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full_text[len(prefix_text):]
+        return ""
+
+    def flush(self) -> str:
+        """Text still held back at the end of generation (an incomplete character shows as U+FFFD)."""
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full_text[len(prefix_text):]
