@@ -205,10 +205,10 @@ class OpenAIServing:
                               "prompt")
         return self._encode(prompt[0]) if isinstance(prompt[0], str) else list(prompt[0])
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not text:
             raise bad_request("prompt is empty", "prompt")
-        return list(self.tokenizer.encode(text))
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         messages = []
@@ -229,7 +229,8 @@ class OpenAIServing:
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
         except Exception as e:  # jinja2 raises its own TemplateError (e.g. raise_exception in the template)
             raise bad_request(f"the chat template refused these messages: {e}", "messages") from None
-        return self._encode(rendered) if isinstance(rendered, str) else list(rendered)
+        # The template already wrote any BOS it wants; encoding must not add a second one.
+        return self._encode(rendered, add_special_tokens=False)
 
     def _sampling_params(self, req: SamplingFields, ids: list[int], max_tokens: int | None, prompt_param: str,
                          logprobs: int | None, max_tokens_param: str = "max_tokens") -> SamplingParams:
@@ -310,7 +311,7 @@ class OpenAIServing:
         share a key in the legacy top_logprobs dict."""
         s = self._token_strs.get(token_id)
         if s is None:
-            s = self.tokenizer.decode([token_id])
+            s = self.tokenizer.decode([token_id], skip_special_tokens=False)
             if "\ufffd" in s:
                 s = f"token_id:{token_id}"
             self._token_strs[token_id] = s
