@@ -140,3 +140,43 @@ def smollm2_reference(smollm2_gguf):
     kw = {"gguf_file": smollm2_gguf.name}
     model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, dtype=torch.float32, **kw)
     return model, transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, **kw)
+
+
+SP_PIECES = ["▁", "t", "h", "e", "a", "n", "d", "o", "r", "s", "i", "l", "he", "▁t", "▁the", "▁a", "an", "▁an",
+             "and", "▁and", "in", "er", "re", "on", "▁o", "▁on", "is", "▁is", "it", "▁it", "es", "ed", "or",
+             "▁or", "ll", "▁he", "lo", "hel", "hell", "hello", "▁hello", "▁w", "▁wor", "ld", "▁world", "▁▁", "x"]
+
+
+def write_sentencepiece_gguf(model_gguf: Path, path: Path, vocab_size: int = 512) -> Path:
+    """Copy a tiny GGUF's model, replacing its tokenizer by a llama-style (sentencepiece BPE) one:
+    <unk> <s> </s>, 256 byte-fallback tokens, scored pieces (no merges stored), padding tokens."""
+    r = gguf.GGUFReader(model_gguf)
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SP_PIECES
+    types = [gguf.TokenType.UNKNOWN] + [gguf.TokenType.CONTROL] * 2 + [gguf.TokenType.BYTE] * 256
+    types += [gguf.TokenType.NORMAL] * len(SP_PIECES)
+    scores = [0.0] * 259 + [-float(i) if len(p) > 1 else -1000.0 - i for i, p in enumerate(SP_PIECES)]
+    pad = vocab_size - len(tokens)
+    tokens += [f"<extra_{i}>" for i in range(pad)]
+    types += [gguf.TokenType.USER_DEFINED] * pad
+    scores += [0.0] * pad
+    w = gguf.GGUFWriter(str(path), r.fields["general.architecture"].contents())
+    for f in r.fields.values():
+        if f.name.startswith(("GGUF.", "tokenizer.ggml", "general.architecture")):
+            continue
+        v = f.contents()
+        {str: w.add_string, bool: w.add_bool, int: w.add_uint32, float: w.add_float32}[type(v)](f.name, v)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_scores(scores)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

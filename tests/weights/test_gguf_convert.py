@@ -150,3 +150,24 @@ def test_smollm2_tensors_and_generation_equal_transformers(smollm2_dir, smollm2_
     out_ref, out_ours = ref.generate(ids, **kw), ours.generate(ids, **kw)
     assert torch.equal(out_ref, out_ours)
     assert "Paris" in tok.decode(out_ours[0, ids.shape[1]:])
+
+
+def test_sentencepiece_gguf_tokenizer(tiny_llama, tmp_path):
+    from conftest import write_sentencepiece_gguf
+
+    from pdserve.tokenizer import Tokenizer
+
+    _, f32, _ = tiny_llama
+    sp = write_sentencepiece_gguf(f32, tmp_path / "sp.gguf")
+    out = convert_gguf(sp, tmp_path / "out", progress=False)
+    ours = Tokenizer.from_dir(out)
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=sp.name)
+    # Merges were derived from scores: these must agree with transformers' derivation exactly.
+    for text in ["hello world", "the and or", "héllo 🙂 x\ny", "it is on the world", ""]:
+        assert ours.encode(text) == ref(text).input_ids, text
+        assert ours.decode(ours.encode(text)) == text
+    assert ours.encode("hello")[0] == 1  # add_bos_token
+    # Leading space follows llama.cpp (a dummy space before every text fragment, so " hello" is
+    # "▁" + "▁hello"), where transformers' Metaspace(prepend_scheme="first") would drop it.
+    ids = ours.encode(" hello")
+    assert [ours.id_to_token(i) for i in ids[1:]][:1] == ["▁"] and ours.decode(ids) == " hello"
