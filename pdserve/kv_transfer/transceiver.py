@@ -120,7 +120,11 @@ class KVTransceiver:
         self._instance_reply = RankInfoReply([r.to_bytes() for r in ranks])
 
     def close(self) -> None:
+        """Stop the listener and deregister the staging buffer; the caller still owns the agent."""
         self._messenger.close()
+        if self._staging is not None:
+            self.agent.deregister_memory(self._staging.region)
+            self._staging = None
 
     # -- context side -------------------------------------------------------------------------
     def respond_and_send_async(self, request_id: int, block_ids: Mapping[int, np.ndarray]) -> None:

@@ -115,3 +115,49 @@ def test_bounce_parameter_mismatch_falls_back_to_direct(caplog):
     assert all(c == [7] for c, _ in gen_results.values()) and wrong == {0: 0, 1: 0} and leftovers == 0
     assert stats[0]["bounced_writes"] == 0 and stats[0]["direct_writes"] == 2
     assert stats[0]["fragments_written"] == 2 * 4 * 2 * 96 * 4  # per gen rank: layers x K/V x tokens
+
+
+SIM_CASES = [
+    # (ctx topology, gen topology, model), built with arith's pdserve.kv_transfer.testing
+    ("tp4->tp2pp2", dict(tp=4), dict(tp=2, pp=2), dict(num_layers=4, total_kv_heads=4)),
+    ("tp2pp2->tp4 tpb16->32", dict(tp=2, pp=2), dict(tp=4, tokens_per_block=32, num_blocks=4),
+     dict(num_layers=4, total_kv_heads=4)),
+    ("layer-major 2 groups, heads<tp on ctx", dict(tp=4, pool_kind="layer_major"),
+     dict(tp=1, pool_kind="layer_major"), dict(num_layers=4, total_kv_heads=2, num_layer_groups=2)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, ctx_kw, gen_kw, model_kw", SIM_CASES, ids=[c[0] for c in SIM_CASES])
+def test_byte_exact_kv_arith_topologies_shm(name, ctx_kw, gen_kw, model_kw):
+    from pdserve.kv_transfer import testing as sim
+
+    import kvt_sim_instance as kvs
+
+    model, ctx_topo, gen_topo = sim.ModelShape(**model_kw), sim.Topology(**ctx_kw), sim.Topology(**gen_kw)
+    num_tokens = 40
+    spawn = mp.get_context("spawn")
+    outbox, inbox = spawn.Queue(), spawn.Queue()
+    proc = spawn.Process(target=kvs.run_ctx, args=(ctx_topo, model, "shm", num_tokens, outbox, inbox), daemon=True)
+    proc.start()
+    gen = []
+    try:
+        endpoint = outbox.get(timeout=TIMEOUT_S)
+        gen = kvs.build("gen", gen_topo, model, "shm")
+        ids = kvs.block_ids(gen_topo, model, num_tokens, reverse=True)
+        for _, tx, _ in gen:
+            tx.request_and_receive_async(1, endpoint, ids, (0, num_tokens))
+        assert kvs.pump([tx for _, tx, _ in gen], False, 1, TIMEOUT_S) == [[1]] * len(gen)
+        assert outbox.get(timeout=TIMEOUT_S) == [[1]] * ctx_topo.world_size
+        kv = sim.logical_kv(model, num_tokens)
+        for s, _, _ in gen:
+            got = sim.gather_logical_kv(s, ids, num_tokens, model)
+            assert np.array_equal(got, kvs.held(s, kv)), f"gen rank {s.info.rank} differs"
+        inbox.put("bye")
+    finally:
+        for _, tx, _ in gen:
+            tx.close()
+            tx.agent.shutdown()
+        proc.join(TIMEOUT_S)
+        if proc.is_alive():
+            proc.kill()
