@@ -133,14 +133,12 @@ async def _answer(request: Request, work: Awaitable):
     disconnect = asyncio.ensure_future(_wait_disconnect(request))
     try:
         await asyncio.wait({task, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
+    finally:  # also when this handler itself is cancelled (server shutdown): never leave work running
         disconnect.cancel()
-    if not task.done():
-        task.cancel()
-        try:
-            await task
-        except (asyncio.CancelledError, Exception):
-            pass
+        if not task.done():
+            task.cancel()
+    if task.cancelled() or not task.done():
+        await asyncio.gather(task, return_exceptions=True)  # let the abort run to completion
         return Response(status_code=CLIENT_CLOSED)
     result = task.result()
     if hasattr(result, "__aiter__"):
