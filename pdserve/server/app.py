@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import signal
+import threading
 from typing import Any, Awaitable
 
 import uvicorn
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 # Status for a client that went away before its non-streaming answer was ready (nginx's convention;
 # nobody receives it, it only shows in the access log).
 CLIENT_CLOSED = 499
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def build_app(engine, cfg: WorkerConfig) -> FastAPI:
@@ -168,9 +171,24 @@ def _chain_step_hook(engine, hook) -> None:
 
 def run_server(engine, cfg: WorkerConfig, *, graceful_shutdown_s: float = 10.0) -> None:
     """Serve until SIGINT/SIGTERM; then stop accepting, give in-flight requests `graceful_shutdown_s`
-    to finish, and return. The caller owns the engine and shuts it down afterwards."""
+    to finish, and return normally. The caller owns the engine and shuts it down afterwards (with TP/PP
+    that stops the other ranks' processes, so the signal must not kill this process first)."""
     app = build_app(engine, cfg)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="info",
                             timeout_graceful_shutdown=graceful_shutdown_s)
+    server = uvicorn.Server(config)
     log.info("serving %s on http://%s:%d", engine.model_name, cfg.host, cfg.port)
-    uvicorn.Server(config).run()
+    if threading.current_thread() is not threading.main_thread():
+        server.run()  # no signals off the main thread; the owner sets server.should_exit
+        return
+    # uvicorn handles the signal during run(), then re-raises it into the handlers it found, which by
+    # default would kill the process (SIGTERM) or raise KeyboardInterrupt (SIGINT). Ours note it instead.
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda s, _frame: received.append(s)) for sig in _STOP_SIGNALS}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received:
+        log.info("stopped by %s", signal.Signals(received[0]).name)

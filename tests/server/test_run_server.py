@@ -1,0 +1,55 @@
+"""`run_server` in its real setting: the `pdserve serve` process answers, finishes in-flight work on
+SIGTERM, then exits 0."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_pdserve_serve_answers_and_shuts_down_gracefully(tiny_model_dir):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "serve",
+                             str(tiny_model_dir), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, f"pdserve serve exited early:\n{proc.stdout.read()}"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "pdserve serve did not answer /health within 60 s"
+            time.sleep(0.1)
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        assert model == tiny_model_dir.name
+        r = httpx.post(url + "/v1/completions", timeout=30,
+                       json={"model": model, "prompt": "The quick", "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        # SIGTERM mid-stream: the in-flight stream still runs to its end, then the process exits 0.
+        body = {"model": model, "prompt": "The quick", "max_tokens": 100, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: {")
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
