@@ -7,7 +7,6 @@ is documented in docs/configuration.md.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Literal
 
@@ -51,11 +50,6 @@ class EngineConfig(BaseModel):
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
-
-    def resolved_cache_dir(self) -> Path:
-        if self.cache_dir:
-            return Path(self.cache_dir)
-        return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
 
 
 class WorkerConfig(EngineConfig):

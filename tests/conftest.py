@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from pathlib import Path
 
@@ -40,11 +41,17 @@ def hf_greedy():
 
 def _hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy `generate`, one prompt at a time (no padding effects), EOS ignored."""
+    # EOS must neither stop nor be suppressed (min_new_tokens would mask it), so generation runs
+    # with no EOS at all and the engine runs with ignore_eos.
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = None
+    config.pad_token_id = 0
+    config.do_sample = False
+    config.max_new_tokens = max_new_tokens
     outs = []
     with torch.inference_mode():
         for p in prompts:
             ids = torch.tensor([p])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
             outs.append(out[0, len(p):].tolist())
     return outs

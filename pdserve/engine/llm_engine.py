@@ -26,6 +26,7 @@ from pdserve.engine.scheduler import ScheduledSeq, Scheduler
 from pdserve.engine.sequence import FinishReason, RequestType, Sequence, SeqState
 from pdserve.engine.worker import pick_device, set_threads, worker_main
 from pdserve.models.config import ModelConfig
+from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.weights.hf_dir import read_config
 from pdserve.weights.resolve import resolve_model
 
@@ -46,13 +47,11 @@ class LLMEngine:
     def __init__(self, ecfg: EngineConfig, on_kv_event: Callable[[KVEvent], None] | None = None,
                  pool_allocator=None):
         self.ecfg = ecfg
-        self.model_dir = Path(resolve_model(ecfg.model, cache_dir=ecfg.resolved_cache_dir()))
+        self.model_dir = Path(resolve_model(ecfg.model, cache_dir=ecfg.cache_dir))
         self.model_cfg = ModelConfig.from_hf(read_config(self.model_dir))
         self.max_model_len = min(ecfg.max_model_len or self.model_cfg.max_position_embeddings,
                                  self.model_cfg.max_position_embeddings)
         self.model_name = ecfg.served_model_name or _default_name(ecfg.model, self.model_dir)
-        from pdserve.tokenizer import Tokenizer
-
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self._procs: list[mp.Process] = []
@@ -102,7 +101,7 @@ class LLMEngine:
                                "raise kv_cache_memory_gb or lower max_tokens")
         seq = Sequence(request_id, list(prompt_token_ids), params, request_type)
         self.seqs[request_id] = seq
-        self.trackers[request_id] = OutputTracker(seq, self.tokenizer.incremental_detokenizer())
+        self.trackers[request_id] = OutputTracker(seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids))
         self.scheduler.add(seq)
         return request_id
 

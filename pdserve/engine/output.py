@@ -43,7 +43,7 @@ class OutputTracker:
     def on_token(self, token_id: int, is_stop_token: bool) -> None:
         if self.detok is None or is_stop_token:
             return
-        self.text += self.detok.add(token_id)
+        self.text += self.detok.step(token_id)
         seq = self.seq
         if not seq.params.stop:
             return
