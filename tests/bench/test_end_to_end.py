@@ -1,0 +1,111 @@
+"""`pdserve bench` against a real `pdserve serve` process over a tiny model."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from pdserve.bench.cli import main_bench
+
+INPUT_LEN, OUTPUT_LEN, NUM = 32, 8, 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server_url(bench_model_dir):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "serve",
+                             str(bench_model_dir), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, f"pdserve serve exited early:\n{proc.stdout.read()}"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "pdserve serve did not answer /health within 60 s"
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _bench(server_url, bench_model_dir, *extra: str) -> int:
+    return main_bench(["--base-url", server_url, "--model", bench_model_dir.name, "--tokenizer", str(bench_model_dir),
+                       "--disable-tqdm", *extra])
+
+
+def test_poisson_run_results_are_complete_and_consistent(server_url, bench_model_dir, tmp_path, capsys):
+    out = tmp_path / "run.json"
+    rc = _bench(server_url, bench_model_dir, "--num-prompts", str(NUM), "--request-rate", "40", "--seed", "5",
+                "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN),
+                "--goodput", "ttft:60000", "tpot:60000", "--result-json", str(out))
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "Serving Benchmark Result" in table and "Mean TTFT (ms):" in table and "P99 ITL (ms):" in table
+
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "pdserve.bench.run/1" and doc["model"] == bench_model_dir.name
+    assert doc["config"]["request_rate"] == 40.0 and doc["config"]["goodput"] == {"ttft_ms": 60000.0,
+                                                                                   "tpot_ms": 60000.0}
+    assert (doc["completed"], doc["failed"], doc["stopped_early"]) == (NUM, 0, False)
+    assert doc["total_output_tokens"] == NUM * OUTPUT_LEN
+    assert doc["total_input_tokens"] == NUM * INPUT_LEN  # the server's usage agrees with the id prompts
+    assert doc["good_requests"] == NUM and doc["slo_attainment"] == 1.0
+    assert doc["request_goodput"] == pytest.approx(doc["request_throughput"]) == pytest.approx(NUM / doc["duration"])
+    assert doc["output_throughput"] == pytest.approx(NUM * OUTPUT_LEN / doc["duration"])
+
+    reqs = doc["requests"]
+    assert [r["index"] for r in reqs] == list(range(NUM))
+    for r in reqs:
+        assert r["success"] and r["error"] == "" and r["output_tokens"] == OUTPUT_LEN
+        # One SSE chunk per token from pdserve: OUTPUT_LEN - 1 gaps, and they add up to E2E - TTFT.
+        assert len(r["itl"]) == OUTPUT_LEN - 1
+        assert r["e2e"] == pytest.approx(r["ttft"] + sum(r["itl"]), abs=1e-6)
+        assert 0 < r["ttft"] < r["e2e"] <= doc["duration"]
+        assert r["arrival_time"] <= r["send_time"] + 1e-3
+    # Poisson at 40 req/s, seeded: the releases are spread out, not all at t = 0.
+    assert reqs[-1]["arrival_time"] > 0.01
+    tpots = [(r["e2e"] - r["ttft"]) / (OUTPUT_LEN - 1) * 1000 for r in reqs]
+    assert doc["mean_tpot_ms"] == pytest.approx(sum(tpots) / NUM)
+
+
+def test_max_duration_stops_the_run_and_names_why(server_url, bench_model_dir, tmp_path):
+    out = tmp_path / "cut.json"
+    t = time.monotonic()
+    rc = _bench(server_url, bench_model_dir, "--num-prompts", "500", "--max-concurrency", "2",
+                "--input-len", "16", "--output-len", "64", "--max-duration", "1.0", "--result-json", str(out))
+    assert time.monotonic() - t < 15
+    doc = json.loads(out.read_text())
+    assert rc == 0 and doc["stopped_early"] and doc["duration"] < 2.0
+    assert doc["completed"] + doc["failed"] == 500 and doc["failed"] > 0
+    errors = {r["error"].split(":")[0] for r in doc["requests"] if not r["success"]}
+    assert errors <= {"cancelled", "not sent"} and "not sent" in errors
+
+
+def test_wrong_model_is_a_clear_error(server_url, bench_model_dir, capsys):
+    rc = main_bench(["--base-url", server_url, "--model", "no-such-model", "--tokenizer", str(bench_model_dir),
+                     "--num-prompts", "2", "--disable-tqdm"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "no-such-model" in err and "HTTP 404" in err and "--model" in err
