@@ -14,6 +14,38 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
+class BounceSettings(BaseModel):
+    """Gather many small KV fragments into one staging write. Both sides must use equal values."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = False
+    staging_mb: int = Field(256, ge=1, description="registered staging buffer per rank, MiB")
+    min_kv_blocks: int = Field(96, ge=1)
+    min_fragments: int = Field(1024, ge=1)
+    max_mean_fragment_kb: int = Field(16, ge=1)
+
+
+class CacheTransceiverConfig(BaseModel):
+    """KV exchange between a context and a generation instance. No backend means disabled."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backend: Literal["nixl", "shm"] | None = Field(
+        None, description="transfer agent; required for context_only / generation_only requests")
+    kv_transfer_timeout_ms: int = Field(30_000, ge=1, description="a transfer older than this fails and frees its KV")
+    rank_info_timeout_s: float = Field(5.0, gt=0, description="first contact with a context instance")
+    host: str = Field("127.0.0.1", description="address the KV control endpoints bind to and advertise")
+    bounce: BounceSettings = BounceSettings()
+    pipelined_transfer: bool = Field(False, description="send finished prefill chunks early (not supported yet)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "CacheTransceiverConfig":
+        if self.pipelined_transfer:
+            raise ValueError("cache_transceiver_config.pipelined_transfer is not supported yet; set it to false")
+        return self
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -38,6 +70,8 @@ class EngineConfig(BaseModel):
     dist_port: int = Field(0, ge=0, le=65535, description="0 = pick a free port")
     cache_dir: str | None = Field(None, description="where converted GGUF models are cached; default ~/.cache/pdserve")
     seed: int = 0
+    instance_name: str | None = Field(None, description="this instance's name towards KV peers; default: random")
+    cache_transceiver_config: CacheTransceiverConfig = CacheTransceiverConfig()
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
@@ -56,6 +90,8 @@ class WorkerConfig(EngineConfig):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     api_key: str | None = Field(None, description="when set, /v1/* requires 'Authorization: Bearer <key>'")
+    kv_events_port: int | None = Field(None, ge=0, le=65535,
+                                       description="publish KV cache events on a ZeroMQ PUB socket (0 = free port)")
 
 
 def load_yaml(path: str | Path | None, cls: type[BaseModel], **overrides) -> BaseModel:

@@ -13,6 +13,8 @@ import itertools
 import logging
 import multiprocessing as mp
 import socket
+import time
+import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -23,7 +25,8 @@ from pdserve.engine.model_runner import ModelRunner, SeqStep, StepSpec
 from pdserve.engine.output import OutputTracker, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler
-from pdserve.engine.sequence import FinishReason, RequestType, Sequence, SeqState
+from pdserve.engine.kv_connector import TransferTally
+from pdserve.engine.sequence import DisaggInfo, FinishReason, RequestType, Sequence, SeqState
 from pdserve.engine.worker import pick_device, set_threads, worker_main
 from pdserve.models.config import ModelConfig
 from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -35,6 +38,10 @@ log = logging.getLogger(__name__)
 
 class RequestError(ValueError):
     """A request the engine cannot take; the message says why (the HTTP layer answers 400)."""
+
+
+class ConflictError(RequestError):
+    """A second in-flight request with the same disaggregated request id (HTTP 409)."""
 
 
 def _free_port(host: str) -> int:
@@ -54,6 +61,7 @@ class LLMEngine:
         self.model_name = ecfg.served_model_name or _default_name(ecfg.model, self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+        self.instance_name = ecfg.instance_name or f"pdserve-{uuid.uuid4().hex[:8]}"
         self._procs: list[mp.Process] = []
         self.runner = self._start_ranks(pool_allocator)
         self.blocks = BlockManager(self.runner.num_blocks, ecfg.tokens_per_block, ecfg.enable_prefix_caching, on_kv_event)
@@ -61,6 +69,9 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.trackers: dict[str, OutputTracker] = {}
         self._ids = itertools.count()
+        self.by_disagg_id: dict[int, Sequence] = {}
+        self._tally = TransferTally(ecfg.world_size)
+        self._kv_cancels: list[int] = []
 
     def _start_ranks(self, pool_allocator) -> ModelRunner:
         ecfg = self.ecfg
@@ -71,18 +82,28 @@ class LLMEngine:
             ctx = mp.get_context("spawn")
             for rank in range(1, ecfg.world_size):
                 p = ctx.Process(target=worker_main, args=(rank, ecfg, str(self.model_dir), init_method,
-                                                          self.max_model_len), daemon=True, name=f"pdserve-rank{rank}")
+                                                          self.max_model_len, self.instance_name),
+                                daemon=True, name=f"pdserve-rank{rank}")
                 p.start()
                 self._procs.append(p)
         backend = "nccl" if device.type == "cuda" else "gloo"
         ps = init_parallel(ecfg.tensor_parallel_size, ecfg.pipeline_parallel_size, 0, init_method, backend)
-        return ModelRunner(ecfg, self.model_cfg, self.model_dir, ps, device, self.max_model_len, pool_allocator)
+        return ModelRunner(ecfg, self.model_cfg, self.model_dir, ps, device, self.max_model_len, self.instance_name,
+                           pool_allocator)
+
+    @property
+    def kv_endpoint(self) -> str | None:
+        """Rank 0's KV control endpoint (what generation instances are told), or None if disabled."""
+        return self.runner.connector.endpoint if self.runner.connector is not None else None
 
     # -- requests ---------------------------------------------------------------------------------
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    request_type: RequestType = RequestType.CONTEXT_AND_GENERATION) -> str:
+                    request_type: RequestType = RequestType.CONTEXT_AND_GENERATION,
+                    disagg: DisaggInfo | None = None) -> str:
         request_id = request_id or f"req-{next(self._ids)}"
+        if request_type is not RequestType.CONTEXT_AND_GENERATION:
+            self._check_disagg(request_type, disagg)
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in flight")
         n = len(prompt_token_ids)
@@ -99,29 +120,113 @@ class LLMEngine:
         if need > self.blocks.num_blocks:
             raise RequestError(f"the request needs {need} KV blocks but the cache holds {self.blocks.num_blocks}; "
                                "raise kv_cache_memory_gb or lower max_tokens")
-        seq = Sequence(request_id, list(prompt_token_ids), params, request_type)
+        seq = Sequence(request_id, list(prompt_token_ids), params, request_type, disagg=disagg)
+        tracker = OutputTracker(seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids))
+        if request_type is RequestType.GENERATION_ONLY:
+            # Decode resumes after the context instance's first token, which is part of our output.
+            seq.output_token_ids = list(disagg.first_gen_tokens)
+            for t in seq.output_token_ids:
+                tracker.on_token(t, False)
+        if disagg is not None:
+            self.by_disagg_id[disagg.disagg_request_id] = seq
         self.seqs[request_id] = seq
-        self.trackers[request_id] = OutputTracker(seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids))
+        self.trackers[request_id] = tracker
         self.scheduler.add(seq)
         return request_id
 
+    def _check_disagg(self, request_type: RequestType, disagg: DisaggInfo | None) -> None:
+        if self.runner.connector is None:
+            raise RequestError(
+                f"request_type {request_type.value!r} needs the KV transceiver, which is disabled on this worker: "
+                "set cache_transceiver_config.backend (nixl or shm) in its config")
+        if disagg is None or disagg.disagg_request_id <= 0:
+            raise RequestError(f"request_type {request_type.value!r} needs disaggregated_params.disagg_request_id > 0")
+        if disagg.disagg_request_id in self.by_disagg_id:
+            raise ConflictError(f"disagg_request_id {disagg.disagg_request_id} is already in flight on this worker")
+        if request_type is RequestType.GENERATION_ONLY:
+            if len(disagg.first_gen_tokens) != 1:
+                raise RequestError("generation_only needs exactly one token in disaggregated_params.first_gen_tokens")
+            if not disagg.ctx_info_endpoint:
+                raise RequestError("generation_only needs disaggregated_params.ctx_info_endpoint")
+
     def abort(self, request_id: str) -> None:
         seq = self.seqs.get(request_id)
-        if seq is not None and not seq.is_finished:
-            seq.finish(FinishReason.ABORT)
+        if seq is None or seq.is_finished:
+            return
+        seq.finish(FinishReason.ABORT)
+        if seq.disagg is not None and seq.disagg.transfer_started:
+            # A write may still land in these blocks: free them only once every rank confirms.
+            self._cancel_transfer(seq)
+        else:
             self._retire(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.scheduler.parked)
 
     # -- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        if not batch:
+        kv = self._kv_commands()
+        if not batch and not kv and not self.scheduler.parked:
             return []
-        result = self.runner.step(self._spec(batch))
-        return self._postprocess(batch, result)
+        spec = self._spec(batch)
+        spec.kv = kv
+        result = self.runner.step(spec)
+        outputs = self._postprocess(batch, result.sampled) if batch else []
+        if result.kv_reports is not None:
+            outputs += self._settle_transfers(result.kv_reports)
+        if not batch:
+            time.sleep(0.001)  # only transfers in flight: poll, don't spin
+        return outputs
+
+    # -- the KV exchange --------------------------------------------------------------------------
+
+    def _kv_commands(self) -> list[list]:
+        cmds = [["cancel", rid] for rid in self._kv_cancels]
+        self._kv_cancels.clear()
+        for seq in self.scheduler.parked.values():
+            d = seq.disagg
+            if d is None or d.transfer_started:
+                continue
+            d.transfer_started = True
+            if seq.state is SeqState.CTX_TRANSMITTING:
+                cmds.append(["send", d.disagg_request_id, seq.block_ids])
+            elif seq.state is SeqState.GEN_AWAITING_KV:
+                cmds.append(["recv", d.disagg_request_id, d.ctx_info_endpoint, seq.block_ids, d.ctx_dp_rank])
+        return cmds
+
+    def _cancel_transfer(self, seq: Sequence) -> None:
+        if not seq.disagg.cancelling:
+            seq.disagg.cancelling = True
+            self._kv_cancels.append(seq.disagg.disagg_request_id)
+
+    def _settle_transfers(self, reports) -> list[RequestOutput]:
+        for rank, report in enumerate(reports):
+            self._tally.add(rank, report)
+            for rid in report.failed:  # stop the other ranks early instead of waiting for their timeout
+                seq = self.by_disagg_id.get(rid)
+                if seq is not None:
+                    self._cancel_transfer(seq)
+        outputs = []
+        for rid, failure in self._tally.settled().items():
+            seq = self.by_disagg_id.get(rid)
+            if seq is None:
+                continue
+            if seq.state is SeqState.GEN_AWAITING_KV and failure is None:
+                self.scheduler.kv_arrived(seq.request_id)
+                outputs.append(self.trackers[seq.request_id].flush())
+                continue
+            if failure is not None:
+                log.warning("KV transfer of request %d failed: %s", rid, failure)
+            if seq.state is SeqState.GEN_AWAITING_KV:
+                seq.error = f"KV transfer from {seq.disagg.ctx_info_endpoint} failed: {failure}"
+                seq.finish(FinishReason.ERROR)
+            tracker = self.trackers.pop(seq.request_id, None)
+            if tracker is not None and seq.finish_reason is not FinishReason.ABORT:
+                outputs.append(tracker.flush())
+            self._retire(seq)
+        return outputs
 
     def _spec(self, batch: list[ScheduledSeq]) -> StepSpec:
         steps = []
@@ -152,12 +257,25 @@ class LLMEngine:
             self._check_stop(seq, token)
             if seq.is_finished:
                 self._retire(seq)
+                outputs.append(self.trackers.pop(seq.request_id).flush())
             elif seq.request_type is RequestType.CONTEXT_ONLY:
                 self.scheduler.park(seq)
-            outputs.append(self.trackers[seq.request_id].flush())
-            if seq.is_finished:
-                self.trackers.pop(seq.request_id)
+                outputs.append(self._context_done(seq))
+            else:
+                outputs.append(self.trackers[seq.request_id].flush())
         return outputs
+
+    def _context_done(self, seq: Sequence) -> RequestOutput:
+        """context_only: the client's answer is complete; the KV stays until the transfer settles."""
+        out = self.trackers.pop(seq.request_id).flush()
+        out.finished, out.finish_reason = True, FinishReason.LENGTH.value
+        d = seq.disagg
+        out.disaggregated_params = {
+            "request_type": RequestType.GENERATION_ONLY.value, "first_gen_tokens": list(seq.output_token_ids),
+            "ctx_request_id": d.disagg_request_id, "disagg_request_id": d.disagg_request_id,
+            "opaque_state": None, "draft_tokens": None, "ctx_dp_rank": 0, "ctx_info_endpoint": self.kv_endpoint,
+        }
+        return out
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
@@ -176,6 +294,8 @@ class LLMEngine:
     def _retire(self, seq: Sequence) -> None:
         self.scheduler.release(seq)
         self.seqs.pop(seq.request_id, None)
+        if seq.disagg is not None:
+            self.by_disagg_id.pop(seq.disagg.disagg_request_id, None)
 
     def take_abort_output(self, request_id: str) -> RequestOutput | None:
         tracker = self.trackers.pop(request_id, None)
@@ -199,6 +319,7 @@ class LLMEngine:
 
     def stats(self) -> dict:
         return {
+            "parked": len(self.scheduler.parked),
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "kv_blocks_total": self.blocks.num_blocks,

@@ -8,7 +8,7 @@ The last stage's first TP rank samples and returns the tokens to rank 0.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import msgpack
@@ -16,11 +16,13 @@ import torch
 import torch.distributed as dist
 
 from pdserve.distributed import ParallelState, broadcast_bytes, recv_bytes, send_bytes
+from pdserve.engine.kv_connector import KVConnector, RankReport, shared_pool_allocator
 from pdserve.engine.sampler import SampleResult, SampleSpec, sample
 from pdserve.models.attention import AttentionMetadata, PagedKVCache, SeqSlice
 from pdserve.models.config import ModelConfig
 from pdserve.models.llama import LlamaForCausalLM, stage_layers
 from pdserve.models.loader import load_weights
+from pdserve.kv_transfer.rank_info import RankInfo
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +40,22 @@ class SeqStep:
 @dataclass
 class StepSpec:
     seqs: list[SeqStep]
+    kv: list[list] = field(default_factory=list)  # KV exchange commands (see kv_connector.py)
     shutdown: bool = False
 
     def to_bytes(self) -> bytes:
-        return msgpack.packb({"s": [asdict(s) for s in self.seqs], "x": self.shutdown})
+        return msgpack.packb({"s": [asdict(s) for s in self.seqs], "k": self.kv, "x": self.shutdown})
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "StepSpec":
         d = msgpack.unpackb(data)
-        return cls([SeqStep(**s) for s in d["s"]], d["x"])
+        return cls([SeqStep(**s) for s in d["s"]], d["k"], d["x"])
+
+
+@dataclass
+class StepResult:
+    sampled: SampleResult | None
+    kv_reports: list[RankReport] | None  # one per rank when the instance has a KV connector
 
 
 def kv_block_bytes(cfg: ModelConfig, num_layers: int, tp_size: int, tokens_per_block: int, dtype: torch.dtype) -> int:
@@ -65,7 +74,7 @@ def num_kv_blocks(cfg: ModelConfig, ecfg, kv_dtype: torch.dtype) -> int:
 
 class ModelRunner:
     def __init__(self, ecfg, model_cfg: ModelConfig, model_dir: Path, ps: ParallelState, device: torch.device,
-                 max_model_len: int, pool_allocator=None):
+                 max_model_len: int, instance_name: str, pool_allocator=None):
         self.ecfg = ecfg
         self.ps = ps
         self.device = device
@@ -80,18 +89,37 @@ class ModelRunner:
         kv_heads = attn.num_kv_heads if attn else max(1, model_cfg.num_kv_heads // ps.tp_size)
         T, D, L = self.tokens_per_block, model_cfg.head_dim, self.model.num_local_layers
         shape = [self.num_blocks, L, 2, kv_heads, T, D] if ecfg.kv_layout == "HND" else [self.num_blocks, L, 2, T, kv_heads, D]
-        if pool_allocator is not None:
+        self._allocator = pool_allocator or shared_pool_allocator(ecfg.cache_transceiver_config.backend)
+        if self._allocator is not None:
             nbytes = self.num_blocks * L * 2 * kv_heads * T * D * self.kv_dtype.itemsize
-            self.pool = pool_allocator(nbytes).view(self.kv_dtype).view(shape)
+            self.pool = self._allocator(nbytes).view(self.kv_dtype).view(shape)
         else:
             self.pool = torch.zeros(shape, dtype=self.kv_dtype, device=device)
         self.cache = PagedKVCache(self.pool, ecfg.kv_layout)
         self.kv_heads_per_rank = kv_heads
+        self.connector: KVConnector | None = None
+        tc = ecfg.cache_transceiver_config
+        if tc.backend is not None:
+            self.connector = KVConnector(
+                tc, ps, instance_name, self.pool, ecfg.kv_layout, self.model.first_layer,
+                stage_layers(model_cfg.num_layers, ps.pp_size), model_cfg.num_kv_heads, kv_heads,
+                model_cfg.head_dim, self.tokens_per_block)
+            self.connector.start([RankInfo.from_bytes(b) for b in self._all_gather_bytes(self.connector.info.to_bytes())])
+
+    def _all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's bytes, in rank order, on every rank (gathered to rank 0, then broadcast)."""
+        if self.ps.world_size == 1:
+            return [data]
+        if self.ps.rank == 0:
+            parts = [data] + [recv_bytes(r) for r in range(1, self.ps.world_size)]
+            return msgpack.unpackb(broadcast_bytes(msgpack.packb(parts)))
+        send_bytes(data, dst=0)
+        return msgpack.unpackb(broadcast_bytes(None))
 
     # -- the step -----------------------------------------------------------------------------
 
-    def step(self, spec: StepSpec) -> SampleResult | None:
-        """Rank 0 entry point: share the spec with the other ranks, run, return sampled tokens."""
+    def step(self, spec: StepSpec) -> StepResult:
+        """Rank 0 entry point: share the spec with the other ranks, run, collect their results."""
         if self.ps.world_size > 1:
             broadcast_bytes(spec.to_bytes())
         return self.execute(spec)
@@ -101,15 +129,35 @@ class ModelRunner:
         while True:
             spec = StepSpec.from_bytes(broadcast_bytes(None))
             if spec.shutdown:
+                self.close()
                 return
             self.execute(spec)
 
     def shutdown(self) -> None:
         if self.ps.world_size > 1:
             broadcast_bytes(StepSpec([], shutdown=True).to_bytes())
+        self.close()
+
+    def close(self) -> None:
+        if self.connector is not None:
+            self.connector.close()
+            self.connector = None
+
+    def execute(self, spec: StepSpec) -> StepResult:
+        """Every rank: KV exchange commands and polls, then the forward step. Only rank 0's return
+        value carries anything; the other ranks send theirs to it."""
+        report = self.connector.apply(spec.kv) if self.connector is not None else None
+        sampled = self._forward(spec) if spec.seqs else None
+        if report is None:
+            return StepResult(sampled, None)
+        if self.ps.rank != 0:
+            send_bytes(msgpack.packb(report.to_wire()), dst=0)
+            return StepResult(None, None)
+        reports = [report] + [RankReport.from_wire(msgpack.unpackb(recv_bytes(r))) for r in range(1, self.ps.world_size)]
+        return StepResult(sampled, reports)
 
     @torch.inference_mode()
-    def execute(self, spec: StepSpec) -> SampleResult | None:
+    def _forward(self, spec: StepSpec) -> SampleResult | None:
         ids, positions, md, sample_rows = self._prepare(spec)
         ps = self.ps
         if ps.is_first_stage:

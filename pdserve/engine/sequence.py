@@ -43,6 +43,18 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass
+class DisaggInfo:
+    """Where a disaggregated request's KV comes from or goes to."""
+
+    disagg_request_id: int  # the transfer's key on both instances
+    ctx_info_endpoint: str | None = None  # generation_only: the context instance's control endpoint
+    ctx_dp_rank: int = 0
+    first_gen_tokens: tuple[int, ...] = ()
+    transfer_started: bool = False
+    cancelling: bool = False  # abort requested while a transfer may still write
+
+
+@dataclass
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]
@@ -57,6 +69,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    disagg: "DisaggInfo | None" = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
 

@@ -1,0 +1,164 @@
+"""One rank's end of the KV exchange: its transfer agent, transceiver and RankInfo.
+
+Every rank of an instance owns a `KVConnector` over its own KV pool. Rank 0 decides *what* moves
+(commands in the step spec, identical on every rank and applied in the same order); each rank moves
+its own bytes and reports what finished. Rank 0 changes a request's state only once every rank has
+reported on it (`TransferTally`), so no rank frees or reads blocks another rank is still writing.
+
+Commands (msgpack-friendly lists):
+    ["send", disagg_id, block_ids]                         context side: offer this request's KV
+    ["recv", disagg_id, ctx_endpoint, block_ids, dp_rank]   generation side: pull it into block_ids
+    ["cancel", disagg_id]                                   stop; confirmed once no write can land
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pdserve.config import CacheTransceiverConfig
+from pdserve.distributed import ParallelState
+from pdserve.kv_transfer.agents import MemoryRegion, make_agent
+from pdserve.kv_transfer.bounce import BounceConfig
+from pdserve.kv_transfer.errors import KVTransferError
+from pdserve.kv_transfer.page_table import MapperKind, page_table_for_block_major_pool
+from pdserve.kv_transfer.rank_info import RankInfo
+from pdserve.kv_transfer.transceiver import KVTransceiver, TransceiverConfig
+
+log = logging.getLogger(__name__)
+
+LAYER_GROUP = 0  # Llama-family models have one full-attention layer group
+
+
+def shared_pool_allocator(backend: str | None):
+    """The shm agent can only expose memory it allocated; other backends take any tensor."""
+    if backend != "shm":
+        return None
+    from pdserve.kv_transfer.agents.shm import allocate_shared
+
+    buffers = []  # keep the mappings alive as long as the pool
+
+    def allocate(nbytes: int) -> torch.Tensor:
+        buf = allocate_shared(nbytes)
+        buffers.append(buf)
+        return buf.torch()
+
+    allocate.buffers = buffers
+    return allocate
+
+
+@dataclass
+class RankReport:
+    """What one rank finished this step (request ids are disagg ids)."""
+
+    done: list[int] = field(default_factory=list)
+    failed: dict[int, str] = field(default_factory=dict)
+    cancelled: list[int] = field(default_factory=list)
+
+    def to_wire(self) -> list:
+        return [self.done, list(self.failed.items()), self.cancelled]
+
+    @classmethod
+    def from_wire(cls, w: list) -> "RankReport":
+        return cls(list(w[0]), {int(k): v for k, v in w[1]}, list(w[2]))
+
+
+class KVConnector:
+    def __init__(self, cfg: CacheTransceiverConfig, ps: ParallelState, instance_name: str, pool: torch.Tensor,
+                 layout: str, first_layer: int, stage_layers: list[int],
+                 total_kv_heads: int, kv_heads_per_rank: int, head_dim: int, tokens_per_block: int):
+        self.ps = ps
+        self.agent = make_agent(cfg.backend, name=f"{instance_name}-rank{ps.rank}")
+        self.region = MemoryRegion.of_tensor(pool)
+        self.agent.register_memory(self.region)
+        bounce = None
+        if cfg.bounce.enabled:
+            b = cfg.bounce
+            bounce = BounceConfig(staging_bytes=b.staging_mb << 20, min_kv_blocks=b.min_kv_blocks,
+                                  min_fragments=b.min_fragments, max_avg_fragment_bytes=b.max_mean_fragment_kb << 10)
+        self.tx = KVTransceiver(self.agent, TransceiverConfig(cfg.kv_transfer_timeout_ms, cfg.rank_info_timeout_s, bounce),
+                                host=cfg.host)
+        num_local = pool.shape[1]
+        table = page_table_for_block_major_pool(
+            base=pool.data_ptr(), num_blocks=pool.shape[0], num_layers=num_local, kv_heads=kv_heads_per_rank,
+            tokens_per_block=tokens_per_block, head_dim=head_dim, element_bytes=pool.element_size(),
+            layout=MapperKind[layout], global_layer_ids=range(first_layer, first_layer + num_local))
+        self.info = RankInfo(
+            instance_name=instance_name, rank=ps.rank, tp_size=ps.tp_size, tp_rank=ps.tp_rank, pp_size=ps.pp_size,
+            pp_rank=ps.pp_rank, cp_size=1, cp_rank=0, dp_size=1, dp_rank=0, layers_per_pp_stage=tuple(stage_layers),
+            total_kv_heads=total_kv_heads, kv_heads_per_rank=kv_heads_per_rank, head_dim=head_dim,
+            element_bytes=pool.element_size(), tokens_per_block=tokens_per_block, page_table=table,
+            agent_descriptor=self.tx.local_descriptor(), control_endpoint=self.tx.endpoint)
+        self.endpoint: str | None = None  # rank 0's control endpoint: what peers are told
+        self._cancelling: set[int] = set()
+
+    def start(self, instance: list[RankInfo]) -> None:
+        self.tx.start(self.info, instance)
+        self.endpoint = instance[0].control_endpoint
+
+    def apply(self, commands: list[list]) -> RankReport:
+        """Run rank 0's commands, then report what finished on this rank."""
+        report = RankReport()
+        for cmd in commands:
+            kind, rid = cmd[0], int(cmd[1])
+            try:
+                if kind == "send":
+                    self.tx.respond_and_send_async(rid, {LAYER_GROUP: np.asarray(cmd[2], dtype=np.int64)})
+                elif kind == "recv":
+                    self.tx.request_and_receive_async(rid, cmd[2], {LAYER_GROUP: np.asarray(cmd[3], dtype=np.int64)},
+                                                      ctx_dp_rank=int(cmd[4]))
+                elif kind == "cancel":
+                    self._cancelling.add(rid)
+                else:
+                    raise AssertionError(f"unknown KV command {kind!r}")
+            except (KVTransferError, OSError, ValueError) as e:
+                log.warning("rank %d: KV %s of request %d failed: %s", self.ps.rank, kind, rid, e)
+                report.failed[rid] = f"{type(e).__name__}: {e}"
+        if self.tx.send_sessions:
+            r = self.tx.check_context_transfer_status()
+            report.done += r.completed
+            report.failed.update(r.failed)
+        if self.tx.recv_sessions:
+            r = self.tx.check_gen_transfer_status()
+            report.done += r.completed
+            report.failed.update(r.failed)
+        for rid in list(self._cancelling):
+            if self.tx.cancel_request(rid):
+                self._cancelling.discard(rid)
+                report.cancelled.append(rid)
+        return report
+
+    def close(self) -> None:
+        self.tx.close()
+        self.agent.deregister_memory(self.region)
+        self.agent.shutdown()
+
+
+class TransferTally:
+    """Rank 0's view: a request's transfer is settled once every rank reported it done, failed or
+    cancelled. Settled as success only if every rank reported done."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self._seen: dict[int, dict[int, str]] = {}  # disagg id -> rank -> "done" | reason
+
+    def add(self, rank: int, report: RankReport) -> None:
+        for rid in report.done:
+            self._seen.setdefault(rid, {})[rank] = "done"
+        for rid, reason in report.failed.items():
+            self._seen.setdefault(rid, {})[rank] = reason
+        for rid in report.cancelled:
+            self._seen.setdefault(rid, {}).setdefault(rank, "cancelled")
+
+    def settled(self) -> dict[int, str | None]:
+        """disagg id -> None (success) or the failure reason, for every request all ranks reported."""
+        out = {}
+        for rid, by_rank in list(self._seen.items()):
+            if len(by_rank) == self.world_size:
+                reasons = [r for r in by_rank.values() if r != "done"]
+                out[rid] = reasons[0] if reasons else None
+                del self._seen[rid]
+        return out

@@ -1,0 +1,95 @@
+"""context_only -> generation_only between two single-rank engines in one process (real shm/NIXL
+agents and ZeroMQ control plane); the multi-process, multi-rank pairs live in tests/disagg_e2e."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.llm import LLM
+from pdserve.engine.llm_engine import ConflictError, LLMEngine, RequestError
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import DisaggInfo, RequestType
+from pdserve.testing import make_tiny_model
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", num_layers=3, num_heads=4, num_kv_heads=2,
+                               head_dim=16))
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 21, 40)]
+
+
+def _engine(model, backend, tokens_per_block=8, layout="HND", **transceiver):
+    transceiver = {"backend": backend, "kv_transfer_timeout_ms": 5000, **transceiver}
+    return LLMEngine(EngineConfig(model=model, tokens_per_block=tokens_per_block, num_kv_blocks=64, kv_layout=layout,
+                                  cache_transceiver_config=transceiver))
+
+
+def _run_until(engines, done, limit=2000):
+    outs = []
+    for _ in range(limit):
+        for e in engines:
+            outs += e.step()
+        if done(outs):
+            return outs
+    raise AssertionError("engines did not finish")
+
+
+@pytest.mark.parametrize("backend,ctx_tpb,gen_tpb,layout", [("shm", 8, 8, "HND"), ("shm", 8, 16, "HND"),
+                                                            ("nixl", 16, 8, "HND"), ("shm", 8, 8, "NHD")])
+def test_disaggregated_equals_aggregated(tiny, backend, ctx_tpb, gen_tpb, layout):
+    prompts = _prompts()
+    with LLM(EngineConfig(model=tiny, tokens_per_block=8)) as llm:
+        expected = [c.token_ids for c in llm.generate(prompts, GREEDY)]
+    ctx = _engine(tiny, backend, ctx_tpb, layout)
+    gen = _engine(tiny, backend, gen_tpb, layout)
+    try:
+        for i, p in enumerate(prompts):
+            ctx.add_request(p, GREEDY, f"c{i}", RequestType.CONTEXT_ONLY, DisaggInfo(1000 + i))
+        ctx_outs = _run_until([ctx], lambda outs: len(outs) == len(prompts))
+        params = {o.request_id: o.disaggregated_params for o in ctx_outs}
+        for i, p in enumerate(prompts):
+            d = params[f"c{i}"]
+            gen.add_request(p, GREEDY, f"g{i}", RequestType.GENERATION_ONLY,
+                            DisaggInfo(d["disagg_request_id"], d["ctx_info_endpoint"], 0, tuple(d["first_gen_tokens"])))
+        tokens = {f"g{i}": [] for i in range(len(prompts))}
+        outs = _run_until([ctx, gen], lambda outs: sum(o.finished for o in outs) == len(prompts))
+        for o in outs:
+            tokens[o.request_id] += o.new_token_ids
+        assert [tokens[f"g{i}"] for i in range(len(prompts))] == expected
+        _run_until([ctx, gen], lambda _: not ctx.has_unfinished())
+        assert ctx.blocks.num_free_blocks == ctx.blocks.num_blocks
+        assert gen.blocks.num_free_blocks == gen.blocks.num_blocks
+    finally:
+        ctx.shutdown()
+        gen.shutdown()
+
+
+def test_disaggregated_requests_need_a_backend(tiny):
+    with LLM(EngineConfig(model=tiny, tokens_per_block=8)) as llm:
+        with pytest.raises(RequestError, match="cache_transceiver_config.backend"):
+            llm.engine.add_request([5, 6, 7], GREEDY, request_type=RequestType.CONTEXT_ONLY, disagg=DisaggInfo(1))
+
+
+def test_duplicate_in_flight_id_is_a_conflict_and_dead_context_fails_cleanly(tiny):
+    gen = _engine(tiny, "shm", kv_transfer_timeout_ms=2000, rank_info_timeout_s=0.5)
+    try:
+        dead = "tcp://127.0.0.1:9"  # nothing listens there
+        gen.add_request([5, 6, 7, 8], GREEDY, "g0", RequestType.GENERATION_ONLY, DisaggInfo(77, dead, 0, (9,)))
+        with pytest.raises(ConflictError, match="77"):
+            gen.add_request([5, 6, 7, 8], GREEDY, "g1", RequestType.GENERATION_ONLY, DisaggInfo(77, dead, 0, (9,)))
+        outs = _run_until([gen], lambda outs: any(o.finished for o in outs), limit=5000)
+        final = [o for o in outs if o.finished][0]
+        assert final.finish_reason == "error" and "KV transfer" in final.error
+        assert gen.blocks.num_free_blocks == gen.blocks.num_blocks
+        assert not gen.has_unfinished()
+    finally:
+        gen.shutdown()
