@@ -1,0 +1,215 @@
+"""The orchestrator's HTTP surface (FastAPI) and `run_orchestrator`.
+
+Public (API key when configured): POST /v1/completions, POST /v1/chat/completions, GET /v1/models.
+Open: GET /health (200 once each role has a ready instance, else 503 naming what is missing).
+Internal (cluster token when configured): GET /cluster_info, GET /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import socket
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.disagg.cluster import LocalCluster
+from pdserve.disagg.config import DisaggConfig
+from pdserve.disagg.errors import OrchestratorError
+from pdserve.disagg.metrics import OrchestratorMetrics
+from pdserve.disagg.orchestrator import CHAT, COMPLETIONS, Orchestrator
+from pdserve.disagg.request_id import RequestIdGenerator
+from pdserve.disagg.upstream import make_client
+
+log = logging.getLogger(__name__)
+
+CLUSTER_TOKEN_HEADER = "x-cluster-token"
+INTERNAL_PATHS = ("/cluster_info", "/metrics")
+CLIENT_CLOSED = 499
+
+
+class AuthMiddleware:
+    """Pure ASGI: /v1/* needs 'Authorization: Bearer <api_key>', internal paths need X-Cluster-Token;
+    checked before the body is read, so a 401 wins over every other error."""
+
+    def __init__(self, app, api_key: str | None, cluster_token: str | None, internal_paths=INTERNAL_PATHS):
+        self.app, self.internal_paths = app, internal_paths
+        self.api_key = api_key.encode() if api_key else None
+        self.cluster_token = cluster_token.encode() if cluster_token else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            path = scope["path"]
+            if self.api_key is not None and path.startswith("/v1/"):
+                scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+                if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.api_key):
+                    err = OrchestratorError(401, "missing or incorrect API key: send the header "
+                                                 "'Authorization: Bearer <key>'", "invalid_api_key")
+                    await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                    return
+            if self.cluster_token is not None and path in self.internal_paths:
+                if not secrets.compare_digest(headers.get(CLUSTER_TOKEN_HEADER.encode(), b""), self.cluster_token):
+                    err = OrchestratorError(401, "missing or incorrect cluster token: send the header "
+                                                 "'X-Cluster-Token: <cluster_token>'", "invalid_cluster_token")
+                    await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
+def build_app(cfg: DisaggConfig, *, process_id: int = 0, cluster=None) -> FastAPI:
+    """The orchestrator app. `cluster` defaults to a LocalCluster (one process owns routing); a fleet
+    worker passes a RemoteCluster. The pooled HTTP client lives as long as the app."""
+    metrics = OrchestratorMetrics()
+    state: dict = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        http = make_client(cfg.request_timeout)
+        c = cluster if cluster is not None else LocalCluster(cfg)
+        await c.start(http)
+        state["cluster"] = c
+        state["orchestrator"] = Orchestrator(cfg, c, http, RequestIdGenerator(cfg.node_id, process_id), metrics)
+        try:
+            yield
+        finally:
+            await c.close()
+            await http.aclose()
+
+    app = FastAPI(title="pdserve orchestrator", lifespan=lifespan)
+    app.add_middleware(AuthMiddleware, api_key=cfg.api_key, cluster_token=cfg.cluster_token)
+    app.state.metrics = metrics
+
+    @app.exception_handler(OrchestratorError)
+    async def on_error(_: Request, e: OrchestratorError):
+        metrics.client_errors.labels(str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(_: Request, e: Exception):
+        log.exception("unhandled error in a request")
+        metrics.client_errors.labels("500").inc()
+        err = OrchestratorError(500, f"internal error: {type(e).__name__}: {e}", "internal_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    async def proxy(api: str, request: Request):
+        try:
+            body = json.loads(await request.body())
+        except ValueError as e:
+            raise OrchestratorError(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
+        if not isinstance(body, dict):
+            raise OrchestratorError(400, "the request body must be a JSON object", "invalid_body")
+        if not isinstance(body.get("stream", False), bool):
+            raise OrchestratorError(400, f"invalid value for 'stream': expected a boolean, got {body['stream']!r}",
+                                    "invalid_value", "stream")
+        metrics.in_flight.inc()
+        work = state["orchestrator"].serve(api, body, request.headers.get("x-conversation-id"))
+        try:
+            result = await _unless_disconnected(request, work)
+        except BaseException:
+            metrics.in_flight.dec()
+            raise
+        if result is None:
+            metrics.in_flight.dec()
+            return Response(status_code=CLIENT_CLOSED)
+        if isinstance(result, dict):
+            metrics.in_flight.dec()
+            return JSONResponse(result)
+        return StreamingResponse(_counted(result, metrics), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post(COMPLETIONS)
+    async def completions(request: Request):
+        return await proxy(COMPLETIONS, request)
+
+    @app.post(CHAT)
+    async def chat_completions(request: Request):
+        return await proxy(CHAT, request)
+
+    @app.get("/v1/models")
+    async def models():
+        listing = state["cluster"].model_list()
+        if listing is None:
+            raise OrchestratorError(503, "no worker is ready yet, so the served model is unknown", "no_ready_instance")
+        return listing
+
+    @app.get("/health")
+    async def health():
+        missing = [r for r in ("context", "generation") if not state["cluster"].ready_urls(r)]
+        if missing:
+            err = OrchestratorError(503, f"no ready {' or '.join(missing)} server yet", "no_ready_instance")
+            return JSONResponse(err.body(), status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/cluster_info")
+    async def cluster_info():
+        return JSONResponse(await state["cluster"].cluster_info(),
+                            headers={"X-Pdserve-Process": f"{os.getpid()}:{process_id}"})
+
+    @app.get("/metrics")
+    async def prometheus():
+        data, content_type = metrics.render()
+        return Response(data, media_type=content_type)
+
+    return app
+
+
+async def _counted(stream, metrics: OrchestratorMetrics):
+    try:
+        async for chunk in stream:
+            yield chunk
+    finally:
+        metrics.in_flight.dec()
+
+
+async def _unless_disconnected(request: Request, work):
+    """Await `work`; None if the client went away first (the work is cancelled, which closes any
+    worker connection and so aborts the worker's request)."""
+    task = asyncio.ensure_future(work)
+    disconnect = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled() or not task.done():
+        await asyncio.gather(task, return_exceptions=True)
+        return None
+    return task.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        if (await request.receive())["type"] == "http.disconnect":
+            return
+
+
+def bind_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
+    """The listening socket; with reuse_port every fleet worker binds the same port and the kernel
+    spreads connections across them."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror} (choose another port)") from None
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def run_app(app, sock: socket.socket, *, graceful_shutdown_s: float = 5.0) -> None:
+    """Serve `app` on `sock` until SIGINT/SIGTERM (uvicorn handles both and returns)."""
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful_shutdown_s))
+    server.run(sockets=[sock])

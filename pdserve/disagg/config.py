@@ -1,0 +1,131 @@
+"""The orchestrator's one checked configuration (`pdserve disaggregated -c disagg.yaml`).
+
+Every key is documented in docs/orchestrator.md. Invalid values are a ValueError naming the key and
+the fix (pydantic validation, re-worded by `load_disagg_config`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pdserve.config import load_yaml
+
+RouterType = Literal["round_robin", "load_balancing", "kv_cache_aware", "conversation"]
+
+# Options each router accepts, with their defaults; anything else is refused by name.
+ROUTER_OPTIONS: dict[str, dict[str, Any]] = {
+    "round_robin": {},
+    "load_balancing": {"metric": "requests"},  # requests | tokens (in-flight prompt tokens)
+    "kv_cache_aware": {"load_weight": 1.0},  # score = matched blocks - load_weight * in-flight requests
+    "conversation": {"prefix_messages": 2, "prefix_chars": 256, "max_sessions": 100_000},
+}
+MAX_FLEET_WORKERS = 64  # the snowflake id has 6 process bits
+
+
+class RouterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: RouterType = "round_robin"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_options(self) -> "RouterConfig":
+        allowed = ROUTER_OPTIONS[self.type]
+        unknown = sorted(set(self.options) - set(allowed))
+        if unknown:
+            names = ", ".join(allowed) or "none"
+            raise ValueError(f"router '{self.type}' has no option {unknown[0]!r} (its options: {names})")
+        metric = self.options.get("metric", "requests")
+        if self.type == "load_balancing" and metric not in ("requests", "tokens"):
+            raise ValueError(f"load_balancing option 'metric' must be 'requests' or 'tokens', got {metric!r}")
+        for key in ("prefix_messages", "prefix_chars", "max_sessions"):
+            value = self.options.get(key, 1)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"conversation option {key!r} must be a positive integer, got {value!r}")
+        weight = self.options.get("load_weight", 1.0)
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or weight < 0:
+            raise ValueError(f"kv_cache_aware option 'load_weight' must be a number >= 0, got {weight!r}")
+        return self
+
+    def option(self, key: str) -> Any:
+        return self.options.get(key, ROUTER_OPTIONS[self.type][key])
+
+
+class ServerGroup(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    urls: list[str] = Field(min_length=1, description="http://host:port of each instance")
+    router: RouterConfig = Field(default_factory=RouterConfig)
+
+    @field_validator("urls")
+    @classmethod
+    def _check_urls(cls, urls: list[str]) -> list[str]:
+        out = []
+        for url in urls:
+            if "://" not in url:
+                url = "http://" + url  # 'host:port' as TensorRT-LLM's configs write it
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
+                raise ValueError(f"server url {url!r} must look like http://host:port")
+            if parts.path not in ("", "/"):
+                raise ValueError(f"server url {url!r} must not have a path (the API lives under /v1)")
+            out.append(url.rstrip("/"))
+        dupes = sorted({u for u in out if out.count(u) > 1})
+        if dupes:
+            raise ValueError(f"server url {dupes[0]} is listed twice")
+        return out
+
+
+class ConditionalDisagg(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_local_prefill_length: int = Field(ge=0, description="uncached prompt tokens a generation instance prefills itself")
+
+
+class DisaggConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    hostname: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    context_servers: ServerGroup
+    generation_servers: ServerGroup
+    schedule_style: Literal["context_first", "generation_first"] = "context_first"
+    conditional_disagg: ConditionalDisagg | None = None
+    num_workers: int = Field(1, ge=1, le=MAX_FLEET_WORKERS)
+    disagg_coordinator_url: str | None = Field(None, description="external coordinator; default: own one on port-1")
+    node_id: int | None = Field(None, ge=0, le=255, description="snowflake node id; default: hash of the MAC mod 256")
+    server_start_timeout: float = Field(180.0, gt=0, description="s to wait for the coordinator / first ready worker")
+    request_timeout: float = Field(180.0, gt=0, description="s a worker may take to answer one request")
+    health_check_interval: float = Field(2.0, gt=0, description="s between /health probes of each worker")
+    max_retries: int = Field(1, ge=0, description="other instances tried when one cannot be reached")
+    api_key: str | None = Field(None, description="when set, /v1/* requires 'Authorization: Bearer <key>'")
+    cluster_token: str | None = Field(None, description="when set, internal endpoints require 'X-Cluster-Token'")
+
+    @model_validator(mode="after")
+    def _check(self) -> "DisaggConfig":
+        if self.num_workers > 1 and self.disagg_coordinator_url is None and self.port < 2:
+            raise ValueError("the fleet's coordinator listens on port-1; choose port >= 2 or set disagg_coordinator_url")
+        if self.disagg_coordinator_url is not None:
+            parts = urlsplit(self.disagg_coordinator_url)
+            if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
+                raise ValueError(f"disagg_coordinator_url {self.disagg_coordinator_url!r} must look like http://host:port")
+        return self
+
+    @property
+    def coordinator_url(self) -> str:
+        if self.disagg_coordinator_url is not None:
+            return self.disagg_coordinator_url.rstrip("/")
+        return f"http://{self.hostname}:{self.port - 1}"
+
+    @property
+    def uses_coordinator(self) -> bool:
+        return self.num_workers > 1 or self.disagg_coordinator_url is not None
+
+
+def load_disagg_config(path: str | Path | None, **overrides) -> DisaggConfig:
+    """disagg.yaml plus CLI overrides (None = not given), validated."""
+    return load_yaml(path, DisaggConfig, **overrides)

@@ -1,0 +1,230 @@
+"""Coordinator + fleet: N stateless orchestrator processes, one owner of the cluster state.
+
+    client ─> :port (SO_REUSEPORT) ─> orchestrator process i ──/select /finish──> coordinator (:port-1)
+                                                                                     owns the routers,
+                                                                                     worker readiness,
+                                                                                     KV event indexes
+
+The coordinator is a LocalCluster behind HTTP: POST /select, /finish, /unreachable; GET /cluster_info,
+/health. Orchestrator processes reach it through `RemoteCluster`, which has LocalCluster's routing
+interface. round_robin needs no shared state, so a role routed round-robin is routed in each process
+(no coordinator hop); its readiness still comes from the coordinator, synced every health_check_interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from pdserve.disagg.app import CLUSTER_TOKEN_HEADER, AuthMiddleware
+from pdserve.disagg.cluster import ROLES, LocalCluster
+from pdserve.disagg.config import DisaggConfig
+from pdserve.disagg.errors import OrchestratorError
+from pdserve.disagg.routers import RoundRobinRouter, Route, RouteRequest
+from pdserve.disagg.upstream import make_client
+
+log = logging.getLogger(__name__)
+
+COORDINATOR_PATHS = ("/select", "/finish", "/unreachable", "/cluster_info")
+
+
+class CoordinatorUnreachable(Exception):
+    pass
+
+
+def build_coordinator_app(cfg: DisaggConfig) -> FastAPI:
+    state: dict = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        http = make_client(cfg.request_timeout)
+        cluster = LocalCluster(cfg)
+        await cluster.start(http)
+        state["cluster"] = cluster
+        try:
+            yield
+        finally:
+            await cluster.close()
+            await http.aclose()
+
+    app = FastAPI(title="pdserve coordinator", lifespan=lifespan)
+    app.add_middleware(AuthMiddleware, api_key=None, cluster_token=cfg.cluster_token, internal_paths=COORDINATOR_PATHS)
+    started = time.time()
+
+    @app.exception_handler(OrchestratorError)
+    async def on_error(_: Request, e: OrchestratorError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    def role_of(data: dict) -> str:
+        role = data.get("role")
+        if role not in ROLES:
+            raise OrchestratorError(400, f"role must be one of {ROLES}, got {role!r}", "invalid_value", "role")
+        return role
+
+    @app.post("/select")
+    async def select(request: Request):
+        data = await request.json()
+        route = await state["cluster"].select(role_of(data), RouteRequest.from_json(data.get("request") or {}))
+        return {"url": route.url, "matched_blocks": route.matched_blocks, "tokens_per_block": route.tokens_per_block}
+
+    @app.post("/finish")
+    async def finish(request: Request):
+        data = await request.json()
+        cluster: LocalCluster = state["cluster"]
+        role, url = role_of(data), data.get("url")
+        if url not in cluster.routers[role].urls:
+            raise OrchestratorError(400, f"{url!r} is not a {role} server of this cluster", "invalid_value", "url")
+        await cluster.finish(role, url, RouteRequest.from_json(data.get("request") or {}))
+        return {"status": "ok"}
+
+    @app.post("/unreachable")
+    async def unreachable(request: Request):
+        data = await request.json()
+        state["cluster"].mark_unreachable(role_of(data), data.get("url"), str(data.get("reason")))
+        return {"status": "ok"}
+
+    @app.get("/cluster_info")
+    async def cluster_info():
+        info = await state["cluster"].cluster_info()
+        info["coordinator"] = {"pid": os.getpid(), "started_at": started}
+        return info
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    return app
+
+
+def wait_for_coordinator(url: str, timeout_s: float, cluster_token: str | None) -> dict:
+    """Probe GET /cluster_info until it answers, with backoff, for at most timeout_s; its answer, or
+    CoordinatorUnreachable with a message that says what to fix."""
+    headers = {CLUSTER_TOKEN_HEADER: cluster_token} if cluster_token else {}
+    deadline = time.monotonic() + timeout_s
+    delay, last = 0.05, "no attempt"
+    while True:
+        try:
+            r = httpx.get(url + "/cluster_info", headers=headers, timeout=min(2.0, timeout_s), trust_env=False)
+            if r.status_code == 200:
+                return r.json()
+            if r.status_code == 401:
+                raise CoordinatorUnreachable(f"the coordinator at {url} refused our cluster token (401): "
+                                             "every process must use the same cluster_token")
+            last = f"HTTP {r.status_code}"
+        except httpx.HTTPError as e:
+            last = f"{type(e).__name__}: {e or 'no answer'}"
+        if time.monotonic() + delay > deadline:
+            raise CoordinatorUnreachable(
+                f"cannot reach the disaggregation coordinator at {url} within server_start_timeout={timeout_s:g} s "
+                f"(last error: {last}); start it first, or fix disagg_coordinator_url / the port")
+        time.sleep(delay)
+        delay = min(delay * 2, 1.0)
+
+
+class RemoteCluster:
+    """LocalCluster's routing interface, backed by the coordinator (see the module docstring)."""
+
+    def __init__(self, cfg: DisaggConfig, url: str):
+        self.cfg, self.url = cfg, url.rstrip("/")
+        self.headers = {CLUSTER_TOKEN_HEADER: cfg.cluster_token} if cfg.cluster_token else {}
+        groups = {"context": cfg.context_servers, "generation": cfg.generation_servers}
+        self.local = {role: RoundRobinRouter(g.urls, g.router) for role, g in groups.items()
+                      if g.router.type == "round_robin"}
+        self.router_types = {role: g.router for role, g in groups.items()}
+        self._ready: dict[str, list[str]] = {r: [] for r in ROLES}
+        self._models: dict | None = None
+        self._http: httpx.AsyncClient | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self, http: httpx.AsyncClient) -> None:
+        self._http = http
+        await self._sync()
+        self._task = asyncio.ensure_future(self._sync_loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.health_check_interval)
+            try:
+                await self._sync()
+            except OrchestratorError as e:
+                log.warning("readiness sync with the coordinator failed: %s", e)
+
+    async def _sync(self) -> None:
+        info = await self._call("GET", "/cluster_info")
+        self._models = info.get("models")
+        for role in ROLES:
+            ready = [i["url"] for i in info[f"{role}_servers"]["instances"] if i["ready"]]
+            self._ready[role] = ready
+            if role in self.local:
+                router = self.local[role]
+                for u in router.urls:
+                    router.set_ready(u, u in ready)
+
+    async def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        try:
+            r = await self._http.request(method, self.url + path, json=body, headers=self.headers, timeout=10)
+        except httpx.HTTPError as e:
+            raise OrchestratorError(503, f"the coordinator at {self.url} is unreachable ({type(e).__name__}: {e})",
+                                    "coordinator_unreachable") from None
+        if r.status_code != 200:
+            try:
+                err = r.json()["error"]
+                raise OrchestratorError(r.status_code, err["message"], err.get("code"))
+            except (ValueError, KeyError, TypeError):
+                raise OrchestratorError(502, f"the coordinator answered {path} with {r.status_code}",
+                                        "coordinator_error") from None
+        return r.json()
+
+    async def select(self, role: str, req: RouteRequest) -> Route:
+        if role in self.local:
+            try:
+                return self.local[role].select(req)
+            except Exception:
+                raise OrchestratorError(503, f"no ready {role} server (as of the last sync with the coordinator)",
+                                        "no_ready_instance") from None
+        data = await self._call("POST", "/select", {"role": role, "request": req.to_json()})
+        return Route(data["url"], int(data.get("matched_blocks") or 0), data.get("tokens_per_block"))
+
+    async def finish(self, role: str, url: str, req: RouteRequest) -> None:
+        if role in self.local:
+            self.local[role].finish(url, req)
+            return
+        try:
+            await self._call("POST", "/finish", {"role": role, "url": url, "request": req.to_json()})
+        except OrchestratorError as e:  # the answer is already with the client; only load accounting drifts
+            log.warning("could not report a finished %s request on %s to the coordinator: %s", role, url, e)
+
+    async def unreachable(self, role: str, url: str, reason: str) -> None:
+        if role in self.local:
+            self.local[role].set_ready(url, False)
+        if url in self._ready[role]:
+            self._ready[role].remove(url)
+        try:
+            await self._call("POST", "/unreachable", {"role": role, "url": url, "reason": reason})
+        except OrchestratorError as e:
+            log.warning("could not report unreachable %s to the coordinator: %s", url, e)
+
+    def ready_urls(self, role: str) -> list[str]:
+        return list(self._ready[role])
+
+    def needs_tokens(self, role: str) -> bool:
+        rc = self.router_types[role]
+        return rc.type == "kv_cache_aware" or (rc.type == "load_balancing" and rc.option("metric") == "tokens")
+
+    def model_list(self) -> dict | None:
+        return self._models
+
+    async def cluster_info(self) -> dict:
+        return await self._call("GET", "/cluster_info")

@@ -1,0 +1,232 @@
+"""The request flow: split one client request into a context_only and a generation_only request.
+
+    client ─> tokenize? ─> conditional: uncached <= max_local_prefill_length?
+                 yes: generation instance, request_type context_and_generation ─> client
+                 no:  context instance, context_only (stream false)
+                         answer.disaggregated_params is null: the first token finished it ─> client
+                         else: generation instance, generation_only + those params (stream proxied) ─> client
+
+context_first (default) chooses the generation instance after the context answer; generation_first
+(and conditional disaggregation, whose decision needs the generation instance's cache) chooses it first
+and holds the reservation during the prefill. A worker that cannot be reached is marked not ready and
+another instance is tried (max_retries); every other failure ends the request with an OpenAI-style
+error (errors.py). Workers' bodies are forwarded as they are: they validate the request.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
+
+import httpx
+
+from pdserve.disagg import sse
+from pdserve.disagg.config import DisaggConfig
+from pdserve.disagg.errors import OrchestratorError, WorkerUnreachable
+from pdserve.disagg.metrics import OrchestratorMetrics
+from pdserve.disagg.request_id import RequestIdGenerator
+from pdserve.disagg.routers import Route, RouteRequest, session_key
+from pdserve.disagg.upstream import iter_stream, open_stream, post_json
+
+T = TypeVar("T")
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+@dataclass
+class _Request:
+    api: str
+    body: dict
+    route_req: RouteRequest
+    request_id: int
+    arrival: float
+    dispatched: bool = False
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.body.get("stream_options") or {}).get("include_usage"))
+
+
+class Orchestrator:
+    """`cluster` is a LocalCluster or a RemoteCluster: select / finish / unreachable / ready_urls."""
+
+    def __init__(self, cfg: DisaggConfig, cluster, http: httpx.AsyncClient, ids: RequestIdGenerator,
+                 metrics: OrchestratorMetrics):
+        self.cfg, self.cluster, self.http, self.ids, self.metrics = cfg, cluster, http, ids, metrics
+        self.needs_tokens = cfg.conditional_disagg is not None or any(cluster.needs_tokens(r) for r in
+                                                                      ("context", "generation"))
+
+    async def serve(self, api: str, body: dict, conversation_id: str | None = None) -> dict | AsyncIterator[bytes]:
+        """A JSON answer, or the SSE bytes of a streaming one."""
+        arrival = time.monotonic()
+        req = _Request(api, body, RouteRequest(), self._request_id(body), arrival)
+        tokens = await self._tokens(req) if self.needs_tokens else None
+        req.route_req = RouteRequest(num_tokens=len(tokens) if tokens else 0, token_ids=tokens,
+                                     session_key=session_key(body, conversation_id, self._session_router()))
+        gen_route: Route | None = None
+        try:
+            if self.cfg.conditional_disagg is not None or self.cfg.schedule_style == "generation_first":
+                gen_route = await self.cluster.select("generation", req.route_req)
+                if self._is_local(req, gen_route):
+                    params = {"request_type": "context_and_generation", "disagg_request_id": req.request_id}
+                    self.metrics.requests.labels("local").inc()
+                    route, gen_route = gen_route, None
+                    return await self._generate(req, params, route)
+            answer = await self._context(req)
+            params = answer.get("disaggregated_params")
+            if params is None:
+                self.metrics.requests.labels("context_finished").inc()
+                answer.pop("disaggregated_params", None)
+                return self._finished(req, answer)
+            params = {**params, "request_type": "generation_only", "schedule_style": self.cfg.schedule_style}
+            self.metrics.requests.labels("disaggregated").inc()
+            route, gen_route = gen_route, None
+            return await self._generate(req, params, route)
+        finally:
+            if gen_route is not None:  # reserved but never handed to _generate
+                await self.cluster.finish("generation", gen_route.url, req.route_req)
+
+    # -- steps ---------------------------------------------------------------------------------------
+
+    def _request_id(self, body: dict) -> int:
+        given = body.get("disaggregated_params")
+        if given is None:
+            return self.ids.next_id()
+        if not isinstance(given, dict) or set(given) - {"disagg_request_id"}:
+            raise OrchestratorError(400, "the orchestrator sets disaggregated_params itself; a client may only "
+                                         "send {'disagg_request_id': <positive int>}", "invalid_value",
+                                    "disaggregated_params")
+        rid = given.get("disagg_request_id")
+        if not isinstance(rid, int) or isinstance(rid, bool) or rid <= 0 or rid >= 1 << 63:
+            raise OrchestratorError(400, f"disaggregated_params.disagg_request_id must be a positive 63-bit "
+                                         f"integer, got {rid!r}", "invalid_value",
+                                    "disaggregated_params.disagg_request_id")
+        return rid
+
+    def _session_router(self):
+        ctx, gen = self.cfg.context_servers.router, self.cfg.generation_servers.router
+        return gen if gen.type == "conversation" else ctx
+
+    async def _tokens(self, req: _Request) -> list[int]:
+        prompt = req.body.get("prompt")
+        if req.api == COMPLETIONS and isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        if req.api == COMPLETIONS and isinstance(prompt, str):
+            payload: dict = {"prompt": prompt}
+        elif req.api == CHAT and isinstance(req.body.get("messages"), list):
+            payload = {"messages": req.body["messages"]}
+        else:
+            return []  # a malformed body: the worker answers it with the precise 400
+        urls = self.cluster.ready_urls("generation") or self.cluster.ready_urls("context")
+        if not urls:
+            raise OrchestratorError(503, "no ready worker to tokenize the prompt with", "no_ready_instance")
+        url = urls[req.request_id % len(urls)]
+        try:
+            answer = await post_json(self.http, "tokenizer", url, "/tokenize", payload, self.cfg.request_timeout)
+        except OrchestratorError as e:
+            if e.status in (400, 413):
+                raise
+            raise OrchestratorError(502, f"POST {url}/tokenize failed ({e.status}: {e.message}); routing by prompt "
+                                         "tokens (conditional_disagg, kv_cache_aware, load_balancing by tokens) "
+                                         "needs pdserve workers with /tokenize", "tokenize_failed") from None
+        tokens = answer.get("tokens")
+        if not isinstance(tokens, list):
+            raise OrchestratorError(502, f"{url}/tokenize answered without a 'tokens' list", "worker_bad_answer")
+        return tokens
+
+    def _is_local(self, req: _Request, gen_route: Route) -> bool:
+        if self.cfg.conditional_disagg is None:
+            return False
+        cached = gen_route.matched_blocks * (gen_route.tokens_per_block or 0)
+        uncached = max(req.route_req.num_tokens - cached, 0)
+        return uncached <= self.cfg.conditional_disagg.max_local_prefill_length
+
+    async def _call(self, role: str, req: _Request, send: Callable[[str], Awaitable[T]],
+                    route: Route | None = None) -> tuple[Route, T]:
+        """send(url) on an instance of `role`; an unreachable one is retried elsewhere. On success the
+        route stays reserved (the caller finishes it); on failure it is finished here."""
+        retries = 0
+        while True:
+            if route is None:
+                route = await self.cluster.select(role, req.route_req)
+            if not req.dispatched:
+                req.dispatched = True
+                self.metrics.queue.observe(time.monotonic() - req.arrival)
+            self.metrics.worker_requests.labels(role).inc()
+            try:
+                return route, await send(route.url)
+            except OrchestratorError as e:
+                self.metrics.worker_errors.labels(role, str(e.status)).inc()
+                await self.cluster.finish(role, route.url, req.route_req)
+                if not isinstance(e, WorkerUnreachable):
+                    raise
+                await self.cluster.unreachable(role, route.url, e.message)
+                if retries >= self.cfg.max_retries:
+                    raise
+                retries += 1
+                self.metrics.retries.labels(role).inc()
+                route = None
+
+    async def _context(self, req: _Request) -> dict:
+        body = {k: v for k, v in req.body.items() if k != "stream_options"}
+        body["stream"] = False
+        body["disaggregated_params"] = {"request_type": "context_only", "disagg_request_id": req.request_id,
+                                        "schedule_style": self.cfg.schedule_style}
+        start = time.monotonic()
+        route, answer = await self._call("context", req, lambda url: post_json(
+            self.http, "context", url, req.api, body, self.cfg.request_timeout))
+        await self.cluster.finish("context", route.url, req.route_req)
+        self.metrics.context.observe(time.monotonic() - start)
+        if not req.stream:  # a streaming client's first token is the generation worker's first chunk
+            self.metrics.ttft.observe(time.monotonic() - req.arrival)
+        if "disaggregated_params" not in answer:
+            raise OrchestratorError(502, f"context server {route.url} answered without 'disaggregated_params': it "
+                                         "must be a pdserve worker with cache_transceiver_config.backend set "
+                                         "(docs/disaggregation.md)", "worker_not_disaggregated")
+        params = answer["disaggregated_params"]
+        if params is not None and not (isinstance(params, dict) and params.get("first_gen_tokens")):
+            raise OrchestratorError(502, f"context server {route.url} answered with disaggregated_params "
+                                         f"lacking first_gen_tokens: {params!r}", "worker_bad_answer")
+        return answer
+
+    def _finished(self, req: _Request, answer: dict) -> dict | AsyncIterator[bytes]:
+        self.metrics.e2e.observe(time.monotonic() - req.arrival)
+        if req.stream:
+            return sse.finished_answer_as_stream(answer, req.api == CHAT, req.include_usage)
+        return answer
+
+    async def _generate(self, req: _Request, params: dict, route: Route | None) -> dict | AsyncIterator[bytes]:
+        body = {**req.body, "disaggregated_params": params}
+        timeout = self.cfg.request_timeout
+        if not req.stream:
+            route, answer = await self._call("generation", req, lambda url: post_json(
+                self.http, "generation", url, req.api, body, timeout), route)
+            await self.cluster.finish("generation", route.url, req.route_req)
+            answer.pop("disaggregated_params", None)
+            self.metrics.e2e.observe(time.monotonic() - req.arrival)
+            return answer
+        route, response = await self._call("generation", req, lambda url: open_stream(
+            self.http, "generation", url, req.api, body, timeout), route)
+        return self._proxy(req, route, response)
+
+    async def _proxy(self, req: _Request, route: Route, response: httpx.Response) -> AsyncIterator[bytes]:
+        first = True
+        try:
+            async for chunk in iter_stream(response, "generation", route.url, self.cfg.request_timeout):
+                if first:
+                    first = False
+                    self.metrics.ttft.observe(time.monotonic() - req.arrival)
+                yield chunk
+        except OrchestratorError as e:  # the status line is gone: tell the client in the stream
+            self.metrics.worker_errors.labels("generation", str(e.status)).inc()
+            yield sse.event(e.body())
+        finally:
+            await response.aclose()
+            await self.cluster.finish("generation", route.url, req.route_req)
+            self.metrics.e2e.observe(time.monotonic() - req.arrival)

@@ -1,0 +1,88 @@
+"""HTTP calls to workers over the process's one pooled httpx.AsyncClient, with failures mapped to
+OrchestratorError (see errors.py): the caller never sees an httpx exception."""
+
+from __future__ import annotations
+
+import json
+from typing import AsyncIterator
+
+import httpx
+
+from pdserve.disagg.errors import OrchestratorError, WorkerUnreachable
+
+CONNECT_TIMEOUT_S = 5.0
+
+
+def make_client(request_timeout: float, max_connections: int = 1024) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections // 4)
+    return httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=CONNECT_TIMEOUT_S), limits=limits,
+                             trust_env=False)
+
+
+def _transport_error(role: str, url: str, e: Exception, timeout: float) -> OrchestratorError:
+    what = f"{role} server {url}"
+    if isinstance(e, httpx.ConnectError | httpx.ConnectTimeout):
+        return WorkerUnreachable(502, f"{what} is unreachable ({type(e).__name__}: {e or 'connection failed'})",
+                                 "worker_unreachable")
+    if isinstance(e, httpx.TimeoutException):
+        return OrchestratorError(504, f"{what} did not answer within request_timeout={timeout:g} s", "worker_timeout")
+    return OrchestratorError(502, f"{what} failed mid-request ({type(e).__name__}: {e or 'connection lost'})",
+                             "worker_failed")
+
+
+def _status_error(role: str, url: str, status: int, content: bytes) -> OrchestratorError:
+    """A worker's error answer: 4xx passes through (the request was bad), 5xx becomes 502/503."""
+    try:
+        err = json.loads(content)["error"]
+        message, code, param, typ = err["message"], err.get("code"), err.get("param"), err.get("type")
+    except (ValueError, KeyError, TypeError):
+        message, code, param, typ = content[:300].decode(errors="replace") or "(empty body)", None, None, None
+    if 400 <= status < 500:
+        return OrchestratorError(status, message, code, param, typ)
+    out = 503 if status == 503 else 502
+    return OrchestratorError(out, f"{role} server {url} answered {status}: {message}", code or "worker_error")
+
+
+async def post_json(http: httpx.AsyncClient, role: str, url: str, path: str, body: dict, timeout: float) -> dict:
+    try:
+        r = await http.post(url + path, json=body, timeout=httpx.Timeout(timeout, connect=CONNECT_TIMEOUT_S))
+    except httpx.HTTPError as e:
+        raise _transport_error(role, url, e, timeout) from None
+    if r.status_code != 200:
+        raise _status_error(role, url, r.status_code, r.content)
+    try:
+        data = r.json()
+    except ValueError:
+        raise OrchestratorError(502, f"{role} server {url} answered {path} with a body that is not JSON",
+                                "worker_bad_answer") from None
+    if not isinstance(data, dict):
+        raise OrchestratorError(502, f"{role} server {url} answered {path} with a non-object", "worker_bad_answer")
+    return data
+
+
+async def open_stream(http: httpx.AsyncClient, role: str, url: str, path: str, body: dict,
+                      timeout: float) -> httpx.Response:
+    """POST and return the streaming response once its status is 200 (the caller must aclose it)."""
+    req = http.build_request("POST", url + path, json=body, timeout=httpx.Timeout(timeout, connect=CONNECT_TIMEOUT_S))
+    try:
+        r = await http.send(req, stream=True)
+    except httpx.HTTPError as e:
+        raise _transport_error(role, url, e, timeout) from None
+    if r.status_code != 200:
+        try:
+            content = await r.aread()
+        except httpx.HTTPError:
+            content = b""
+        finally:
+            await r.aclose()
+        raise _status_error(role, url, r.status_code, content)
+    return r
+
+
+async def iter_stream(r: httpx.Response, role: str, url: str, timeout: float) -> AsyncIterator[bytes]:
+    """The raw SSE bytes; a failure mid-stream raises OrchestratorError (the caller emits an error event)."""
+    try:
+        async for chunk in r.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as e:
+        raise _transport_error(role, url, e, timeout) from None

@@ -1,0 +1,137 @@
+"""Helpers for the orchestrator tests: real `pdserve serve` worker processes, an orchestrator app in a
+thread on a port the OS chose, and a probe for whether workers support disaggregated requests yet."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+import yaml
+
+MODEL_NAME = "tiny"
+TOKENS_PER_BLOCK = 8
+WORKER_CONFIG = {"served_model_name": MODEL_NAME, "device": "cpu", "max_model_len": 256, "num_kv_blocks": 64,
+                 "tokens_per_block": TOKENS_PER_BLOCK, "max_num_tokens": 256, "num_threads": 1}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Worker:
+    """One `pdserve serve` process over the tiny model. `extra` is merged into its worker.yaml."""
+
+    def __init__(self, model_dir: Path, workdir: Path, extra: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg_path = workdir / f"worker-{self.port}.yaml"
+        cfg_path.write_text(yaml.safe_dump({**WORKER_CONFIG, **(extra or {})}))
+        self.log_path = workdir / f"worker-{self.port}.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "serve",
+                                      str(model_dir), "--port", str(self.port), "--config", str(cfg_path)],
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 90) -> "Worker":
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"worker {self.url} not ready within {timeout} s")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+        self._log.close()
+
+    def metric(self, name: str) -> float:
+        """Sum of every sample of `name` (all label sets) in the worker's /metrics."""
+        text = httpx.get(self.url + "/metrics", timeout=5).text
+        return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
+
+
+def start_workers(model_dir: Path, workdir: Path, n: int, extra: dict | None = None) -> list[Worker]:
+    workers = [Worker(model_dir, workdir, extra) for _ in range(n)]  # start all, then wait: they load in parallel
+    try:
+        return [w.wait_ready() for w in workers]
+    except Exception:
+        for w in workers:
+            w.stop()
+        raise
+
+
+class AppThread:
+    """uvicorn over an app, on a socket bound to port 0, in a daemon thread."""
+
+    def __init__(self, app):
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> "AppThread":
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the orchestrator app did not start within 20 s")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+        assert not self.thread.is_alive(), "the orchestrator app did not stop within 10 s"
+
+
+def wait_healthy(url: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(url + "/health", timeout=2)
+            if r.status_code == 200:
+                return
+            last = r.text
+        except httpx.TransportError as e:
+            last = repr(e)
+        time.sleep(0.05)
+    raise RuntimeError(f"{url}/health not 200 within {timeout} s: {last}")
+
+
+def worker_supports_disagg(url: str) -> bool:
+    """True when the worker answers /v1/disagg_info with a non-null transceiver backend."""
+    try:
+        r = httpx.get(url + "/v1/disagg_info", timeout=5)
+        return r.status_code == 200 and r.json().get("backend") is not None
+    except (httpx.HTTPError, ValueError):
+        return False
+
+
+def worker_config_has_transceiver() -> bool:
+    """Whether `pdserve serve` accepts cache_transceiver_config yet (the worker side of this feature)."""
+    from pdserve.config import WorkerConfig
+
+    return "cache_transceiver_config" in WorkerConfig.model_fields
