@@ -76,9 +76,9 @@ def load_tokenizer(spec: str | None) -> Tokenizer:
     return Tokenizer.from_dir(resolve_model(spec))
 
 
-def workload_of(args: argparse.Namespace, tokenizer: Tokenizer) -> list[WorkloadRequest]:
+def workload_of(args: argparse.Namespace, tokenizer: Tokenizer, seed: int | None = None) -> list[WorkloadRequest]:
     return build_workload(tokenizer, args.num_prompts, args.input_len, args.output_len,
-                          args.random_range_ratio, args.seed, args.prompt_kind)
+                          args.random_range_ratio, args.seed if seed is None else seed, args.prompt_kind)
 
 
 def run_config(args: argparse.Namespace, rate: float, slo: SLO | None) -> dict[str, Any]:

@@ -1,7 +1,13 @@
-"""Fixtures: a tiny random-weight model and its tokenizer."""
+"""Fixtures: a tiny random-weight model, its tokenizer, and a real `pdserve serve` process over it."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
 import pytest
 
 from pdserve.testing import make_tiny_model
@@ -17,3 +23,40 @@ def bench_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def bench_tokenizer(bench_model_dir):
     return Tokenizer.from_dir(bench_model_dir)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server_url(bench_model_dir, tmp_path_factory):
+    """`pdserve serve` as a subprocess; its log goes to a file, so a full pipe can never block it."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("bench-server") / "serve.log"
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "serve",
+                                 str(bench_model_dir), "--port", str(port)],
+                                stdout=log_file, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, f"pdserve serve exited early:\n{log.read_text()}"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "pdserve serve did not answer /health within 60 s"
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)

@@ -3,51 +3,13 @@
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 import time
 
-import httpx
 import pytest
 
 from pdserve.bench.cli import main_bench
 
 INPUT_LEN, OUTPUT_LEN, NUM = 32, 8, 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server_url(bench_model_dir):
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "serve",
-                             str(bench_model_dir), "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"pdserve serve exited early:\n{proc.stdout.read()}"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "pdserve serve did not answer /health within 60 s"
-            time.sleep(0.1)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 def _bench(server_url, bench_model_dir, *extra: str) -> int:

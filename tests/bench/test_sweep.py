@@ -1,0 +1,77 @@
+"""Sweep: DistServe goodput, vLLM result import, and a tiny live sweep against `pdserve serve`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.bench.metrics import SLO
+from pdserve.bench.sweep import distserve_goodput, is_monotone, main_sweep, records_from_vllm, summary_of_file
+
+
+def test_distserve_goodput_is_the_highest_rate_meeting_the_target():
+    points = [(0.02, 1.0), (0.05, 0.95), (0.1, 0.9), (0.15, 0.6)]
+    assert distserve_goodput(points) == 0.1  # 0.9 counts (>=)
+    assert distserve_goodput(points, target=0.96) == 0.02
+    assert distserve_goodput([(0.02, 0.89)]) == 0.0
+    assert is_monotone(points) and not is_monotone([(0.1, 0.5), (0.2, 0.8)])
+
+
+def _vllm_detailed() -> dict:
+    """The fields vLLM's `bench serve --save-detailed` writes, for 3 requests (one failed)."""
+    return {"request_rate": 0.5, "duration": 4.0, "completed": 2,
+            "input_lens": [10, 10, 10], "output_lens": [3, 2, 0],
+            "ttfts": [0.25, 1.5, 0.0], "itls": [[0.125, 0.125], [0.5], []],
+            "errors": ["", "", "Server disconnected"]}
+
+
+def test_vllm_records_rebuild_latency_and_tpot():
+    recs = records_from_vllm(_vllm_detailed())
+    assert [r.success for r in recs] == [True, True, False]
+    assert recs[0].e2e == 0.5 and recs[0].tpot == 0.125
+    assert recs[1].e2e == 2.0 and recs[1].tpot == 0.5
+    assert recs[2].error == "Server disconnected"
+    with pytest.raises(ValueError, match="--save-detailed"):
+        records_from_vllm({"request_rate": 1.0, "duration": 1.0})
+
+
+def test_vllm_result_file_is_rescored_under_our_slo(tmp_path):
+    path = tmp_path / "vllm-r0.5.json"
+    path.write_text(json.dumps(_vllm_detailed()))
+    s = summary_of_file(path, SLO(ttft_ms=1000, tpot_ms=200))
+    # Only request 0 meets both (ttft 250 ms, tpot 125 ms); request 1 misses TTFT; 2 failed.
+    assert s["request_rate"] == 0.5 and s["good_requests"] == 1 and s["slo_attainment"] == pytest.approx(1 / 3)
+    assert s["request_goodput"] == 0.25 and s["completed"] == 2 and s["run_file"] == str(path)
+
+
+def test_live_sweep_and_import(server_url, bench_model_dir, tmp_path, capsys):
+    out, run_dir = tmp_path / "sweep.json", tmp_path / "runs"
+    vllm_file = tmp_path / "vllm-r0.5.json"
+    vllm_file.write_text(json.dumps(_vllm_detailed()))
+    rc = main_sweep(["--endpoint", f"pd={server_url}", "--from-results", f"other={vllm_file}",
+                     "--model", bench_model_dir.name, "--tokenizer", str(bench_model_dir),
+                     "--request-rates", "50", "inf", "--num-prompts", "3", "--input-len", "16", "--output-len", "4",
+                     "--goodput", "ttft:60000", "tpot:60000", "--cooldown", "0", "--disable-tqdm",
+                     "--out", str(out), "--run-dir", str(run_dir)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "pdserve.bench.sweep/1" and doc["slo"] == {"ttft_ms": 60000.0, "tpot_ms": 60000.0}
+    pd = doc["systems"]["pd"]
+    assert [r["request_rate"] for r in pd["runs"]] == [50.0, "inf"]
+    assert all(r["completed"] == 3 and r["total_output_tokens"] == 12 and r["slo_attainment"] == 1.0
+               for r in pd["runs"])
+    assert pd["goodput_rate"] == "inf"  # every rate met the (generous) SLOs
+    for r in pd["runs"]:
+        assert json.loads(open(r["run_file"]).read())["schema"] == "pdserve.bench.run/1"
+    assert doc["systems"]["other"]["goodput_rate"] == 0.0  # 1/3 attainment at its only rate
+    assert "goodput pd:" in capsys.readouterr().out
+
+
+def test_sweep_needs_slos_and_systems(capsys):
+    assert main_sweep(["--model", "m", "--out", "x.json", "--endpoint", "a=http://h"]) == 2
+    assert "--goodput" in capsys.readouterr().err
+    assert main_sweep(["--model", "m", "--out", "x.json", "--goodput", "ttft:1"]) == 2
+    assert "nothing to sweep" in capsys.readouterr().err
+    assert main_sweep(["--model", "m", "--out", "x.json", "--goodput", "ttft:1", "--endpoint", "nourl"]) == 2
+    assert "NAME=VALUE" in capsys.readouterr().err
