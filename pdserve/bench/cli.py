@@ -4,6 +4,8 @@
         --request-rate 0.1 --input-len 1024 --output-len 64 --goodput ttft:10000 tpot:150 \
         --result-json out.json
 
+    pdserve bench sweep --endpoint NAME=URL ... --request-rates 0.02 0.05 0.1 --out sweep.json ...
+
 Prompts are built with the served model's tokenizer (--tokenizer, default: the embedded SmolLM2).
 """
 
@@ -94,7 +96,7 @@ def run_once(args: argparse.Namespace, ep: EndpointConfig, requests: list[Worklo
              slo: SLO | None, tokenizer: Tokenizer) -> dict[str, Any]:
     """One run at one rate -> the result document (see report.py)."""
     offsets = arrival_offsets(len(requests), rate, args.seed, args.burstiness)
-    warmup = None if args.no_warmup else warmup_request(tokenizer, args.seed)
+    warmup = None if args.no_warmup else warmup_request(tokenizer, args.seed, args.prompt_kind)
     run: RunResult = asyncio.run(run_requests(ep, requests, offsets, args.max_concurrency, args.max_duration,
                                               warmup, progress=not args.disable_tqdm))
     summary = summarize(run.records, run.duration_s, slo)
@@ -103,6 +105,12 @@ def run_once(args: argparse.Namespace, ep: EndpointConfig, requests: list[Worklo
 
 
 def main_bench(argv: list[str] | None = None) -> int:
+    """`pdserve bench ...` (one run), or `pdserve bench sweep ...` (see sweep.py)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["sweep"]:
+        from pdserve.bench.sweep import main_sweep
+
+        return main_sweep(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         slo = SLO.parse(args.goodput)

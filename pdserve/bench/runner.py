@@ -111,6 +111,9 @@ async def stream_one(client: httpx.AsyncClient, ep: EndpointConfig, req: Workloa
     except httpx.HTTPError as e:
         record.error = f"{type(e).__name__}: {e}"
         return record
+    except (ValueError, TypeError) as e:  # an event that is not the JSON an OpenAI stream sends
+        record.error = f"malformed SSE event: {e}"
+        return record
     if chunks == 0:
         record.error = "the stream ended without a single token"
         return record

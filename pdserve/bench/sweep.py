@@ -1,15 +1,17 @@
 """A sweep of Poisson rates over several systems, and DistServe's goodput from it.
 
-    python benchmarks/bench_serving.py --endpoint agg=http://127.0.0.1:8001 \
+    pdserve bench sweep --endpoint agg=http://127.0.0.1:8001 \
         --endpoint disagg=http://127.0.0.1:8000 --model M --request-rates 0.02 0.05 0.1 0.15 \
         --num-prompts 40 --input-len 1024 --output-len 64 --goodput ttft:10000 tpot:150 \
         --out sweep.json --run-dir runs/
 
+(benchmarks/bench_serving.py takes the same flags.)
+
 Every system sees the same prompts and arrival times at a given rate; each rate gets its own
 prompts, so no run hits a prefix cached by an earlier one (restart the servers, or change --seed,
-before sweeping the same servers again). Results of
-another load generator join the same file with --from-results NAME=FILE... (vLLM `bench serve`
-result files written with --save-detailed: per-request ttfts, itls, output_lens and errors).
+before sweeping the same servers again). Results of another load generator join the same file with
+--from-results NAME=FILE... (vLLM `bench serve` result files written with --save-detailed:
+per-request ttfts, itls, output_lens and errors), rescored under this sweep's SLOs.
 
 DistServe goodput: the highest swept rate whose SLO attainment (requests meeting every SLO / all
 requests, failed ones included) is at least --attainment (0.9). A system that misses it even at the
@@ -98,7 +100,7 @@ def summary_of_file(path: str | Path, slo: SLO | None) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bench_serving.py", description=__doc__,
+    p = argparse.ArgumentParser(prog="pdserve bench sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL", help="a live system to load")
     p.add_argument("--from-results", action="append", nargs="+", default=[], metavar="NAME=FILE",
@@ -126,7 +128,7 @@ def main_sweep(argv: list[str] | None = None) -> int:
     try:
         return _sweep(args)
     except (ValueError, FileNotFoundError, BenchmarkError) as e:
-        print(f"bench_serving: error: {e}", file=sys.stderr)
+        print(f"pdserve bench sweep: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -105,8 +105,11 @@ def build_workload(tokenizer: Tokenizer, num_prompts: int, input_len: int, outpu
     raise ValueError(f"--prompt-kind must be 'ids' or 'text', got {prompt_kind!r}")
 
 
-def warmup_request(tokenizer: Tokenizer, seed: int) -> WorkloadRequest:
-    """A short request from its own random stream, so it warms the server without caching a
-    prefix of any measured prompt."""
+def warmup_request(tokenizer: Tokenizer, seed: int, prompt_kind: PromptKind = "ids") -> WorkloadRequest:
+    """A short request of the run's prompt kind from its own random stream, so it warms the server
+    without caching a prefix of any measured prompt."""
     rng = np.random.default_rng([seed, 0x77A4])
-    return WorkloadRequest(-1, rng.choice(ordinary_token_ids(tokenizer), size=16).tolist(), 16, 2)
+    ids = rng.choice(ordinary_token_ids(tokenizer), size=16).tolist()
+    if prompt_kind == "text":
+        return WorkloadRequest(-1, tokenizer.decode(ids), 16, 2)
+    return WorkloadRequest(-1, ids, 16, 2)

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from pdserve.bench.cli import main_bench
 from pdserve.bench.metrics import SLO
 from pdserve.bench.sweep import distserve_goodput, is_monotone, main_sweep, records_from_vllm, summary_of_file
 
@@ -69,8 +70,8 @@ def test_live_sweep_and_import(server_url, bench_model_dir, tmp_path, capsys):
 
 
 def test_sweep_needs_slos_and_systems(capsys):
-    assert main_sweep(["--model", "m", "--out", "x.json", "--endpoint", "a=http://h"]) == 2
-    assert "--goodput" in capsys.readouterr().err
+    assert main_bench(["sweep", "--model", "m", "--out", "x.json", "--endpoint", "a=http://h"]) == 2
+    assert "pdserve bench sweep: error" in (err := capsys.readouterr().err) and "--goodput" in err
     assert main_sweep(["--model", "m", "--out", "x.json", "--goodput", "ttft:1"]) == 2
     assert "nothing to sweep" in capsys.readouterr().err
     assert main_sweep(["--model", "m", "--out", "x.json", "--goodput", "ttft:1", "--endpoint", "nourl"]) == 2
