@@ -1,9 +1,11 @@
 """The result of one run: a JSON document and the table printed at the end of `pdserve bench`.
 
 JSON (schema "pdserve.bench.run/1"): the flat summary of metrics.summarize (vLLM's key names:
-mean_ttft_ms, p99_itl_ms, request_goodput, ...), plus
+duration, completed, failed, total_input_tokens, total_output_tokens, request_throughput,
+request_goodput, slo_attainment, good_requests, output_throughput, total_token_throughput and
+{mean,median,std,p50,p90,p99}_{ttft,tpot,itl,e2el}_ms), plus
 
-    schema, date, base_url, model, endpoint,
+    schema, date, base_url, model, endpoint, request_rate (number or "inf"), max_concurrency,
     config: {num_prompts, request_rate, burstiness, max_concurrency, input_len, output_len,
              random_range_ratio, prompt_kind, seed, max_duration_s, goodput: {ttft_ms, tpot_ms}},
     stopped_early: bool,
