@@ -2,6 +2,8 @@
 
     pdserve serve [MODEL] [--config worker.yaml] [--host H] [--port P]   one OpenAI-compatible instance
     pdserve convert GGUF OUT_DIR [--dtype float32]                       GGUF -> Hugging Face directory
+    pdserve bench --base-url URL --model NAME ...                        load-test any OpenAI endpoint
+    pdserve bench sweep --endpoint NAME=URL ...                          goodput over a sweep of rates
 """
 
 from __future__ import annotations
@@ -58,10 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out_dir", help="output directory")
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     c.set_defaults(func=_convert)
+    sub.add_parser("bench", help="load-test an OpenAI endpoint (pdserve bench --help)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # the benchmark owns its (long) argument list
+        from pdserve.bench.cli import main_bench
+
+        return main_bench(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
