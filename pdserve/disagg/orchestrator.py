@@ -86,7 +86,8 @@ class Orchestrator:
             params = {**params, "request_type": "generation_only", "schedule_style": self.cfg.schedule_style}
             self.metrics.requests.labels("disaggregated").inc()
             route, gen_route = gen_route, None
-            return await self._generate(req, params, route)
+            cached = ((answer.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+            return await self._generate(req, params, route, cached)
         finally:
             if gen_route is not None:  # reserved but never handed to _generate
                 await self.cluster.finish("generation", gen_route.url, req.route_req)
@@ -201,7 +202,11 @@ class Orchestrator:
             return sse.finished_answer_as_stream(answer, req.api == CHAT, req.include_usage)
         return answer
 
-    async def _generate(self, req: _Request, params: dict, route: Route | None) -> dict | AsyncIterator[bytes]:
+    async def _generate(self, req: _Request, params: dict, route: Route | None,
+                        prefill_cached_tokens: int | None = None) -> dict | AsyncIterator[bytes]:
+        """`prefill_cached_tokens`: the context worker's prefix-cache hit, which is the one the client
+        cares about (the generation worker received the whole KV); it replaces the generation worker's
+        count in a non-streaming answer's usage."""
         body = {**req.body, "disaggregated_params": params}
         timeout = self.cfg.request_timeout
         if not req.stream:
@@ -209,6 +214,9 @@ class Orchestrator:
                 self.http, "generation", url, req.api, body, timeout), route)
             await self.cluster.finish("generation", route.url, req.route_req)
             answer.pop("disaggregated_params", None)
+            details = (answer.get("usage") or {}).get("prompt_tokens_details")
+            if prefill_cached_tokens is not None and isinstance(details, dict):
+                details["cached_tokens"] = prefill_cached_tokens
             self.metrics.e2e.observe(time.monotonic() - req.arrival)
             return answer
         route, response = await self._call("generation", req, lambda url: open_stream(

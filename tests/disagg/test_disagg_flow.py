@@ -1,0 +1,169 @@
+"""The full split against transceiver-enabled workers: context_only on a context instance, then
+generation_only with its disaggregated_params on a generation instance (docs/disaggregation.md).
+
+Every test here needs workers that answer /v1/disagg_info with a backend; until the worker side of
+the contract exists they skip with that reason."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from harness import MODEL_NAME, TOKENS_PER_BLOCK, AppThread, free_port, start_workers, wait_healthy, \
+    worker_supports_disagg
+
+from pdserve.disagg.app import build_app
+from pdserve.disagg.config import DisaggConfig
+
+PROMPT_TEXT = "Disaggregated serving runs the prefill on one instance and the decode on another"
+PROMPT_IDS = list(range(30, 70))
+GREEDY = {"temperature": 0.0, "max_tokens": 8, "extra_body": {"ignore_eos": True}}
+
+
+def _transceiver_workers(model_dir, workdir, n: int) -> list:
+    from harness import worker_config_has_transceiver
+
+    if not worker_config_has_transceiver():
+        pytest.skip("pdserve serve has no cache_transceiver_config yet (worker side of disaggregation)")
+    ws = []
+    try:
+        for _ in range(n):  # one at a time: each needs its own kv_events_port
+            ws += start_workers(model_dir, workdir, 1, {"cache_transceiver_config": {"backend": "shm"},
+                                                        "kv_events_port": free_port()})
+    except RuntimeError as e:
+        for w in ws:
+            w.stop()
+        pytest.skip(f"transceiver-enabled worker did not start: {str(e)[-400:]}")
+    if not all(worker_supports_disagg(w.url) for w in ws):
+        for w in ws:
+            w.stop()
+        pytest.skip("workers do not answer /v1/disagg_info with a backend yet (worker side of disaggregation)")
+    return ws
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model_dir, tmp_path_factory):
+    ws = _transceiver_workers(tiny_model_dir, tmp_path_factory.mktemp("pair"), 2)
+    yield ws
+    for w in ws:
+        w.stop()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+def cfg_for(ctx: list[str], gen: list[str], **kw) -> DisaggConfig:
+    ctx_router = kw.pop("ctx_router", "round_robin")
+    return DisaggConfig(context_servers={"urls": ctx, "router": {"type": ctx_router}},
+                        generation_servers={"urls": gen}, **kw)
+
+
+@pytest.mark.parametrize("schedule_style", ["context_first", "generation_first"])
+def test_completions_equal_aggregated_streaming_and_not(pair, schedule_style):
+    ctx, gen = pair
+    aggregated = client(gen.url)
+    expected = {p: aggregated.completions.create(model=MODEL_NAME, prompt=p, **GREEDY).choices[0].text
+                for p in (PROMPT_TEXT, tuple(PROMPT_IDS))}
+    with AppThread(build_app(cfg_for([ctx.url], [gen.url], schedule_style=schedule_style))) as orch:
+        wait_healthy(orch.url)
+        c = client(orch.url)
+        for prompt, text in expected.items():
+            prompt = list(prompt) if isinstance(prompt, tuple) else prompt
+            out = c.completions.create(model=MODEL_NAME, prompt=prompt, **GREEDY)
+            assert out.choices[0].text == text
+            assert out.usage.completion_tokens == 8 and out.choices[0].finish_reason == "length"
+            chunks = list(c.completions.create(model=MODEL_NAME, prompt=prompt, stream=True,
+                                               stream_options={"include_usage": True}, **GREEDY))
+            assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == text
+            assert chunks[-1].usage.completion_tokens == 8
+        metrics = httpx.get(orch.url + "/metrics").text
+    assert 'pdserve_orchestrator_requests_total{path="disaggregated"} 4.0' in metrics
+    assert 'pdserve_orchestrator_worker_requests_total{role="context"} 4.0' in metrics
+    assert 'pdserve_orchestrator_worker_requests_total{role="generation"} 4.0' in metrics
+
+
+def test_chat_equals_aggregated_streaming_and_not(pair):
+    ctx, gen = pair
+    messages = [{"role": "user", "content": "Where is Paris?"}]
+    expected = client(gen.url).chat.completions.create(model=MODEL_NAME, messages=messages, **GREEDY)
+    with AppThread(build_app(cfg_for([ctx.url], [gen.url]))) as orch:
+        wait_healthy(orch.url)
+        c = client(orch.url)
+        out = c.chat.completions.create(model=MODEL_NAME, messages=messages, **GREEDY)
+        assert out.choices[0].message.content == expected.choices[0].message.content
+        assert out.usage.prompt_tokens == expected.usage.prompt_tokens
+        chunks = list(c.chat.completions.create(model=MODEL_NAME, messages=messages, stream=True, **GREEDY))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == \
+            expected.choices[0].message.content
+
+
+def test_first_token_that_finishes_is_answered_by_the_context_worker(pair):
+    ctx, gen = pair
+    gen_before = gen.metric("pdserve_request_success_total")
+    with AppThread(build_app(cfg_for([ctx.url], [gen.url]))) as orch:
+        wait_healthy(orch.url)
+        c = client(orch.url)
+        out = c.completions.create(model=MODEL_NAME, prompt=PROMPT_IDS, max_tokens=1, temperature=0.0)
+        assert out.usage.completion_tokens == 1 and out.choices[0].finish_reason == "length"
+        chunks = list(c.completions.create(model=MODEL_NAME, prompt=PROMPT_IDS, max_tokens=1, temperature=0.0,
+                                           stream=True))
+        assert "".join(ch.choices[0].text for ch in chunks) == out.choices[0].text
+        metrics = httpx.get(orch.url + "/metrics").text
+    assert 'pdserve_orchestrator_requests_total{path="context_finished"} 2.0' in metrics
+    assert gen.metric("pdserve_request_success_total") == gen_before
+
+
+def test_conditional_splits_long_text_prompts_only(pair):
+    """Text prompts are counted with the worker's /tokenize: short ones stay on the generation instance."""
+    ctx, gen = pair
+    cfg = cfg_for([ctx.url], [gen.url], conditional_disagg={"max_local_prefill_length": 4})
+    with AppThread(build_app(cfg)) as orch:
+        wait_healthy(orch.url)
+        c = client(orch.url)
+        c.completions.create(model=MODEL_NAME, prompt="Hi", **GREEDY)
+        c.completions.create(model=MODEL_NAME, prompt=PROMPT_TEXT, **GREEDY)
+        metrics = httpx.get(orch.url + "/metrics").text
+    assert 'pdserve_orchestrator_requests_total{path="local"} 1.0' in metrics
+    assert 'pdserve_orchestrator_requests_total{path="disaggregated"} 1.0' in metrics
+
+
+@pytest.mark.slow
+def test_kv_cache_aware_sends_a_repeated_prefix_to_its_holder(pair, tiny_model_dir, tmp_path_factory):
+    """Two context instances; a prompt sharing a cached prefix goes back to the one that holds it, where
+    it is a prefix-cache hit."""
+    ctx, gen = pair
+    (ctx2,) = _transceiver_workers(tiny_model_dir, tmp_path_factory.mktemp("ctx2"), 1)
+    try:
+        cfg = cfg_for([ctx.url, ctx2.url], [gen.url], ctx_router="kv_cache_aware")
+        with AppThread(build_app(cfg)) as orch:
+            wait_healthy(orch.url)
+            c = client(orch.url)
+            base = list(range(100, 100 + 6 * TOKENS_PER_BLOCK))
+            c.completions.create(model=MODEL_NAME, prompt=base, **GREEDY)
+            first = [i["selected"] for i in httpx.get(orch.url + "/cluster_info").json()
+                     ["context_servers"]["instances"]]
+            holder = [ctx, ctx2][first.index(1)]
+            for suffix in range(3):
+                # KV events travel asynchronously: give the 'stored' event a moment to arrive.
+                _wait_cached(orch.url, holder.url)
+                out = c.completions.create(model=MODEL_NAME, prompt=base + [200 + suffix, 7], **GREEDY)
+                # The context worker's prefix-cache hit, reported in the usage the client gets.
+                assert out.usage.prompt_tokens_details.cached_tokens >= len(base) - TOKENS_PER_BLOCK
+            counts = [i["selected"] for i in httpx.get(orch.url + "/cluster_info").json()
+                      ["context_servers"]["instances"]]
+        assert counts == ([4, 0] if holder is ctx else [0, 4])
+    finally:
+        ctx2.stop()
+
+
+def _wait_cached(orch_url: str, holder_url: str, timeout: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = httpx.get(orch_url + "/cluster_info").json()["context_servers"]["instances"]
+        if any(i["url"] == holder_url and i["cached_blocks"] > 0 for i in info):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the orchestrator never saw KV events from {holder_url}")
