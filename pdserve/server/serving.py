@@ -185,6 +185,8 @@ class OpenAIServing:
         if req.model != self.engine.model_name:
             raise APIError(404, f"The model '{req.model}' does not exist; this server serves "
                                 f"'{self.engine.model_name}' (see GET /v1/models)", "model", "model_not_found")
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("stream_options is only allowed with stream=true", "stream_options")
         if req.n != 1:
             raise bad_request(f"n must be 1 (one choice per request), got {req.n}", "n")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import threading
@@ -74,3 +75,46 @@ def wait_kv_baseline(http_client: httpx.Client, timeout: float = 10.0) -> dict[s
         if idle or time.monotonic() > deadline:
             return m
         time.sleep(0.05)
+
+
+class EngineHold:
+    """Holds the engine's step thread in its on_step hook right after the first step that produced
+    output (already delivered to the request), until `release()`. Lets a test act while a request
+    provably holds KV blocks and is unfinished; commands queued meanwhile (aborts) are applied on
+    release, before the next step. Records every output it sees until the `with` block exits."""
+
+    def __init__(self, engine: AsyncEngine, timeout: float = 30.0):
+        self.engine, self.timeout = engine, timeout
+        self.paused, self._release = threading.Event(), threading.Event()
+        self.outputs: list = []
+        self._previous = None
+
+    def _hook(self, outputs) -> None:
+        if self._previous is not None:
+            self._previous(outputs)
+        self.outputs += outputs
+        if not self.paused.is_set():
+            self.paused.set()
+            self._release.wait(self.timeout)
+
+    def release(self) -> None:
+        self._release.set()
+
+    def tokens_of(self, request_id: str) -> int:
+        return sum(len(o.new_token_ids) for o in self.outputs if o.request_id == request_id)
+
+    def __enter__(self) -> "EngineHold":
+        self._previous = self.engine.on_step
+        self.engine.on_step = self._hook
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+        self.engine.on_step = self._previous
+
+
+def wait_for(predicate, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)

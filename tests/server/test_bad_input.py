@@ -65,6 +65,8 @@ CASES = [
      None),
     ("empty-stop-string", COMPLETIONS, completion(stop=[""]), 400, ["non-empty strings"], "stop"),
     ("n-two", CHAT, chat(n=2), 400, ["n must be 1"], "n"),
+    ("stream-options-without-stream", CHAT, chat(stream_options={"include_usage": True}), 400,
+     ["only allowed with stream=true"], "stream_options"),
     ("best-of-two", COMPLETIONS, completion(best_of=2), 400, ["best_of must be 1"], "best_of"),
     ("echo", COMPLETIONS, completion(echo=True), 400, ["echo=true is not supported"], "echo"),
     ("presence-penalty", CHAT, chat(presence_penalty=0.5), 400, ["presence_penalty is not supported"],

@@ -1,24 +1,25 @@
-"""A client that goes away mid-request cancels it: the engine aborts it and frees its KV blocks."""
+"""A client that goes away mid-request cancels it: the engine aborts it and frees its KV blocks.
+
+The engine is held right after the request's first output, so the request provably holds KV blocks
+and is unfinished when the client leaves; on release the abort is applied before any further step,
+so exactly one token was ever generated."""
 
 from __future__ import annotations
 
 import json
-import time
+import threading
 
 import httpx
 import pytest
-from server_harness import MAX_MODEL_LEN, NUM_KV_BLOCKS, scrape, wait_kv_baseline
+from server_harness import MAX_MODEL_LEN, NUM_KV_BLOCKS, EngineHold, scrape, wait_for, wait_kv_baseline
 
 ABORTS = 'pdserve_request_success_total{finished_reason="abort"}'
 LONG = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": MAX_MODEL_LEN - 16, "temperature": 0,
         "ignore_eos": True}
 
 
-def wait_running(http: httpx.Client, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while scrape(http)["pdserve_kv_cache_blocks_used"] == 0:
-        assert time.monotonic() < deadline, "the request never started"
-        time.sleep(0.005)
+def aborts(http: httpx.Client) -> float:
+    return scrape(http).get(ABORTS, 0.0)
 
 
 @pytest.mark.parametrize("path,body", [
@@ -26,30 +27,44 @@ def wait_running(http: httpx.Client, timeout: float = 5.0) -> None:
     ("/v1/chat/completions", {**{k: v for k, v in LONG.items() if k != "prompt"},
                               "max_tokens": 64, "messages": [{"role": "user", "content": "fox"}]}),
 ])
-def test_streaming_disconnect_aborts_and_frees_kv(server, http, path, body):
+def test_streaming_disconnect_aborts_and_frees_kv(server, engine, http, path, body):
     before = wait_kv_baseline(http)
-    with httpx.Client(base_url=server.url, timeout=10) as gone:
+    with EngineHold(engine) as hold, httpx.Client(base_url=server.url, timeout=10) as gone:
         with gone.stream("POST", path, json={**body, "stream": True}) as r:
             assert r.status_code == 200
-            lines = r.iter_lines()
-            first = next(line for line in lines if line)
+            first = next(line for line in r.iter_lines() if line)
             assert first.startswith("data: {") and json.loads(first[6:])["choices"]
-        # leaving both blocks closes the connection mid-stream
-    after = wait_kv_baseline(http)
+            assert hold.paused.wait(10)
+            r.close()  # the client hangs up mid-stream
+        wait_for(lambda: aborts(http) == before.get(ABORTS, 0) + 1, "the server to cancel the stream")
+        hold.release()
+        after = wait_kv_baseline(http)
+        assert hold.tokens_of(json.loads(first[6:])["id"]) == 1
     assert after["pdserve_kv_cache_blocks_free"] == NUM_KV_BLOCKS
-    assert after[ABORTS] == before.get(ABORTS, 0) + 1, "the request ran to the end instead of being aborted"
-    assert after["pdserve_generation_tokens_total"] - before["pdserve_generation_tokens_total"] < body["max_tokens"]
 
 
-def test_nonstreaming_disconnect_aborts_and_frees_kv(server, http):
+def test_nonstreaming_disconnect_aborts_and_frees_kv(server, engine, http):
     before = wait_kv_baseline(http)
-    # The client gives up (read timeout) long before 120 tokens are done and closes the connection.
-    with httpx.Client(base_url=server.url, timeout=httpx.Timeout(10, read=0.05)) as impatient:
-        with pytest.raises(httpx.ReadTimeout):
-            impatient.post("/v1/completions", json=LONG)
-    after = wait_kv_baseline(http)
+    outcome: list[str] = []
+
+    def impatient_client():
+        with httpx.Client(base_url=server.url, timeout=httpx.Timeout(10, read=0.3)) as impatient:
+            try:
+                impatient.post("/v1/completions", json=LONG)
+                outcome.append("answered")
+            except httpx.ReadTimeout:
+                outcome.append("gave up")  # and closed the connection
+
+    with EngineHold(engine) as hold:
+        client = threading.Thread(target=impatient_client)
+        client.start()
+        assert hold.paused.wait(10)
+        client.join(timeout=10)
+        assert outcome == ["gave up"]
+        wait_for(lambda: aborts(http) == before.get(ABORTS, 0) + 1, "the server to cancel the request")
+        hold.release()
+        after = wait_kv_baseline(http)
+        assert hold.tokens_of(hold.outputs[0].request_id) == 1
     assert after["pdserve_kv_cache_blocks_free"] == NUM_KV_BLOCKS
-    assert after[ABORTS] == before.get(ABORTS, 0) + 1, "the request ran to the end instead of being aborted"
-    # and the server is fine
-    r = http.post("/v1/completions", json={**LONG, "max_tokens": 4})
+    r = http.post("/v1/completions", json={**LONG, "max_tokens": 4})  # and the server is fine
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
