@@ -35,3 +35,24 @@ def run_target(backend: str, nbytes: int, inbox, outbox, timeout_s: float = 30.0
     outbox.put((sender, message, buf.numpy().tobytes()))
     agent.shutdown()
     buf.free()
+
+
+def run_vram_target(nbytes: int, inbox, outbox, timeout_s: float = 60.0) -> None:
+    """Like run_target, over a CUDA tensor registered with the NIXL agent."""
+    import torch
+
+    from pdserve.kv_transfer.agents import MemoryRegion
+
+    agent = make_agent("nixl")
+    buf = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+    agent.register_memory(MemoryRegion.of_tensor(buf))
+    outbox.put((agent.local_descriptor(), buf.data_ptr()))
+    assert inbox.get(timeout=timeout_s) == "check"
+    deadline = time.monotonic() + timeout_s
+    notes = []
+    while not notes and time.monotonic() < deadline:
+        notes = agent.get_notifications()
+        time.sleep(0.0005)
+    sender, message = notes[0]
+    outbox.put((sender, message, buf.cpu().numpy().tobytes()))
+    agent.shutdown()

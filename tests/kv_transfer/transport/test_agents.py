@@ -154,3 +154,33 @@ def test_write_between_two_processes_is_byte_exact(backend):
         if proc.is_alive():
             proc.kill()
     assert proc.exitcode == 0
+
+
+@pytest.mark.cuda
+def test_nixl_vram_to_vram_between_processes():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from kvt_agent_peer import run_vram_target
+
+    ctx = mp.get_context("spawn")
+    to_target, from_target = ctx.Queue(), ctx.Queue()
+    nbytes = 16 << 20
+    proc = ctx.Process(target=run_vram_target, args=(nbytes, to_target, from_target), daemon=True)
+    proc.start()
+    try:
+        agent = make_agent("nixl")
+        src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+        agent.register_memory(MemoryRegion.of_tensor(src))
+        descriptor, dst_ptr = from_target.get(timeout=60)
+        peer = agent.load_remote(descriptor)
+        h = agent.submit_write(peer, [src.data_ptr()], [dst_ptr], [nbytes], b"vram")
+        assert wait_state(agent, h, 60) is TransferState.DONE
+        to_target.put("check")
+        sender, message, received = from_target.get(timeout=60)
+        assert message == b"vram" and received == src.cpu().numpy().tobytes()
+        agent.shutdown()
+    finally:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
