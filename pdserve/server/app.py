@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import secrets
 import signal
 import threading
@@ -110,6 +111,10 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+# pydantic names the members of a union in the error location ("prompt", "list[int]", 0).
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|[A-Z]\w*|\w+\[.*\])$")
+
+
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
     """Pydantic's error list -> one 400 naming the first bad field and what was expected."""
     err = errors[0]
@@ -118,15 +123,31 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         detail = err.get("ctx", {}).get("error", "a JSON decode error")
         where = f" at character {loc[0]}" if loc else ""
         return APIError(400, f"the request body is not valid JSON: {detail}{where}", code="invalid_json")
+    tag_at = next((i for i, part in enumerate(loc) if _UNION_TAG.match(part)), None)
+    if tag_at is not None:  # a union field: list the accepted shapes instead of the first member's complaint
+        field = ".".join(loc[:tag_at])
+        shapes = []
+        for e in errors:
+            parts = [str(p) for p in e.get("loc", ()) if p != "body"]
+            if parts[:tag_at] == loc[:tag_at] and len(parts) > tag_at and parts[tag_at] not in shapes:
+                shapes.append(parts[tag_at])
+        return APIError(400, f"invalid value for '{field}': expected one of {', '.join(shapes)}, got "
+                             f"{_show(err.get('input'))}", field, "invalid_value")
     field = ".".join(loc)
     if err.get("type") == "missing":
         return APIError(400, f"missing required field '{field}'", field or None, "missing_field")
     if not field:
         return APIError(400, f"the request body must be a JSON object: {err.get('msg')}", code="invalid_body")
-    got = err.get("input")
-    shown = repr(got) if not isinstance(got, (dict, list)) or len(repr(got)) < 80 else type(got).__name__
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return APIError(400, f"invalid value for '{field}': {err.get('msg')}, got {shown}{more}", field, "invalid_value")
+    return APIError(400, f"invalid value for '{field}': {err.get('msg')}, got {_show(err.get('input'))}{more}",
+                    field, "invalid_value")
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    if len(text) <= 80:
+        return text
+    return f"{type(value).__name__} of length {len(value)}" if hasattr(value, "__len__") else text[:77] + "..."
 
 
 async def _answer(request: Request, work: Awaitable):
