@@ -68,6 +68,7 @@ class EngineConfig(BaseModel):
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads per rank; default: cores / ranks")
     dist_host: str = Field("127.0.0.1", description="address of rank 0's torch.distributed store")
     dist_port: int = Field(0, ge=0, le=65535, description="0 = pick a free port")
+    dist_timeout_s: float = Field(300.0, gt=0, description="rank start-up and collective timeout")
     cache_dir: str | None = Field(None, description="where converted GGUF models are cached; default ~/.cache/pdserve")
     seed: int = 0
     instance_name: str | None = Field(None, description="this instance's name towards KV peers; default: random")

@@ -7,7 +7,9 @@ torch.distributed, so single-process code paths stay free of collectives.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -63,18 +65,43 @@ class ParallelState:
         return torch.cat(parts, dim=-1)
 
 
-def init_parallel(tp_size: int, pp_size: int, rank: int, init_method: str, backend: str) -> ParallelState:
-    """Join the process group and build one TP group per pipeline stage (every rank must build all)."""
+def init_parallel(tp_size: int, pp_size: int, rank: int, host: str, port: int, backend: str,
+                  timeout_s: float, workers: list | None = None) -> ParallelState:
+    """Join the process group and build one TP group per pipeline stage (every rank must build all).
+
+    Rank 0 hosts the store and, before the collective rendezvous, waits until every worker process
+    has checked in, watching `workers` (multiprocessing.Process objects): a worker that dies during
+    start-up becomes an error naming its exit code instead of a rendezvous that never completes.
+    """
     world = tp_size * pp_size
     state = ParallelState(tp_size=tp_size, pp_size=pp_size, rank=rank)
     if world == 1:
         return state
-    dist.init_process_group(backend=backend, init_method=init_method, world_size=world, rank=rank)
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    if rank == 0:
+        _await_workers(store, workers or [], world, timeout_s)
+    else:
+        store.set(f"alive/{rank}", "1")
+    dist.init_process_group(backend=backend, store=store, world_size=world, rank=rank, timeout=timeout)
     for pp in range(pp_size):
         group = dist.new_group(list(range(pp * tp_size, (pp + 1) * tp_size)))
         if pp == state.pp_rank:
             state.tp_group = group
     return state
+
+
+def _await_workers(store, workers: list, world: int, timeout_s: float) -> None:
+    keys = [f"alive/{r}" for r in range(1, world)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        dead = [p for p in workers if p.exitcode is not None]
+        if dead:
+            raise RuntimeError(f"rank process {dead[0].name} exited with code {dead[0].exitcode} during start-up; "
+                               "its log above says why")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank processes did not start within {timeout_s:.0f} s (dist_timeout_s)")
+        time.sleep(0.05)
 
 
 # Control messages between ranks travel as msgpack bytes inside uint8 tensors (never pickle).

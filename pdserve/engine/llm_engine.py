@@ -77,19 +77,28 @@ class LLMEngine:
         ecfg = self.ecfg
         set_threads(ecfg)
         device = pick_device(ecfg.device, 0)
-        init_method = f"tcp://{ecfg.dist_host}:{ecfg.dist_port or _free_port(ecfg.dist_host)}"
+        port = ecfg.dist_port or _free_port(ecfg.dist_host)
         if ecfg.world_size > 1:
             ctx = mp.get_context("spawn")
             for rank in range(1, ecfg.world_size):
-                p = ctx.Process(target=worker_main, args=(rank, ecfg, str(self.model_dir), init_method,
+                p = ctx.Process(target=worker_main, args=(rank, ecfg, str(self.model_dir), port,
                                                           self.max_model_len, self.instance_name),
                                 daemon=True, name=f"pdserve-rank{rank}")
                 p.start()
                 self._procs.append(p)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        ps = init_parallel(ecfg.tensor_parallel_size, ecfg.pipeline_parallel_size, 0, init_method, backend)
-        return ModelRunner(ecfg, self.model_cfg, self.model_dir, ps, device, self.max_model_len, self.instance_name,
-                           pool_allocator)
+        try:
+            ps = init_parallel(ecfg.tensor_parallel_size, ecfg.pipeline_parallel_size, 0, ecfg.dist_host, port,
+                               backend, ecfg.dist_timeout_s, self._procs)
+            return ModelRunner(ecfg, self.model_cfg, self.model_dir, ps, device, self.max_model_len,
+                               self.instance_name, pool_allocator)
+        except BaseException:
+            self._kill_workers()
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            raise
 
     @property
     def kv_endpoint(self) -> str | None:
@@ -308,14 +317,19 @@ class LLMEngine:
             self.runner.shutdown()
         for p in self._procs:
             p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-        self._procs.clear()
+        self._kill_workers()
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
         self.runner = None
+
+    def _kill_workers(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+        self._procs.clear()
 
     def stats(self) -> dict:
         return {

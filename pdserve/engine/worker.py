@@ -21,7 +21,7 @@ def set_threads(ecfg) -> None:
     torch.set_num_threads(n)
 
 
-def worker_main(rank: int, ecfg, model_dir: str, init_method: str, max_model_len: int, instance_name: str) -> None:
+def worker_main(rank: int, ecfg, model_dir: str, port: int, max_model_len: int, instance_name: str) -> None:
     from pathlib import Path
 
     from pdserve.distributed import init_parallel
@@ -32,8 +32,8 @@ def worker_main(rank: int, ecfg, model_dir: str, init_method: str, max_model_len
     logging.basicConfig(level=logging.WARNING)
     set_threads(ecfg)
     device = pick_device(ecfg.device, rank)
-    ps = init_parallel(ecfg.tensor_parallel_size, ecfg.pipeline_parallel_size, rank, init_method,
-                       "nccl" if device.type == "cuda" else "gloo")
+    ps = init_parallel(ecfg.tensor_parallel_size, ecfg.pipeline_parallel_size, rank, ecfg.dist_host, port,
+                       "nccl" if device.type == "cuda" else "gloo", ecfg.dist_timeout_s)
     model_cfg = ModelConfig.from_hf(read_config(Path(model_dir)))
     runner = ModelRunner(ecfg, model_cfg, Path(model_dir), ps, device, max_model_len, instance_name)
     runner.serve_forever()
