@@ -71,7 +71,7 @@ class LocalCluster:
             r = await self._http.get(url + "/health", timeout=_PROBE_TIMEOUT_S)
             ok = r.status_code == 200
             reason = "ready" if ok else f"/health answered {r.status_code}"
-            if ok and url not in self.models:
+            if ok and url not in router.ready:  # (re)joining: it may have restarted with another config
                 await self._learn(url)
         except httpx.HTTPError as e:
             ok, reason = False, f"{type(e).__name__}: {e or 'no answer'}"

@@ -166,9 +166,10 @@ class KvCacheAwareRouter(Router):
                       snapshot: Snapshot | None = None) -> None:
         """Follow `url`'s KV events (called once its /v1/disagg_info is known). Without an endpoint
         the instance is still routable but never counts as holding a prefix."""
+        first_time = url not in self.tokens_per_block
         self.tokens_per_block[url] = tokens_per_block
         if endpoint is None or url in self.subscribers:
-            if endpoint is None:
+            if endpoint is None and first_time:
                 log.warning("%s publishes no KV events (no kv_events_port): kv_cache_aware sees no cache there", url)
             return
         if snapshot is None:
