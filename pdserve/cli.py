@@ -21,7 +21,7 @@ def _serve(args: argparse.Namespace) -> int:
     cfg = load_yaml(args.config, WorkerConfig, model=args.model, host=args.host, port=args.port,
                     tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
                     api_key=args.api_key)
-    engine = AsyncEngine.from_config(cfg)
+    engine = AsyncEngine.from_config(cfg, kv_events_port=cfg.kv_events_port)
     try:
         run_server(engine, cfg)
     finally:

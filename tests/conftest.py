@@ -44,7 +44,7 @@ def _hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[lis
     # EOS must neither stop nor be suppressed (min_new_tokens would mask it), so generation runs
     # with no EOS at all and the engine runs with ignore_eos.
     config = copy.deepcopy(model.generation_config)
-    config.eos_token_id = None
+    config.eos_token_id = []  # None falls back to the model's EOS in transformers 5
     config.pad_token_id = 0
     config.do_sample = False
     config.max_new_tokens = max_new_tokens

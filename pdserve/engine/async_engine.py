@@ -20,7 +20,8 @@ from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine, RequestError
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.sequence import RequestType
+from pdserve.engine.kv_events import KVEventPublisher
+from pdserve.engine.sequence import DisaggInfo, RequestType
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ class _Add:
     params: SamplingParams
     request_id: str | None
     request_type: RequestType
+    disagg: DisaggInfo | None
     sink: Callable[[RequestOutput], None]
     done: Future = field(default_factory=Future)
 
@@ -49,11 +51,13 @@ class _Call:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, kv_events: KVEventPublisher | None = None):
         self.engine = engine
+        self.kv_events = kv_events
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
+        self.kv_endpoint = engine.kv_endpoint
         self._commands: queue.Queue = queue.Queue()
         self._sinks: dict[str, Callable[[RequestOutput], None]] = {}
         self._stop = threading.Event()
@@ -64,20 +68,25 @@ class AsyncEngine:
         self._thread.start()
 
     @classmethod
-    def from_config(cls, ecfg: EngineConfig, **kwargs) -> "AsyncEngine":
-        return cls(LLMEngine(ecfg, **kwargs))
+    def from_config(cls, ecfg: EngineConfig, kv_events_port: int | None = None, **kwargs) -> "AsyncEngine":
+        """`kv_events_port`: publish KV cache events there (0 = a free port; None = off)."""
+        publisher = None
+        if kv_events_port is not None:
+            publisher = KVEventPublisher(ecfg.cache_transceiver_config.host, kv_events_port)
+        return cls(LLMEngine(ecfg, on_kv_event=publisher, **kwargs), publisher)
 
     # -- caller side (any thread, usually the event loop) -------------------------------------------
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       request_type: RequestType = RequestType.CONTEXT_AND_GENERATION) -> AsyncIterator[RequestOutput]:
+                       request_type: RequestType = RequestType.CONTEXT_AND_GENERATION,
+                       disagg: DisaggInfo | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Raises RequestError before the first output if it is refused.
         Abandoning the iterator (client gone) aborts the request and frees its KV blocks."""
         if self.error:
             raise RuntimeError(f"engine is not running: {self.error}")
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        cmd = _Add(prompt_token_ids, params, request_id, request_type,
+        cmd = _Add(prompt_token_ids, params, request_id, request_type, disagg,
                    lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
         self._commands.put(cmd)
         rid = await asyncio.wrap_future(cmd.done)
@@ -101,6 +110,8 @@ class AsyncEngine:
         self._commands.put(None)
         self._thread.join(timeout=30)
         self.engine.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     # -- engine thread ------------------------------------------------------------------------------
 
@@ -135,7 +146,8 @@ class AsyncEngine:
     def _apply(self, cmd) -> None:
         if isinstance(cmd, _Add):
             try:
-                rid = self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.request_type)
+                rid = self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.request_type,
+                                              cmd.disagg)
             except RequestError as e:
                 cmd.done.set_exception(e)
                 return

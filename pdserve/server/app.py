@@ -23,7 +23,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pdserve.config import WorkerConfig
 from pdserve.server.errors import APIError
 from pdserve.server.metrics import ServerMetrics
-from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from pdserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from pdserve.server.serving import OpenAIServing
 
 log = logging.getLogger(__name__)
@@ -75,7 +82,29 @@ def build_app(engine, cfg: WorkerConfig) -> FastAPI:
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=engine.model_name, max_model_len=engine.max_model_len)])
 
+    @v1.get("/disagg_info")
+    async def disagg_info():
+        """What an orchestrator needs to route to this worker (docs/disaggregation.md)."""
+        ecfg = engine.engine.ecfg
+        return {"model": engine.model_name, "tokens_per_block": ecfg.tokens_per_block,
+                "ctx_info_endpoint": engine.kv_endpoint,
+                "kv_events_endpoint": engine.kv_events.endpoint if engine.kv_events else None,
+                "backend": ecfg.cache_transceiver_config.backend,
+                "tensor_parallel_size": ecfg.tensor_parallel_size,
+                "pipeline_parallel_size": ecfg.pipeline_parallel_size, "max_model_len": engine.max_model_len}
+
+    @v1.get("/kv_blocks")
+    async def kv_blocks():
+        if engine.kv_events is None:
+            raise APIError(404, "KV events are off on this worker: set kv_events_port in its config")
+        seq, hashes = engine.kv_events.snapshot()
+        return {"seq": seq, "block_hashes": hashes}
+
     app.include_router(v1)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return serving.tokenize(body)
 
     @app.get("/health")
     async def health():

@@ -31,6 +31,21 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class DisaggregatedParams(_Request):
+    """The disaggregated-serving handshake (docs/disaggregation.md). On a request it says which part
+    this worker does; on a context_only answer it carries what the generation worker needs."""
+
+    request_type: Literal["context_only", "generation_only", "context_and_generation"]
+    first_gen_tokens: list[int] | None = None
+    ctx_request_id: int | None = None
+    disagg_request_id: int | None = None
+    opaque_state: str | None = None
+    draft_tokens: list[int] | None = None
+    ctx_dp_rank: int = 0
+    ctx_info_endpoint: str | None = None
+    schedule_style: Literal["context_first", "generation_first"] | None = None
+
+
 class SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -53,6 +68,7 @@ class SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    disaggregated_params: DisaggregatedParams | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -127,6 +143,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    disaggregated_params: dict | None = None
 
 
 class TopLogprob(BaseModel):
@@ -163,6 +180,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    disaggregated_params: dict | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -207,6 +225,18 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeRequest(_Request):
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
 
 
 class ErrorInfo(BaseModel):

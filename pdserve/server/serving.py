@@ -16,9 +16,10 @@ import time
 from contextlib import aclosing
 from typing import AsyncIterator
 
-from pdserve.engine.llm_engine import RequestError
+from pdserve.engine.llm_engine import ConflictError, RequestError
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import DisaggInfo, RequestType
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import (
@@ -38,6 +39,8 @@ from pdserve.server.protocol import (
     DeltaMessage,
     PromptTokensDetails,
     SamplingFields,
+    TokenizeRequest,
+    TokenizeResponse,
     TopLogprob,
     Usage,
     random_id,
@@ -84,7 +87,7 @@ class OpenAIServing:
         params = self._sampling_params(req, ids, req.max_tokens, "prompt", logprobs=req.logprobs)
         rid = random_id("cmpl")
         created = int(time.time())
-        outputs, first = await self._start(rid, ids, params)
+        outputs, first = await self._start(rid, ids, params, req)
         if req.stream:
             return self._stream_completion(req, rid, created, outputs, first)
         async with aclosing(outputs):
@@ -96,7 +99,7 @@ class OpenAIServing:
         choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=last.finish_reason,
                                   stop_reason=last.stop_reason)
         return CompletionResponse(id=rid, created=created, model=self.engine.model_name, choices=[choice],
-                                  usage=usage_of(last))
+                                  usage=usage_of(last), disaggregated_params=last.disaggregated_params)
 
     async def _stream_completion(self, req, rid, created, outputs, first) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -138,7 +141,7 @@ class OpenAIServing:
                                        max_tokens_param=max_tokens_param)
         rid = random_id("chatcmpl")
         created = int(time.time())
-        outputs, first = await self._start(rid, ids, params)
+        outputs, first = await self._start(rid, ids, params, req)
         if req.stream:
             return self._stream_chat(req, rid, created, outputs, first)
         async with aclosing(outputs):
@@ -152,7 +155,7 @@ class OpenAIServing:
         choice = ChatChoice(message=AssistantMessage(content=text), logprobs=lps, finish_reason=last.finish_reason,
                             stop_reason=last.stop_reason)
         return ChatCompletionResponse(id=rid, created=created, model=self.engine.model_name, choices=[choice],
-                                      usage=usage_of(last))
+                                      usage=usage_of(last), disaggregated_params=last.disaggregated_params)
 
     async def _stream_chat(self, req, rid, created, outputs, first) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -178,6 +181,17 @@ class OpenAIServing:
                     break
                 out = await anext(outputs)
         yield SSE_DONE
+
+    # -- /tokenize --------------------------------------------------------------------------------
+
+    def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("send exactly one of 'prompt' or 'messages'")
+        if req.prompt is not None:
+            ids = self._encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            ids = self._chat_prompt(ChatCompletionRequest(model=self.engine.model_name, messages=req.messages))
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.engine.max_model_len)
 
     # -- shared steps -----------------------------------------------------------------------------
 
@@ -264,11 +278,14 @@ class OpenAIServing:
             raise bad_request(message, field if field in SamplingParams.__dataclass_fields__ or field == max_tokens_param
                               else None) from None
 
-    async def _start(self, rid: str, ids: list[int], params: SamplingParams):
+    async def _start(self, rid: str, ids: list[int], params: SamplingParams, req: SamplingFields):
         """Submit to the engine and wait for the first output, turning a refusal into an APIError."""
-        outputs = self._outputs(rid, ids, params)
+        request_type, disagg = self._disagg(req)
+        outputs = self._outputs(rid, ids, params, request_type, disagg)
         try:
             first = await anext(outputs)
+        except ConflictError as e:
+            raise APIError(409, str(e), "disaggregated_params.disagg_request_id", "duplicate_request_id") from None
         except RequestError as e:
             raise bad_request(str(e)) from None
         except RuntimeError as e:
@@ -280,13 +297,32 @@ class OpenAIServing:
             self._raise_if_failed(first)
         return outputs, first
 
-    async def _outputs(self, rid: str, ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    def _disagg(self, req: SamplingFields) -> tuple[RequestType, DisaggInfo | None]:
+        """The request's part in disaggregated serving; the engine checks what needs its transceiver."""
+        d = req.disaggregated_params
+        if d is None or d.request_type == "context_and_generation":
+            return RequestType.CONTEXT_AND_GENERATION, None
+        param = "disaggregated_params"
+        if d.request_type == "context_only" and req.stream:
+            raise bad_request("context_only requests answer once: send stream=false", "stream")
+        if d.draft_tokens:
+            raise bad_request("draft_tokens are not supported (no speculative decoding yet)", f"{param}.draft_tokens")
+        if d.ctx_dp_rank != 0:
+            raise bad_request("ctx_dp_rank must be 0 (no attention data parallelism yet)", f"{param}.ctx_dp_rank")
+        if d.disagg_request_id is None:
+            raise bad_request(f"{d.request_type} needs {param}.disagg_request_id", f"{param}.disagg_request_id")
+        info = DisaggInfo(d.disagg_request_id, d.ctx_info_endpoint, d.ctx_dp_rank, tuple(d.first_gen_tokens or ()))
+        return RequestType(d.request_type), info
+
+    async def _outputs(self, rid: str, ids: list[int], params: SamplingParams, request_type: RequestType,
+                       disagg: DisaggInfo | None) -> AsyncIterator[RequestOutput]:
         # A normal finish is recorded by the engine's step hook; only requests that end outside a
         # step (client gone -> abort; dead step loop -> error) are recorded here.
         self.metrics.request_started(rid)
         how = "abort"
         try:
-            async with aclosing(self.engine.generate(ids, params, request_id=rid)) as gen:
+            async with aclosing(self.engine.generate(ids, params, request_id=rid, request_type=request_type,
+                                                     disagg=disagg)) as gen:
                 async for out in gen:
                     if out.finished:
                         how = "error" if out.finish_reason == "error" else "finished"
@@ -299,11 +335,14 @@ class OpenAIServing:
 
     def _raise_if_failed(self, last: RequestOutput) -> None:
         if last.finish_reason == "error":
-            raise APIError(503 if self.engine.error else 500, f"generation failed: {last.error}")
+            raise APIError(self._error_status(last), f"generation failed: {last.error}")
 
     def _error_body(self, out: RequestOutput) -> str:
-        status = 503 if self.engine.error else 500
-        return json.dumps(APIError(status, f"generation failed: {out.error}").body())
+        return json.dumps(APIError(self._error_status(out), f"generation failed: {out.error}").body())
+
+    def _error_status(self, out: RequestOutput) -> int:
+        # The step loop died, or the KV this request waited for never came: the service is unavailable.
+        return 503 if self.engine.error or (out.error or "").startswith("KV transfer") else 500
 
     # -- logprobs ---------------------------------------------------------------------------------
 
