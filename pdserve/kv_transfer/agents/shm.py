@@ -1,7 +1,8 @@
 """Shared-memory transfer agent for peers on one host (and machines without NIXL).
 
 The target's registered memory must be shareable, so the engine allocates its KV pool with
-`allocate_shared(nbytes)`: a file in /dev/shm mapped into this process. The agent's descriptor lists
+`allocate_shared(nbytes)`: an unlinked /dev/shm file mapped into this process, reachable by peers
+through /proc/<pid>/fd/<fd>. The agent's descriptor lists
 each registered region as (ptr, nbytes, file path, offset in file). The initiator maps the peer's
 files and memmoves into them: a one-sided write, the target's CPU does nothing. After the copy the
 initiator sends the notification as one datagram to the target's abstract Unix socket, so a
@@ -58,26 +59,32 @@ def host_identity() -> tuple[str, str]:
 
 
 class SharedBuffer:
-    """A /dev/shm file mapped read-write; `ptr` is its address in this process.
+    """An unlinked /dev/shm file mapped read-write; `ptr` is its address in this process.
 
-    The file is unlinked by `free()` or when the buffer is garbage collected; peers that mapped it
-    keep their mapping until they drop it.
+    Peers open it as /proc/<our pid>/fd/<fd> while we hold the fd (until `free()` or garbage
+    collection); the memory itself lives until the last mapping is dropped.
     """
 
     def __init__(self, nbytes: int) -> None:
         if nbytes <= 0:
             raise ValueError(f"allocate_shared needs nbytes > 0, got {nbytes}")
         self.nbytes = nbytes
-        self.path = os.path.join(_SHM_DIR, f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        name = os.path.join(_SHM_DIR, f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        # Unlinked at once and reached through our open fd, so nothing is left behind even when
+        # this process dies without running finalizers (multiprocessing children skip atexit).
+        os.unlink(name)
         try:
             os.ftruncate(fd, nbytes)
             self._mmap = mmap.mmap(fd, nbytes)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self.path = f"/proc/{os.getpid()}/fd/{fd}"
+        self.inode = os.fstat(fd).st_ino  # fd numbers are reused; the inode tells files apart
         self._array = np.frombuffer(self._mmap, dtype=np.uint8)
         self.ptr = int(self._array.ctypes.data)
-        self._unlink = weakref.finalize(self, _unlink_quietly, self.path)
+        self._close_fd = weakref.finalize(self, _close_quietly, fd)
         _ALLOCATIONS[self.ptr] = self
 
     @property
@@ -94,8 +101,9 @@ class SharedBuffer:
         return torch.from_numpy(self._array).view(dtype or torch.uint8)
 
     def free(self) -> None:
+        """Stop publishing the buffer (peers that mapped it keep their mapping)."""
         _ALLOCATIONS.pop(self.ptr, None)
-        self._unlink()
+        self._close_fd()
 
 
 def allocate_shared(nbytes: int) -> SharedBuffer:
@@ -106,17 +114,18 @@ def allocate_shared(nbytes: int) -> SharedBuffer:
 _ALLOCATIONS: "weakref.WeakValueDictionary[int, SharedBuffer]" = weakref.WeakValueDictionary()
 
 
-def _unlink_quietly(path: str) -> None:
+def _close_quietly(fd: int) -> None:
     try:
-        os.unlink(path)
-    except FileNotFoundError:
+        os.close(fd)
+    except OSError:
         pass
 
 
-def _backing_file(region: MemoryRegion) -> tuple[str, int]:
+def _backing_file(region: MemoryRegion) -> tuple[str, int, int]:
+    """(path, inode, offset of the region in the file)."""
     for buf in list(_ALLOCATIONS.values()):
         if buf.ptr <= region.ptr and region.ptr + region.nbytes <= buf.ptr + buf.nbytes:
-            return buf.path, region.ptr - buf.ptr
+            return buf.path, buf.inode, region.ptr - buf.ptr
     raise TransferAgentError(
         f"region [{region.ptr:#x}, +{region.nbytes}) was not allocated with allocate_shared(); the shm agent "
         "can only register shareable memory (allocate the KV pool with "
@@ -144,9 +153,9 @@ class ShmAgent(TransferAgent):
         self.name = name or f"shm-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._host = host_identity()
         self._regions = RegionTable()
-        self._files: dict[MemoryRegion, tuple[str, int]] = {}
+        self._files: dict[MemoryRegion, tuple[str, int, int]] = {}
         self._peers: dict[str, tuple[RegionTable, list[_PeerRegion], str]] = {}
-        self._maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
+        self._maps: dict[tuple[str, int], tuple[mmap.mmap, np.ndarray]] = {}
         self._notify_addr = f"\0pdserve-shm-{uuid.uuid4().hex}"
         self._inbox = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._inbox.bind(self._notify_addr)
@@ -202,8 +211,8 @@ class ShmAgent(TransferAgent):
             )
         name = desc["name"]
         peer_regions = []
-        for ptr, nbytes, path, offset in desc["regions"]:
-            base = self._map(path, offset + nbytes)
+        for ptr, nbytes, path, inode, offset in desc["regions"]:
+            base = self._map(path, inode, offset + nbytes)
             peer_regions.append(_PeerRegion(ptr, nbytes, base + offset))
         peer_regions.sort(key=lambda r: r.ptr)
         table = RegionTable([MemoryRegion(r.ptr, r.nbytes) for r in peer_regions])
@@ -269,20 +278,21 @@ class ShmAgent(TransferAgent):
         self._maps.clear()  # mmaps close when their last view is dropped
 
     # -- internals ----------------------------------------------------------------------------
-    def _map(self, path: str, min_bytes: int) -> int:
-        if path not in self._maps:
+    def _map(self, path: str, inode: int, min_bytes: int) -> int:
+        key = (path, inode)
+        if key not in self._maps:
             try:
                 fd = os.open(path, os.O_RDWR)
             except OSError as exc:
                 raise TransferAgentError(f"cannot open peer shm file {path}: {exc}") from exc
             try:
-                size = os.fstat(fd).st_size
-                mm = mmap.mmap(fd, size)
+                if os.fstat(fd).st_ino != inode:
+                    raise TransferAgentError(f"peer shm file {path} is no longer the registered buffer (freed?)")
+                mm = mmap.mmap(fd, os.fstat(fd).st_size)
             finally:
                 os.close(fd)
-            array = np.frombuffer(mm, dtype=np.uint8)
-            self._maps[path] = (mm, array)
-        mm, array = self._maps[path]
+            self._maps[key] = (mm, np.frombuffer(mm, dtype=np.uint8))
+        mm, array = self._maps[key]
         if len(mm) < min_bytes:
             raise TransferAgentError(f"peer shm file {path} holds {len(mm)} bytes, descriptor claims {min_bytes}")
         return int(array.ctypes.data)
