@@ -2,6 +2,8 @@
 
     pdserve serve [MODEL] [--config worker.yaml] [--host H] [--port P]   one OpenAI-compatible instance
     pdserve convert GGUF OUT_DIR [--dtype float32]                       GGUF -> Hugging Face directory
+    pdserve launch [cluster.yaml]                                        a local disaggregated cluster
+    pdserve disaggregated -c disagg.yaml                                 the orchestrator (OpenAI API)
     pdserve bench --base-url URL --model NAME ...                        load-test any OpenAI endpoint
     pdserve bench sweep --endpoint NAME=URL ...                          goodput over a sweep of rates
 """
@@ -27,6 +29,12 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from pdserve.launch import launch
+
+    return launch(args.cluster)
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -61,15 +69,23 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     c.set_defaults(func=_convert)
     sub.add_parser("bench", help="load-test an OpenAI endpoint (pdserve bench --help)")
+    sub.add_parser("disaggregated", help="the disaggregated orchestrator (pdserve disaggregated --help)")
+    la = sub.add_parser("launch", help="start a local disaggregated cluster (default: 1 context + 1 generation)")
+    la.add_argument("cluster", nargs="?", default=None, help="cluster.yaml (see docs/launch.md)")
+    la.set_defaults(func=_launch)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # the benchmark owns its (long) argument list
+    if argv[:1] == ["bench"]:  # these own their argument lists
         from pdserve.bench.cli import main_bench
 
         return main_bench(argv[1:])
+    if argv[:1] == ["disaggregated"]:
+        from pdserve.disagg.cli import main_disaggregated
+
+        return main_disaggregated(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

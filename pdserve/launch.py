@@ -1,0 +1,251 @@
+"""`pdserve launch [cluster.yaml]`: a whole local disaggregated cluster in one command.
+
+Starts every context and generation instance (`pdserve serve`) and the orchestrator
+(`pdserve disaggregated`), each in its own process group with its log file, waits until all answer
+/health, prints where everything is, and on Ctrl-C or SIGTERM stops them all (SIGTERM, then SIGKILL
+after a grace period), so no process outlives the command. If any of them dies, the rest are stopped
+and the command exits non-zero, naming the one that died and the end of its log.
+
+Without a file it starts one context and one generation instance of the embedded SmolLM2, KV over
+shared memory, and the orchestrator on 127.0.0.1:8000.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pdserve.config import WorkerConfig, load_yaml
+
+
+class InstanceSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    port: int | None = Field(None, ge=1, le=65535, description="default: orchestrator port + 1, + 2, ...")
+    cpus: list[int] | None = Field(None, description="pin the instance's processes to these CPU cores")
+    config: dict[str, Any] = Field(default_factory=dict, description="worker keys (docs/configuration.md)")
+
+
+class ClusterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, description="model of every instance unless its config names one")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535, description="the orchestrator's public port")
+    backend: str = Field("shm", description="cache_transceiver_config.backend unless an instance sets it")
+    log_dir: str | None = Field(None, description="default: a new directory under the system temp dir")
+    startup_timeout: float = Field(600.0, gt=0)
+    context: list[InstanceSpec] = Field(default_factory=lambda: [InstanceSpec()], min_length=1)
+    generation: list[InstanceSpec] = Field(default_factory=lambda: [InstanceSpec()], min_length=1)
+    orchestrator: dict[str, Any] = Field(default_factory=dict, description="extra disagg.yaml keys (routers, ...)")
+
+    @model_validator(mode="after")
+    def _ports(self) -> "ClusterConfig":
+        taken = {self.port}
+        for i, inst in enumerate(self.context + self.generation):
+            if inst.port is None:
+                inst.port = self.port + 1 + i
+            if inst.port in taken:
+                raise ValueError(f"port {inst.port} is used twice in the cluster config")
+            taken.add(inst.port)
+        return self
+
+
+class Member:
+    """One process group of the cluster and its log."""
+
+    def __init__(self, name: str, cmd: list[str], log_path: Path, health_url: str, cpus: list[int] | None):
+        self.name, self.log_path, self.health_url = name, log_path, health_url
+        log = open(log_path, "wb")
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True, preexec_fn=pin)
+        log.close()
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(self.health_url, timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, grace_s: float) -> None:
+        if self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        except ProcessLookupError:
+            pass
+
+
+class Cluster:
+    def __init__(self, cfg: ClusterConfig):
+        self.cfg = cfg
+        self.log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="pdserve-cluster-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.members: list[Member] = []
+
+    def _worker(self, role: str, index: int, spec: InstanceSpec, conf: dict) -> Member:
+        path = self.log_dir / f"{role}{index}.yaml"
+        path.write_text(yaml.safe_dump({k: v for k, v in conf.items() if v is not None}))
+        cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--config", str(path)]
+        return Member(f"{role}{index}", cmd, self.log_dir / f"{role}{index}.log",
+                      f"http://{self.cfg.host}:{spec.port}/health", spec.cpus)
+
+    def start(self) -> None:
+        cfg = self.cfg
+        for (role, i, spec), conf in zip(instances(cfg), worker_configs(cfg)):
+            self.members.append(self._worker(role, i, spec, conf))
+        self._wait_healthy(self.members)
+        disagg = {"hostname": cfg.host, "port": cfg.port, **cfg.orchestrator,
+                  "context_servers": {**cfg.orchestrator.get("context_servers", {}),
+                                      "urls": [f"http://{cfg.host}:{s.port}" for s in cfg.context]},
+                  "generation_servers": {**cfg.orchestrator.get("generation_servers", {}),
+                                         "urls": [f"http://{cfg.host}:{s.port}" for s in cfg.generation]}}
+        path = self.log_dir / "disagg.yaml"
+        path.write_text(yaml.safe_dump(disagg))
+        orch = Member("orchestrator", [sys.executable, "-m", "pdserve.disagg.cli", "-c", str(path)],
+                      self.log_dir / "orchestrator.log", f"http://{cfg.host}:{cfg.port}/health", None)
+        self.members.append(orch)
+        self._wait_healthy([orch])
+
+    def _wait_healthy(self, members: list[Member]) -> None:
+        deadline = time.monotonic() + self.cfg.startup_timeout
+        pending = list(members)
+        while pending:
+            for m in list(pending):
+                if m.proc.poll() is not None:
+                    raise RuntimeError(f"{m.name} exited with code {m.proc.returncode} while starting; "
+                                       f"end of {m.log_path}:\n{m.log_tail()}")
+                if m.healthy():
+                    print(f"  {m.name:<13} ready   {m.health_url.rsplit('/', 1)[0]}   log {m.log_path}", flush=True)
+                    pending.remove(m)
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"{', '.join(m.name for m in pending)} not ready after "
+                                   f"{self.cfg.startup_timeout:.0f} s; see their logs in {self.log_dir}")
+            time.sleep(0.5)
+
+    def watch(self, stop_requested) -> Member | None:
+        """Block until a stop is requested (returns None) or a member dies (returns it)."""
+        while not stop_requested():
+            for m in self.members:
+                if m.proc.poll() is not None:
+                    return m
+            time.sleep(0.5)
+        return None
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        for m in reversed(self.members):  # the orchestrator first, so no new work reaches the workers
+            m.stop(grace_s)
+
+
+def instances(cfg: ClusterConfig) -> list[tuple[str, int, InstanceSpec]]:
+    return [("ctx", i, s) for i, s in enumerate(cfg.context)] + [("gen", i, s) for i, s in enumerate(cfg.generation)]
+
+
+def worker_configs(cfg: ClusterConfig) -> list[dict]:
+    """Each instance's worker config, validated (a bad one stops the launch before anything starts)."""
+    members = instances(cfg)
+    threads = max(1, (os.cpu_count() or 1) // sum(_ranks(s.config) for _, _, s in members))
+    out = []
+    for role, i, spec in members:
+        conf = {"model": cfg.model, "num_threads": threads, "host": cfg.host, **spec.config, "port": spec.port}
+        conf["cache_transceiver_config"] = {"backend": cfg.backend, **conf.get("cache_transceiver_config", {})}
+        if role == "ctx":
+            conf.setdefault("kv_events_port", 0)
+        try:
+            load_yaml(None, WorkerConfig, **conf)
+        except ValueError as e:
+            raise ValueError(f"{role}{i}: {e}") from None
+        out.append(conf)
+    return out
+
+
+def _ranks(worker_conf: dict) -> int:
+    return int(worker_conf.get("tensor_parallel_size", 1)) * int(worker_conf.get("pipeline_parallel_size", 1))
+
+
+def load_cluster_config(path: str | None) -> ClusterConfig:
+    data = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ValueError(f"cluster config {p} does not exist")
+        data = yaml.safe_load(p.read_text()) or {}
+    try:
+        return ClusterConfig(**data)
+    except Exception as e:
+        raise ValueError(f"invalid cluster config{f' {path}' if path else ''}: {e}") from None
+
+
+def launch(path: str | None) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # health probes are not news
+    try:
+        cfg = load_cluster_config(path)
+        worker_configs(cfg)
+    except ValueError as e:
+        print(f"pdserve launch: error: {e}", file=sys.stderr)
+        return 1
+    if cfg.model is None:  # convert the embedded model once, not once per instance
+        from pdserve.weights import resolve_model
+
+        resolve_model(None)
+    cluster = Cluster(cfg)
+    stop = {"now": False}
+
+    def on_signal(signum, _frame):
+        stop["now"] = True
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    print(f"pdserve launch: {len(cfg.context)} context + {len(cfg.generation)} generation instance(s); "
+          f"logs in {cluster.log_dir}", flush=True)
+    try:
+        cluster.start()
+        url = f"http://{cfg.host}:{cfg.port}"
+        print(f"\nready: OpenAI API at {url}/v1 (Ctrl-C stops everything)\n\n"
+              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+              f"    -d '{{\"model\": \"{_model_name(cfg)}\", \"messages\": [{{\"role\": \"user\", "
+              f"\"content\": \"What is the capital of France?\"}}]}}'\n", flush=True)
+        dead = cluster.watch(lambda: stop["now"])
+        if dead is not None:
+            print(f"pdserve launch: {dead.name} exited with code {dead.proc.returncode}; stopping the cluster.\n"
+                  f"end of {dead.log_path}:\n{dead.log_tail()}", file=sys.stderr)
+            return 1
+        return 0
+    except (RuntimeError, TimeoutError, ValueError) as e:
+        print(f"pdserve launch: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        print("pdserve launch: stopping...", flush=True)
+        cluster.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        print("pdserve launch: stopped.", flush=True)
+
+
+def _model_name(cfg: ClusterConfig) -> str:
+    conf = cfg.generation[0].config
+    if conf.get("served_model_name"):
+        return conf["served_model_name"]
+    model = conf.get("model", cfg.model)
+    return "SmolLM2-135M-Instruct" if model is None else Path(model).stem if model.endswith(".gguf") else Path(model).name

@@ -1,0 +1,89 @@
+"""`pdserve launch`: a whole cluster from one command, a real request through it, and a clean stop
+that leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import yaml
+from openai import OpenAI
+
+from pdserve.engine.llm import LLM
+from pdserve.config import EngineConfig
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.testing import make_tiny_model
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_line(proc: subprocess.Popen, needle: str, timeout: float) -> str:
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        seen.append(line)
+        if needle in line:
+            return "".join(seen)
+    raise AssertionError(f"no {needle!r} from pdserve launch:\n{''.join(seen)}")
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    return str(make_tiny_model(tmp_path / "m", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16))
+
+
+def test_launch_serves_disaggregated_and_stops_cleanly(tmp_path, tiny):
+    port = _free_port()
+    cluster = {"model": tiny, "port": port, "log_dir": str(tmp_path / "logs"), "backend": "shm",
+               "context": [{"port": _free_port(), "config": {"tokens_per_block": 8}}],
+               "generation": [{"port": _free_port(), "config": {"tokens_per_block": 8}}]}
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(cluster))
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "launch", str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        banner = _wait_for_line(proc, "ready: OpenAI API", timeout=180)
+        assert "ctx0" in banner and "gen0" in banner and "orchestrator" in banner
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 3
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        prompt = "The quick brown fox"
+        got = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        with LLM(EngineConfig(model=tiny, tokens_per_block=8)) as llm:
+            want = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+        assert got.choices[0].text == want.text
+        assert got.usage.completion_tokens == 12
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+        assert "stopped." in out
+        deadline = time.monotonic() + 10
+        while any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children):
+            assert time.monotonic() < deadline, "processes outlived pdserve launch"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_launch_refuses_a_bad_cluster_config(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump({"context": [{"port": 9001, "config": {"tensor_parallel_size": 0}}]}))
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "launch", str(path)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1
+    assert "tensor_parallel_size" in out.stderr
