@@ -21,6 +21,8 @@ class ParallelState:
     pp_size: int = 1
     rank: int = 0
     tp_group: object | None = field(default=None, repr=False)
+    # Control messages (msgpack in CPU tensors) need gloo even when the model's collectives use NCCL.
+    cpu_group: object | None = field(default=None, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -84,6 +86,8 @@ def init_parallel(tp_size: int, pp_size: int, rank: int, host: str, port: int, b
     else:
         store.set(f"alive/{rank}", "1")
     dist.init_process_group(backend=backend, store=store, world_size=world, rank=rank, timeout=timeout)
+    if backend != "gloo":
+        state.cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     for pp in range(pp_size):
         group = dist.new_group(list(range(pp * tp_size, (pp + 1) * tp_size)))
         if pp == state.pp_rank:

@@ -89,6 +89,8 @@ class ModelRunner:
         kv_heads = attn.num_kv_heads if attn else max(1, model_cfg.num_kv_heads // ps.tp_size)
         T, D, L = self.tokens_per_block, model_cfg.head_dim, self.model.num_local_layers
         shape = [self.num_blocks, L, 2, kv_heads, T, D] if ecfg.kv_layout == "HND" else [self.num_blocks, L, 2, T, kv_heads, D]
+        if device.type == "cuda" and ecfg.cache_transceiver_config.backend == "shm":
+            raise ValueError("cache_transceiver_config.backend: shm moves host memory only; on CUDA use nixl")
         self._allocator = pool_allocator or shared_pool_allocator(ecfg.cache_transceiver_config.backend)
         if self._allocator is not None:
             nbytes = self.num_blocks * L * 2 * kv_heads * T * D * self.kv_dtype.itemsize
@@ -111,23 +113,23 @@ class ModelRunner:
         if self.ps.world_size == 1:
             return [data]
         if self.ps.rank == 0:
-            parts = [data] + [recv_bytes(r) for r in range(1, self.ps.world_size)]
-            return msgpack.unpackb(broadcast_bytes(msgpack.packb(parts)))
-        send_bytes(data, dst=0)
-        return msgpack.unpackb(broadcast_bytes(None))
+            parts = [data] + [recv_bytes(r, group=self.ps.cpu_group) for r in range(1, self.ps.world_size)]
+            return msgpack.unpackb(broadcast_bytes(msgpack.packb(parts), group=self.ps.cpu_group))
+        send_bytes(data, dst=0, group=self.ps.cpu_group)
+        return msgpack.unpackb(broadcast_bytes(None, group=self.ps.cpu_group))
 
     # -- the step -----------------------------------------------------------------------------
 
     def step(self, spec: StepSpec) -> StepResult:
         """Rank 0 entry point: share the spec with the other ranks, run, collect their results."""
         if self.ps.world_size > 1:
-            broadcast_bytes(spec.to_bytes())
+            broadcast_bytes(spec.to_bytes(), group=self.ps.cpu_group)
         return self.execute(spec)
 
     def serve_forever(self) -> None:
         """Non-zero ranks: run every spec rank 0 broadcasts until it says shut down."""
         while True:
-            spec = StepSpec.from_bytes(broadcast_bytes(None))
+            spec = StepSpec.from_bytes(broadcast_bytes(None, group=self.ps.cpu_group))
             if spec.shutdown:
                 self.close()
                 return
@@ -135,7 +137,7 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         if self.ps.world_size > 1:
-            broadcast_bytes(StepSpec([], shutdown=True).to_bytes())
+            broadcast_bytes(StepSpec([], shutdown=True).to_bytes(), group=self.ps.cpu_group)
         self.close()
 
     def close(self) -> None:
@@ -151,9 +153,10 @@ class ModelRunner:
         if report is None:
             return StepResult(sampled, None)
         if self.ps.rank != 0:
-            send_bytes(msgpack.packb(report.to_wire()), dst=0)
+            send_bytes(msgpack.packb(report.to_wire()), dst=0, group=self.ps.cpu_group)
             return StepResult(None, None)
-        reports = [report] + [RankReport.from_wire(msgpack.unpackb(recv_bytes(r))) for r in range(1, self.ps.world_size)]
+        reports = [report] + [RankReport.from_wire(msgpack.unpackb(recv_bytes(r, group=self.ps.cpu_group)))
+                             for r in range(1, self.ps.world_size)]
         return StepResult(sampled, reports)
 
     @torch.inference_mode()
@@ -181,11 +184,12 @@ class ModelRunner:
         if self.ps.rank == 0:
             return result
         if self.ps.rank == self.ps.last_stage_leader:
-            send_bytes(msgpack.packb([result.token_ids, result.logprobs, result.top_logprobs]), dst=0)
+            send_bytes(msgpack.packb([result.token_ids, result.logprobs, result.top_logprobs]), dst=0,
+                       group=self.ps.cpu_group)
         return None
 
     def _result_from_last_stage(self) -> SampleResult:
-        tokens, lps, tops = msgpack.unpackb(recv_bytes(self.ps.last_stage_leader))
+        tokens, lps, tops = msgpack.unpackb(recv_bytes(self.ps.last_stage_leader, group=self.ps.cpu_group))
         return SampleResult(tokens, lps, [[tuple(p) for p in t] if t is not None else None for t in tops])
 
     def _prepare(self, spec: StepSpec):

@@ -81,17 +81,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     n, heads, d = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
-    out = torch.empty(n, heads, d, dtype=q.dtype)
+    out = torch.empty(n, heads, d, dtype=q.dtype, device=q.device)
     for s in md.prefills:
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)  # [heads, q_len, d]
-        ks, vs = cache.gather(layer, s.block_ids, s.ctx_len)  # [kv_heads, ctx_len, d]
-        ks, vs = ks.to(q.dtype), vs.to(q.dtype)
         if s.q_len == s.ctx_len:
+            # Nothing cached before this chunk: attend to the fresh K/V, rounded through the cache
+            # dtype so the result matches what a later step reads back.
+            rows = slice(s.q_start, s.q_start + s.q_len)
+            ks = k[rows].to(cache.pool.dtype).to(q.dtype).transpose(0, 1)  # [kv_heads, q_len, d]
+            vs = v[rows].to(cache.pool.dtype).to(q.dtype).transpose(0, 1)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
         else:
+            ks, vs = cache.gather(layer, s.block_ids, s.ctx_len)  # [kv_heads, ctx_len, d]
+            ks, vs = ks.to(q.dtype), vs.to(q.dtype)
             # Query i sits at absolute position ctx_len - q_len + i and sees keys up to it.
-            qpos = torch.arange(s.ctx_len - s.q_len, s.ctx_len).unsqueeze(1)
-            mask = torch.arange(s.ctx_len).unsqueeze(0) <= qpos
+            qpos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=q.device).unsqueeze(1)
+            mask = torch.arange(s.ctx_len, device=q.device).unsqueeze(0) <= qpos
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
         out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
     if md.decode_rows.numel():
