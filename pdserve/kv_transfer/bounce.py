@@ -142,7 +142,7 @@ def gather(lease: Lease, src_ptrs: np.ndarray, dst_ptrs: np.ndarray, sizes: np.n
     offsets = np.zeros(n, np.uint64)
     np.cumsum(sizes[:-1], out=offsets[1:])
     payload_ptr = np.uint64(lease.ptr + _HEADER_BYTES + 8 * table_words)
-    copy_fragments(payload_ptr + offsets, src_ptrs.astype(np.uint64), sizes.astype(np.uint64))
+    copy_fragments(payload_ptr + offsets, src_ptrs.astype(np.uint64, copy=False), sizes.astype(np.uint64, copy=False))
     return total
 
 

@@ -267,7 +267,7 @@ def plan_write(
             _slots(pair.ctx_pool, cb, "ctx", pair.ctx_group_id), src_tok,
             _slots(pair.gen_pool, gb, "gen", pair.gen_group_id), dst_tok,
         ))
-    src, dst, sizes = (np.concatenate([p[i] for p in parts]).astype(np.uint64) for i in range(3))
+    src, dst, sizes = (np.concatenate([p[i] for p in parts]).astype(np.uint64, copy=False) for i in range(3))
     return TransferPlan(*merge_contiguous(src, dst, sizes))
 
 

@@ -165,8 +165,9 @@ def merge_contiguous(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> tup
     """
     if src.size <= 1:
         return src, dst, sizes
-    order = np.argsort(src, kind="stable")
-    src, dst, sizes = src[order], dst[order], sizes[order]
+    if not bool((src[1:] >= src[:-1]).all()):  # mappers emit source order already: skip the sort
+        order = np.argsort(src, kind="stable")
+        src, dst, sizes = src[order], dst[order], sizes[order]
     follows = (src[1:] == src[:-1] + sizes[:-1]) & (dst[1:] == dst[:-1] + sizes[:-1])
     starts = np.flatnonzero(np.concatenate(([True], ~follows)))
     return src[starts], dst[starts], np.add.reduceat(sizes, starts)
