@@ -97,6 +97,9 @@ class KVTransceiver:
         self._early: dict[int, list[RequestData]] = {}
         self._closed_sends: OrderedDict[int, None] = OrderedDict()
         self.stats = {"direct_writes": 0, "bounced_writes": 0, "fragments_written": 0, "bytes_written": 0}
+        # Cumulative seconds of this rank's CPU stages (benchmarks diff them per request): plan =
+        # plan_write, gather / scatter = bounce copies, submit = the agent's submit_write call.
+        self.stage_seconds = dict.fromkeys(("plan", "gather", "submit", "scatter"), 0.0)
         # Registered before local_descriptor() is taken, so peers can write into it.
         self._staging = StagingBuffer(agent, self.config.bounce.staging_bytes) if self.config.bounce else None
         self._messenger = Messenger(self._on_message, host=host, name="kv")
@@ -338,7 +341,9 @@ class KVTransceiver:
         if self._own.rank not in writers_for(gen, my_group):
             return
         try:
+            t0 = time.perf_counter()
             plan = plan_write(self._own, gen, session.block_ids, request.block_ids)
+            self.stage_seconds["plan"] += time.perf_counter() - t0
             remote = self._loaded_agents.get(gen.key)
             if remote is None:
                 remote = self._loaded_agents[gen.key] = self.agent.load_remote(gen.agent_descriptor)
@@ -350,7 +355,9 @@ class KVTransceiver:
             if bounced is not None:
                 src, dst, sizes = bounced
             note = TransferDone(request.request_id, self._own.key, int(np.sum(sizes, dtype=np.uint64)), bounced is not None)
+            t0 = time.perf_counter()
             session.writes[gen.key] = self.agent.submit_write(remote, src, dst, sizes, note.to_bytes())
+            self.stage_seconds["submit"] += time.perf_counter() - t0
             self.stats["bounced_writes" if bounced is not None else "direct_writes"] += 1
             self.stats["fragments_written"] += len(sizes)
             self.stats["bytes_written"] += note.num_bytes
@@ -460,7 +467,9 @@ class KVTransceiver:
         lease = self._staging.lease(need)
         if lease is None:
             return None
+        t0 = time.perf_counter()
         total = gather(lease, src, dst, sizes)
+        self.stage_seconds["gather"] += time.perf_counter() - t0
         session.staging[gen.key] = lease
         target = offer["ptr"] + offer["writers"].index(self._own.rank) * offer["slot"]
         return (np.array([lease.ptr], np.uint64), np.array([target], np.uint64), np.array([total], np.uint64))
@@ -471,7 +480,9 @@ class KVTransceiver:
                 raise KVTransferError(f"{done.sender} bounced request {done.request_id} but we offered no segment")
             index = session.bounce_writers.index(done.sender[1])
             kv_regions = RegionTable([r for r in self.agent.registered_regions if r != self._staging.region])
+            t0 = time.perf_counter()
             scatter(session.staging.ptr + index * session.bounce_slot, session.bounce_slot, kv_regions)
+            self.stage_seconds["scatter"] += time.perf_counter() - t0
             session.done.add(done.sender)
         except KVTransferError as exc:
             session.errors[done.sender] = str(exc)
