@@ -7,6 +7,7 @@ finish reason); two answers are compared field by field so a mismatch names what
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import openai
@@ -18,8 +19,7 @@ MAX_TOKENS = 10
 PROMPT_IDS = tuple(range(40, 110))
 PROMPT_TEXT = ("Disaggregated serving runs the prefill on one instance and the decode on another, "
                "and moves the key and value cache between them exactly once per request.")
-MESSAGES = ({"role": "user", "content": "Tensor parallelism splits every weight across ranks; what does "
-                                        "pipeline parallelism do?"},)
+MESSAGES = (("user", "Tensor parallelism splits every weight across ranks; what does pipeline parallelism do?"),)
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,17 @@ class Case:
     stream: bool
     prompt: str | tuple[int, ...] | None = None  # completions
     logprobs: bool = False  # ask for per-token logprobs (completions only): their token strings are compared
+    messages: tuple[tuple[str, str], ...] = MESSAGES  # chat: (role, content)
+
+    def salted(self, salt: int) -> "Case":
+        """The same case over a prompt no instance has seen: a generation instance allocates blocks that
+        may still hold an earlier request's KV, so a repeated prompt could pass without any transfer."""
+        if isinstance(self.prompt, tuple):
+            prompt = tuple(3 + (t + 17 * salt) % 500 for t in self.prompt)
+        else:
+            prompt = None if self.prompt is None else f"[{salt}] {self.prompt}"
+        messages = tuple((role, f"{content} ({salt})") for role, content in self.messages)
+        return Case(self.api, self.stream, prompt, self.logprobs, messages)
 
     @property
     def label(self) -> str:
@@ -75,7 +86,7 @@ def run_case(client: openai.OpenAI, case: Case, max_tokens: int = MAX_TOKENS, mo
         usage = chunks[-1].usage
         return Answer("".join(c.text for c in choices), tokens, usage.completion_tokens, usage.prompt_tokens,
                       finish[-1] if finish else "")
-    messages = [dict(m) for m in MESSAGES]
+    messages = [{"role": role, "content": content} for role, content in case.messages]
     if not case.stream:
         out = client.chat.completions.create(messages=messages, **kw)
         c = out.choices[0]
@@ -121,10 +132,12 @@ class Reference:
         return self._answers[case]
 
 
-def check_pair(client: openai.OpenAI, reference: Reference, cases=CASES) -> None:
-    """Send every case through `client` and assert each answer equals the reference's."""
+def check_pair(client: openai.OpenAI, reference: Reference, cases=CASES, salt: str = "") -> None:
+    """Send every case (salted with `salt`, so its prompts are new to the instances) through `client` and
+    assert each answer equals the reference's."""
     problems = []
     for case in cases:
+        case = case.salted(zlib.crc32(salt.encode()) % 997) if salt else case
         problems += diff(case, run_case(client, case, reference.max_tokens, reference.model), reference[case])
     assert not problems, "disaggregated output differs from aggregated:\n" + "\n".join(problems)
 
@@ -133,6 +146,6 @@ def check_split(group: dict, ctx: str, gen: str, reference: Reference, workdir, 
     """Through a fresh orchestrator over group[ctx] -> group[gen]: every case equals the reference, and
     afterwards neither instance holds a KV block (the transfer released both sides)."""
     with Orchestrator(group[ctx].url, group[gen].url, workdir, f"{ctx}-{gen}") as orch:
-        check_pair(orch.client(), reference, cases)
+        check_pair(orch.client(), reference, cases, salt=f"{ctx}->{gen}")
     for name in (ctx, gen):
         group[name].wait_blocks_free()
