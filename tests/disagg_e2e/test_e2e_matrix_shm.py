@@ -1,8 +1,8 @@
 """Topology matrix over the shared-memory transfer agent: through `pdserve disaggregated` and the official
 openai client, greedy output equals one aggregated instance token for token.
 
-HND, 16 tokens per block: tp2->tp1, tp1->tp2, tp2->pp2, pp2->tp2, tp2pp2->tp1; 16 -> 32 tokens per block
-(tp2->tp1). NHD: tp2pp2->tp1. A HND context instance with an NHD generation instance is refused with a
+HND, 16 tokens per block: tp2->tp1, tp1->tp2, tp2->pp2, pp2->tp2, tp2pp2->tp1, and with KV heads
+replicated at tp4 (2 KV heads over 4 ranks): tp4->tp1, tp2->tp4; 16 -> 32 tokens per block (tp2->tp1). NHD: tp2pp2->tp1. A HND context instance with an NHD generation instance is refused with a
 clear error and leaves no KV block allocated."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def shm_group(tiny_kv2, e2e_dir, plain):
         Spec("shm-tp2", tiny_kv2, {**HND16, **TP2}),
         Spec("shm-pp2", tiny_kv2, {**HND16, **PP2}),
         Spec("shm-tp2pp2", tiny_kv2, {**HND16, **TP2, **PP2}),
+        Spec("shm-tp4", tiny_kv2, {**HND16, "tensor_parallel_size": 4}),  # 2 KV heads, each on 2 ranks
         Spec("shm-tp1-tpb32", tiny_kv2, {**HND16, "tokens_per_block": 32}),
         Spec("shm-tp1-nhd", tiny_kv2, NHD16),
         Spec("shm-tp2pp2-nhd", tiny_kv2, {**NHD16, **TP2, **PP2}),
@@ -38,7 +39,8 @@ def shm_group(tiny_kv2, e2e_dir, plain):
 
 
 PAIRS = [("shm-tp2", "shm-tp1"), ("shm-tp1", "shm-tp2"), ("shm-tp2", "shm-pp2"), ("shm-pp2", "shm-tp2"),
-         ("shm-tp2pp2", "shm-tp1"), ("shm-tp2", "shm-tp1-tpb32"), ("shm-tp2pp2-nhd", "shm-tp1-nhd")]
+         ("shm-tp2pp2", "shm-tp1"), ("shm-tp4", "shm-tp1"), ("shm-tp2", "shm-tp4"), ("shm-tp2", "shm-tp1-tpb32"),
+         ("shm-tp2pp2-nhd", "shm-tp1-nhd")]
 
 
 @pytest.mark.parametrize("ctx,gen", PAIRS, ids=[f"{c}->{g}" for c, g in PAIRS])
