@@ -127,6 +127,30 @@ def test_duplicate_inflight_id_is_409(fail_group):
     ctx.wait_blocks_free(timeout=5.0)
 
 
+def test_duplicate_client_id_through_the_orchestrator_is_409(fail_group, e2e_dir):
+    """Two client requests with the same disaggregated_params.disagg_request_id: while the first decodes on
+    the generation instance, the second gets the generation worker's 409; the first still completes; the
+    KV the second left on the context instance is freed (at the latest by kv_transfer_timeout_ms)."""
+    ctx, gen = fail_group["fail-ctx"], fail_group["fail-gen"]
+    disagg_id = _unused_id()
+    extra = {"ignore_eos": True, "disaggregated_params": {"disagg_request_id": disagg_id}}
+    with Orchestrator(ctx.url, gen.url, e2e_dir / "fail", "dup") as orch:
+        client = orch.client()
+        first = client.completions.create(model=MODEL_NAME, prompt=list(PROMPT_IDS), max_tokens=200, temperature=0.0,
+                                          stream=True, extra_body=extra)
+        try:
+            next(iter(first))  # the first is now decoding on the generation instance
+            with pytest.raises(openai.ConflictError, match=str(disagg_id)):
+                client.completions.create(model=MODEL_NAME, prompt=list(PROMPT_IDS), max_tokens=4, temperature=0.0,
+                                          extra_body=extra)
+            rest = list(first)
+        finally:
+            first.close()
+    assert rest and rest[-1].choices[0].finish_reason == "length"
+    gen.wait_blocks_free(timeout=5.0)
+    ctx.wait_blocks_free(timeout=KV_TIMEOUT_S + 5)
+
+
 def test_generation_pointed_at_a_dead_endpoint_is_503(fail_group):
     gen = fail_group["fail-gen"]
     dead = f"tcp://127.0.0.1:{free_port()}"
