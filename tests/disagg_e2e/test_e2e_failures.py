@@ -103,8 +103,8 @@ def _ctx_endpoint(inst) -> str:
 
 
 def test_duplicate_inflight_id_is_409(fail_group):
-    """fail-gen knows fail-ctx already (previous test), so a generation_only request for a KV the context
-    instance does not hold waits, without blocking the engine, until kv_transfer_timeout_ms. Meanwhile:
+    """A generation_only request for a KV the (live) context instance does not hold waits, without
+    blocking the engine, until kv_transfer_timeout_ms. Meanwhile:
     a second request with the same id is a 409 and an aggregated request is served; then the first fails
     with a 503 naming the transfer, and both instances hold no block."""
     ctx, gen = fail_group["fail-ctx"], fail_group["fail-gen"]
