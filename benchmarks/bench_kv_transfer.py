@@ -1,175 +1,307 @@
 """KV transfer, process to process: the transceiver path against a raw NIXL write and a local copy.
 
-    python benchmarks/bench_kv_transfer.py [--tokens 512 2048 8192] [--dtypes fp32 bf16] [--backend nixl]
+    python benchmarks/bench_kv_transfer.py [--tokens 512 2048 8192] [--dtypes fp32 bf16]
+        [--backend nixl|shm] [--reps 5] [--case-timeout 240] [--tables contiguous nhd]
 
-KV of SmolLM2-135M's shape (30 layers, 3 KV heads, head_dim 64, 16 tokens per block). A context
-instance runs in a spawned process and writes into this process's generation instance.
+KV of SmolLM2-135M's shape (30 layers, 3 KV heads, head_dim 64, 16 tokens per block). Every case
+runs in two fresh spawned processes: a context instance (tp1) and a generation instance, started and
+killed by this process, so a stuck case is recorded as "timeout" and the next one runs.
 
-Table 1 (tp1 -> tp1, HND, one pool per rank): time from `request_and_receive_async` to
-`check_gen_transfer_status` reporting the request (control round trip + plan + write +
-notification; RankInfo exchange warmed up first), against one raw NIXL write of the same bytes
-between two processes, and one in-process `torch` copy (the memory-bandwidth limit).
-Table 2 (tp1 -> tp3, NHD: one fragment per layer, K/V and token per gen rank), direct vs bounce.
-Every row reports the median of --reps runs.
+Table 1 (tp1 -> tp1, HND, one block-major pool per rank: one fragment for the whole request).
+  ours: on the gen process, from `request_and_receive_async` until `check_gen_transfer_status`
+        reports the request: REQUEST_DATA over ZeroMQ, plan, write, notification, both sides
+        waiting with the library's own `at_least=1` polling. The context side has offered the
+        request before the clock starts (prefill done).
+  raw:  on the ctx process, one `submit_write` of the very same fragments (same agents, same
+        registered memory, same processes, connections warm) until the initiator sees it DONE,
+        polling every POLL_INTERVAL_S like the transceiver: a busy poll starves NIXL's UCX progress
+        thread on a small machine (1 MiB: 1.3 ms busy vs 0.2 ms with 0.1 ms sleeps, 2 cores).
+        Reps alternate raw / ours, each preceded by an untimed warm-up; medians are reported.
+  copy: one in-process torch copy of the same bytes (the memory-bandwidth limit).
+Table 2 (tp1 -> tp3, NHD: one fragment per layer, K/V and token per gen rank), direct vs bounce,
+  with the per-request CPU stages of the transceiver (plan, gather, submit on ctx; scatter on gen).
+The load average is printed with each table: absolute figures on a shared machine are noisy.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
+import queue
+import signal
 import statistics
 import time
 
 import numpy as np
 
-from pdserve.kv_transfer.agents import MemoryRegion, make_agent
+from pdserve.kv_transfer.agents import make_agent
 from pdserve.kv_transfer.agents.shm import allocate_shared
 from pdserve.kv_transfer.bounce import BounceConfig
 from pdserve.kv_transfer.page_table import MapperKind, page_table_for_block_major_pool
 from pdserve.kv_transfer.rank_info import RankInfo
-from pdserve.kv_transfer.transceiver import KVTransceiver, TransceiverConfig
+from pdserve.kv_transfer.registrar import plan_write
+from pdserve.kv_transfer.transceiver import POLL_INTERVAL_S, KVTransceiver, TransceiverConfig
 
 LAYERS, HEADS, HEAD_DIM, TPB = 30, 3, 64, 16
 DTYPES = {"fp32": 4, "bf16": 2}
-TIMEOUT_S = 120
+STAGES = ("plan", "gather", "submit", "scatter")
+_STEP_S = 60.0  # longest wait for one queue message inside a case; the case timeout bounds the total
 
 
-def build(name: str, tp: int, blocks: int, elt: int, layout: MapperKind, backend: str, bounce) -> list:
+def kv_bytes(tokens: int, elt: int) -> int:
+    return LAYERS * 2 * HEADS * HEAD_DIM * elt * (-(-tokens // TPB)) * TPB
+
+
+def load() -> str:
+    return "load %.1f %.1f %.1f" % os.getloadavg()
+
+
+def build(name: str, tp: int, blocks: int, elt: int, layout: str, backend: str, bounce) -> list:
+    """One instance in this process: [(transceiver, pool)] per TP rank, pools pre-touched."""
     ranks, infos = [], []
     heads = max(1, HEADS // tp)
     for tp_rank in range(tp):
         pool = allocate_shared(blocks * LAYERS * 2 * heads * TPB * HEAD_DIM * elt)
-        agent = make_agent(backend, f"bench-{name}-{tp_rank}-{time.monotonic_ns()}")
-        agent.register_memory(MemoryRegion(pool.ptr, pool.nbytes))
-        tx = KVTransceiver(agent, TransceiverConfig(kv_transfer_timeout_ms=TIMEOUT_S * 1000, bounce=bounce))
-        table = page_table_for_block_major_pool(pool.ptr, blocks, LAYERS, heads, TPB, HEAD_DIM, elt, layout,
-                                                range(LAYERS))
-        info = RankInfo(name, tp_rank, tp, tp_rank, 1, 0, 1, 0, 1, 0, (LAYERS,), HEADS, heads, HEAD_DIM, elt, TPB,
-                        table, tx.local_descriptor(), tx.endpoint)
+        pool.numpy()[:] = 0  # fault the pages in now, not inside the first timed write
+        agent = make_agent(backend, f"bench-{name}-{tp_rank}-{os.getpid()}")
+        agent.register_memory(pool.region)
+        tx = KVTransceiver(agent, TransceiverConfig(kv_transfer_timeout_ms=600_000, bounce=bounce))
+        table = page_table_for_block_major_pool(pool.ptr, blocks, LAYERS, heads, TPB, HEAD_DIM, elt,
+                                                MapperKind[layout], range(LAYERS))
+        infos.append(RankInfo(name, tp_rank, tp, tp_rank, 1, 0, 1, 0, 1, 0, (LAYERS,), HEADS, heads, HEAD_DIM, elt,
+                              TPB, table, tx.local_descriptor(), tx.endpoint))
         ranks.append((tx, pool))
-        infos.append(info)
     for (tx, _), info in zip(ranks, infos):
         tx.start(info, infos)
-    return ranks
+    return ranks, infos
 
 
-def ctx_main(blocks: int, elt: int, layout: str, backend: str, bounce, inbox, outbox) -> None:
-    """Context instance (tp1): answers every request id it is sent until told to stop."""
-    ranks = build("ctx", 1, blocks, elt, MapperKind[layout], backend, bounce)
-    ranks[0][1].numpy()[:] = np.random.default_rng(0).integers(0, 255, ranks[0][1].nbytes, dtype=np.uint8)
-    outbox.put(ranks[0][0].endpoint)
-    ids = {0: np.arange(blocks, dtype=np.int64)}
+def ctx_main(case: dict, inbox, outbox) -> None:
+    """Context instance (tp1). Commands: ("offer", rid, n_blocks) -> serve it, answer ("served", rid,
+    stage seconds); ("raw", gen RankInfo bytes list) -> ("raw", seconds); None -> exit."""
+    blocks = -(-case["tokens"] // TPB)
+    ranks, infos = build("ctx", 1, blocks, case["elt"], case["layout"], case["backend"], case["bounce"])
+    tx, pool = ranks[0]
+    pool.numpy()[:] = np.random.default_rng(0).integers(0, 255, pool.nbytes, dtype=np.uint8)
+    outbox.put(tx.endpoint)
     while True:
-        while not inbox.empty():
-            rid = inbox.get()
-            if rid is None:
-                outbox.put(ranks[0][0].stats)
-                for tx, _ in ranks:
-                    tx.close()
-                    tx.agent.shutdown()
-                return
-            for tx, _ in ranks:
-                tx.respond_and_send_async(rid, ids)
-        for tx, _ in ranks:
-            tx.check_context_transfer_status()
-        time.sleep(0.0002)
+        cmd = inbox.get(timeout=_STEP_S)
+        if cmd is None:
+            tx.close()
+            tx.agent.shutdown()
+            return
+        if cmd[0] == "offer":
+            _, rid, n = cmd
+            before, before_stats = dict(tx.stage_seconds), dict(tx.stats)
+            tx.respond_and_send_async(rid, {0: np.arange(n, dtype=np.int64)})
+            outbox.put(("offered", rid))
+            while tx.has_inflight_transfer():
+                res = tx.check_context_transfer_status(at_least=1)
+                if res.failed:
+                    raise RuntimeError(f"ctx: transfer failed: {res.failed}")
+            outbox.put(("served", {k: tx.stage_seconds[k] - before[k] for k in STAGES},
+                        {k: v - before_stats[k] for k, v in tx.stats.items()}))
+        elif cmd[0] == "raw":
+            ids = {0: np.arange(blocks, dtype=np.int64)}
+            times = []
+            for gen_bytes in cmd[1]:
+                gen = RankInfo.from_bytes(gen_bytes)
+                plan = plan_write(infos[0], gen, ids, ids)
+                remote = tx.agent.load_remote(gen.agent_descriptor)  # already loaded: a dict hit
+                t0 = time.perf_counter()
+                handle = tx.agent.submit_write(remote, plan.src_ptrs, plan.dst_ptrs, plan.sizes, b"raw")
+                while tx.agent.poll(handle).value == "in_progress":
+                    time.sleep(POLL_INTERVAL_S)  # the library's cadence; see the module docstring
+                times.append(time.perf_counter() - t0)
+                tx.agent.release(handle)
+            outbox.put(("raw", sum(times), len(plan)))
 
 
-def transceiver_run(tokens: int, elt: int, layout: str, gen_tp: int, backend: str, bounce, reps: int):
-    """Median seconds per request for ctx tp1 -> gen tp`gen_tp`, plus the sender's stats."""
-    blocks = -(-tokens // TPB)
+def gen_main(case: dict, results) -> None:
+    """Generation instance: drives the ctx process and reports per-rep timings to `results`."""
     spawn = mp.get_context("spawn")
     inbox, outbox = spawn.Queue(), spawn.Queue()
-    proc = spawn.Process(target=ctx_main, args=(blocks, elt, layout, backend, bounce, inbox, outbox), daemon=True)
-    proc.start()
+    ctx = spawn.Process(target=ctx_main, args=(case, inbox, outbox), daemon=True)
+    ctx.start()
+    results.put(("pid", ctx.pid))
     try:
-        endpoint = outbox.get(timeout=TIMEOUT_S)
-        gen = build("gen", gen_tp, blocks, elt, MapperKind[layout], backend, bounce)
-        ids = {0: np.arange(blocks, dtype=np.int64)}
-        times = []
-        for rid in range(reps + 1):  # request 0 warms up the RankInfo exchange and connections
-            inbox.put(rid)
+        blocks = -(-case["tokens"] // TPB)
+        gen, infos = build("gen", case["gen_tp"], blocks, case["elt"], case["layout"], case["backend"], case["bounce"])
+        endpoint = outbox.get(timeout=_STEP_S)
+        scattered = [0.0]  # gen-side scatter seconds already attributed to earlier requests
+
+        def ours(rid: int, n: int) -> tuple[float, dict, dict]:
+            inbox.put(("offer", rid, n))
+            assert outbox.get(timeout=_STEP_S) == ("offered", rid)
+            ids = {0: np.arange(n, dtype=np.int64)}
             t0 = time.perf_counter()
             for tx, _ in gen:
-                tx.request_and_receive_async(rid, endpoint, ids, (0, tokens))
-            pending = {i for i in range(gen_tp)}
-            while pending:
-                for i in list(pending):
-                    res = gen[i][0].check_gen_transfer_status()
-                    if res.failed:
-                        raise RuntimeError(f"transfer failed: {res.failed}")
-                    if res.completed:
-                        pending.discard(i)
-            if rid:
-                times.append(time.perf_counter() - t0)
+                tx.request_and_receive_async(rid, endpoint, ids, (0, n * TPB))
+            for tx, _ in gen:
+                res = tx.check_gen_transfer_status(at_least=1)
+                if res.failed or res.completed != [rid]:
+                    raise RuntimeError(f"gen: transfer of {rid} failed: {res}")
+            elapsed = time.perf_counter() - t0
+            _, stages, stats = outbox.get(timeout=_STEP_S)
+            total = sum(tx.stage_seconds["scatter"] for tx, _ in gen)
+            stages["scatter"], scattered[0] = total - scattered[0], total
+            return elapsed, stages, stats
+
+        def raw() -> tuple[float, int]:
+            inbox.put(("raw", [i.to_bytes() for i in infos]))
+            _, seconds, frags = outbox.get(timeout=_STEP_S)
+            for tx, _ in gen:  # consume the raw notification so the transceiver never sees it
+                deadline = time.monotonic() + _STEP_S
+                while not tx.agent.get_notifications():
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("raw write's notification never arrived")
+                    time.sleep(0.0005)
+            return seconds, frags
+
+        # Warm-up: RankInfo exchange, connections, staging pages. The direct NHD case warms up on a
+        # bounce-gate-sized prefix only (a full one takes as long as a rep and adds nothing cold).
+        ours(0, blocks if case["warm_full"] else min(blocks, 96))
+        if case["raw"]:
+            raw()
+        deadline = time.monotonic() + case["budget_s"]
+        for rep in range(1, case["reps"] + 1):
+            if case["raw"]:
+                seconds, frags = raw()
+                results.put(("raw", seconds, frags))
+            elapsed, stages, stats = ours(rep, blocks)
+            results.put(("ours", elapsed, stages, stats))
+            if time.monotonic() > deadline:
+                break  # keep the reps we have rather than overrun the case timeout
         inbox.put(None)
-        stats = outbox.get(timeout=TIMEOUT_S)
+        ctx.join(_STEP_S)
         for tx, _ in gen:
             tx.close()
             tx.agent.shutdown()
-        return statistics.median(times), stats
+        results.put(("end",))
+    except BaseException as exc:
+        results.put(("error", f"{type(exc).__name__}: {exc}"))
+        raise
     finally:
-        proc.join(TIMEOUT_S)
-        if proc.is_alive():
-            proc.kill()
+        if ctx.is_alive():
+            ctx.kill()
 
 
-def raw_target(nbytes: int, backend: str, inbox, outbox) -> None:
-    agent = make_agent(backend)
-    buf = allocate_shared(nbytes)
-    agent.register_memory(buf.region)
-    outbox.put((agent.local_descriptor(), buf.ptr))
-    inbox.get(timeout=TIMEOUT_S)
-    agent.shutdown()
-
-
-def raw_nixl_run(nbytes: int, backend: str, reps: int) -> float:
-    """Median seconds of one single-descriptor write of nbytes into another process."""
+def run_case(case: dict, timeout_s: float) -> dict:
+    """Run one case in fresh processes; {"ours": [...], "raw": [...], "stages": [...], "status": ...}."""
     spawn = mp.get_context("spawn")
-    inbox, outbox = spawn.Queue(), spawn.Queue()
-    proc = spawn.Process(target=raw_target, args=(nbytes, backend, inbox, outbox), daemon=True)
+    results = spawn.Queue()
+    case = dict(case, budget_s=timeout_s / 2)
+    proc = spawn.Process(target=gen_main, args=(case, results))
     proc.start()
+    out = {"ours": [], "raw": [], "frags_raw": 0, "stages": [], "stats": {}, "status": "timeout"}
+    pids = []
+    deadline = time.monotonic() + timeout_s
     try:
-        agent = make_agent(backend)
-        src = allocate_shared(nbytes)
-        src.numpy()[:] = 7
-        agent.register_memory(src.region)
-        desc, dst = outbox.get(timeout=TIMEOUT_S)
-        peer = agent.load_remote(desc)
-        times = []
-        for i in range(reps + 1):
-            t0 = time.perf_counter()
-            h = agent.submit_write(peer, [src.ptr], [dst], [nbytes], b"x")
-            while agent.poll(h).value == "in_progress":
-                pass
-            agent.release(h)
-            if i:
-                times.append(time.perf_counter() - t0)
-        agent.shutdown()
-        inbox.put("bye")
-        return statistics.median(times)
+        while True:
+            try:
+                msg = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                if time.monotonic() >= deadline or not proc.is_alive():
+                    out["status"] = "timeout" if proc.is_alive() else "died"
+                    break
+                continue
+            if msg[0] == "pid":
+                pids.append(msg[1])
+            elif msg[0] == "raw":
+                out["raw"].append(msg[1])
+                out["frags_raw"] = msg[2]
+            elif msg[0] == "ours":
+                out["ours"].append(msg[1])
+                out["stages"].append(msg[2])
+                out["stats"] = msg[3]
+            elif msg[0] == "error":
+                out["status"] = "error: " + msg[1]
+                break
+            else:
+                out["status"] = "ok"
+                break
     finally:
-        proc.join(TIMEOUT_S)
+        if out["status"] != "ok":
+            for pid in pids:  # the ctx process first: it would outlive a killed gen process
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        proc.join(5)
         if proc.is_alive():
             proc.kill()
+            proc.join(5)
+    return out
 
 
-def torch_copy_run(nbytes: int, reps: int) -> float:
+def torch_copy_s(nbytes: int, reps: int) -> float:
     import torch
 
     src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
+    dst = torch.zeros_like(src)
     times = []
-    for i in range(reps + 1):
+    for _ in range(reps + 1):
         t0 = time.perf_counter()
         dst.copy_(src)
-        if i:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
 
 
-def gbs(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _fmt(x: float | None, scale: float = 1.0, width: int = 9, digits: int = 2) -> str:
+    return f"{'-':>{width}}" if x is None else f"{x * scale:>{width}.{digits}f}"
+
+
+def contiguous_table(args) -> None:
+    print(f"tp1 -> tp1 (HND, contiguous)   [{load()}]")
+    print(f"{'dtype':>5} {'tokens':>6} {'MiB':>7} {'descs':>7} {'reps':>4} {'ours ms':>9} {'raw ms':>9} "
+          f"{'ours GB/s':>9} {'raw GB/s':>9} {'copy GB/s':>9} {'ours/raw':>8}  status")
+    for dtype in args.dtypes:
+        for tokens in args.tokens:
+            nbytes = kv_bytes(tokens, DTYPES[dtype])
+            case = {"tokens": tokens, "elt": DTYPES[dtype], "layout": "HND", "gen_tp": 1, "backend": args.backend,
+                    "bounce": None, "reps": args.reps, "raw": True, "warm_full": True}
+            r = run_case(case, args.case_timeout)
+            ours, raw = _median(r["ours"]), _median(r["raw"])
+            descs = f"{r['stats'].get('fragments_written', 0)}/{r['frags_raw']}"  # ours/raw, per request
+            copy = torch_copy_s(nbytes, args.reps)
+            bw = lambda s: None if s is None else nbytes / s / 1e9  # noqa: E731
+            ratio = None if ours is None or raw is None else raw / ours
+            print(f"{dtype:>5} {tokens:>6} {nbytes / 2**20:>7.1f} {descs:>7} {len(r['ours']):>4} {_fmt(ours, 1e3)} "
+                  f"{_fmt(raw, 1e3)} {_fmt(bw(ours))} {_fmt(bw(raw))} {_fmt(bw(copy))} {_fmt(ratio, width=8)}  "
+                  f"{r['status']}", flush=True)
+
+
+def nhd_table(args) -> None:
+    print(f"\ntp1 -> tp3 (NHD head mismatch: one fragment per layer, K/V and token per gen rank)   [{load()}]")
+    print("stages: per request, summed over the 3 gen ranks (plan/gather/submit on ctx, scatter on gen)")
+    print(f"{'dtype':>5} {'tokens':>6} {'MiB':>7} {'frags/rank':>10} {'mode':>6} {'reps':>4} {'total ms':>9} "
+          + " ".join(f"{s + ' ms':>10}" for s in STAGES) + f" {'speedup':>7}  status")
+    for dtype in args.dtypes:
+        for tokens in args.tokens:
+            nbytes = kv_bytes(tokens, DTYPES[dtype])
+            rows = {}
+            for mode in ("direct", "bounce"):
+                bounce = BounceConfig(staging_bytes=3 * nbytes) if mode == "bounce" else None
+                case = {"tokens": tokens, "elt": DTYPES[dtype], "layout": "NHD", "gen_tp": 3, "backend": args.backend,
+                        "bounce": bounce, "reps": args.reps, "raw": False, "warm_full": mode == "bounce"}
+                rows[mode] = run_case(case, args.case_timeout)
+            direct, bounced = (_median(rows[m]["ours"]) for m in ("direct", "bounce"))
+            for mode, r in rows.items():
+                stats = r["stats"]
+                writes = stats.get("direct_writes", 0) + stats.get("bounced_writes", 0)
+                frags = stats.get("fragments_written", 0) // max(1, writes)
+                if mode == "bounce" and stats and not stats.get("bounced_writes"):
+                    mode = "gated"  # the bounce gates sent it direct
+                speed = direct / bounced if mode == "bounce" and direct and bounced else None
+                stages = " ".join(_fmt(_median([s[k] for s in r["stages"]]), 1e3, 10, 1) for k in STAGES)
+                print(f"{dtype:>5} {tokens:>6} {nbytes / 2**20:>7.1f} {frags:>10} {mode:>6} {len(r['ours']):>4} "
+                      f"{_fmt(_median(r['ours']), 1e3, 9, 1)} {stages} {_fmt(speed, width=7)}  {r['status']}",
+                      flush=True)
 
 
 def main() -> None:
@@ -178,37 +310,17 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--backend", default="nixl", choices=["nixl", "shm"])
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--case-timeout", type=float, default=240.0,
+                        help="seconds per case (processes started, warm-up, reps); past half of it no new rep starts")
+    parser.add_argument("--tables", nargs="+", default=["contiguous", "nhd"], choices=["contiguous", "nhd"])
     args = parser.parse_args()
-
     print(f"backend={args.backend}  SmolLM2 KV: {LAYERS} layers x {HEADS} KV heads x head_dim {HEAD_DIM}, "
-          f"{TPB} tokens/block, median of {args.reps}\n")
-    print("tp1 -> tp1 (HND, contiguous)")
-    print(f"{'dtype':>5} {'tokens':>6} {'MiB':>7} {'frags':>5} {'ours GB/s':>9} {'raw GB/s':>9} {'copy GB/s':>9} "
-          f"{'ours/raw':>8} {'ours/copy':>9}")
-    for dtype in args.dtypes:
-        elt = DTYPES[dtype]
-        for tokens in args.tokens:
-            nbytes = LAYERS * 2 * HEADS * HEAD_DIM * elt * (-(-tokens // TPB)) * TPB
-            ours, stats = transceiver_run(tokens, elt, "HND", 1, args.backend, None, args.reps)
-            frags = stats["fragments_written"] // stats["direct_writes"]
-            raw = raw_nixl_run(nbytes, args.backend, args.reps)
-            copy = torch_copy_run(nbytes, args.reps)
-            print(f"{dtype:>5} {tokens:>6} {nbytes / 2**20:>7.1f} {frags:>5} {gbs(nbytes, ours):>9.2f} "
-                  f"{gbs(nbytes, raw):>9.2f} {gbs(nbytes, copy):>9.2f} {raw / ours:>8.2f} {copy / ours:>9.2f}")
-
-    print("\ntp1 -> tp3 (NHD head mismatch: one fragment per layer, K/V and token per gen rank)")
-    print(f"{'dtype':>5} {'tokens':>6} {'MiB':>7} {'frags/rank':>10} {'direct ms':>9} {'bounce ms':>9} {'speedup':>7}")
-    for dtype in args.dtypes:
-        elt = DTYPES[dtype]
-        for tokens in args.tokens:
-            nbytes = LAYERS * 2 * HEADS * HEAD_DIM * elt * (-(-tokens // TPB)) * TPB
-            direct, dstats = transceiver_run(tokens, elt, "NHD", 3, args.backend, None, args.reps)
-            cfg = BounceConfig(staging_bytes=3 * nbytes)
-            bounced, bstats = transceiver_run(tokens, elt, "NHD", 3, args.backend, cfg, args.reps)
-            frags = dstats["fragments_written"] // max(1, dstats["direct_writes"])
-            mode = "" if bstats["bounced_writes"] else " (gate: direct)"
-            print(f"{dtype:>5} {tokens:>6} {nbytes / 2**20:>7.1f} {frags:>10} {direct * 1e3:>9.1f} "
-                  f"{bounced * 1e3:>9.1f} {direct / bounced:>7.2f}{mode}")
+          f"{TPB} tokens/block, median of up to {args.reps} reps, {os.cpu_count()} CPUs\n")
+    if "contiguous" in args.tables:
+        contiguous_table(args)
+    if "nhd" in args.tables:
+        nhd_table(args)
+    print(f"\n[{load()}]")
 
 
 if __name__ == "__main__":

@@ -249,10 +249,9 @@ class KVTransceiver:
                 raise KVTransferError(f"context endpoint {endpoint} answered {reply.TYPE.name}, not its RankInfos")
             cached = tuple(RankInfo.from_bytes(b) for b in reply.rank_infos)
             self._ctx_instances[endpoint] = cached
-        register = RegisterPeer(self._own.to_bytes())
         for ctx in cached:
             if ctx.key not in self._registered_with:
-                self._messenger.send(ctx.control_endpoint, register)
+                self._messenger.send(ctx.control_endpoint, RegisterPeer(self._own.to_bytes()))
                 self._registered_with.add(ctx.key)
         return cached
 
