@@ -59,9 +59,10 @@ logger = logging.getLogger(__name__)
 AgreeFn = Callable[[list[int], np.ndarray], np.ndarray]
 
 # Longest wait between two polls of the agent inside `at_least` waits. Control messages wake the wait
-# at once; agent completions and notifications can only be polled. Each poll step costs ~20-30 us of
-# CPU, so 0.1 ms keeps the detection latency well under a millisecond (a 0.5 ms cadence cost ~10%
-# of a 10 ms write) at ~20% of one core while the executor has nothing else to do.
+# at once; agent completions and notifications can only be polled. A poll step costs ~20-30 us of
+# CPU: 0.1 ms keeps detection well under a millisecond (a 10 ms write loses <1%) for ~20% of one
+# core while the executor has nothing else to do. Busy polling is worse, not better: it starves
+# NIXL's UCX progress thread on small machines.
 POLL_INTERVAL_S = 0.0001
 _REMEMBER_CLOSED = 4096
 
