@@ -242,14 +242,32 @@ class KVTransceiver:
     def _deadline(self) -> float:
         return time.monotonic() + self.config.kv_transfer_timeout_ms / 1000.0
 
+    def fetch_instance(self, endpoint: str) -> list[bytes]:
+        """The RankInfos (as bytes) of the context instance at `endpoint`, asked over the network.
+        Safe from any thread, so an executor can fetch a new peer without stalling its step loop,
+        then hand the answer to every rank through `add_instance`. Raises TimeoutError when nothing
+        answers within rank_info_timeout_s."""
+        own = self._require_started()
+        reply = self._messenger.request(endpoint, RankInfoRequest(own.key), self.config.rank_info_timeout_s)
+        if not isinstance(reply, RankInfoReply) or not reply.rank_infos:
+            raise KVTransferError(f"context endpoint {endpoint} answered {reply.TYPE.name}, not its RankInfos")
+        return list(reply.rank_infos)
+
+    def add_instance(self, endpoint: str, rank_infos: Sequence[bytes]) -> None:
+        """Cache a context instance's RankInfos (from `fetch_instance`), so no request pays the round trip."""
+        if endpoint not in self._ctx_instances:
+            self._ctx_instances[endpoint] = tuple(RankInfo.from_bytes(b) for b in rank_infos)
+
+    def forget_instance(self, endpoint: str) -> None:
+        """Drop a cached context instance (e.g. after a failure: it may have restarted)."""
+        for info in self._ctx_instances.pop(endpoint, ()):
+            self._registered_with.discard(info.key)
+
     def _ctx_ranks(self, endpoint: str) -> tuple[RankInfo, ...]:
         cached = self._ctx_instances.get(endpoint)
         if cached is None:
-            reply = self._messenger.request(endpoint, RankInfoRequest(self._own.key), self.config.rank_info_timeout_s)
-            if not isinstance(reply, RankInfoReply) or not reply.rank_infos:
-                raise KVTransferError(f"context endpoint {endpoint} answered {reply.TYPE.name}, not its RankInfos")
-            cached = tuple(RankInfo.from_bytes(b) for b in reply.rank_infos)
-            self._ctx_instances[endpoint] = cached
+            self.add_instance(endpoint, self.fetch_instance(endpoint))
+            cached = self._ctx_instances[endpoint]
         for ctx in cached:
             if ctx.key not in self._registered_with:
                 self._messenger.send(ctx.control_endpoint, RegisterPeer(self._own.to_bytes()))
