@@ -7,13 +7,19 @@ reported on it (`TransferTally`), so no rank frees or reads blocks another rank 
 
 Commands (msgpack-friendly lists):
     ["send", disagg_id, block_ids]                         context side: offer this request's KV
-    ["recv", disagg_id, ctx_endpoint, block_ids, dp_rank]   generation side: pull it into block_ids
+    ["recv", disagg_id, ctx_endpoint, block_ids, dp_rank, ctx_rank_infos]
+                                                           generation side: pull it into block_ids
     ["cancel", disagg_id]                                   stop; confirmed once no write can land
+    ["forget", 0, ctx_endpoint]                             drop a context instance's cached RankInfos
+
+`ctx_rank_infos` are the context instance's RankInfos, fetched once by rank 0 off the step loop
+(`PeerDirectory`), so no rank ever waits on the network inside a step.
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -108,10 +114,13 @@ class KVConnector:
                 if kind == "send":
                     self.tx.respond_and_send_async(rid, {LAYER_GROUP: np.asarray(cmd[2], dtype=np.int64)})
                 elif kind == "recv":
+                    self.tx.add_instance(cmd[2], cmd[5])
                     self.tx.request_and_receive_async(rid, cmd[2], {LAYER_GROUP: np.asarray(cmd[3], dtype=np.int64)},
                                                       ctx_dp_rank=int(cmd[4]))
                 elif kind == "cancel":
                     self._cancelling.add(rid)
+                elif kind == "forget":
+                    self.tx.forget_instance(cmd[2])
                 else:
                     raise AssertionError(f"unknown KV command {kind!r}")
             except (KVTransferError, OSError, ValueError) as e:
@@ -135,6 +144,39 @@ class KVConnector:
         self.tx.close()
         self.agent.deregister_memory(self.region)
         self.agent.shutdown()
+
+
+class PeerDirectory:
+    """Rank 0's cache of context instances' RankInfos. A new endpoint is fetched on a helper thread;
+    the step loop only polls, so an unreachable peer costs its own requests a timeout, nobody else."""
+
+    def __init__(self, fetch):
+        self._fetch = fetch
+        self._known: dict[str, list[bytes]] = {}
+        self._pending: dict[str, Future] = {}
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-peer-fetch")
+
+    def lookup(self, endpoint: str) -> list[bytes] | Exception | None:
+        """The RankInfos, the exception that fetching them raised (reported once), or None: not yet."""
+        if endpoint in self._known:
+            return self._known[endpoint]
+        fut = self._pending.get(endpoint)
+        if fut is None:
+            self._pending[endpoint] = self._pool.submit(self._fetch, endpoint)
+            return None
+        if not fut.done():
+            return None
+        del self._pending[endpoint]
+        if fut.exception() is not None:
+            return fut.exception()
+        self._known[endpoint] = fut.result()
+        return self._known[endpoint]
+
+    def forget(self, endpoint: str) -> None:
+        self._known.pop(endpoint, None)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class TransferTally:

@@ -25,7 +25,7 @@ from pdserve.engine.model_runner import ModelRunner, SeqStep, StepSpec
 from pdserve.engine.output import OutputTracker, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler
-from pdserve.engine.kv_connector import TransferTally
+from pdserve.engine.kv_connector import PeerDirectory, TransferTally
 from pdserve.engine.sequence import DisaggInfo, FinishReason, RequestType, Sequence, SeqState
 from pdserve.engine.worker import pick_device, set_threads, worker_main
 from pdserve.models.config import ModelConfig
@@ -72,6 +72,10 @@ class LLMEngine:
         self.by_disagg_id: dict[int, Sequence] = {}
         self._tally = TransferTally(ecfg.world_size)
         self._kv_cancels: list[int] = []
+        self._failed_outputs: list[RequestOutput] = []
+        self._kv_forget: set[str] = set()  # context endpoints every rank must re-learn
+        connector = self.runner.connector
+        self._peers = PeerDirectory(connector.tx.fetch_instance) if connector is not None else None
 
     def _start_ranks(self, pool_allocator) -> ModelRunner:
         ecfg = self.ecfg
@@ -177,12 +181,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         kv = self._kv_commands()
+        outputs, self._failed_outputs = self._failed_outputs, []
         if not batch and not kv and not self.scheduler.parked:
-            return []
+            return outputs
         spec = self._spec(batch)
         spec.kv = kv
         result = self.runner.step(spec)
-        outputs = self._postprocess(batch, result.sampled) if batch else []
+        outputs += self._postprocess(batch, result.sampled) if batch else []
         if result.kv_reports is not None:
             outputs += self._settle_transfers(result.kv_reports)
         if not batch:
@@ -192,18 +197,35 @@ class LLMEngine:
     # -- the KV exchange --------------------------------------------------------------------------
 
     def _kv_commands(self) -> list[list]:
-        cmds = [["cancel", rid] for rid in self._kv_cancels]
+        cmds = [["forget", 0, endpoint] for endpoint in self._kv_forget]
+        cmds += [["cancel", rid] for rid in self._kv_cancels]
+        self._kv_forget.clear()
         self._kv_cancels.clear()
-        for seq in self.scheduler.parked.values():
+        peers: dict[str, list[bytes] | Exception | None] = {}
+        for seq in list(self.scheduler.parked.values()):
             d = seq.disagg
             if d is None or d.transfer_started:
                 continue
-            d.transfer_started = True
             if seq.state is SeqState.CTX_TRANSMITTING:
+                d.transfer_started = True
                 cmds.append(["send", d.disagg_request_id, seq.block_ids])
-            elif seq.state is SeqState.GEN_AWAITING_KV:
-                cmds.append(["recv", d.disagg_request_id, d.ctx_info_endpoint, seq.block_ids, d.ctx_dp_rank])
+                continue
+            if d.ctx_info_endpoint not in peers:
+                peers[d.ctx_info_endpoint] = self._peers.lookup(d.ctx_info_endpoint)
+            infos = peers[d.ctx_info_endpoint]
+            if isinstance(infos, Exception):
+                self._fail_unstarted(seq, f"context instance at {d.ctx_info_endpoint} did not answer: {infos}")
+            elif infos is not None:
+                d.transfer_started = True
+                cmds.append(["recv", d.disagg_request_id, d.ctx_info_endpoint, seq.block_ids, d.ctx_dp_rank, infos])
         return cmds
+
+    def _fail_unstarted(self, seq: Sequence, reason: str) -> None:
+        """A generation_only request whose transfer never began: nothing can write its blocks."""
+        seq.error = f"KV transfer failed: {reason}"
+        seq.finish(FinishReason.ERROR)
+        self._failed_outputs.append(self.trackers.pop(seq.request_id).flush())
+        self._retire(seq)
 
     def _cancel_transfer(self, seq: Sequence) -> None:
         if not seq.disagg.cancelling:
@@ -228,6 +250,9 @@ class LLMEngine:
                 continue
             if failure is not None:
                 log.warning("KV transfer of request %d failed: %s", rid, failure)
+                if seq.disagg.ctx_info_endpoint:  # it may have restarted: ask again next time
+                    self._peers.forget(seq.disagg.ctx_info_endpoint)
+                    self._kv_forget.add(seq.disagg.ctx_info_endpoint)
             if seq.state is SeqState.GEN_AWAITING_KV:
                 seq.error = f"KV transfer from {seq.disagg.ctx_info_endpoint} failed: {failure}"
                 seq.finish(FinishReason.ERROR)
@@ -313,6 +338,8 @@ class LLMEngine:
     # -- lifecycle --------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
+        if self._peers is not None:
+            self._peers.close()
         if self.runner is not None:
             self.runner.shutdown()
         for p in self._procs:
