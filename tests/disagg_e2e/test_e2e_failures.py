@@ -161,11 +161,9 @@ def test_generation_pointed_at_a_dead_endpoint_is_503(fail_group):
     gen.wait_blocks_free(timeout=5.0)
 
 
-@pytest.mark.xfail(strict=True, reason="the first contact with a context instance (RANK_INFO_REQUEST) runs "
-                   "synchronously inside the ranks' engine step (KVConnector.apply -> request_and_receive_async "
-                   "-> _ctx_ranks), so an unreachable endpoint stalls every other request of the generation "
-                   "instance for up to rank_info_timeout_s")
 def test_first_contact_with_a_dead_endpoint_does_not_stall_other_requests(fail_group):
+    """Learning a context instance (RANK_INFO) happens off the engine's step loop: while one request waits
+    for an unreachable endpoint, an aggregated request on the same instance is served."""
     gen = fail_group["fail-gen"]
     waiting = _InThread(lambda: _generation_only(gen.url, _unused_id(), f"tcp://127.0.0.1:{free_port()}"))
     time.sleep(0.3)
@@ -177,10 +175,8 @@ def test_first_contact_with_a_dead_endpoint_does_not_stall_other_requests(fail_g
         f"the aggregated request finished {plain_done - waiting_done:+.2f} s after the stalled one failed")
 
 
-@pytest.mark.xfail(strict=True, reason="same stall as above: while the first request waits for an unreachable "
-                   "endpoint's RANK_INFO the engine step is blocked, so the duplicate is only checked after the first "
-                   "one failed and is admitted (503) instead of refused (409)")
 def test_duplicate_id_while_the_first_waits_on_an_unreachable_endpoint_is_409(fail_group):
+    """The first request is in flight while its context instance is being looked up: a duplicate is refused."""
     gen = fail_group["fail-gen"]
     disagg_id, dead = _unused_id(), f"tcp://127.0.0.1:{free_port()}"
     first = _InThread(lambda: _generation_only(gen.url, disagg_id, dead))
