@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from pdserve.kv_transfer.agents.base import MemoryRegion, RegionTable, TransferAgent
-from pdserve.kv_transfer.agents.memcopy import copy_fragments, host_view
+from pdserve.kv_transfer.agents.memcopy import copy_fragments, gather_packed, host_view, scatter_packed
 from pdserve.kv_transfer.agents.shm import allocate_shared
 from pdserve.kv_transfer.errors import KVTransferError
 
@@ -137,12 +137,15 @@ def gather(lease: Lease, src_ptrs: np.ndarray, dst_ptrs: np.ndarray, sizes: np.n
     head = host_view(lease.ptr, _HEADER_BYTES + 8 * table_words, np.uint64)
     head[:4] = (_MAGIC, n, payload, uniform)
     head[4:4 + n] = dst_ptrs
-    if not uniform:
-        head[4 + n:] = sizes
+    payload_ptr = lease.ptr + _HEADER_BYTES + 8 * table_words
+    if uniform:  # the NHD shape: no offsets to build, rows go straight into the payload
+        gather_packed(payload_ptr, src_ptrs, uniform)
+        return total
+    head[4 + n:] = sizes
     offsets = np.zeros(n, np.uint64)
     np.cumsum(sizes[:-1], out=offsets[1:])
-    payload_ptr = np.uint64(lease.ptr + _HEADER_BYTES + 8 * table_words)
-    copy_fragments(payload_ptr + offsets, src_ptrs.astype(np.uint64, copy=False), sizes.astype(np.uint64, copy=False))
+    copy_fragments(np.uint64(payload_ptr) + offsets, src_ptrs.astype(np.uint64, copy=False),
+                   sizes.astype(np.uint64, copy=False))
     return total
 
 
@@ -156,12 +159,19 @@ def scatter(segment_ptr: int, segment_nbytes: int, local_regions: RegionTable) -
         )
     table_words = n if uniform else 2 * n
     table = host_view(segment_ptr + _HEADER_BYTES, 8 * table_words, np.uint64)
-    dst = table[:n].copy()
-    sizes = np.full(n, uniform, np.uint64) if uniform else table[n:].copy()
+    dst = table[:n].copy()  # our own copy: the checks below must hold for the bytes we then use
+    payload_ptr = segment_ptr + _HEADER_BYTES + 8 * table_words
+    if uniform:
+        if uniform * n != payload:
+            raise KVTransferError(f"bounce segment holds {n} fragments of {uniform} bytes, header says {payload}")
+        local_regions.locate(dst, np.uint64(uniform), "bounce destination")
+        scatter_packed(dst, payload_ptr, uniform)
+        return payload
+    sizes = table[n:].copy()
     if int(sizes.sum()) != payload:
         raise KVTransferError(f"bounce segment sizes sum to {int(sizes.sum())}, header says {payload}")
     local_regions.locate(dst, sizes, "bounce destination")
     offsets = np.zeros(n, np.uint64)
     np.cumsum(sizes[:-1], out=offsets[1:])
-    copy_fragments(dst, np.uint64(segment_ptr + _HEADER_BYTES + 8 * table_words) + offsets, sizes)
+    copy_fragments(dst, np.uint64(payload_ptr) + offsets, sizes)
     return payload

@@ -100,11 +100,18 @@ class RegionTable:
     def locate(self, ptrs: np.ndarray, sizes: np.ndarray, what: str) -> np.ndarray:
         """Index of the region holding each fragment [ptr, ptr + size); raises if any lies outside."""
         ptrs = np.asarray(ptrs, dtype=np.uint64)
-        sizes = np.asarray(sizes, dtype=np.uint64)
+        sizes = np.broadcast_to(np.asarray(sizes, dtype=np.uint64), ptrs.shape)  # a scalar size is allowed
         if len(self._regions) == 0:
             raise TransferAgentError(f"no {what} memory is registered")
         starts = np.array([r.ptr for r in self._regions], dtype=np.uint64)
         ends = starts + np.array([r.nbytes for r in self._regions], dtype=np.uint64)
+        if len(ptrs):
+            # Common case (a whole plan inside one pool): if the span [min ptr, max end) lies in one
+            # region, every fragment does; two passes instead of a search per fragment.
+            lo, hi = ptrs.min(), (ptrs + sizes).max()
+            first = int(np.searchsorted(starts, lo, side="right")) - 1
+            if first >= 0 and hi <= ends[first]:
+                return np.full(len(ptrs), first, np.int64)
         idx = np.searchsorted(starts, ptrs, side="right").astype(np.int64) - 1
         bad = idx < 0
         safe = np.maximum(idx, 0)

@@ -53,6 +53,28 @@ def copy_fragments(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> None:
         ctypes.memmove(d, s, z)
 
 
+def gather_packed(dst_ptr: int, src: np.ndarray, size: int) -> None:
+    """Fragments of `size` bytes at src[i] -> rows packed back to back at dst_ptr + i * size."""
+    if len(src):
+        s = _Rows(np.asarray(src, np.uint64), size)
+        word = math.gcd(s.pitch, size, s.lo, dst_ptr, 8)
+        # numpy writes straight into the packed rows (mode="clip" skips the bounds pass and the
+        # buffering that mode="raise" implies; the indices are in range by construction).
+        np.take(s.view(size, word), s.index, axis=0, out=_packed(dst_ptr, len(src), size, word), mode="clip")
+
+
+def scatter_packed(dst: np.ndarray, src_ptr: int, size: int) -> None:
+    """Rows packed back to back at src_ptr + i * size -> fragments of `size` bytes at dst[i]."""
+    if len(dst):
+        d = _Rows(np.asarray(dst, np.uint64), size)
+        word = math.gcd(d.pitch, size, d.lo, src_ptr, 8)
+        d.view(size, word)[d.index] = _packed(src_ptr, len(dst), size, word)
+
+
+def _packed(ptr: int, n: int, size: int, word: int) -> np.ndarray:
+    return host_view(ptr, n * size, _WORDS[word]).reshape(n, size // word)
+
+
 class _Rows:
     """One side of a uniform copy: a strided [rows, size // word] view and each fragment's row."""
 
@@ -63,10 +85,6 @@ class _Rows:
         self.span = int(offsets.max()) + size
         self.index = (offsets // np.uint64(self.pitch)).astype(np.intp)
 
-    def packed(self, size: int) -> bool:
-        """Rows are back to back in fragment order (the bounce segment's payload)."""
-        return self.pitch == size and bool((self.index == np.arange(len(self.index))).all())
-
     def view(self, size: int, word: int) -> np.ndarray:
         """`word` divides lo, pitch and size, so the view is word-aligned."""
         flat = host_view(self.lo, self.span, _WORDS[word])
@@ -74,17 +92,21 @@ class _Rows:
         return np.lib.stride_tricks.as_strided(flat, (rows, size // word), (self.pitch, word), writeable=True)
 
 
+def _is_packed(ptrs: np.ndarray, size: int) -> bool:
+    """Fragments back to back in order (a bounce segment's payload)."""
+    return bool((np.diff(ptrs) == np.uint64(size)).all())
+
+
 def _copy_rows(dst: np.ndarray, src: np.ndarray, size: int) -> None:
+    if _is_packed(dst, size):
+        gather_packed(int(dst[0]), src, size)
+        return
+    if _is_packed(src, size):
+        scatter_packed(dst, int(src[0]), size)
+        return
     d, s = _Rows(dst, size), _Rows(src, size)
     word = math.gcd(d.pitch, s.pitch, size, d.lo, s.lo, 8)
     dst_rows, src_rows = d.view(size, word), s.view(size, word)
-    n, step = len(d.index), max(1, _BATCH_BYTES // size)
-    if d.packed(size):
-        # Gather into a packed segment: numpy writes straight into it (mode="clip" skips the
-        # bounds pass and the buffering that mode="raise" implies; the indices are in range).
-        np.take(src_rows, s.index, axis=0, out=dst_rows[:n], mode="clip")
-    elif s.packed(size):
-        dst_rows[d.index] = src_rows[:n]
-    else:
-        for start in range(0, n, step):
-            dst_rows[d.index[start:start + step]] = src_rows[s.index[start:start + step]]
+    step = max(1, _BATCH_BYTES // size)
+    for start in range(0, len(d.index), step):
+        dst_rows[d.index[start:start + step]] = src_rows[s.index[start:start + step]]

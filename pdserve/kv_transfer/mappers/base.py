@@ -169,5 +169,7 @@ def merge_contiguous(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> tup
         order = np.argsort(src, kind="stable")
         src, dst, sizes = src[order], dst[order], sizes[order]
     follows = (src[1:] == src[:-1] + sizes[:-1]) & (dst[1:] == dst[:-1] + sizes[:-1])
+    if not follows.any():  # nothing merges (the NHD shape): skip three gathers and a reduceat
+        return src, dst, sizes
     starts = np.flatnonzero(np.concatenate(([True], ~follows)))
     return src[starts], dst[starts], np.add.reduceat(sizes, starts)
