@@ -9,6 +9,7 @@ Ranks other than 0 run in their own processes (see `worker.py`) and follow rank 
 
 from __future__ import annotations
 
+import base64
 import itertools
 import logging
 import multiprocessing as mp
@@ -17,6 +18,8 @@ import time
 import uuid
 from pathlib import Path
 from typing import Callable
+
+import msgpack
 
 from pdserve.config import EngineConfig
 from pdserve.distributed import init_parallel
@@ -136,8 +139,11 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_token_ids), params, request_type, disagg=disagg)
         tracker = OutputTracker(seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids))
         if request_type is RequestType.GENERATION_ONLY:
-            # Decode resumes after the context instance's first token, which is part of our output.
+            # Decode resumes after the context instance's first token, which is part of our output,
+            # and so is its logprob entry when one was asked for.
             seq.output_token_ids = list(disagg.first_gen_tokens)
+            if params.logprobs is not None:
+                seq.output_logprobs = unpack_opaque_state(disagg.opaque_state).get("logprobs", [])
             for t in seq.output_token_ids:
                 tracker.on_token(t, False)
         if disagg is not None:
@@ -307,7 +313,8 @@ class LLMEngine:
         out.disaggregated_params = {
             "request_type": RequestType.GENERATION_ONLY.value, "first_gen_tokens": list(seq.output_token_ids),
             "ctx_request_id": d.disagg_request_id, "disagg_request_id": d.disagg_request_id,
-            "opaque_state": None, "draft_tokens": None, "ctx_dp_rank": 0, "ctx_info_endpoint": self.kv_endpoint,
+            "opaque_state": pack_opaque_state({"logprobs": seq.output_logprobs}) if seq.output_logprobs else None,
+            "draft_tokens": None, "ctx_dp_rank": 0, "ctx_info_endpoint": self.kv_endpoint,
         }
         return out
 
@@ -366,6 +373,22 @@ class LLMEngine:
             "kv_blocks_total": self.blocks.num_blocks,
             "kv_blocks_free": self.blocks.num_free_blocks,
         }
+
+
+def pack_opaque_state(state: dict) -> str:
+    """What a context instance hands the generation instance through the orchestrator, untouched."""
+    return base64.b64encode(msgpack.packb(state)).decode()
+
+
+def unpack_opaque_state(opaque: str | None) -> dict:
+    if not opaque:
+        return {}
+    try:
+        state = msgpack.unpackb(base64.b64decode(opaque, validate=True))
+        state["logprobs"] = [{**e, "top": [tuple(t) for t in e["top"]]} for e in state.get("logprobs", [])]
+    except (ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException) as e:
+        raise RequestError(f"disaggregated_params.opaque_state is not what a pdserve context worker sent: {e!r}") from None
+    return state
 
 
 def _default_name(spec: str | None, model_dir: Path) -> str:

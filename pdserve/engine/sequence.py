@@ -50,6 +50,7 @@ class DisaggInfo:
     ctx_info_endpoint: str | None = None  # generation_only: the context instance's control endpoint
     ctx_dp_rank: int = 0
     first_gen_tokens: tuple[int, ...] = ()
+    opaque_state: str | None = None  # what the context instance handed back for us (base64 msgpack)
     transfer_started: bool = False
     cancelling: bool = False  # abort requested while a transfer may still write
 

@@ -101,10 +101,14 @@ class RecvSession:
             return TransferStatus.DONE
         if time.monotonic() > self.deadline:
             missing = sorted(set(self.writers) - self.done)
-            self.errors.setdefault(("timeout", -1), f"timed out waiting for writers {missing}")
+            self.errors.setdefault(("timeout", -1), "timed out waiting for context ranks "
+                                   + ", ".join(f"{k[0]} rank {k[1]}" for k in missing))
             return TransferStatus.FAILED
         return TransferStatus.IN_PROGRESS
 
     def error_text(self) -> str:
-        return "; ".join(f"{k}: {v}" for k, v in sorted(self.errors.items(), key=lambda kv: str(kv[0])))
+        def who(key: PeerKey) -> str:
+            return "" if key[0] == "timeout" else f"{key[0]} rank {key[1]}: "
+
+        return "; ".join(f"{who(k)}{v}" for k, v in sorted(self.errors.items(), key=lambda kv: str(kv[0])))
 

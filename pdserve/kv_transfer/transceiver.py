@@ -102,6 +102,7 @@ class KVTransceiver:
         self.send_sessions: dict[int, SendSession] = {}
         self.recv_sessions: dict[int, RecvSession] = {}
         self._early: dict[int, list[RequestData]] = {}
+        self._cancelled_early: OrderedDict[int, str] = OrderedDict()  # CANCEL before our offer
         self._closed_sends: OrderedDict[int, None] = OrderedDict()
         self.stats = {"direct_writes": 0, "bounced_writes": 0, "fragments_written": 0, "bytes_written": 0}
         # Cumulative seconds of this rank's CPU stages (benchmarks diff them per request): plan =
@@ -144,7 +145,8 @@ class KVTransceiver:
             raise KVTransferError(f"request {request_id} is already being sent by {own.key}")
         self._closed_sends.pop(request_id, None)
         ids = {int(g): np.asarray(b, dtype=np.int64) for g, b in block_ids.items()}
-        self.send_sessions[request_id] = SendSession(request_id, ids, self._deadline())
+        self.send_sessions[request_id] = SendSession(request_id, ids, self._deadline(),
+                                                     error=self._cancelled_early.pop(request_id, None))
         for request in self._early.pop(request_id, []):
             self._serve(request)
 
@@ -166,7 +168,13 @@ class KVTransceiver:
         ctx_ranks = tuple(r for r in self._ctx_ranks(ctx_endpoint) if r.dp_rank == ctx_dp_rank)
         if not ctx_ranks:
             raise KVTransferError(f"context instance at {ctx_endpoint} has no DP group {ctx_dp_rank}")
-        writers = set(writers_for(own, ctx_ranks))
+        try:
+            writers = set(writers_for(own, ctx_ranks))
+        except KVTransferError:
+            # The context ranks hold this request's KV for us: tell them now, not at their timeout.
+            for ctx in ctx_ranks:
+                self._messenger.send(ctx.control_endpoint, Cancel(request_id, own.key))
+            raise
         by_rank = {r.rank: r for r in ctx_ranks}
         session = RecvSession(
             request_id,
@@ -336,6 +344,11 @@ class KVTransceiver:
         if not self._early[message.request_id]:
             del self._early[message.request_id]
         session = self.send_sessions.get(message.request_id)
+        if session is None:
+            # The generation side gave up before we offered the KV: fail the offer as soon as it comes.
+            self._cancelled_early[message.request_id] = f"generation rank {message.sender} cancelled"
+            while len(self._cancelled_early) > _REMEMBER_CLOSED:
+                self._cancelled_early.popitem(last=False)
         if session is not None and message.sender not in session.writes:
             # Nothing in flight to this requester: it will get no write, tell it so.
             if message.sender not in session.served:

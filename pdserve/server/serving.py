@@ -311,7 +311,8 @@ class OpenAIServing:
             raise bad_request("ctx_dp_rank must be 0 (no attention data parallelism yet)", f"{param}.ctx_dp_rank")
         if d.disagg_request_id is None:
             raise bad_request(f"{d.request_type} needs {param}.disagg_request_id", f"{param}.disagg_request_id")
-        info = DisaggInfo(d.disagg_request_id, d.ctx_info_endpoint, d.ctx_dp_rank, tuple(d.first_gen_tokens or ()))
+        info = DisaggInfo(d.disagg_request_id, d.ctx_info_endpoint, d.ctx_dp_rank, tuple(d.first_gen_tokens or ()),
+                          d.opaque_state)
         return RequestType(d.request_type), info
 
     async def _outputs(self, rid: str, ids: list[int], params: SamplingParams, request_type: RequestType,

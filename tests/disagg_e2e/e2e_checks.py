@@ -106,11 +106,6 @@ def diff(case: Case, got: Answer, want: Answer) -> list[str]:
     if got.text != want.text:
         out.append(f"{case.label}: text {got.text!r} != aggregated {want.text!r}")
     got_tokens, want_tokens = got.tokens, want.tokens
-    if got_tokens is not None and want_tokens is not None and len(got_tokens) == len(want_tokens) - 1:
-        # Known gap (test_e2e_matrix_shm.py::test_logprobs_cover_the_context_token, xfail): the context
-        # worker's first token has no logprobs entry in the split answer. Its text and count are still
-        # compared; the generation worker's tokens are compared here one by one.
-        want_tokens = want_tokens[1:]
     if got_tokens != want_tokens:
         out.append(f"{case.label}: tokens {got.tokens} != aggregated {want.tokens}")
     for name in ("completion_tokens", "prompt_tokens", "finish_reason"):

@@ -54,13 +54,11 @@ def _mismatched_request(shm_group, e2e_dir) -> httpx.Response:
                           json={"model": MODEL_NAME, "prompt": list(PROMPT_IDS), "max_tokens": 4, "temperature": 0})
 
 
-@pytest.mark.xfail(strict=True, reason="the generation side refuses the layout in request_and_receive_async "
-                   "(writers_for raises AlignmentError) before it sends REQUEST_DATA or CANCEL, so the context "
-                   "instance is never told and holds the request's blocks until kv_transfer_timeout_ms")
 def test_layout_mismatch_frees_the_context_blocks_promptly(shm_group, e2e_dir):
+    """The generation side refuses the pair and cancels at once: the context side must not hold the
+    request's blocks until its kv_transfer_timeout_ms."""
     assert _mismatched_request(shm_group, e2e_dir).status_code == 503
     shm_group["shm-tp2"].wait_blocks_free(timeout=3.0)
-    # (When this fails, the next test waits out the timeout, which drains this request's blocks too.)
 
 
 def test_layout_mismatch_is_refused_and_leaks_nothing(shm_group, e2e_dir):
@@ -73,9 +71,6 @@ def test_layout_mismatch_is_refused_and_leaks_nothing(shm_group, e2e_dir):
     shm_group["shm-tp2"].wait_blocks_free(timeout=KV_TIMEOUT_MS / 1000 + 10)
 
 
-@pytest.mark.xfail(strict=True, reason="the generation worker's logprobs start at its own first decode step: the "
-                   "context worker's token (first_gen_tokens) has no logprobs entry in the split answer, and the "
-                   "orchestrator does not merge the context answer's entry into it")
 def test_logprobs_cover_the_context_token(shm_group, e2e_dir, reference_kv2):
     with Orchestrator(shm_group["shm-tp2"].url, shm_group["shm-tp1"].url, e2e_dir / "shm", "logprobs") as orch:
         out = orch.client().completions.create(model=MODEL_NAME, prompt=list(PROMPT_IDS), max_tokens=6, logprobs=1,

@@ -93,3 +93,30 @@ def test_duplicate_in_flight_id_is_a_conflict_and_dead_context_fails_cleanly(tin
         assert not gen.has_unfinished()
     finally:
         gen.shutdown()
+
+
+def test_first_token_logprobs_travel_with_the_request(tiny):
+    """The context instance's token and its logprobs reach the client through the generation
+    instance (opaque_state), so a split answer has one logprob entry per token."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompt = _prompts()[1]
+    with LLM(EngineConfig(model=tiny, tokens_per_block=8)) as llm:
+        llm.engine.add_request(prompt, params, "agg")
+        agg = [lp for o in _run_until([llm.engine], lambda outs: any(o.finished for o in outs))
+               for lp in o.new_logprobs]
+    ctx, gen = _engine(tiny, "shm"), _engine(tiny, "shm")
+    try:
+        ctx.add_request(prompt, params, "c", RequestType.CONTEXT_ONLY, DisaggInfo(4242))
+        d = _run_until([ctx], lambda outs: len(outs) == 1)[0].disaggregated_params
+        gen.add_request(prompt, params, "g", RequestType.GENERATION_ONLY,
+                        DisaggInfo(4242, d["ctx_info_endpoint"], 0, tuple(d["first_gen_tokens"]), d["opaque_state"]))
+        outs = _run_until([ctx, gen], lambda outs: any(o.finished for o in outs))
+        split = [lp for o in outs for lp in o.new_logprobs]
+        assert [e["token_id"] for e in split] == [e["token_id"] for e in agg]
+        assert [e["top"] for e in split][0] == agg[0]["top"]
+        with pytest.raises(RequestError, match="opaque_state"):
+            gen.add_request(prompt, params, "bad", RequestType.GENERATION_ONLY,
+                            DisaggInfo(4243, d["ctx_info_endpoint"], 0, (5,), "not base64!"))
+    finally:
+        ctx.shutdown()
+        gen.shutdown()
