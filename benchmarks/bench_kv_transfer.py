@@ -1,7 +1,8 @@
 """KV transfer, process to process: the transceiver path against a raw NIXL write and a local copy.
 
     python benchmarks/bench_kv_transfer.py [--tokens 512 2048 8192] [--dtypes fp32 bf16]
-        [--backend nixl|shm] [--reps 5] [--case-timeout 240] [--tables contiguous nhd]
+        [--backend nixl|shm] [--reps 5] [--contiguous-reps 21] [--case-timeout 240]
+        [--tables contiguous nhd]
 
 KV of SmolLM2-135M's shape (30 layers, 3 KV heads, head_dim 64, 16 tokens per block). Every case
 runs in two fresh spawned processes: a context instance (tp1) and a generation instance, started and
@@ -19,8 +20,9 @@ Table 1 (tp1 -> tp1, HND, one block-major pool per rank: one fragment for the wh
         The gen process polls its agent meanwhile, as it does during ours. Reps alternate
         raw / ours, each preceded by an untimed warm-up; medians are reported.
   copy: one in-process torch copy of the same bytes (the memory-bandwidth limit).
-  ours/raw: bandwidth ratio of the medians; best o/r: of the fastest reps (on a loaded machine the
-        spread between reps of one write can exceed 3x, and the minimum is the steadier estimate).
+  ours/raw: bandwidth ratio of the medians; paired: median of raw_i / ours_i over neighbouring
+        reps (they share the machine's load); best: of the fastest reps. On a loaded machine the
+        spread between reps of one write can exceed 3x, hence the many reps of this table.
 Table 2 (tp1 -> tp3, NHD: one fragment per layer, K/V and token per gen rank), direct vs bounce,
   with the per-request CPU stages of the transceiver (plan, gather, submit on ctx; scatter on gen).
 The load average is printed with each table: absolute figures on a shared machine are noisy.
@@ -265,12 +267,12 @@ def _fmt(x: float | None, scale: float = 1.0, width: int = 9, digits: int = 2) -
 def contiguous_table(args) -> None:
     print(f"tp1 -> tp1 (HND, contiguous)   [{load()}]")
     print(f"{'dtype':>5} {'tokens':>6} {'MiB':>7} {'descs':>7} {'reps':>4} {'ours ms':>9} {'raw ms':>9} "
-          f"{'ours GB/s':>9} {'raw GB/s':>9} {'copy GB/s':>9} {'ours/raw':>8} {'best o/r':>8}  status")
+          f"{'ours GB/s':>9} {'raw GB/s':>9} {'copy GB/s':>9} {'ours/raw':>8} {'paired':>6} {'best':>5}  status")
     for dtype in args.dtypes:
         for tokens in args.tokens:
             nbytes = kv_bytes(tokens, DTYPES[dtype])
             case = {"tokens": tokens, "elt": DTYPES[dtype], "layout": "HND", "gen_tp": 1, "backend": args.backend,
-                    "bounce": None, "reps": args.reps, "raw": True, "warm_full": True}
+                    "bounce": None, "reps": args.contiguous_reps, "raw": True, "warm_full": True}
             r = run_case(case, args.case_timeout)
             ours, raw = _median(r["ours"]), _median(r["raw"])
             descs = f"{r['stats'].get('fragments_written', 0)}/{r['frags_raw']}"  # ours/raw, per request
@@ -278,8 +280,9 @@ def contiguous_table(args) -> None:
             bw = lambda s: None if s is None else nbytes / s / 1e9  # noqa: E731
             ratio = None if ours is None or raw is None else raw / ours
             best = None if ours is None or raw is None else min(r["raw"]) / min(r["ours"])
+            paired = _median([a / b for a, b in zip(r["raw"], r["ours"])])
             print(f"{dtype:>5} {tokens:>6} {nbytes / 2**20:>7.1f} {descs:>7} {len(r['ours']):>4} {_fmt(ours, 1e3)} "
-                  f"{_fmt(raw, 1e3)} {_fmt(bw(ours))} {_fmt(bw(raw))} {_fmt(bw(copy))} {_fmt(ratio, width=8)} {_fmt(best, width=8)}  "
+                  f"{_fmt(raw, 1e3)} {_fmt(bw(ours))} {_fmt(bw(raw))} {_fmt(bw(copy))} {_fmt(ratio, width=8)} {_fmt(paired, width=6)} {_fmt(best, width=5)}  "
                   f"{r['status']}", flush=True)
 
 
@@ -316,13 +319,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--backend", default="nixl", choices=["nixl", "shm"])
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=5, help="reps of the NHD cases (seconds each when direct)")
+    parser.add_argument("--contiguous-reps", type=int, default=21, help="raw/ours rep pairs of the contiguous cases")
     parser.add_argument("--case-timeout", type=float, default=240.0,
                         help="seconds per case (processes started, warm-up, reps); past half of it no new rep starts")
     parser.add_argument("--tables", nargs="+", default=["contiguous", "nhd"], choices=["contiguous", "nhd"])
     args = parser.parse_args()
     print(f"backend={args.backend}  SmolLM2 KV: {LAYERS} layers x {HEADS} KV heads x head_dim {HEAD_DIM}, "
-          f"{TPB} tokens/block, median of up to {args.reps} reps, {os.cpu_count()} CPUs\n")
+          f"{TPB} tokens/block, medians, {os.cpu_count()} CPUs\n")
     if "contiguous" in args.tables:
         contiguous_table(args)
     if "nhd" in args.tables:
