@@ -5,12 +5,11 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 
 from pdserve.testing import make_tiny_model
+from pdserve.testing.servers import wait_for_health
 from pdserve.tokenizer import Tokenizer
 
 
@@ -42,16 +41,7 @@ def server_url(bench_model_dir, tmp_path_factory):
                                 stdout=log_file, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"pdserve serve exited early:\n{log.read_text()}"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "pdserve serve did not answer /health within 60 s"
-            time.sleep(0.1)
+        wait_for_health(url, proc, log.read_text)
         yield url
     finally:
         proc.terminate()

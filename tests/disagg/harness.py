@@ -8,13 +8,13 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
-import uvicorn
 import yaml
+
+from pdserve.testing.servers import UvicornThread
 
 MODEL_NAME = "tiny"
 TOKENS_PER_BLOCK = 8
@@ -78,32 +78,9 @@ def start_workers(model_dir: Path, workdir: Path, n: int, extra: dict | None = N
         raise
 
 
-class AppThread:
-    """uvicorn over an app, on a socket bound to port 0, in a daemon thread."""
-
+class AppThread(UvicornThread):
     def __init__(self, app):
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> "AppThread":
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the orchestrator app did not start within 20 s")
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.sock.close()
-        assert not self.thread.is_alive(), "the orchestrator app did not stop within 10 s"
+        super().__init__(app, name="the orchestrator app")
 
 
 def wait_healthy(url: str, timeout: float = 20) -> None:

@@ -2,50 +2,24 @@
 
 from __future__ import annotations
 
-import contextlib
 import re
-import socket
 import threading
 import time
 
 import httpx
-import uvicorn
 
 from pdserve.config import EngineConfig
 from pdserve.engine.async_engine import AsyncEngine
+from pdserve.testing.servers import UvicornThread
 
 MAX_MODEL_LEN = 128
 NUM_KV_BLOCKS = 48
 TOKENS_PER_BLOCK = 8
 
 
-class ServerThread:
-    """uvicorn.Server on a socket we bound to port 0, so parallel test runs never collide."""
-
+class ServerThread(UvicornThread):
     def __init__(self, app):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
-                                       name=f"uvicorn-{self.port}")
-
-    def __enter__(self) -> "ServerThread":
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start within 20 s")
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.sock.close()
-        assert not self.thread.is_alive(), "uvicorn did not stop within 10 s"
+        super().__init__(app, name="uvicorn")
 
 
 def tiny_engine(model_dir) -> AsyncEngine:

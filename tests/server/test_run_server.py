@@ -7,9 +7,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
+
+from pdserve.testing.servers import wait_for_health
 
 
 def _free_port() -> int:
@@ -25,16 +26,7 @@ def test_pdserve_serve_answers_and_shuts_down_gracefully(tiny_model_dir):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"pdserve serve exited early:\n{proc.stdout.read()}"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "pdserve serve did not answer /health within 60 s"
-            time.sleep(0.1)
+        wait_for_health(url, proc, proc.stdout.read)
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         assert model == tiny_model_dir.name
         r = httpx.post(url + "/v1/completions", timeout=30,
