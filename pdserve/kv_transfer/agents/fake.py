@@ -14,7 +14,6 @@ import threading
 import weakref
 
 import msgpack
-import numpy as np
 
 from pdserve.kv_transfer.agents.base import (
     MemoryRegion,
