@@ -89,7 +89,10 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         if ps.is_last_stage:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-            self.lm_head = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ps, dtype)
+            if cfg.tie_word_embeddings and self.embed_tokens is not None:
+                self.lm_head = self.embed_tokens  # tied: one tensor embeds and projects
+            else:
+                self.lm_head = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ps, dtype)
 
     def forward(self, ids_or_hidden: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
                 md: AttentionMetadata) -> torch.Tensor:

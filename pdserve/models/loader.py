@@ -58,8 +58,9 @@ def _assign(model: LlamaForCausalLM, w: dict[str, torch.Tensor]) -> None:
             model.embed_tokens.load(embed)
         if model.ps.is_last_stage:
             model.norm.load(take("model.norm.weight"))
-            head = w.get("lm_head.weight") if not cfg.tie_word_embeddings else None
-            model.lm_head.load(head if head is not None else w["model.embed_tokens.weight"])
+            if model.lm_head is not model.embed_tokens:
+                head = w.get("lm_head.weight") if not cfg.tie_word_embeddings else None
+                model.lm_head.load(head if head is not None else w["model.embed_tokens.weight"])
         for i, layer in enumerate(model.layers):
             p = f"model.layers.{model.first_layer + i}."
             attn = p + "self_attn."
