@@ -11,7 +11,6 @@ decode roofline (weight bytes / bandwidth). vLLM is added as a row when `vllm` i
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.util
 import os
 import platform
@@ -87,6 +86,21 @@ def bench_pdserve(dtype: str, decode_tokens: int, model: str | None) -> dict:
     return row
 
 
+# -- references: anything with a timed `run(prompts, new_tokens) -> seconds` ------------------------------
+
+def measure_generate(run, vocab: int, decode_tokens: int) -> dict:
+    """The table's row for a whole-request generate call: prefill from 1-token runs, decode from the
+    difference between a (decode_tokens + 1)-token run and a 1-token run of the same prompts."""
+    run([random_prompt(64, vocab, 0)], 4)  # warm-up
+    row = {f"prefill_{n}": n / run([random_prompt(n, vocab, n)], 1) for n in (512, 2048)}
+    row["ttft_1024"] = run([random_prompt(1024, vocab, 7)], 1)
+    one = [random_prompt(PROMPT_DECODE, vocab, 1)]
+    row["decode_b1"] = decode_tokens / (run(one, decode_tokens + 1) - run(one, 1))
+    many = [random_prompt(PROMPT_DECODE, vocab, 100 + i) for i in range(16)]
+    row["decode_b16"] = 16 * decode_tokens / (run(many, decode_tokens + 1) - run(many, 1))
+    return row
+
+
 # -- transformers -------------------------------------------------------------------------------------
 
 def bench_transformers(model_dir: Path, dtype: str, decode_tokens: int) -> dict:
@@ -94,7 +108,6 @@ def bench_transformers(model_dir: Path, dtype: str, decode_tokens: int) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=getattr(torch, dtype))
     vocab = model.config.vocab_size
-    row = {}
 
     def gen(batch: list[list[int]], new: int) -> float:
         ids = torch.tensor(batch)
@@ -104,17 +117,7 @@ def bench_transformers(model_dir: Path, dtype: str, decode_tokens: int) -> dict:
                            do_sample=False, pad_token_id=0)
         return time.perf_counter() - t
 
-    gen([random_prompt(64, vocab, 0)], 4)
-    for n in (512, 2048):
-        row[f"prefill_{n}"] = n / gen([random_prompt(n, vocab, n)], 1)
-    row["ttft_1024"] = gen([random_prompt(1024, vocab, 7)], 1)
-    one = [random_prompt(PROMPT_DECODE, vocab, 1)]
-    row["decode_b1"] = decode_tokens / (gen(one, decode_tokens + 1) - gen(one, 1))
-    many = [random_prompt(PROMPT_DECODE, vocab, 100 + i) for i in range(16)]
-    row["decode_b16"] = 16 * decode_tokens / (gen(many, decode_tokens + 1) - gen(many, 1))
-    del model
-    gc.collect()
-    return row
+    return measure_generate(gen, vocab, decode_tokens)  # the model is freed on return
 
 
 # -- vLLM (optional peer row) -------------------------------------------------------------------------
@@ -133,14 +136,7 @@ def bench_vllm(model_dir: Path, dtype: str, decode_tokens: int) -> dict | None:
                      VParams(max_tokens=new, min_tokens=new, temperature=0.0), use_tqdm=False)
         return time.perf_counter() - t
 
-    run([random_prompt(64, vocab, 0)], 4)
-    row = {f"prefill_{n}": n / run([random_prompt(n, vocab, n)], 1) for n in (512, 2048)}
-    row["ttft_1024"] = run([random_prompt(1024, vocab, 7)], 1)
-    one = [random_prompt(PROMPT_DECODE, vocab, 1)]
-    row["decode_b1"] = decode_tokens / (run(one, decode_tokens + 1) - run(one, 1))
-    many = [random_prompt(PROMPT_DECODE, vocab, 100 + i) for i in range(16)]
-    row["decode_b16"] = 16 * decode_tokens / (run(many, decode_tokens + 1) - run(many, 1))
-    return row
+    return measure_generate(run, vocab, decode_tokens)
 
 
 COLUMNS = [("prefill_512", "prefill 512 tok/s", "{:.0f}"), ("prefill_2048", "prefill 2048 tok/s", "{:.0f}"),
