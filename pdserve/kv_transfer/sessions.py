@@ -3,14 +3,17 @@
 Lifecycle of a send session (context rank):
 
     respond_and_send_async ──> waiting for REQUEST_DATA from every generation rank
-        ──> one write per requester this rank owns bytes of (others are "served" with no write)
+        ──> one write per chunk and requester this rank owns bytes of (others are "served" with
+            no write); a whole-prompt send is one chunk, a pipelined send adds a chunk per prefill
+            step and a requester is served once the chunk flagged last was submitted to it
         ──> DONE once every requester is served and every write landed
         (CANCEL / timeout / write failure ──> FAILED, but only once no write is in flight)
 
 Lifecycle of a receive session (generation rank):
 
     request_and_receive_async ──> session registered ──> REQUEST_DATA published to every ctx rank
-        ──> DONE when every expected writer's TRANSFER_DONE notification arrived
+        ──> DONE when every expected writer's TRANSFER_DONE notifications all arrived (the one
+            flagged last says how many chunks to expect)
         (TRANSFER_ERROR / timeout ──> FAILED; cancel ──> CANCEL sent, removed once writers settle)
 
 A session entry exists exactly while the request is in flight: empty tables mean "all done".
@@ -39,13 +42,36 @@ class TransferStatus(enum.IntEnum):
 
 @dataclass
 class TransferResults:
-    """What one status check finished: request ids that completed, and failures with reasons."""
+    """What one status check finished: request ids that completed, and failures with reasons.
+    For completed receive sessions also the prompt tokens delivered (when the sender said) and the
+    state that rode with the last chunk (when there was one)."""
 
     completed: list[int] = field(default_factory=list)
     failed: dict[int, str] = field(default_factory=dict)
+    tokens: dict[int, int] = field(default_factory=dict)
+    states: dict[int, bytes] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.completed) + len(self.failed)
+
+    def merge(self, other: "TransferResults") -> None:
+        self.completed += other.completed
+        self.failed.update(other.failed)
+        self.tokens.update(other.tokens)
+        self.states.update(other.states)
+
+
+@dataclass(frozen=True)
+class SendChunk:
+    """One piece of a send: src block ids per layer group (-1 = not in this piece)."""
+
+    block_ids: dict[int, np.ndarray]
+    token_range: tuple[int, int]  # the exact prompt tokens this piece completes; (0, 0) = unsaid
+    last: bool
+    state: bytes = b""  # rides with the last piece's notification
+
+
+WriteKey = tuple[PeerKey, int]  # (requester, chunk index)
 
 
 @dataclass
@@ -53,13 +79,23 @@ class SendSession:
     """A context rank's outgoing transfer of one request."""
 
     request_id: int
-    block_ids: dict[int, np.ndarray]  # layer-group id -> local src block ids (-1 = skip)
     deadline: float
+    chunks: list[SendChunk] = field(default_factory=list)  # offered so far, in order
     num_requesters: int | None = None  # learnt from the first REQUEST_DATA
-    served: set[PeerKey] = field(default_factory=set)
-    writes: dict[PeerKey, TransferHandle] = field(default_factory=dict)  # in flight only
-    staging: dict[PeerKey, object] = field(default_factory=dict)  # bounce leases of in-flight writes
+    served: set[PeerKey] = field(default_factory=set)  # requesters that need nothing more from us
+    targets: dict[PeerKey, object] = field(default_factory=dict)  # requesters we write to -> their RequestData
+    sent: dict[PeerKey, int] = field(default_factory=dict)  # chunks submitted per target
+    writes: dict[WriteKey, TransferHandle] = field(default_factory=dict)  # in flight only
+    staging: dict[WriteKey, object] = field(default_factory=dict)  # bounce leases of in-flight writes
+    refuse_after_writes: dict[PeerKey, str] = field(default_factory=dict)  # told once its writes landed
     error: str | None = None
+
+    @property
+    def offered_all(self) -> bool:
+        return bool(self.chunks) and self.chunks[-1].last
+
+    def writing_to(self, peer: PeerKey) -> bool:
+        return any(key[0] == peer for key in self.writes)
 
     def local_status(self) -> TransferStatus:
         if self.writes:
@@ -85,9 +121,23 @@ class RecvSession:
     done: set[PeerKey] = field(default_factory=set)
     errors: dict[PeerKey, str] = field(default_factory=dict)
     cancel_sent: bool = False
+    chunks_seen: dict[PeerKey, int] = field(default_factory=dict)
+    chunks_total: dict[PeerKey, int] = field(default_factory=dict)  # known from each writer's last chunk
+    tokens: int = 0  # prompt tokens delivered so far (the largest token-range end any writer reported)
+    state: bytes = b""
     staging: object | None = None  # bounce Lease on our staging buffer, released with the session
     bounce_slot: int = 0  # bytes of staging per writer; writer i writes at staging.ptr + i * slot
     bounce_writers: tuple[int, ...] = ()  # ctx ranks in segment order
+
+    def on_chunk(self, sender: PeerKey, chunk: int, last: bool, token_range: tuple[int, int], state: bytes) -> None:
+        """One write of `sender` landed; the writer is done once all its chunks have."""
+        self.chunks_seen[sender] = self.chunks_seen.get(sender, 0) + 1
+        if last:
+            self.chunks_total[sender] = chunk + 1
+            self.state = self.state or state
+        self.tokens = max(self.tokens, token_range[1])
+        if self.chunks_seen[sender] == self.chunks_total.get(sender):
+            self.done.add(sender)
 
     @property
     def settled(self) -> bool:

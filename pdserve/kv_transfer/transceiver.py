@@ -8,7 +8,9 @@ One transceiver per rank. Setup (every rank of both instances)::
     tx.start(info, instance_ranks)          # instance_ranks: all RankInfos of this instance (allgather)
 
 Context side: `respond_and_send_async(rid, block_ids)` then poll `check_context_transfer_status()`;
-free the KV of requests it reports. Generation side: `request_and_receive_async(rid, ctx_endpoint,
+free the KV of requests it reports. Pipelined: call it once per prefill chunk with that chunk's
+blocks (`chunking.chunk_blocks`) and `last=False` until the final chunk; each chunk is written to
+every requester as soon as both the chunk and its REQUEST_DATA are here. Generation side: `request_and_receive_async(rid, ctx_endpoint,
 block_ids)` then poll `check_gen_transfer_status()`; resume decoding of requests it reports.
 `cancel_request(rid)` is False while a write may still land (retry next step) and True once the
 blocks may be reused. See sessions.py for the lifecycles.
@@ -50,7 +52,7 @@ from pdserve.kv_transfer.control.messenger import Messenger
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.rank_info import RankInfo
 from pdserve.kv_transfer.registrar import plan_write, writers_for
-from pdserve.kv_transfer.sessions import RecvSession, SendSession, TransferResults, TransferStatus
+from pdserve.kv_transfer.sessions import RecvSession, SendChunk, SendSession, TransferResults, TransferStatus
 
 logger = logging.getLogger(__name__)
 
@@ -138,16 +140,38 @@ class KVTransceiver:
             self._staging = None
 
     # -- context side -------------------------------------------------------------------------
-    def respond_and_send_async(self, request_id: int, block_ids: Mapping[int, np.ndarray]) -> None:
-        """Offer this rank's KV of `request_id` (layer-group id -> src block ids, -1 = skip)."""
+    def respond_and_send_async(self, request_id: int, block_ids: Mapping[int, np.ndarray], *,
+                               token_range: tuple[int, int] = (0, 0), last: bool = True, state: bytes = b"") -> None:
+        """Offer this rank's KV of `request_id` (layer-group id -> src block ids, -1 = skip).
+
+        One call with `last=True` offers the whole prompt. A pipelined send calls once per prefill
+        chunk, `last=False` until the final one; every call's ids are positional over the whole
+        prompt (blocks not in this chunk are -1), so the receiver's one slice serves all chunks.
+        `token_range`: the exact prompt tokens the chunk completes (reported to the receiver); a
+        chunk starting after token 0 continues a send, and is dropped if that send already ended.
+        `state`: small bytes delivered with the last chunk (e.g. the first generated token)."""
         own = self._require_started()
-        if request_id in self.send_sessions:
+        session = self.send_sessions.get(request_id)
+        if session is not None and session.offered_all:
             raise KVTransferError(f"request {request_id} is already being sent by {own.key}")
-        self._closed_sends.pop(request_id, None)
+        if session is not None and session.error is not None:
+            return  # failed (e.g. cancelled) and waiting for its writes to settle: nothing more to offer
+        early: list[RequestData] = []
+        if session is None and token_range[0] > 0 and request_id in self._closed_sends:
+            # A later chunk of a send that already ended (cancelled, failed): drop it, park nothing.
+            logger.debug("%s: dropped a chunk of ended request %d", own.key, request_id)
+            return
+        if session is None:
+            self._closed_sends.pop(request_id, None)
+            session = self.send_sessions[request_id] = SendSession(
+                request_id, self._deadline(), error=self._cancelled_early.pop(request_id, None))
+            early = self._early.pop(request_id, [])
+        session.deadline = self._deadline()  # a long pipelined prefill is not a stalled transfer
         ids = {int(g): np.asarray(b, dtype=np.int64) for g, b in block_ids.items()}
-        self.send_sessions[request_id] = SendSession(request_id, ids, self._deadline(),
-                                                     error=self._cancelled_early.pop(request_id, None))
-        for request in self._early.pop(request_id, []):
+        session.chunks.append(SendChunk(ids, (int(token_range[0]), int(token_range[1])), bool(last), bytes(state)))
+        for key in list(session.targets):
+            self._write_pending(session, self._gen_peers[key])
+        for request in early:
             self._serve(request)
 
     def check_context_transfer_status(self, at_least: int = 0) -> TransferResults:
@@ -290,8 +314,7 @@ class KVTransceiver:
             self._wake.wait(POLL_INTERVAL_S)
             self._wake.clear()
             more = step()
-            results.completed += more.completed
-            results.failed.update(more.failed)
+            results.merge(more)
         return results
 
     def _drain(self) -> None:
@@ -313,10 +336,10 @@ class KVTransceiver:
                 continue
             session = self.recv_sessions.get(getattr(done, "request_id", None))
             if isinstance(done, TransferDone) and session is not None:
-                if done.bounced:
-                    self._unbounce(session, done)
-                else:
-                    session.done.add(done.sender)
+                if done.bounced and not self._unbounce(session, done):
+                    continue
+                session.on_chunk(done.sender, done.chunk, done.last, done.token_range, done.state)
+                session.deadline = self._deadline()  # chunks still arriving: not stalled
 
     def _apply(self, message: Message) -> None:
         if isinstance(message, RegisterPeer):
@@ -349,13 +372,17 @@ class KVTransceiver:
             self._cancelled_early[message.request_id] = f"generation rank {message.sender} cancelled"
             while len(self._cancelled_early) > _REMEMBER_CLOSED:
                 self._cancelled_early.popitem(last=False)
-        if session is not None and message.sender not in session.writes:
-            # Nothing in flight to this requester: it will get no write, tell it so.
-            if message.sender not in session.served:
-                session.served.add(message.sender)
-                session.error = session.error or f"generation rank {message.sender} cancelled"
+        if session is not None and message.sender not in session.served:
+            # It gets no further write (pending chunks of a pipelined send are dropped).
+            session.served.add(message.sender)
+            session.targets.pop(message.sender, None)
+            session.error = session.error or f"generation rank {message.sender} cancelled"
+        if session is not None and session.writing_to(message.sender):
+            # Tell it only once the writes in flight landed: it must not reuse blocks before.
+            session.refuse_after_writes[message.sender] = "cancelled"
+            return
         gen = self._gen_peers.get(message.sender)
-        if gen is not None and (session is None or message.sender not in session.writes):
+        if gen is not None:
             self._messenger.send(gen.control_endpoint, TransferError(message.request_id, self._own.key, "cancelled"))
 
     def _refuse(self, requester: PeerKey, request_id: int, reason: str) -> None:
@@ -366,48 +393,75 @@ class KVTransceiver:
         self._messenger.send(gen.control_endpoint, TransferError(request_id, self._own.key, reason))
 
     def _serve(self, request: RequestData) -> None:
-        """Plan and submit this rank's write for one requester (context side)."""
+        """Take one requester's REQUEST_DATA and write it every chunk offered so far (context side)."""
         session = self.send_sessions[request.request_id]
         session.num_requesters = request.num_requesters
-        if request.sender in session.served:
+        if request.sender in session.served or request.sender in session.targets:
             return
         gen = self._gen_peers.get(request.sender)
-        session.served.add(request.sender)
         if gen is None:
+            session.served.add(request.sender)
             session.error = f"REQUEST_DATA from {request.sender} before its REGISTER_PEER"
             logger.warning("%s: %s", self._own.key, session.error)
             return
         my_group = tuple(r for r in self._instance if r.dp_rank == self._own.dp_rank)
         if self._own.rank not in writers_for(gen, my_group):
+            session.served.add(request.sender)
             return
-        try:
-            t0 = time.perf_counter()
-            plan = plan_write(self._own, gen, session.block_ids, request.block_ids)
-            self.stage_seconds["plan"] += time.perf_counter() - t0
-            remote = self._loaded_agents.get(gen.key)
-            if remote is None:
-                remote = self._loaded_agents[gen.key] = self.agent.load_remote(gen.agent_descriptor)
-            if plan is None:
-                src = dst = sizes = np.zeros(0, np.uint64)
-            else:
-                src, dst, sizes = plan.src_ptrs, plan.dst_ptrs, plan.sizes
-            bounced = self._bounce(session, request, gen, src, dst, sizes)
-            if bounced is not None:
-                src, dst, sizes = bounced
-            note = TransferDone(request.request_id, self._own.key, int(np.sum(sizes, dtype=np.uint64)), bounced is not None)
-            t0 = time.perf_counter()
-            session.writes[gen.key] = self.agent.submit_write(remote, src, dst, sizes, note.to_bytes())
-            self.stage_seconds["submit"] += time.perf_counter() - t0
-            self.stats["bounced_writes" if bounced is not None else "direct_writes"] += 1
-            self.stats["fragments_written"] += len(sizes)
-            self.stats["bytes_written"] += note.num_bytes
-        except KVTransferError as exc:
-            lease = session.staging.pop(gen.key, None)
-            if lease is not None:
-                self._staging.release(lease)
-            session.error = f"request {request.request_id} to {gen.key}: {exc}"
-            logger.error("%s: %s", self._own.key, session.error)
-            self._refuse(gen.key, request.request_id, str(exc))
+        session.targets[gen.key] = request
+        self._write_pending(session, gen)
+
+    def _write_pending(self, session: SendSession, gen: RankInfo) -> None:
+        """Submit one write per chunk not yet sent to `gen`; the last one serves it."""
+        request: RequestData = session.targets[gen.key]
+        while session.sent.get(gen.key, 0) < len(session.chunks):
+            index = session.sent.get(gen.key, 0)
+            chunk = session.chunks[index]
+            try:
+                self._write_chunk(session, request, gen, index, chunk)
+            except KVTransferError as exc:
+                lease = session.staging.pop((gen.key, index), None)
+                if lease is not None:
+                    self._staging.release(lease)
+                session.error = f"request {request.request_id} to {gen.key}: {exc}"
+                logger.error("%s: %s", self._own.key, session.error)
+                session.targets.pop(gen.key)
+                session.served.add(gen.key)
+                if session.writing_to(gen.key):
+                    session.refuse_after_writes[gen.key] = str(exc)
+                else:
+                    self._refuse(gen.key, request.request_id, str(exc))
+                return
+            session.sent[gen.key] = index + 1
+            if chunk.last:
+                del session.targets[gen.key]
+                session.served.add(gen.key)
+
+    def _write_chunk(self, session: SendSession, request: RequestData, gen: RankInfo, index: int,
+                     chunk: SendChunk) -> None:
+        t0 = time.perf_counter()
+        plan = plan_write(self._own, gen, chunk.block_ids, request.block_ids)
+        self.stage_seconds["plan"] += time.perf_counter() - t0
+        remote = self._loaded_agents.get(gen.key)
+        if remote is None:
+            remote = self._loaded_agents[gen.key] = self.agent.load_remote(gen.agent_descriptor)
+        if plan is None:
+            src = dst = sizes = np.zeros(0, np.uint64)
+        else:
+            src, dst, sizes = plan.src_ptrs, plan.dst_ptrs, plan.sizes
+        # The receiver's staging segment holds one write per writer: only a one-chunk send bounces.
+        bounced = self._bounce(session, request, gen, src, dst, sizes) if index == 0 and chunk.last else None
+        if bounced is not None:
+            src, dst, sizes = bounced
+        note = TransferDone(request.request_id, self._own.key, int(np.sum(sizes, dtype=np.uint64)),
+                            bounced is not None, index, chunk.last, chunk.token_range,
+                            chunk.state if chunk.last else b"")
+        t0 = time.perf_counter()
+        session.writes[(gen.key, index)] = self.agent.submit_write(remote, src, dst, sizes, note.to_bytes())
+        self.stage_seconds["submit"] += time.perf_counter() - t0
+        self.stats["bounced_writes" if bounced is not None else "direct_writes"] += 1
+        self.stats["fragments_written"] += len(sizes)
+        self.stats["bytes_written"] += note.num_bytes
 
     def _poll_writes(self, session: SendSession) -> None:
         for key, handle in list(session.writes.items()):
@@ -419,9 +473,14 @@ class KVTransceiver:
             lease = session.staging.pop(key, None)
             if lease is not None:
                 self._staging.release(lease)
+            peer = key[0]
             if state is TransferState.FAILED:
-                session.error = f"write of request {session.request_id} to {key} failed"
-                self._refuse(key, session.request_id, "the context side's write failed")
+                session.error = f"write of request {session.request_id} to {peer} failed"
+                session.targets.pop(peer, None)
+                session.served.add(peer)
+                session.refuse_after_writes.setdefault(peer, "the context side's write failed")
+            if peer in session.refuse_after_writes and not session.writing_to(peer):
+                self._refuse(peer, session.request_id, session.refuse_after_writes.pop(peer))
 
     def _step_send(self) -> TransferResults:
         self._drain()
@@ -456,6 +515,11 @@ class KVTransceiver:
             if state == TransferStatus.DONE:
                 session = table.pop(rid)
                 results.completed.append(rid)
+                if table is self.recv_sessions:
+                    if session.tokens:
+                        results.tokens[rid] = session.tokens
+                    if session.state:
+                        results.states[rid] = session.state
             elif state == TransferStatus.FAILED:
                 session = table.pop(rid)
                 results.failed[rid] = reason(session) or "failed on another rank of this instance"
@@ -510,11 +574,11 @@ class KVTransceiver:
         t0 = time.perf_counter()
         total = gather(lease, src, dst, sizes)
         self.stage_seconds["gather"] += time.perf_counter() - t0
-        session.staging[gen.key] = lease
+        session.staging[(gen.key, 0)] = lease
         target = offer["ptr"] + offer["writers"].index(self._own.rank) * offer["slot"]
         return (np.array([lease.ptr], np.uint64), np.array([target], np.uint64), np.array([total], np.uint64))
 
-    def _unbounce(self, session: RecvSession, done: TransferDone) -> None:
+    def _unbounce(self, session: RecvSession, done: TransferDone) -> bool:
         try:
             if session.staging is None or done.sender[1] not in session.bounce_writers:
                 raise KVTransferError(f"{done.sender} bounced request {done.request_id} but we offered no segment")
@@ -523,9 +587,10 @@ class KVTransceiver:
             t0 = time.perf_counter()
             scatter(session.staging.ptr + index * session.bounce_slot, session.bounce_slot, kv_regions)
             self.stage_seconds["scatter"] += time.perf_counter() - t0
-            session.done.add(done.sender)
+            return True
         except KVTransferError as exc:
             session.errors[done.sender] = str(exc)
+            return False
 
     def _close_recv(self, session: RecvSession) -> None:
         """Return the session's staging lease; quarantine it if a writer may still write into it."""

@@ -9,7 +9,8 @@ Conversation (generation rank G, context instance C with ranks C0..Cn; C0 is the
     C0 -> G   RANK_INFO_REPLY(all ranks of C)
     G  -> Ck  REGISTER_PEER(G's RankInfo)       (once per peer rank)
     G  -> Ck  REQUEST_DATA(request, dst block ids per layer group, token range)   (every Ck)
-    Ck => G   one-sided write, whose agent notification is TRANSFER_DONE (data first, then notice)
+    Ck => G   one-sided write, whose agent notification is TRANSFER_DONE (data first, then notice);
+              a pipelined send is several writes, one per prefill chunk, the last one flagged
     Ck -> G   TRANSFER_ERROR                    (control plane, when Ck cannot serve it)
     G  -> Ck  CANCEL                            (G gave up; Ck drops work it has not started)
 
@@ -27,7 +28,7 @@ import numpy as np
 
 from pdserve.kv_transfer.errors import KVTransferError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: TRANSFER_DONE carries the chunk index, last flag, token span and state
 
 PeerKey = tuple[str, int]  # (instance name, rank): never a concatenated string
 
@@ -214,13 +215,23 @@ class RequestData(Message):
 
 @dataclass(frozen=True)
 class TransferDone(Message):
-    """Sent as the agent notification of the write, so it arrives after the data."""
+    """Sent as the agent notification of the write, so it arrives after the data.
+
+    chunk: index of this write among the sender's writes of the request (0, 1, ...); the one with
+    `last` set also tells how many there were. token_range: the exact prompt tokens this write
+    completes, (0, 0) when the sender did not say. state: small opaque request state that rides
+    with the last write (e.g. the first generated token), b"" for none.
+    """
 
     TYPE: ClassVar[MessageType] = MessageType.TRANSFER_DONE
     request_id: int
     sender: PeerKey
     num_bytes: int
     bounced: bool = False
+    chunk: int = 0
+    last: bool = True
+    token_range: tuple[int, int] = (0, 0)
+    state: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -250,7 +261,8 @@ _DECODERS = {
     RegisterPeer: {"rank_info": _bytes},
     RequestData: {"request_id": _int, "sender": _peer, "block_ids": _block_ids, "token_range": _token_range,
                   "num_requesters": _int, "bounce": _optional_map},
-    TransferDone: {"request_id": _int, "sender": _peer, "num_bytes": _int, "bounced": _bool},
+    TransferDone: {"request_id": _int, "sender": _peer, "num_bytes": _int, "bounced": _bool, "chunk": _int,
+                   "last": _bool, "token_range": _token_range, "state": _bytes},
     TransferError: {"request_id": _int, "sender": _peer, "reason": _str},
     Cancel: {"request_id": _int, "sender": _peer},
 }

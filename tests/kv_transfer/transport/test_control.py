@@ -33,6 +33,7 @@ def test_round_trip_every_message_type():
     assert isinstance(back, RequestData) and back == req
     assert set(back.block_ids) == {0, 2} and back.block_ids[0].tolist() == [3, -1, 7]
     for msg in (RankInfoRequest(("gen", 0)), RankInfoReply([b"a", b"b"]), TransferDone(5, ("ctx", 3), 100, False),
+                TransferDone(5, ("ctx", 3), 64, False, 2, True, (16, 23), b"\x01state"),
                 TransferError(5, ("ctx", 3), "boom"), Cancel(5, ("gen", 0))):
         assert decode(msg.to_bytes()) == msg
     assert {t.name for t in MessageType} >= {"RANK_INFO_REQUEST", "REQUEST_DATA", "TRANSFER_DONE", "CANCEL"}
