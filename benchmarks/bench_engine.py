@@ -5,23 +5,34 @@
 Prints one table per weight dtype: prefill tokens/s at 512 and 2048 prompt tokens, time to first
 token at 1024, decode tokens/s at batch 1 and with 16 concurrent requests, and the ratio
 pdserve / transformers. It also measures memory-read bandwidth in the same run and prints the batch-1
-decode roofline (weight bytes / bandwidth). vLLM is added as a row when `vllm` is importable.
+decode roofline (weight bytes / bandwidth).
+
+vLLM is an optional peer row. It usually lives in its own venv (its torch pins clash with ours), so
+the row runs this same file in a child process under that interpreter (`--vllm-python`, default
+$VLLM_PYTHON, else this interpreter when it can import vllm) and reads back one JSON line. The child
+uses measure_generate and random_prompt from this file, so it sends the very same prompts.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import platform
+import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.config import EngineConfig
-from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+if TYPE_CHECKING:
+    from pdserve.engine.llm_engine import LLMEngine
+
+# pdserve is imported inside bench_pdserve/_drive: the --vllm-child process runs in vLLM's venv,
+# which does not have pdserve installed.
 
 PROMPT_DECODE = 128
 
@@ -47,6 +58,8 @@ def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
 
 def _drive(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, int]:
     """Returns (time to the first token of the last request, decode seconds, decode tokens)."""
+    from pdserve.engine.sampling_params import SamplingParams
+
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)
@@ -67,6 +80,9 @@ def _drive(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tupl
 
 
 def bench_pdserve(dtype: str, decode_tokens: int, model: str | None) -> dict:
+    from pdserve.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype, max_num_tokens=4096, enable_prefix_caching=False,
                                     kv_cache_memory_gb=2.0))
     vocab = engine.model_cfg.vocab_size
@@ -120,23 +136,58 @@ def bench_transformers(model_dir: Path, dtype: str, decode_tokens: int) -> dict:
     return measure_generate(gen, vocab, decode_tokens)  # the model is freed on return
 
 
-# -- vLLM (optional peer row) -------------------------------------------------------------------------
+# -- vLLM (optional peer row, measured in a child process) ---------------------------------------------
 
-def bench_vllm(model_dir: Path, dtype: str, decode_tokens: int) -> dict | None:
-    if importlib.util.find_spec("vllm") is None:
-        return None
-    from vllm import LLM as VLLM, SamplingParams as VParams, TokensPrompt
+ROW_MARK = "VLLM_ROW "  # prefixes the child's result line; vLLM logs to stdout too
 
-    llm = VLLM(model=str(model_dir), dtype=dtype, enable_prefix_caching=False, max_model_len=4096)
-    vocab = llm.get_tokenizer().vocab_size
+
+def vllm_child(model_dir: str, dtype: str, decode_tokens: int) -> None:
+    """Runs inside vLLM's interpreter: measure the row and print it as one marked JSON line."""
+    from vllm import LLM, SamplingParams as VParams, TokensPrompt
+
+    # The same vocab as the other rows (the model's config, not the tokenizer's count), so
+    # random_prompt draws the same ids. No prefix caching: every measured prompt must be computed.
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    llm = LLM(model=model_dir, dtype=dtype, enable_prefix_caching=False, max_model_len=4096)
 
     def run(prompts: list[list[int]], new: int) -> float:
+        params = VParams(max_tokens=new, min_tokens=new, ignore_eos=True, temperature=0.0)
         t = time.perf_counter()
-        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                     VParams(max_tokens=new, min_tokens=new, temperature=0.0), use_tqdm=False)
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return time.perf_counter() - t
 
-    return measure_generate(run, vocab, decode_tokens)
+    row = measure_generate(run, vocab, decode_tokens)
+    print(ROW_MARK + json.dumps(row), flush=True)
+
+
+def resolve_vllm_python(flag: str | None) -> str | None:
+    """--vllm-python, else $VLLM_PYTHON, else this interpreter if it has vllm, else None (no row)."""
+    if flag or os.environ.get("VLLM_PYTHON"):
+        return flag or os.environ["VLLM_PYTHON"]
+    return sys.executable if importlib.util.find_spec("vllm") is not None else None
+
+
+def bench_vllm(python: str, model_dir: Path, dtype: str, decode_tokens: int) -> dict | None:
+    """The vLLM row from a child under `python`; None (with the reason printed) if it fails, so the
+    other rows of the table still print."""
+    cmd = [python, os.path.abspath(__file__), "--vllm-child", str(model_dir), "--dtypes", dtype,
+           "--decode-tokens", str(decode_tokens)]
+    # A KV pool the size of pdserve's (2 GB), not vLLM-CPU's default share of the machine's memory.
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    rows = [line[len(ROW_MARK):] for line in proc.stdout.splitlines() if line.startswith(ROW_MARK)]
+    if proc.returncode != 0 or not rows:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-20:])
+        print(f"note: vLLM row skipped, `{' '.join(cmd)}` exited {proc.returncode}:\n{tail}", file=sys.stderr)
+        return None
+    row = json.loads(rows[-1])
+    # vLLM-CPU pins its OpenMP threads itself; by default ("auto") it computes on all cores but one
+    # and leaves that one to its scheduler process. Say which cores the row used.
+    binding = [line.split("]", 1)[-1].strip() for line in proc.stdout.splitlines() + proc.stderr.splitlines()
+               if "core ids=" in line or "reserved_cpus=" in line]
+    row["binding"] = (f"VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND', 'auto')}: "
+                      + ", ".join(binding))
+    return row
 
 
 COLUMNS = [("prefill_512", "prefill 512 tok/s", "{:.0f}"), ("prefill_2048", "prefill 2048 tok/s", "{:.0f}"),
@@ -168,7 +219,16 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--model", default=None, help="HF dir or GGUF (default: embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--vllm-python", default=None,
+                    help="interpreter with vllm installed for the vLLM row (default: $VLLM_PYTHON)")
+    ap.add_argument("--vllm-child", metavar="MODEL_DIR", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.vllm_child:
+        vllm_child(args.vllm_child, args.dtypes[0], args.decode_tokens)
+        return
+    vllm_python = resolve_vllm_python(args.vllm_python)
+    if vllm_python is None:
+        print("note: no vLLM row (pass --vllm-python or set VLLM_PYTHON to an interpreter with vllm)")
     torch.set_num_threads(os.cpu_count() or 1)
     bandwidth = read_bandwidth_gbs()
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
@@ -176,10 +236,12 @@ def main() -> None:
     for dtype in args.dtypes:
         rows = {"pdserve": bench_pdserve(dtype, args.decode_tokens, args.model)}
         rows["transformers"] = bench_transformers(rows["pdserve"]["model_dir"], dtype, args.decode_tokens)
-        v = bench_vllm(rows["pdserve"]["model_dir"], dtype, args.decode_tokens)
+        v = bench_vllm(vllm_python, rows["pdserve"]["model_dir"], dtype, args.decode_tokens) if vllm_python else None
         if v is not None:
             rows["vllm"] = v
         print_table(dtype, rows, bandwidth)
+        if v is not None:
+            print(f"vLLM threads: {v['binding']}")
 
 
 if __name__ == "__main__":
