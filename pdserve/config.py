@@ -37,13 +37,9 @@ class CacheTransceiverConfig(BaseModel):
     rank_info_timeout_s: float = Field(5.0, gt=0, description="first contact with a context instance")
     host: str = Field("127.0.0.1", description="address the KV control endpoints bind to and advertise")
     bounce: BounceSettings = BounceSettings()
-    pipelined_transfer: bool = Field(False, description="send finished prefill chunks early (not supported yet)")
-
-    @model_validator(mode="after")
-    def _check(self) -> "CacheTransceiverConfig":
-        if self.pipelined_transfer:
-            raise ValueError("cache_transceiver_config.pipelined_transfer is not supported yet; set it to false")
-        return self
+    pipelined_transfer: bool = Field(
+        False, description="context side: offer each prefill chunk's finished blocks as soon as it is computed "
+                           "(generation_first requests; takes effect with chunked prefill)")
 
 
 class EngineConfig(BaseModel):

@@ -6,15 +6,23 @@
                          answer.disaggregated_params is null: the first token finished it ─> client
                          else: generation instance, generation_only + those params (stream proxied) ─> client
 
-context_first (default) chooses the generation instance after the context answer; generation_first
-(and conditional disaggregation, whose decision needs the generation instance's cache) chooses it first
-and holds the reservation during the prefill. A worker that cannot be reached is marked not ready and
-another instance is tried (max_retries); every other failure ends the request with an OpenAI-style
-error (errors.py). Workers' bodies are forwarded as they are: they validate the request.
+context_first (default) chooses the generation instance after the context answer (conditional
+disaggregation, whose decision needs the generation instance's cache, chooses it first and holds the
+reservation during the prefill). generation_first sends both at once: the generation instance gets
+generation_only with the context instance's KV endpoint and no first token, asks for the KV before
+the prefill ends and receives the first token with it; with pipelined_transfer on the context worker,
+each prefill chunk's KV moves while the next is computed. The context answer then only matters when
+it is an error, which cancels the generation request.
+
+A worker that cannot be reached is marked not ready and another instance is tried (max_retries);
+every other failure ends the request with an OpenAI-style error (errors.py). Workers' bodies are
+forwarded as they are: they validate the request.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
@@ -29,6 +37,7 @@ from pdserve.disagg.request_id import RequestIdGenerator
 from pdserve.disagg.routers import Route, RouteRequest, session_key
 from pdserve.disagg.upstream import iter_stream, open_stream, post_json
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -60,6 +69,7 @@ class Orchestrator:
         self.cfg, self.cluster, self.http, self.ids, self.metrics = cfg, cluster, http, ids, metrics
         self.needs_tokens = cfg.conditional_disagg is not None or any(cluster.needs_tokens(r) for r in
                                                                       ("context", "generation"))
+        self._kv_endpoints: dict[str, str] = {}  # context url -> its KV control endpoint (generation_first)
 
     async def serve(self, api: str, body: dict, conversation_id: str | None = None) -> dict | AsyncIterator[bytes]:
         """A JSON answer, or the SSE bytes of a streaming one."""
@@ -77,6 +87,10 @@ class Orchestrator:
                     self.metrics.requests.labels("local").inc()
                     route, gen_route = gen_route, None
                     return await self._generate(req, params, route)
+            if self.cfg.schedule_style == "generation_first":
+                self.metrics.requests.labels("disaggregated").inc()
+                route, gen_route = gen_route, None
+                return await self._generation_first(req, route)
             answer = await self._context(req)
             params = answer.get("disaggregated_params")
             if params is None:
@@ -162,6 +176,9 @@ class Orchestrator:
             self.metrics.worker_requests.labels(role).inc()
             try:
                 return route, await send(route.url)
+            except asyncio.CancelledError:  # the client went away
+                await self.cluster.finish(role, route.url, req.route_req)
+                raise
             except OrchestratorError as e:
                 self.metrics.worker_errors.labels(role, str(e.status)).inc()
                 await self.cluster.finish(role, route.url, req.route_req)
@@ -174,11 +191,15 @@ class Orchestrator:
                 self.metrics.retries.labels(role).inc()
                 route = None
 
-    async def _context(self, req: _Request) -> dict:
+    def _context_body(self, req: _Request) -> dict:
         body = {k: v for k, v in req.body.items() if k != "stream_options"}
         body["stream"] = False
         body["disaggregated_params"] = {"request_type": "context_only", "disagg_request_id": req.request_id,
                                         "schedule_style": self.cfg.schedule_style}
+        return body
+
+    async def _context(self, req: _Request) -> dict:
+        body = self._context_body(req)
         start = time.monotonic()
         route, answer = await self._call("context", req, lambda url: post_json(
             self.http, "context", url, req.api, body, self.cfg.request_timeout))
@@ -195,6 +216,58 @@ class Orchestrator:
             raise OrchestratorError(502, f"context server {route.url} answered with disaggregated_params "
                                          f"lacking first_gen_tokens: {params!r}", "worker_bad_answer")
         return answer
+
+    async def _generation_first(self, req: _Request, gen_route: Route) -> dict | AsyncIterator[bytes]:
+        try:
+            ctx_route, endpoint = await self._call("context", req, self._kv_endpoint)
+        except BaseException:
+            await self.cluster.finish("generation", gen_route.url, req.route_req)
+            raise
+        params = {"request_type": "generation_only", "disagg_request_id": req.request_id, "first_gen_tokens": [],
+                  "ctx_info_endpoint": endpoint, "ctx_dp_rank": 0, "schedule_style": "generation_first"}
+        ctx = asyncio.create_task(self._context_part(req, ctx_route))
+        gen = asyncio.create_task(self._generate(req, params, gen_route))
+        try:
+            await asyncio.wait({ctx, gen}, return_when=asyncio.FIRST_EXCEPTION)
+        except BaseException:  # the client went away: neither side may keep KV waiting for the other
+            await _cancel_both(ctx, gen)
+            raise
+        for task in (ctx, gen):  # the context side's reason first: it is the one a client can act on
+            if task.done() and task.exception() is not None:
+                await _cancel_both(ctx, gen)
+                raise task.exception()
+        return gen.result()
+
+    async def _kv_endpoint(self, url: str) -> str:
+        """The context instance's KV control endpoint, which the generation instance asks for the KV."""
+        if url not in self._kv_endpoints:
+            try:
+                r = await self.http.get(url + "/v1/disagg_info", timeout=self.cfg.request_timeout)
+                info = r.json() if r.status_code == 200 else {}
+            except httpx.ConnectError as e:
+                raise WorkerUnreachable(502, f"context server {url} is unreachable ({e})", "worker_unreachable") from None
+            except (httpx.HTTPError, ValueError) as e:
+                raise OrchestratorError(502, f"GET {url}/v1/disagg_info failed: {e!r}", "worker_failed") from None
+            endpoint = info.get("ctx_info_endpoint") if isinstance(info, dict) else None
+            if not endpoint:
+                raise OrchestratorError(502, f"context server {url} has no KV endpoint in /v1/disagg_info: it must be "
+                                             "a pdserve worker with cache_transceiver_config.backend set",
+                                        "worker_not_disaggregated")
+            self._kv_endpoints[url] = endpoint
+        return self._kv_endpoints[url]
+
+    async def _context_part(self, req: _Request, route: Route) -> None:
+        """generation_first: the context_only request, whose answer matters only when it fails."""
+        start = time.monotonic()
+        try:
+            await post_json(self.http, "context", route.url, req.api, self._context_body(req), self.cfg.request_timeout)
+        except OrchestratorError as e:
+            self.metrics.worker_errors.labels("context", str(e.status)).inc()
+            self._kv_endpoints.pop(route.url, None)  # it may have restarted with another endpoint
+            raise
+        finally:
+            await self.cluster.finish("context", route.url, req.route_req)
+        self.metrics.context.observe(time.monotonic() - start)
 
     def _finished(self, req: _Request, answer: dict) -> dict | AsyncIterator[bytes]:
         self.metrics.e2e.observe(time.monotonic() - req.arrival)
@@ -238,3 +311,12 @@ class Orchestrator:
             await response.aclose()
             await self.cluster.finish("generation", route.url, req.route_req)
             self.metrics.e2e.observe(time.monotonic() - req.arrival)
+
+
+async def _cancel_both(ctx: asyncio.Task, gen: asyncio.Task) -> None:
+    """Stop both halves of a generation_first request; close the stream if it had opened."""
+    for task in (ctx, gen):
+        task.cancel()
+    _, opened = await asyncio.gather(ctx, gen, return_exceptions=True)
+    if isinstance(opened, AsyncIterator):
+        await opened.aclose()

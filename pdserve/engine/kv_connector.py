@@ -6,7 +6,10 @@ its own bytes and reports what finished. Rank 0 changes a request's state only o
 reported on it (`TransferTally`), so no rank frees or reads blocks another rank is still writing.
 
 Commands (msgpack-friendly lists):
-    ["send", disagg_id, block_ids]                         context side: offer this request's KV
+    ["send", disagg_id, block_ids, token_start, token_end, last, state]
+                                                           context side: offer this request's KV, or
+                                                           one prefill chunk of it (blocks outside the
+                                                           chunk are -1; see kv_transfer/chunking.py)
     ["recv", disagg_id, ctx_endpoint, block_ids, dp_rank, ctx_rank_infos]
                                                            generation side: pull it into block_ids
     ["cancel", disagg_id]                                   stop; confirmed once no write can land
@@ -63,13 +66,17 @@ class RankReport:
     done: list[int] = field(default_factory=list)
     failed: dict[int, str] = field(default_factory=dict)
     cancelled: list[int] = field(default_factory=list)
+    tokens: dict[int, int] = field(default_factory=dict)  # received: prompt tokens the sender delivered
+    states: dict[int, bytes] = field(default_factory=dict)  # received: state that rode with the KV
 
     def to_wire(self) -> list:
-        return [self.done, list(self.failed.items()), self.cancelled]
+        return [self.done, list(self.failed.items()), self.cancelled, list(self.tokens.items()),
+                list(self.states.items())]
 
     @classmethod
     def from_wire(cls, w: list) -> "RankReport":
-        return cls(list(w[0]), {int(k): v for k, v in w[1]}, list(w[2]))
+        return cls(list(w[0]), {int(k): v for k, v in w[1]}, list(w[2]), {int(k): int(v) for k, v in w[3]},
+                   {int(k): bytes(v) for k, v in w[4]})
 
 
 class KVConnector:
@@ -112,7 +119,8 @@ class KVConnector:
             kind, rid = cmd[0], int(cmd[1])
             try:
                 if kind == "send":
-                    self.tx.respond_and_send_async(rid, {LAYER_GROUP: np.asarray(cmd[2], dtype=np.int64)})
+                    self.tx.respond_and_send_async(rid, {LAYER_GROUP: np.asarray(cmd[2], dtype=np.int64)},
+                                                   token_range=(cmd[3], cmd[4]), last=cmd[5], state=cmd[6])
                 elif kind == "recv":
                     self.tx.add_instance(cmd[2], cmd[5])
                     self.tx.request_and_receive_async(rid, cmd[2], {LAYER_GROUP: np.asarray(cmd[3], dtype=np.int64)},
@@ -134,6 +142,8 @@ class KVConnector:
             r = self.tx.check_gen_transfer_status()
             report.done += r.completed
             report.failed.update(r.failed)
+            report.tokens.update(r.tokens)
+            report.states.update(r.states)
         for rid in list(self._cancelling):
             if self.tx.cancel_request(rid):
                 self._cancelling.discard(rid)
@@ -186,8 +196,13 @@ class TransferTally:
     def __init__(self, world_size: int):
         self.world_size = world_size
         self._seen: dict[int, dict[int, str]] = {}  # disagg id -> rank -> "done" | reason
+        self.tokens: dict[int, int] = {}  # from rank 0's reports: every rank receives the same prompt
+        self.states: dict[int, bytes] = {}
 
     def add(self, rank: int, report: RankReport) -> None:
+        if rank == 0:
+            self.tokens.update(report.tokens)
+            self.states.update(report.states)
         for rid in report.done:
             self._seen.setdefault(rid, {})[rank] = "done"
         for rid, reason in report.failed.items():

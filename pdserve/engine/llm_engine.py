@@ -31,6 +31,7 @@ from pdserve.engine.scheduler import ScheduledSeq, Scheduler
 from pdserve.engine.kv_connector import PeerDirectory, TransferTally
 from pdserve.engine.sequence import DisaggInfo, FinishReason, RequestType, Sequence, SeqState
 from pdserve.engine.worker import pick_device, set_threads, worker_main
+from pdserve.kv_transfer.chunking import chunk_blocks
 from pdserve.models.config import ModelConfig
 from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.weights.hf_dir import read_config
@@ -75,6 +76,7 @@ class LLMEngine:
         self.by_disagg_id: dict[int, Sequence] = {}
         self._tally = TransferTally(ecfg.world_size)
         self._kv_cancels: list[int] = []
+        self._kv_sends: list[list] = []  # context side: sends decided while post-processing a step
         self._failed_outputs: list[RequestOutput] = []
         self._kv_forget: set[str] = set()  # context endpoints every rank must re-learn
         connector = self.runner.connector
@@ -138,9 +140,11 @@ class LLMEngine:
                                "raise kv_cache_memory_gb or lower max_tokens")
         seq = Sequence(request_id, list(prompt_token_ids), params, request_type, disagg=disagg)
         tracker = OutputTracker(seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids))
-        if request_type is RequestType.GENERATION_ONLY:
+        if request_type is RequestType.CONTEXT_ONLY:
+            disagg.pipelined = disagg.generation_first and self.ecfg.cache_transceiver_config.pipelined_transfer
+        if request_type is RequestType.GENERATION_ONLY and not disagg.generation_first:
             # Decode resumes after the context instance's first token, which is part of our output,
-            # and so is its logprob entry when one was asked for.
+            # and so is its logprob entry when one was asked for (generation_first: it comes with the KV).
             seq.output_token_ids = list(disagg.first_gen_tokens)
             if params.logprobs is not None:
                 seq.output_logprobs = unpack_opaque_state(disagg.opaque_state).get("logprobs", [])
@@ -163,7 +167,10 @@ class LLMEngine:
         if disagg.disagg_request_id in self.by_disagg_id:
             raise ConflictError(f"disagg_request_id {disagg.disagg_request_id} is already in flight on this worker")
         if request_type is RequestType.GENERATION_ONLY:
-            if len(disagg.first_gen_tokens) != 1:
+            if disagg.generation_first and disagg.first_gen_tokens:
+                raise RequestError("generation_only with schedule_style generation_first gets its first token with "
+                                   "the KV: send disaggregated_params.first_gen_tokens empty")
+            if not disagg.generation_first and len(disagg.first_gen_tokens) != 1:
                 raise RequestError("generation_only needs exactly one token in disaggregated_params.first_gen_tokens")
             if not disagg.ctx_info_endpoint:
                 raise RequestError("generation_only needs disaggregated_params.ctx_info_endpoint")
@@ -175,6 +182,7 @@ class LLMEngine:
         seq.finish(FinishReason.ABORT)
         if seq.disagg is not None and seq.disagg.transfer_started:
             # A write may still land in these blocks: free them only once every rank confirms.
+            self.scheduler.hold(seq)
             self._cancel_transfer(seq)
         else:
             self._retire(seq)
@@ -204,17 +212,15 @@ class LLMEngine:
 
     def _kv_commands(self) -> list[list]:
         cmds = [["forget", 0, endpoint] for endpoint in self._kv_forget]
+        cmds += self._kv_sends
         cmds += [["cancel", rid] for rid in self._kv_cancels]
         self._kv_forget.clear()
+        self._kv_sends = []
         self._kv_cancels.clear()
         peers: dict[str, list[bytes] | Exception | None] = {}
         for seq in list(self.scheduler.parked.values()):
             d = seq.disagg
-            if d is None or d.transfer_started:
-                continue
-            if seq.state is SeqState.CTX_TRANSMITTING:
-                d.transfer_started = True
-                cmds.append(["send", d.disagg_request_id, seq.block_ids])
+            if d is None or d.transfer_started or seq.state is not SeqState.GEN_AWAITING_KV:
                 continue
             if d.ctx_info_endpoint not in peers:
                 peers[d.ctx_info_endpoint] = self._peers.lookup(d.ctx_info_endpoint)
@@ -238,6 +244,32 @@ class LLMEngine:
             seq.disagg.cancelling = True
             self._kv_cancels.append(seq.disagg.disagg_request_id)
 
+    def _offer_chunks(self, batch: list[ScheduledSeq], starts: list[int], sampled: list[bool]) -> None:
+        """Context side: queue the sends this step's prefill made possible. A request offers its whole
+        prompt once prefilled; a pipelined one offers the full blocks each chunk finished instead
+        (kv_transfer/chunking.py). generation_first: the first token rides with the last piece."""
+        for s, start, prefill_done in zip(batch, starts, sampled):
+            seq, d = s.seq, s.seq.disagg
+            if seq.request_type is not RequestType.CONTEXT_ONLY or seq.state is SeqState.FINISHED:
+                continue
+            n = seq.num_prompt_tokens
+            if d.pipelined:
+                chunk = chunk_blocks({0: seq.block_ids}, {0: None}, tokens_per_block=self.ecfg.tokens_per_block,
+                                     chunk_start=start, chunk_end=start + s.num_new_tokens, prompt_len=n,
+                                     reused_len=seq.num_cached_tokens)
+                if not chunk.should_send:
+                    continue
+                ids, span, last = chunk.block_ids[0].tolist(), (chunk.token_start, chunk.token_end), chunk.is_last
+            elif prefill_done:
+                ids, span, last = list(seq.block_ids), (0, n), True
+            else:
+                continue
+            state = b""
+            if last and d.generation_first:
+                state = msgpack.packb({"token": seq.output_token_ids[0], "logprobs": seq.output_logprobs[:1]})
+            d.transfer_started = True
+            self._kv_sends.append(["send", d.disagg_request_id, ids, span[0], span[1], last, state])
+
     def _settle_transfers(self, reports) -> list[RequestOutput]:
         for rank, report in enumerate(reports):
             self._tally.add(rank, report)
@@ -248,12 +280,13 @@ class LLMEngine:
         outputs = []
         for rid, failure in self._tally.settled().items():
             seq = self.by_disagg_id.get(rid)
+            delivered, state = self._tally.tokens.pop(rid, None), self._tally.states.pop(rid, None)
             if seq is None:
                 continue
             if seq.state is SeqState.GEN_AWAITING_KV and failure is None:
-                self.scheduler.kv_arrived(seq.request_id)
-                outputs.append(self.trackers[seq.request_id].flush())
-                continue
+                failure = self._kv_arrived(seq, delivered, state, outputs)
+                if failure is None:
+                    continue
             if failure is not None:
                 log.warning("KV transfer of request %d failed: %s", rid, failure)
                 if seq.disagg.ctx_info_endpoint:  # it may have restarted: ask again next time
@@ -262,11 +295,41 @@ class LLMEngine:
             if seq.state is SeqState.GEN_AWAITING_KV:
                 seq.error = f"KV transfer from {seq.disagg.ctx_info_endpoint} failed: {failure}"
                 seq.finish(FinishReason.ERROR)
+            elif seq.state is SeqState.RUNNING:  # a pipelined prefill whose receiver went away
+                self.scheduler.hold(seq)
+                seq.error = f"KV transfer to the generation instance failed: {failure}"
+                seq.finish(FinishReason.ERROR)
             tracker = self.trackers.pop(seq.request_id, None)
             if tracker is not None and seq.finish_reason is not FinishReason.ABORT:
                 outputs.append(tracker.flush())
             self._retire(seq)
         return outputs
+
+    def _kv_arrived(self, seq: Sequence, delivered: int | None, state: bytes | None,
+                    outputs: list[RequestOutput]) -> str | None:
+        """generation_only: the KV is in place; resume decoding. Returns why it cannot, or None."""
+        if delivered is not None and delivered != seq.num_prompt_tokens:
+            return (f"the context instance sent KV for {delivered} prompt tokens but this request's prompt has "
+                    f"{seq.num_prompt_tokens}: both instances must see the same prompt tokens")
+        first = None
+        if seq.disagg.generation_first:
+            try:
+                first = msgpack.unpackb(state)
+                token, logprobs = int(first["token"]), list(first["logprobs"])
+            except (TypeError, ValueError, KeyError, msgpack.UnpackException):
+                return "the KV arrived without the first generated token (is the context worker a pdserve worker?)"
+        self.scheduler.kv_arrived(seq.request_id)
+        if first is not None:
+            seq.output_token_ids.append(token)
+            if seq.params.logprobs is not None:
+                seq.output_logprobs += [{**e, "top": [tuple(t) for t in e["top"]]} for e in logprobs]
+            self._check_stop(seq, token)
+        if seq.is_finished:
+            self._retire(seq)
+            outputs.append(self.trackers.pop(seq.request_id).flush())
+        else:
+            outputs.append(self.trackers[seq.request_id].flush())
+        return None
 
     def _spec(self, batch: list[ScheduledSeq]) -> StepSpec:
         steps = []
@@ -285,6 +348,7 @@ class LLMEngine:
 
     def _postprocess(self, batch: list[ScheduledSeq], result) -> list[RequestOutput]:
         sampling = [s for s in batch if s.samples]
+        starts = [s.seq.num_computed_tokens for s in batch]  # before commit() advances them
         self.scheduler.commit(batch)
         outputs = []
         for i, s in enumerate(sampling):
@@ -295,7 +359,10 @@ class LLMEngine:
                 seq.output_logprobs.append({"token_id": token, "logprob": result.logprobs[i],
                                             "top": result.top_logprobs[i] or []})
             self._check_stop(seq, token)
-            if seq.is_finished:
+            # generation_first: the generation side waits for this prompt's KV even when the first
+            # token already ends the request, so it is sent all the same.
+            awaited = seq.request_type is RequestType.CONTEXT_ONLY and seq.disagg.generation_first
+            if seq.is_finished and not awaited:
                 self._retire(seq)
                 outputs.append(self.trackers.pop(seq.request_id).flush())
             elif seq.request_type is RequestType.CONTEXT_ONLY:
@@ -303,12 +370,13 @@ class LLMEngine:
                 outputs.append(self._context_done(seq))
             else:
                 outputs.append(self.trackers[seq.request_id].flush())
+        self._offer_chunks(batch, starts, [s in sampling for s in batch])
         return outputs
 
     def _context_done(self, seq: Sequence) -> RequestOutput:
         """context_only: the client's answer is complete; the KV stays until the transfer settles."""
         out = self.trackers.pop(seq.request_id).flush()
-        out.finished, out.finish_reason = True, FinishReason.LENGTH.value
+        out.finished, out.finish_reason = True, (seq.finish_reason or FinishReason.LENGTH).value
         d = seq.disagg
         out.disaggregated_params = {
             "request_type": RequestType.GENERATION_ONLY.value, "first_gen_tokens": list(seq.output_token_ids),

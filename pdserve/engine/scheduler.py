@@ -3,7 +3,8 @@
 Each step gives every running sequence its next chunk (one token when decoding, a slice of the prompt
 when prefilling), then admits waiting sequences while the token budget and KV blocks last. When blocks
 run out, the newest running sequence is preempted: its blocks are freed and it is requeued at the
-front, to be recomputed later. The scheduler never blocks; it only decides.
+front, to be recomputed later. A pipelined context_only prefill is pinned instead: it reserves its
+whole prompt at admission and is never a victim, since its blocks may be mid-transfer. The scheduler never blocks; it only decides.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ class ScheduledSeq:
     def samples(self) -> bool:
         """Whether this step produces the sequence's next token (its last pending token is computed)."""
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+def _pinned(seq: Sequence) -> bool:
+    """A pipelined context_only prefill: its finished blocks are offered to a peer as it goes."""
+    return seq.disagg is not None and seq.disagg.pipelined and seq.request_type is RequestType.CONTEXT_ONLY
 
 
 class Scheduler:
@@ -55,12 +61,14 @@ class Scheduler:
             if n <= 0:
                 continue
             while not self._grow(seq, seq.num_computed_tokens + n):
-                victim = self.running[-1]
+                victim = next((v for v in reversed(self.running) if not _pinned(v)), None)
+                if victim is None:  # only pinned sequences left: this one waits for blocks
+                    break
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
-            if seq in self.running:
+            if seq in self.running and self.blocks.blocks_needed(seq.num_computed_tokens + n) <= len(seq.block_ids):
                 out.append(ScheduledSeq(seq, n))
                 budget -= n
         if not preempted:
@@ -83,7 +91,10 @@ class Scheduler:
             n = min(seq.num_tokens - num_cached, budget)
             if n < seq.num_tokens - num_cached and not self.chunked_prefill:
                 break
-            new_blocks = self.blocks.blocks_needed(num_cached + n) - len(cached)
+            # A pipelined prefill holds its whole prompt's blocks from the start: it is never preempted
+            # (its blocks may be mid-transfer) and so must never need to grow.
+            reserve = seq.num_tokens if _pinned(seq) else num_cached + n
+            new_blocks = self.blocks.blocks_needed(reserve) - len(cached)
             # Reviving evictable cached blocks also consumes free slots.
             revived = sum(1 for b in cached if self.blocks.ref_counts[b] == 0)
             if new_blocks + revived > self.blocks.num_free_blocks:
@@ -156,6 +167,14 @@ class Scheduler:
         if seq.block_ids:
             self.blocks.free(seq.block_ids)
             seq.block_ids = []
+
+    def hold(self, seq: Sequence) -> None:
+        """Stop stepping a sequence but keep its blocks (a transfer may still read or write them)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.parked[seq.request_id] = seq
 
     def park(self, seq: Sequence) -> None:
         """context_only: the first token is out; keep the KV until the transfer settles."""

@@ -8,8 +8,11 @@ Lifecycle (an ordered IntEnum: a MIN across ranks gives the most cautious common
 
     context_only:    WAITING -> RUNNING (prefill) -> CTX_TRANSMITTING (first token out, KV kept)
                      -> FINISHED once the KV exchange reports the transfer done, cancelled or failed.
+                     Pipelined (generation_first + pipelined_transfer): each prefill chunk's finished
+                     blocks are offered while RUNNING; such a sequence is never preempted.
     generation_only: WAITING -> GEN_AWAITING_KV (blocks allocated, KV written from outside)
-                     -> RUNNING (decode from first_gen_tokens) -> FINISHED.
+                     -> RUNNING (decode from first_gen_tokens, or, generation_first, from the token
+                     that arrives with the KV) -> FINISHED.
 """
 
 from __future__ import annotations
@@ -51,8 +54,14 @@ class DisaggInfo:
     ctx_dp_rank: int = 0
     first_gen_tokens: tuple[int, ...] = ()
     opaque_state: str | None = None  # what the context instance handed back for us (base64 msgpack)
+    schedule_style: str = "context_first"  # generation_first: the receiver asks before prefill ends
+    pipelined: bool = False  # context side: offer each prefill chunk as it is computed
     transfer_started: bool = False
     cancelling: bool = False  # abort requested while a transfer may still write
+
+    @property
+    def generation_first(self) -> bool:
+        return self.schedule_style == "generation_first"
 
 
 @dataclass

@@ -239,6 +239,9 @@ class KVTransceiver:
                 return False
             del self.send_sessions[request_id]
             self._remember_closed(request_id)
+            # Requesters still waiting for chunks would otherwise wait out their timeout.
+            for peer in set(send.targets) | set(send.refuse_after_writes):
+                self._refuse(peer, request_id, "the context side cancelled this request")
             return True
         recv = self.recv_sessions.get(request_id)
         if recv is None:

@@ -312,7 +312,7 @@ class OpenAIServing:
         if d.disagg_request_id is None:
             raise bad_request(f"{d.request_type} needs {param}.disagg_request_id", f"{param}.disagg_request_id")
         info = DisaggInfo(d.disagg_request_id, d.ctx_info_endpoint, d.ctx_dp_rank, tuple(d.first_gen_tokens or ()),
-                          d.opaque_state)
+                          d.opaque_state, d.schedule_style or "context_first")
         return RequestType(d.request_type), info
 
     async def _outputs(self, rid: str, ids: list[int], params: SamplingParams, request_type: RequestType,

@@ -137,10 +137,13 @@ def check_pair(client: openai.OpenAI, reference: Reference, cases=CASES, salt: s
     assert not problems, "disaggregated output differs from aggregated:\n" + "\n".join(problems)
 
 
-def check_split(group: dict, ctx: str, gen: str, reference: Reference, workdir, cases=CASES) -> None:
-    """Through a fresh orchestrator over group[ctx] -> group[gen]: every case equals the reference, and
-    afterwards neither instance holds a KV block (the transfer released both sides)."""
-    with Orchestrator(group[ctx].url, group[gen].url, workdir, f"{ctx}-{gen}") as orch:
-        check_pair(orch.client(), reference, cases, salt=f"{ctx}->{gen}")
+def check_split(group: dict, ctx: str, gen: str, reference: Reference, workdir, cases=CASES,
+                **orchestrator) -> None:
+    """Through a fresh orchestrator (extra config keys: `orchestrator`) over group[ctx] -> group[gen]:
+    every case equals the reference, and afterwards neither instance holds a KV block (the transfer
+    released both sides)."""
+    name = "-".join([ctx, gen, *map(str, orchestrator.values())])
+    with Orchestrator(group[ctx].url, group[gen].url, workdir, name, **orchestrator) as orch:
+        check_pair(orch.client(), reference, cases, salt=name)
     for name in (ctx, gen):
         group[name].wait_blocks_free()

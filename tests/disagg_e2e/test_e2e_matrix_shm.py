@@ -2,7 +2,9 @@
 openai client, greedy output equals one aggregated instance token for token.
 
 HND, 16 tokens per block: tp2->tp1, tp1->tp2, tp2->pp2, pp2->tp2, tp2pp2->tp1, and with KV heads
-replicated at tp4 (2 KV heads over 4 ranks): tp4->tp1, tp2->tp4; 16 -> 32 tokens per block (tp2->tp1). NHD: tp2pp2->tp1. A HND context instance with an NHD generation instance is refused with a
+replicated at tp4 (2 KV heads over 4 ranks): tp4->tp1, tp2->tp4; 16 -> 32 tokens per block (tp2->tp1).
+generation_first (the first token arrives with the KV): pipelined tp2->tp1 and tp2->tp4 (tp2 prefills in
+24-token chunks, sending each chunk's blocks as it goes), and whole-prompt pp2->tp2. NHD: tp2pp2->tp1. A HND context instance with an NHD generation instance is refused with a
 clear error and leaves no KV block allocated."""
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ TP2, PP2 = {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}
 def shm_group(tiny_kv2, e2e_dir, plain):
     specs = [
         Spec("shm-tp1", tiny_kv2, HND16),
-        Spec("shm-tp2", tiny_kv2, {**HND16, **TP2}),
+        Spec("shm-tp2", tiny_kv2, {**HND16, **TP2, "max_num_tokens": 24,
+                                   "cache_transceiver_config": {**SHM["cache_transceiver_config"],
+                                                                "pipelined_transfer": True}}),
         Spec("shm-pp2", tiny_kv2, {**HND16, **PP2}),
         Spec("shm-tp2pp2", tiny_kv2, {**HND16, **TP2, **PP2}),
         Spec("shm-tp4", tiny_kv2, {**HND16, "tensor_parallel_size": 4}),  # 2 KV heads, each on 2 ranks
@@ -46,6 +50,14 @@ PAIRS = [("shm-tp2", "shm-tp1"), ("shm-tp1", "shm-tp2"), ("shm-tp2", "shm-pp2"),
 @pytest.mark.parametrize("ctx,gen", PAIRS, ids=[f"{c}->{g}" for c, g in PAIRS])
 def test_pair_equals_aggregated(shm_group, reference_kv2, e2e_dir, ctx, gen):
     check_split(shm_group, ctx, gen, reference_kv2, e2e_dir / "shm")
+
+
+GEN_FIRST = [("shm-tp2", "shm-tp1"), ("shm-tp2", "shm-tp4"), ("shm-pp2", "shm-tp2")]
+
+
+@pytest.mark.parametrize("ctx,gen", GEN_FIRST, ids=[f"{c}->{g}" for c, g in GEN_FIRST])
+def test_generation_first_equals_aggregated(shm_group, reference_kv2, e2e_dir, ctx, gen):
+    check_split(shm_group, ctx, gen, reference_kv2, e2e_dir / "shm", schedule_style="generation_first")
 
 
 def _mismatched_request(shm_group, e2e_dir) -> httpx.Response:

@@ -120,3 +120,116 @@ def test_first_token_logprobs_travel_with_the_request(tiny):
     finally:
         ctx.shutdown()
         gen.shutdown()
+
+
+def _generation_first(tiny, prompts, params, *, pipelined, ctx_max_tokens=16, ctx_kw=None, step_gen_first=True):
+    """generation_first between two engines: the generation side posts its request (no first token)
+    before the context side prefills; the first token arrives with the KV. Returns (outputs by
+    request id, ctx engine, gen engine) with both still running (the caller shuts them down)."""
+    ctx = LLMEngine(EngineConfig(model=tiny, tokens_per_block=8, num_kv_blocks=64, max_num_tokens=ctx_max_tokens,
+                                 cache_transceiver_config={"backend": "shm", "kv_transfer_timeout_ms": 5000,
+                                                           "pipelined_transfer": pipelined}, **(ctx_kw or {})))
+    gen = _engine(tiny, "shm")
+    for i, p in enumerate(prompts):
+        gen.add_request(p, params, f"g{i}", RequestType.GENERATION_ONLY,
+                        DisaggInfo(500 + i, ctx.kv_endpoint, schedule_style="generation_first"))
+    if step_gen_first:
+        _run_until([gen], lambda _: all(gen.seqs[f"g{i}"].disagg.transfer_started for i in range(len(prompts))))
+    for i, p in enumerate(prompts):
+        ctx.add_request(p, params, f"c{i}", RequestType.CONTEXT_ONLY,
+                        DisaggInfo(500 + i, schedule_style="generation_first"))
+    outs = _run_until([ctx, gen], lambda outs: sum(o.finished and o.request_id.startswith("g") for o in outs)
+                      == len(prompts))
+    by_id: dict[str, list] = {}
+    for o in outs:
+        by_id.setdefault(o.request_id, []).append(o)
+    return by_id, ctx, gen
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["whole", "pipelined"])
+def test_generation_first_equals_aggregated_and_frees_everything(tiny, pipelined):
+    prompts = _prompts()  # 5, 21 and 40 tokens: 40 prefills in 3 chunks of 16 on the context side
+    with LLM(EngineConfig(model=tiny, tokens_per_block=8)) as llm:
+        expected = [c.token_ids for c in llm.generate(prompts, GREEDY)]
+    outs, ctx, gen = _generation_first(tiny, prompts, GREEDY, pipelined=pipelined)
+    try:
+        got = [[t for o in outs[f"g{i}"] for t in o.new_token_ids] for i in range(len(prompts))]
+        assert got == expected
+        sends = ctx.runner.connector.tx.stats["direct_writes"]
+        # 40 tokens in chunks of 16 with 8-token blocks: 3 pieces; 21 tokens: 2; 5 tokens: 1.
+        assert sends == (6 if pipelined else 3)
+        _run_until([ctx, gen], lambda _: not ctx.has_unfinished() and not gen.has_unfinished())
+        assert ctx.blocks.num_free_blocks == ctx.blocks.num_blocks
+        assert gen.blocks.num_free_blocks == gen.blocks.num_blocks
+    finally:
+        ctx.shutdown()
+        gen.shutdown()
+
+
+def test_generation_first_first_token_ending_the_request_and_its_logprobs(tiny):
+    """The first token comes with the KV: with max_tokens=1 it is the whole answer, logprob included."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompt = _prompts()[2]
+    with LLM(EngineConfig(model=tiny, tokens_per_block=8)) as llm:
+        llm.engine.add_request(prompt, params, "agg")
+        agg = [o for o in _run_until([llm.engine], lambda outs: any(o.finished for o in outs))]
+    outs, ctx, gen = _generation_first(tiny, [prompt], params, pipelined=True)
+    try:
+        final = outs["g0"][-1]
+        assert final.finished and final.finish_reason == "length"
+        assert [t for o in outs["g0"] for t in o.new_token_ids] == [t for o in agg for t in o.new_token_ids]
+        assert [e["top"] for o in outs["g0"] for e in o.new_logprobs] == [e["top"] for o in agg for e in o.new_logprobs]
+        _run_until([ctx, gen], lambda _: not ctx.has_unfinished())
+        assert ctx.blocks.num_free_blocks == ctx.blocks.num_blocks
+        assert gen.blocks.num_free_blocks == gen.blocks.num_blocks
+    finally:
+        ctx.shutdown()
+        gen.shutdown()
+
+
+def test_generation_first_prompt_mismatch_fails_loudly(tiny):
+    """The generation side checks the token count the context side delivered against its prompt."""
+    prompt = _prompts()[1]
+    ctx, gen = _engine(tiny, "shm"), _engine(tiny, "shm")
+    try:
+        gen.add_request(prompt, GREEDY, "g", RequestType.GENERATION_ONLY,
+                        DisaggInfo(61, ctx.kv_endpoint, schedule_style="generation_first"))
+        ctx.add_request(prompt[:-3], GREEDY, "c", RequestType.CONTEXT_ONLY,
+                        DisaggInfo(61, schedule_style="generation_first"))
+        outs = _run_until([ctx, gen], lambda outs: any(o.finished and o.request_id == "g" for o in outs))
+        final = [o for o in outs if o.request_id == "g" and o.finished][0]
+        assert final.finish_reason == "error" and "18 prompt tokens" in final.error and "has 21" in final.error
+        _run_until([ctx, gen], lambda _: not ctx.has_unfinished() and not gen.has_unfinished())
+        assert gen.blocks.num_free_blocks == gen.blocks.num_blocks
+        assert ctx.blocks.num_free_blocks == ctx.blocks.num_blocks
+        with pytest.raises(RequestError, match="first_gen_tokens empty"):
+            gen.add_request(prompt, GREEDY, "x", RequestType.GENERATION_ONLY,
+                            DisaggInfo(62, ctx.kv_endpoint, 0, (5,), schedule_style="generation_first"))
+    finally:
+        ctx.shutdown()
+        gen.shutdown()
+
+
+def test_aborting_a_pipelined_prefill_mid_way_frees_both_sides(tiny):
+    prompt = _prompts()[2]
+    ctx = LLMEngine(EngineConfig(model=tiny, tokens_per_block=8, num_kv_blocks=64, max_num_tokens=8,
+                                 cache_transceiver_config={"backend": "shm", "kv_transfer_timeout_ms": 5000,
+                                                           "pipelined_transfer": True}))
+    gen = _engine(tiny, "shm")
+    try:
+        gen.add_request(prompt, GREEDY, "g", RequestType.GENERATION_ONLY,
+                        DisaggInfo(71, ctx.kv_endpoint, schedule_style="generation_first"))
+        _run_until([gen], lambda _: gen.seqs["g"].disagg.transfer_started)
+        ctx.add_request(prompt, GREEDY, "c", RequestType.CONTEXT_ONLY, DisaggInfo(71, schedule_style="generation_first"))
+        _run_until([ctx, gen], lambda _: ctx.seqs["c"].num_computed_tokens >= 16)  # 2 of 5 chunks sent
+        assert ctx.seqs["c"].disagg.transfer_started
+        ctx.abort("c")
+        outs = _run_until([ctx, gen], lambda outs: any(o.finished and o.request_id == "g" for o in outs))
+        final = [o for o in outs if o.request_id == "g" and o.finished][0]
+        assert final.finish_reason == "error" and "KV transfer" in final.error
+        _run_until([ctx, gen], lambda _: not ctx.has_unfinished() and not gen.has_unfinished())
+        assert ctx.blocks.num_free_blocks == ctx.blocks.num_blocks
+        assert gen.blocks.num_free_blocks == gen.blocks.num_blocks
+    finally:
+        ctx.shutdown()
+        gen.shutdown()

@@ -269,3 +269,15 @@ def test_pipelined_transfer_between_processes_is_byte_exact(backend, ctx_topo, g
         proc.join(TIMEOUT_S)
         if proc.is_alive():
             proc.kill()
+
+
+def test_context_side_cancel_mid_pipeline_tells_the_waiting_receiver(pair):
+    (ctx,), (gen,) = pair()
+    n = 16
+    gen.tx.request_and_receive_async(6, ctx.tx.endpoint, {0: gen_block_ids(Topology("gen"), n)}, (0, n))
+    offer(ctx, 6, chunks_of(Topology("ctx"), n, chunk_tokens=4)[0])
+    _poll([gen], [ctx], rounds=5)
+    assert ctx.tx.cancel_request(6) is True  # the first chunk landed: nothing in flight
+    res = gen.tx.check_gen_transfer_status(at_least=1)
+    assert "context side cancelled" in res.failed[6]  # told at once, not at its timeout
+    assert not gen.tx.has_inflight_transfer() and not ctx.tx.has_inflight_transfer()
