@@ -28,10 +28,9 @@ from pdserve.engine.model_runner import ModelRunner, SeqStep, StepSpec
 from pdserve.engine.output import OutputTracker, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler
-from pdserve.engine.kv_connector import PeerDirectory, TransferTally
-from pdserve.engine.sequence import DisaggInfo, FinishReason, RequestType, Sequence, SeqState
+from pdserve.engine.kv_exchange import KVExchange
+from pdserve.engine.sequence import DisaggInfo, FinishReason, RequestType, Sequence
 from pdserve.engine.worker import pick_device, set_threads, worker_main
-from pdserve.kv_transfer.chunking import chunk_blocks
 from pdserve.models.config import ModelConfig
 from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.weights.hf_dir import read_config
@@ -74,13 +73,7 @@ class LLMEngine:
         self.trackers: dict[str, OutputTracker] = {}
         self._ids = itertools.count()
         self.by_disagg_id: dict[int, Sequence] = {}
-        self._tally = TransferTally(ecfg.world_size)
-        self._kv_cancels: list[int] = []
-        self._kv_sends: list[list] = []  # context side: sends decided while post-processing a step
-        self._failed_outputs: list[RequestOutput] = []
-        self._kv_forget: set[str] = set()  # context endpoints every rank must re-learn
-        connector = self.runner.connector
-        self._peers = PeerDirectory(connector.tx.fetch_instance) if connector is not None else None
+        self.kv = KVExchange(self)
 
     def _start_ranks(self, pool_allocator) -> ModelRunner:
         ecfg = self.ecfg
@@ -183,9 +176,9 @@ class LLMEngine:
         if seq.disagg is not None and seq.disagg.transfer_started:
             # A write may still land in these blocks: free them only once every rank confirms.
             self.scheduler.hold(seq)
-            self._cancel_transfer(seq)
+            self.kv.cancel(seq)
         else:
-            self._retire(seq)
+            self.retire(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self.scheduler.parked)
@@ -194,8 +187,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        kv = self._kv_commands()
-        outputs, self._failed_outputs = self._failed_outputs, []
+        kv = self.kv.commands()
+        outputs = self.kv.take_failed_outputs()
         if not batch and not kv and not self.scheduler.parked:
             return outputs
         spec = self._spec(batch)
@@ -203,133 +196,10 @@ class LLMEngine:
         result = self.runner.step(spec)
         outputs += self._postprocess(batch, result.sampled) if batch else []
         if result.kv_reports is not None:
-            outputs += self._settle_transfers(result.kv_reports)
+            outputs += self.kv.settle(result.kv_reports)
         if not batch:
             time.sleep(0.001)  # only transfers in flight: poll, don't spin
         return outputs
-
-    # -- the KV exchange --------------------------------------------------------------------------
-
-    def _kv_commands(self) -> list[list]:
-        cmds = [["forget", 0, endpoint] for endpoint in self._kv_forget]
-        cmds += self._kv_sends
-        cmds += [["cancel", rid] for rid in self._kv_cancels]
-        self._kv_forget.clear()
-        self._kv_sends = []
-        self._kv_cancels.clear()
-        peers: dict[str, list[bytes] | Exception | None] = {}
-        for seq in list(self.scheduler.parked.values()):
-            d = seq.disagg
-            if d is None or d.transfer_started or seq.state is not SeqState.GEN_AWAITING_KV:
-                continue
-            if d.ctx_info_endpoint not in peers:
-                peers[d.ctx_info_endpoint] = self._peers.lookup(d.ctx_info_endpoint)
-            infos = peers[d.ctx_info_endpoint]
-            if isinstance(infos, Exception):
-                self._fail_unstarted(seq, f"context instance at {d.ctx_info_endpoint} did not answer: {infos}")
-            elif infos is not None:
-                d.transfer_started = True
-                cmds.append(["recv", d.disagg_request_id, d.ctx_info_endpoint, seq.block_ids, d.ctx_dp_rank, infos])
-        return cmds
-
-    def _fail_unstarted(self, seq: Sequence, reason: str) -> None:
-        """A generation_only request whose transfer never began: nothing can write its blocks."""
-        seq.error = f"KV transfer failed: {reason}"
-        seq.finish(FinishReason.ERROR)
-        self._failed_outputs.append(self.trackers.pop(seq.request_id).flush())
-        self._retire(seq)
-
-    def _cancel_transfer(self, seq: Sequence) -> None:
-        if not seq.disagg.cancelling:
-            seq.disagg.cancelling = True
-            self._kv_cancels.append(seq.disagg.disagg_request_id)
-
-    def _offer_chunks(self, batch: list[ScheduledSeq], starts: list[int], sampled: list[bool]) -> None:
-        """Context side: queue the sends this step's prefill made possible. A request offers its whole
-        prompt once prefilled; a pipelined one offers the full blocks each chunk finished instead
-        (kv_transfer/chunking.py). generation_first: the first token rides with the last piece."""
-        for s, start, prefill_done in zip(batch, starts, sampled):
-            seq, d = s.seq, s.seq.disagg
-            if seq.request_type is not RequestType.CONTEXT_ONLY or seq.state is SeqState.FINISHED:
-                continue
-            n = seq.num_prompt_tokens
-            if d.pipelined:
-                chunk = chunk_blocks({0: seq.block_ids}, {0: None}, tokens_per_block=self.ecfg.tokens_per_block,
-                                     chunk_start=start, chunk_end=start + s.num_new_tokens, prompt_len=n,
-                                     reused_len=seq.num_cached_tokens)
-                if not chunk.should_send:
-                    continue
-                ids, span, last = chunk.block_ids[0].tolist(), (chunk.token_start, chunk.token_end), chunk.is_last
-            elif prefill_done:
-                ids, span, last = list(seq.block_ids), (0, n), True
-            else:
-                continue
-            state = b""
-            if last and d.generation_first:
-                state = msgpack.packb({"token": seq.output_token_ids[0], "logprobs": seq.output_logprobs[:1]})
-            d.transfer_started = True
-            self._kv_sends.append(["send", d.disagg_request_id, ids, span[0], span[1], last, state])
-
-    def _settle_transfers(self, reports) -> list[RequestOutput]:
-        for rank, report in enumerate(reports):
-            self._tally.add(rank, report)
-            for rid in report.failed:  # stop the other ranks early instead of waiting for their timeout
-                seq = self.by_disagg_id.get(rid)
-                if seq is not None:
-                    self._cancel_transfer(seq)
-        outputs = []
-        for rid, failure in self._tally.settled().items():
-            seq = self.by_disagg_id.get(rid)
-            delivered, state = self._tally.tokens.pop(rid, None), self._tally.states.pop(rid, None)
-            if seq is None:
-                continue
-            if seq.state is SeqState.GEN_AWAITING_KV and failure is None:
-                failure = self._kv_arrived(seq, delivered, state, outputs)
-                if failure is None:
-                    continue
-            if failure is not None:
-                log.warning("KV transfer of request %d failed: %s", rid, failure)
-                if seq.disagg.ctx_info_endpoint:  # it may have restarted: ask again next time
-                    self._peers.forget(seq.disagg.ctx_info_endpoint)
-                    self._kv_forget.add(seq.disagg.ctx_info_endpoint)
-            if seq.state is SeqState.GEN_AWAITING_KV:
-                seq.error = f"KV transfer from {seq.disagg.ctx_info_endpoint} failed: {failure}"
-                seq.finish(FinishReason.ERROR)
-            elif seq.state is SeqState.RUNNING:  # a pipelined prefill whose receiver went away
-                self.scheduler.hold(seq)
-                seq.error = f"KV transfer to the generation instance failed: {failure}"
-                seq.finish(FinishReason.ERROR)
-            tracker = self.trackers.pop(seq.request_id, None)
-            if tracker is not None and seq.finish_reason is not FinishReason.ABORT:
-                outputs.append(tracker.flush())
-            self._retire(seq)
-        return outputs
-
-    def _kv_arrived(self, seq: Sequence, delivered: int | None, state: bytes | None,
-                    outputs: list[RequestOutput]) -> str | None:
-        """generation_only: the KV is in place; resume decoding. Returns why it cannot, or None."""
-        if delivered is not None and delivered != seq.num_prompt_tokens:
-            return (f"the context instance sent KV for {delivered} prompt tokens but this request's prompt has "
-                    f"{seq.num_prompt_tokens}: both instances must see the same prompt tokens")
-        first = None
-        if seq.disagg.generation_first:
-            try:
-                first = msgpack.unpackb(state)
-                token, logprobs = int(first["token"]), list(first["logprobs"])
-            except (TypeError, ValueError, KeyError, msgpack.UnpackException):
-                return "the KV arrived without the first generated token (is the context worker a pdserve worker?)"
-        self.scheduler.kv_arrived(seq.request_id)
-        if first is not None:
-            seq.output_token_ids.append(token)
-            if seq.params.logprobs is not None:
-                seq.output_logprobs += [{**e, "top": [tuple(t) for t in e["top"]]} for e in logprobs]
-            self._check_stop(seq, token)
-        if seq.is_finished:
-            self._retire(seq)
-            outputs.append(self.trackers.pop(seq.request_id).flush())
-        else:
-            outputs.append(self.trackers[seq.request_id].flush())
-        return None
 
     def _spec(self, batch: list[ScheduledSeq]) -> StepSpec:
         steps = []
@@ -358,19 +228,19 @@ class LLMEngine:
             if result.logprobs[i] is not None:
                 seq.output_logprobs.append({"token_id": token, "logprob": result.logprobs[i],
                                             "top": result.top_logprobs[i] or []})
-            self._check_stop(seq, token)
+            self.check_stop(seq, token)
             # generation_first: the generation side waits for this prompt's KV even when the first
             # token already ends the request, so it is sent all the same.
             awaited = seq.request_type is RequestType.CONTEXT_ONLY and seq.disagg.generation_first
             if seq.is_finished and not awaited:
-                self._retire(seq)
+                self.retire(seq)
                 outputs.append(self.trackers.pop(seq.request_id).flush())
             elif seq.request_type is RequestType.CONTEXT_ONLY:
                 self.scheduler.park(seq)
                 outputs.append(self._context_done(seq))
             else:
                 outputs.append(self.trackers[seq.request_id].flush())
-        self._offer_chunks(batch, starts, [s in sampling for s in batch])
+        self.kv.offer(batch, starts, [s in sampling for s in batch])
         return outputs
 
     def _context_done(self, seq: Sequence) -> RequestOutput:
@@ -386,7 +256,7 @@ class LLMEngine:
         }
         return out
 
-    def _check_stop(self, seq: Sequence, token: int) -> None:
+    def check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
         is_eos = token in self.eos_token_ids and not p.ignore_eos
         is_stop_id = token in p.stop_token_ids
@@ -400,7 +270,7 @@ class LLMEngine:
         elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish(FinishReason.LENGTH)
 
-    def _retire(self, seq: Sequence) -> None:
+    def retire(self, seq: Sequence) -> None:
         self.scheduler.release(seq)
         self.seqs.pop(seq.request_id, None)
         if seq.disagg is not None:
@@ -413,8 +283,7 @@ class LLMEngine:
     # -- lifecycle --------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        if self._peers is not None:
-            self._peers.close()
+        self.kv.close()
         if self.runner is not None:
             self.runner.shutdown()
         for p in self._procs:
