@@ -40,7 +40,7 @@ class UpstreamError(Exception):
 
 
 def error_response(message: str, status: int) -> JSONResponse:
-    kind = "bad_gateway" if status >= 500 else "invalid_request_error"
+    kind = {502: "bad_gateway", 503: "service_unavailable"}.get(status, "invalid_request_error")
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
