@@ -174,7 +174,11 @@ def bench_vllm(python: str, model_dir: Path, dtype: str, decode_tokens: int) -> 
            "--decode-tokens", str(decode_tokens)]
     # A KV pool the size of pdserve's (2 GB), not vLLM-CPU's default share of the machine's memory.
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    except OSError as e:  # e.g. a --vllm-python path that does not exist
+        print(f"note: vLLM row skipped, cannot run {python}: {e}", file=sys.stderr)
+        return None
     rows = [line[len(ROW_MARK):] for line in proc.stdout.splitlines() if line.startswith(ROW_MARK)]
     if proc.returncode != 0 or not rows:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-20:])

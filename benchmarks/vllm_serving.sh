@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # vLLM (CPU build) as the peer of pdserve in the serving sweep, on the same weights and fixed ports:
-#   vllm_agg  :8300  one vLLM server on both cores (vLLM's own thread binding, VLLM_CPU_OMP_THREADS_BIND=auto)
+#   vllm_agg  :8300  one vLLM server on both cores; vLLM's own binding (auto) computes on core 0 and
+#                    leaves core 1 to its scheduler; VLLM_CPU_OMP_THREADS_BIND=0-1 computes on both
 #   vllm_pd   :8400  benchmarks/vllm_pd_proxy.py in front of
 #                      prefill :8401, OpenMP threads on core 0 (VLLM_CPU_OMP_THREADS_BIND=0)
 #                      decode  :8402, OpenMP threads on core 1
@@ -24,7 +25,7 @@ case "$MODE" in
   serve) LOG_DIR=${1:-benchmarks/results/vllm-serving} ;;
   run)   LOG_DIR=${1:?run needs LOG_DIR}; shift; [[ ${1:-} == -- ]] && shift
          (($#)) || { echo "run needs a command after --" >&2; exit 2; } ;;
-  *)     sed -n '2,19p' "$0" >&2; exit 2 ;;
+  *)     sed -n '2,20p' "$0" >&2; exit 2 ;;
 esac
 
 VLLM_PYTHON=${VLLM_PYTHON:-python}
