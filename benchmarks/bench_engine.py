@@ -79,6 +79,16 @@ def _drive(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tupl
     return first_done - t0, end - first_done, decode_tokens
 
 
+def decode_bytes(model) -> int:
+    """Weight bytes one decode step reads: every parameter, except that a token reads one row of the
+    embedding table, and that on CPU the LM head reads its own packed copy (layers.pack_for_cpu)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.embed_tokens
+    if embed is not None and (getattr(model, "lm_head", None) is not embed or embed.head_weight is not None):
+        total -= embed.weight.numel() * embed.weight.element_size()
+    return total
+
+
 def bench_pdserve(dtype: str, decode_tokens: int, model: str | None) -> dict:
     from pdserve.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
@@ -96,7 +106,7 @@ def bench_pdserve(dtype: str, decode_tokens: int, model: str | None) -> dict:
     row["decode_b1"] = n / dt
     _, dt, n = _drive(engine, [random_prompt(PROMPT_DECODE, vocab, 100 + i) for i in range(16)], decode_tokens + 1)
     row["decode_b16"] = n / dt
-    row["weight_bytes"] = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    row["weight_bytes"] = decode_bytes(engine.runner.model)
     row["model_dir"] = engine.model_dir
     engine.shutdown()
     return row

@@ -21,6 +21,7 @@ from pdserve.engine.sampler import SampleResult, SampleSpec, sample
 from pdserve.models.attention import AttentionMetadata, PagedKVCache, SeqSlice
 from pdserve.models.config import ModelConfig
 from pdserve.models.llama import LlamaForCausalLM, stage_layers
+from pdserve.models.layers import pack_for_cpu
 from pdserve.models.loader import load_weights
 from pdserve.kv_transfer.rank_info import RankInfo
 
@@ -84,6 +85,7 @@ class ModelRunner:
         with torch.device(device):
             self.model = LlamaForCausalLM(model_cfg, ps, self.dtype, max_model_len)
         load_weights(self.model, model_dir, show_progress=ps.rank == 0)
+        pack_for_cpu(self.model)
         self.num_blocks = num_kv_blocks(model_cfg, ecfg, self.kv_dtype)
         attn = self.model.layers[0].self_attn.qkv_proj if self.model.layers else None
         kv_heads = attn.num_kv_heads if attn else max(1, model_cfg.num_kv_heads // ps.tp_size)
