@@ -5,6 +5,8 @@
 #   disagg: `pdserve launch` with 1 context instance on core 0 and 1 generation instance on core 1
 # Both run side by side (idle while the other is measured); the sweep sends every system the same
 # prompts and arrival times. Results: $OUT/sweep.json, per-run files, and plots.
+# Peers already serving elsewhere join the same sweep through EXTRA_ENDPOINTS, e.g. vLLM started by
+# `benchmarks/vllm_serving.sh serve`: EXTRA_ENDPOINTS="vllm_agg=http://127.0.0.1:8300 vllm_pd=http://127.0.0.1:8400".
 #   usage: benchmarks/serving_sweep.sh [OUT_DIR] [RATES...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +41,9 @@ for url in http://127.0.0.1:8100/health http://127.0.0.1:8200/health; do
   curl -sf "$url" > /dev/null || { echo "not ready: $url"; exit 1; }
 done
 
-pdserve bench sweep --endpoint agg=http://127.0.0.1:8100 --endpoint disagg=http://127.0.0.1:8200 \
+extra=()
+for e in ${EXTRA_ENDPOINTS:-}; do extra+=(--endpoint "$e"); done
+pdserve bench sweep --endpoint agg=http://127.0.0.1:8100 --endpoint disagg=http://127.0.0.1:8200 "${extra[@]}" \
   --model SmolLM2-135M-Instruct --request-rates $RATES --num-prompts "$NUM_PROMPTS" \
   --input-len 1024 --output-len 64 --goodput ttft:10000 tpot:150 --cooldown 5 \
   --out "$OUT/sweep.json" --run-dir "$OUT/runs"
