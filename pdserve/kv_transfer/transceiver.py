@@ -10,8 +10,10 @@ One transceiver per rank. Setup (every rank of both instances)::
 Context side: `respond_and_send_async(rid, block_ids)` then poll `check_context_transfer_status()`;
 free the KV of requests it reports. Pipelined: call it once per prefill chunk with that chunk's
 blocks (`chunking.chunk_blocks`) and `last=False` until the final chunk; each chunk is written to
-every requester as soon as both the chunk and its REQUEST_DATA are here. Generation side: `request_and_receive_async(rid, ctx_endpoint,
-block_ids)` then poll `check_gen_transfer_status()`; resume decoding of requests it reports.
+every requester as soon as both the chunk and its REQUEST_DATA are here.
+
+Generation side: `request_and_receive_async(rid, ctx_endpoint, block_ids)` then poll
+`check_gen_transfer_status()`; resume decoding of requests it reports.
 `cancel_request(rid)` is False while a write may still land (retry next step) and True once the
 blocks may be reused. See sessions.py for the lifecycles.
 
