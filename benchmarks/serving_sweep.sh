@@ -7,6 +7,9 @@
 # prompts and arrival times. Results: $OUT/sweep.json, per-run files, and plots.
 # Peers already serving elsewhere join the same sweep through EXTRA_ENDPOINTS, e.g. vLLM started by
 # `benchmarks/vllm_serving.sh serve`: EXTRA_ENDPOINTS="vllm_agg=http://127.0.0.1:8300 vllm_pd=http://127.0.0.1:8400".
+# SEED picks the prompts (rate k of a sweep uses seed SEED+k; default 0): servers that already saw
+# a sweep (vLLM kept up) need a SEED past that sweep's seeds, or their prefix caches would serve
+# repeated prompts.
 #   usage: benchmarks/serving_sweep.sh [OUT_DIR] [RATES...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,6 +48,6 @@ extra=()
 for e in ${EXTRA_ENDPOINTS:-}; do extra+=(--endpoint "$e"); done
 pdserve bench sweep --endpoint agg=http://127.0.0.1:8100 --endpoint disagg=http://127.0.0.1:8200 "${extra[@]}" \
   --model SmolLM2-135M-Instruct --request-rates $RATES --num-prompts "$NUM_PROMPTS" \
-  --input-len 1024 --output-len 64 --goodput ttft:10000 tpot:150 --cooldown 5 \
+  --input-len 1024 --output-len 64 --goodput ttft:10000 tpot:150 --cooldown 5 --seed "${SEED:-0}" \
   --out "$OUT/sweep.json" --run-dir "$OUT/runs"
 python benchmarks/plot_serving.py rates "$OUT/sweep.json" --out "$OUT/rates.png"
