@@ -22,7 +22,6 @@ forwarded as they are: they validate the request.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
@@ -35,9 +34,8 @@ from pdserve.disagg.errors import OrchestratorError, WorkerUnreachable
 from pdserve.disagg.metrics import OrchestratorMetrics
 from pdserve.disagg.request_id import RequestIdGenerator
 from pdserve.disagg.routers import Route, RouteRequest, session_key
-from pdserve.disagg.upstream import iter_stream, open_stream, post_json
+from pdserve.disagg.upstream import get_json, iter_stream, open_stream, post_json
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -242,13 +240,12 @@ class Orchestrator:
         """The context instance's KV control endpoint, which the generation instance asks for the KV."""
         if url not in self._kv_endpoints:
             try:
-                r = await self.http.get(url + "/v1/disagg_info", timeout=self.cfg.request_timeout)
-                info = r.json() if r.status_code == 200 else {}
-            except httpx.ConnectError as e:
-                raise WorkerUnreachable(502, f"context server {url} is unreachable ({e})", "worker_unreachable") from None
-            except (httpx.HTTPError, ValueError) as e:
-                raise OrchestratorError(502, f"GET {url}/v1/disagg_info failed: {e!r}", "worker_failed") from None
-            endpoint = info.get("ctx_info_endpoint") if isinstance(info, dict) else None
+                info = await get_json(self.http, "context", url, "/v1/disagg_info", self.cfg.request_timeout)
+            except OrchestratorError as e:
+                if isinstance(e, WorkerUnreachable) or e.status >= 500:
+                    raise
+                info = {}  # a 4xx: not a pdserve worker, said below
+            endpoint = info.get("ctx_info_endpoint")
             if not endpoint:
                 raise OrchestratorError(502, f"context server {url} has no KV endpoint in /v1/disagg_info: it must be "
                                              "a pdserve worker with cache_transceiver_config.backend set",

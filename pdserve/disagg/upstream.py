@@ -44,8 +44,18 @@ def _status_error(role: str, url: str, status: int, content: bytes) -> Orchestra
 
 
 async def post_json(http: httpx.AsyncClient, role: str, url: str, path: str, body: dict, timeout: float) -> dict:
+    return await _request_json(http, "POST", role, url, path, body, timeout)
+
+
+async def get_json(http: httpx.AsyncClient, role: str, url: str, path: str, timeout: float) -> dict:
+    return await _request_json(http, "GET", role, url, path, None, timeout)
+
+
+async def _request_json(http: httpx.AsyncClient, method: str, role: str, url: str, path: str, body: dict | None,
+                        timeout: float) -> dict:
     try:
-        r = await http.post(url + path, json=body, timeout=httpx.Timeout(timeout, connect=CONNECT_TIMEOUT_S))
+        r = await http.request(method, url + path, json=body,
+                               timeout=httpx.Timeout(timeout, connect=CONNECT_TIMEOUT_S))
     except httpx.HTTPError as e:
         raise _transport_error(role, url, e, timeout) from None
     if r.status_code != 200:

@@ -60,15 +60,17 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if n <= 0:
                 continue
+            grown = True
             while not self._grow(seq, seq.num_computed_tokens + n):
                 victim = next((v for v in reversed(self.running) if not _pinned(v)), None)
                 if victim is None:  # only pinned sequences left: this one waits for blocks
+                    grown = False
                     break
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
-            if seq in self.running and self.blocks.blocks_needed(seq.num_computed_tokens + n) <= len(seq.block_ids):
+            if seq in self.running and grown:
                 out.append(ScheduledSeq(seq, n))
                 budget -= n
         if not preempted:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pdserve.kv_transfer.agents.base import TransferHandle
-from pdserve.kv_transfer.control.messages import PeerKey
+from pdserve.kv_transfer.control.messages import PeerKey, RequestData
 
 
 class TransferStatus(enum.IntEnum):
@@ -83,7 +83,7 @@ class SendSession:
     chunks: list[SendChunk] = field(default_factory=list)  # offered so far, in order
     num_requesters: int | None = None  # learnt from the first REQUEST_DATA
     served: set[PeerKey] = field(default_factory=set)  # requesters that need nothing more from us
-    targets: dict[PeerKey, object] = field(default_factory=dict)  # requesters we write to -> their RequestData
+    targets: dict[PeerKey, RequestData] = field(default_factory=dict)  # requesters we write to, still owed chunks
     sent: dict[PeerKey, int] = field(default_factory=dict)  # chunks submitted per target
     writes: dict[WriteKey, TransferHandle] = field(default_factory=dict)  # in flight only
     staging: dict[WriteKey, object] = field(default_factory=dict)  # bounce leases of in-flight writes

@@ -43,6 +43,13 @@ def _run_until(engines, done, limit=2000):
     raise AssertionError("engines did not finish")
 
 
+def _assert_everything_freed(ctx, gen):
+    """Both engines settle every transfer and hold no KV block afterwards."""
+    _run_until([ctx, gen], lambda _: not ctx.has_unfinished() and not gen.has_unfinished())
+    assert ctx.blocks.num_free_blocks == ctx.blocks.num_blocks
+    assert gen.blocks.num_free_blocks == gen.blocks.num_blocks
+
+
 @pytest.mark.parametrize("backend,ctx_tpb,gen_tpb,layout", [("shm", 8, 8, "HND"), ("shm", 8, 16, "HND"),
                                                             ("nixl", 16, 8, "HND"), ("shm", 8, 8, "NHD")])
 def test_disaggregated_equals_aggregated(tiny, backend, ctx_tpb, gen_tpb, layout):
@@ -65,9 +72,7 @@ def test_disaggregated_equals_aggregated(tiny, backend, ctx_tpb, gen_tpb, layout
         for o in outs:
             tokens[o.request_id] += o.new_token_ids
         assert [tokens[f"g{i}"] for i in range(len(prompts))] == expected
-        _run_until([ctx, gen], lambda _: not ctx.has_unfinished())
-        assert ctx.blocks.num_free_blocks == ctx.blocks.num_blocks
-        assert gen.blocks.num_free_blocks == gen.blocks.num_blocks
+        _assert_everything_freed(ctx, gen)
     finally:
         ctx.shutdown()
         gen.shutdown()
@@ -158,9 +163,7 @@ def test_generation_first_equals_aggregated_and_frees_everything(tiny, pipelined
         sends = ctx.runner.connector.tx.stats["direct_writes"]
         # 40 tokens in chunks of 16 with 8-token blocks: 3 pieces; 21 tokens: 2; 5 tokens: 1.
         assert sends == (6 if pipelined else 3)
-        _run_until([ctx, gen], lambda _: not ctx.has_unfinished() and not gen.has_unfinished())
-        assert ctx.blocks.num_free_blocks == ctx.blocks.num_blocks
-        assert gen.blocks.num_free_blocks == gen.blocks.num_blocks
+        _assert_everything_freed(ctx, gen)
     finally:
         ctx.shutdown()
         gen.shutdown()
@@ -179,9 +182,7 @@ def test_generation_first_first_token_ending_the_request_and_its_logprobs(tiny):
         assert final.finished and final.finish_reason == "length"
         assert [t for o in outs["g0"] for t in o.new_token_ids] == [t for o in agg for t in o.new_token_ids]
         assert [e["top"] for o in outs["g0"] for e in o.new_logprobs] == [e["top"] for o in agg for e in o.new_logprobs]
-        _run_until([ctx, gen], lambda _: not ctx.has_unfinished())
-        assert ctx.blocks.num_free_blocks == ctx.blocks.num_blocks
-        assert gen.blocks.num_free_blocks == gen.blocks.num_blocks
+        _assert_everything_freed(ctx, gen)
     finally:
         ctx.shutdown()
         gen.shutdown()
@@ -199,9 +200,7 @@ def test_generation_first_prompt_mismatch_fails_loudly(tiny):
         outs = _run_until([ctx, gen], lambda outs: any(o.finished and o.request_id == "g" for o in outs))
         final = [o for o in outs if o.request_id == "g" and o.finished][0]
         assert final.finish_reason == "error" and "18 prompt tokens" in final.error and "has 21" in final.error
-        _run_until([ctx, gen], lambda _: not ctx.has_unfinished() and not gen.has_unfinished())
-        assert gen.blocks.num_free_blocks == gen.blocks.num_blocks
-        assert ctx.blocks.num_free_blocks == ctx.blocks.num_blocks
+        _assert_everything_freed(ctx, gen)
         with pytest.raises(RequestError, match="first_gen_tokens empty"):
             gen.add_request(prompt, GREEDY, "x", RequestType.GENERATION_ONLY,
                             DisaggInfo(62, ctx.kv_endpoint, 0, (5,), schedule_style="generation_first"))
@@ -227,9 +226,7 @@ def test_aborting_a_pipelined_prefill_mid_way_frees_both_sides(tiny):
         outs = _run_until([ctx, gen], lambda outs: any(o.finished and o.request_id == "g" for o in outs))
         final = [o for o in outs if o.request_id == "g" and o.finished][0]
         assert final.finish_reason == "error" and "KV transfer" in final.error
-        _run_until([ctx, gen], lambda _: not ctx.has_unfinished() and not gen.has_unfinished())
-        assert ctx.blocks.num_free_blocks == ctx.blocks.num_blocks
-        assert gen.blocks.num_free_blocks == gen.blocks.num_blocks
+        _assert_everything_freed(ctx, gen)
     finally:
         ctx.shutdown()
         gen.shutdown()

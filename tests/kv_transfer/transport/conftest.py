@@ -7,3 +7,24 @@ import sys
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
+
+
+import pytest  # noqa: E402  (after the sys.path set-up above)
+
+from kvt_instance import Topology, build_instance, shutdown  # noqa: E402
+
+
+@pytest.fixture
+def pair():
+    """make(ctx_topo, gen_topo, timeout_ms) -> (ctx ranks, gen ranks): two instances in this process over
+    the in-process fake agent, closed at teardown."""
+    made = []
+
+    def make(ctx_topo=Topology("ctx"), gen_topo=Topology("gen"), timeout_ms=20_000):
+        ctx = build_instance(ctx_topo, "fake", timeout_ms)
+        gen = build_instance(gen_topo, "fake", timeout_ms)
+        made.extend(ctx + gen)
+        return ctx, gen
+
+    yield make
+    shutdown(made)

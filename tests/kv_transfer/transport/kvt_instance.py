@@ -78,6 +78,18 @@ def build_instance(topo: Topology, backend: str, timeout_ms: int = 20_000, bounc
     return ranks
 
 
+def shutdown(ranks: list[Rank], proc=None, timeout_s: float = 40.0) -> None:
+    """Close every rank's transceiver and agent, then reap `proc` (a peer instance's process), killing it
+    if it does not exit in time."""
+    for r in ranks:
+        r.tx.close()
+        r.tx.agent.shutdown()
+    if proc is not None:
+        proc.join(timeout_s)
+        if proc.is_alive():
+            proc.kill()
+
+
 def expected(rank: Rank, num_blocks: int) -> np.ndarray:
     """Oracle values of `num_blocks` consecutive token blocks of this rank, in its pool layout."""
     t = rank.info
@@ -161,6 +173,4 @@ def run_ctx_instance(topo: Topology, backend: str, requests: dict, outbox, inbox
     leftovers = sum(len(r.tx.send_sessions) + len(r.tx._early) for r in ranks)
     outbox.put((results, leftovers, [r.tx.stats for r in ranks]))
     inbox.get(timeout=timeout_s)  # keep memory mapped until the receiver has checked
-    for r in ranks:
-        r.tx.close()
-        r.tx.agent.shutdown()
+    shutdown(ranks)

@@ -19,6 +19,7 @@ from kvt_instance import (
     gen_block_ids,
     mismatches,
     pump_until,
+    shutdown,
 )
 from pdserve.kv_transfer.chunking import chunk_blocks
 from pdserve.kv_transfer.errors import KVTransferError
@@ -44,22 +45,6 @@ def chunks_of(topo: Topology, num_tokens: int, chunk_tokens: int, reused: int = 
 def offer(rank, rid: int, chunk) -> None:
     rank.tx.respond_and_send_async(rid, chunk.block_ids, token_range=(chunk.token_start, chunk.token_end),
                                    last=chunk.is_last, state=STATE if chunk.is_last else b"")
-
-
-@pytest.fixture
-def pair():
-    made = []
-
-    def make(ctx_topo=Topology("ctx"), gen_topo=Topology("gen"), timeout_ms=20_000):
-        ctx = build_instance(ctx_topo, "fake", timeout_ms)
-        gen = build_instance(gen_topo, "fake", timeout_ms)
-        made.extend(ctx + gen)
-        return ctx, gen
-
-    yield make
-    for r in made:
-        r.tx.close()
-        r.tx.agent.shutdown()
 
 
 def _poll(gen_ranks, ctx_ranks, rounds: int = 20):
@@ -230,9 +215,7 @@ def run_pipelined_ctx(topo: Topology, backend: str, num_tokens: int, chunk_token
     leftovers = sum(len(r.tx.send_sessions) + len(r.tx._early) for r in ranks)
     outbox.put((results, leftovers, [r.tx.stats["direct_writes"] for r in ranks]))
     inbox.get(timeout=TIMEOUT_S)
-    for r in ranks:
-        r.tx.close()
-        r.tx.agent.shutdown()
+    shutdown(ranks)
 
 
 @pytest.mark.parametrize("backend", ["shm", "nixl"])
@@ -263,12 +246,7 @@ def test_pipelined_transfer_between_processes_is_byte_exact(backend, ctx_topo, g
         assert {r.info.rank: mismatches(r, ids, n) for r in gen} == {r.info.rank: 0 for r in gen}
         inbox.put("bye")
     finally:
-        for r in gen:
-            r.tx.close()
-            r.tx.agent.shutdown()
-        proc.join(TIMEOUT_S)
-        if proc.is_alive():
-            proc.kill()
+        shutdown(gen, proc, TIMEOUT_S)
 
 
 def test_context_side_cancel_mid_pipeline_tells_the_waiting_receiver(pair):

@@ -8,7 +8,7 @@ import multiprocessing as mp
 import numpy as np
 import pytest
 
-from kvt_instance import Topology, build_instance, gen_block_ids, mismatches, pump_until, run_ctx_instance
+from kvt_instance import Topology, build_instance, gen_block_ids, mismatches, pump_until, run_ctx_instance, shutdown
 
 TIMEOUT_S = 40
 
@@ -51,12 +51,7 @@ def _run(ctx_topo, gen_topo, num_tokens, backend, respond_delay_s=0.0, requests=
         inbox.put("bye")
         return gen_results, ctx_results, wrong, leftovers + ctx_leftovers
     finally:
-        for r in gen:
-            r.tx.close()
-            r.tx.agent.shutdown()
-        proc.join(TIMEOUT_S)
-        if proc.is_alive():
-            proc.kill()
+        shutdown(gen, proc, TIMEOUT_S)
 
 
 @pytest.mark.parametrize("ctx_topo, gen_topo, num_tokens", CASES[:3], ids=lambda x: getattr(x, "tp", x))

@@ -7,25 +7,9 @@ import time
 import numpy as np
 import pytest
 
-from kvt_instance import Topology, build_instance, ctx_block_ids, fill, gen_block_ids, mismatches, pump_until
+from kvt_instance import Topology, ctx_block_ids, fill, gen_block_ids, mismatches, pump_until
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.sessions import TransferStatus
-
-
-@pytest.fixture
-def pair():
-    made = []
-
-    def make(ctx_topo=Topology("ctx"), gen_topo=Topology("gen"), timeout_ms=20_000):
-        ctx = build_instance(ctx_topo, "fake", timeout_ms)
-        gen = build_instance(gen_topo, "fake", timeout_ms)
-        made.extend(ctx + gen)
-        return ctx, gen
-
-    yield make
-    for r in made:
-        r.tx.close()
-        r.tx.agent.shutdown()
 
 
 def _eventually(cond, timeout_s=5.0) -> bool:
