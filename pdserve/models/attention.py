@@ -7,6 +7,11 @@ The KV pool of one rank is a single block-major tensor:
 
 (index 0 of the third dimension is K, 1 is V). One block therefore holds every local layer's K and V
 contiguously, which lets the KV exchange move a block with one descriptor.
+
+Long prefills on CPU do not use SDPA: its CPU flash kernel runs its tiles on the generic BLAS, which
+on the development machine (AVX-512 AMD) reached ~190 GFLOP/s where oneDNN's GEMM reaches ~430.
+`_tiled_causal_attention` computes exact softmax attention tile by tile with oneDNN instead (a
+2048-token causal attention layer for SmolLM2: 33 ms -> 23 ms).
 """
 
 from __future__ import annotations
@@ -35,6 +40,46 @@ class AttentionMetadata:
     decode_rows: torch.Tensor  # [n_decode] row of each single-token sequence in the batch
     decode_blocks: torch.Tensor  # [n_decode, max_blocks] block table, padded with 0
     decode_mask: torch.Tensor  # [n_decode, 1, 1, max_blocks * tokens_per_block] True = attend
+    decode_only: bool = False  # every row is a decode row, in order (skips the row gather/scatter)
+
+
+# A prefill of at least this many tokens takes the tiled oneDNN path on CPU; below it, one SDPA call
+# is as fast and costs fewer dispatches.
+TILED_MIN_TOKENS = 512
+_TILE = 128  # query rows per tile (times the query heads of one KV group)
+
+
+def _use_tiled(q: torch.Tensor, q_len: int) -> bool:
+    return q_len >= TILED_MIN_TOKENS and q.device.type == "cpu" and torch.backends.mkldnn.is_available()
+
+
+def _tiled_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Exact causal softmax attention in fp32, one query tile and one KV head at a time.
+
+    q: [n, heads, d] for the last n positions; k, v: [kv_heads, ctx, d] for positions 0..ctx-1, so query
+    i sits at position ctx - n + i. Returns [n, heads, d] in q's dtype. Each tile multiplies the query
+    heads of one KV group (folded into rows) by the keys it can see, masks only the diagonal square,
+    and takes a full-row softmax: no running max, so the result is the plain formula's.
+    """
+    n, heads, d = q.shape
+    kv_heads, ctx, _ = k.shape
+    group, past = heads // kv_heads, ctx - n
+    gemm = torch.ops.mkldnn._linear_pointwise  # x @ w.T for a plain [out, in] w
+    qh = (q.float() * scale).view(n, kv_heads, group, d).transpose(0, 1).contiguous()  # [kv_heads, n, group, d]
+    kh = k.float().contiguous()
+    vt = v.float().transpose(1, 2).contiguous()  # [kv_heads, d, ctx]: the PV product's weight rows
+    out = torch.empty(n, kv_heads, group, d)
+    for start in range(0, n, _TILE):
+        rows = min(_TILE, n - start)
+        keys = past + start + rows  # the last query of the tile sees this many keys
+        above = torch.ones(rows, rows, dtype=torch.bool).triu_(1).unsqueeze(1)  # [rows, 1, rows]
+        for h in range(kv_heads):
+            scores = gemm(qh[h, start:start + rows].view(rows * group, d), kh[h, :keys], None, "none", [], "")
+            scores.view(rows, group, keys)[:, :, keys - rows:].masked_fill_(above, float("-inf"))
+            probs = scores.softmax(-1)
+            # oneDNN wants the weight rows contiguous: a sliced [d, keys] view is copied (d * keys floats).
+            out[start:start + rows, h] = gemm(probs, vt[h, :, :keys].contiguous(), None, "none", [], "").view(rows, group, d)
+    return out.view(n, heads, d).to(q.dtype)
 
 
 class PagedKVCache:
@@ -58,17 +103,23 @@ class PagedKVCache:
             self.pool[blocks, layer, :, offs] = kv
 
     def gather(self, layer: int, block_ids: torch.Tensor, length: int | None = None):
-        """block_ids: [..., nb] -> K, V as [..., kv_heads, nb * tokens_per_block, head_dim]."""
-        kv = self.pool[:, layer][block_ids]  # [..., nb, 2, H, T, D] or [..., nb, 2, T, H, D]
-        nb = block_ids.shape[-1]
+        """block_ids: [..., nb] -> K, V as [..., kv_heads, nb * tokens_per_block, head_dim].
+
+        One copy: the selected blocks land straight in head-major order, and K and V come back as
+        views of it (last dim contiguous, which is all SDPA needs). For a 16-sequence decode step
+        this is ~3x faster than gathering block-major and reordering afterwards."""
+        lead, nb = block_ids.shape[:-1], block_ids.shape[-1]
+        layer_pool = self.pool[:, layer]  # [NB, 2, H, T, D] (HND) or [NB, 2, T, H, D] (NHD)
+        T, D = self.tokens_per_block, layer_pool.shape[-1]
         if self.layout == "HND":
-            kv = kv.movedim(-5, -3)  # [..., 2, H, nb, T, D]
-            kv = kv.reshape(*kv.shape[:-3], nb * self.tokens_per_block, kv.shape[-1])
+            H = layer_pool.shape[2]
+            kv = layer_pool.permute(1, 2, 0, 3, 4).index_select(2, block_ids.reshape(-1))  # [2, H, B*nb, T, D]
+            kv = kv.view(2, H, *lead, nb * T, D).movedim(1, -3)  # [2, ..., H, nb*T, D]
         else:
-            kv = kv.movedim(-5, -4)  # [..., 2, nb, T, H, D]
-            kv = kv.reshape(*kv.shape[:-4], nb * self.tokens_per_block, *kv.shape[-2:])
-            kv = kv.transpose(-3, -2)  # [..., 2, H, nb*T, D]
-        k, v = kv.select(-4, 0), kv.select(-4, 1)
+            H = layer_pool.shape[3]
+            kv = layer_pool.transpose(0, 1).index_select(1, block_ids.reshape(-1))  # [2, B*nb, T, H, D]
+            kv = kv.view(2, *lead, nb * T, H, D).transpose(-3, -2)  # [2, ..., H, nb*T, D]
+        k, v = kv[0], kv[1]
         if length is not None:
             k, v = k[..., :length, :], v[..., :length, :]
         return k, v
@@ -81,32 +132,41 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     n, heads, d = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
-    out = torch.empty(n, heads, d, dtype=q.dtype, device=q.device)
+    out = None if md.decode_only else torch.empty(n, heads, d, dtype=q.dtype, device=q.device)
     # SDPA gets 4-D [1, heads, len, d] inputs: with 3-D ones PyTorch's CPU backend falls back to the
     # math kernel and materialises the whole [heads, len, len] score matrix (6x slower at 2048 tokens).
     for s in md.prefills:
-        qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]
+        rows = slice(s.q_start, s.q_start + s.q_len)
         if s.q_len == s.ctx_len:
             # Nothing cached before this chunk: attend to the fresh K/V, rounded through the cache
             # dtype so the result matches what a later step reads back.
-            rows = slice(s.q_start, s.q_start + s.q_len)
-            ks = k[rows].to(cache.pool.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, q_len, d]
-            vs = v[rows].to(cache.pool.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+            ks = k[rows].to(cache.pool.dtype).to(q.dtype).transpose(0, 1)  # [kv_heads, q_len, d]
+            vs = v[rows].to(cache.pool.dtype).to(q.dtype).transpose(0, 1)
         else:
             ks, vs = cache.gather(layer, s.block_ids, s.ctx_len)  # [kv_heads, ctx_len, d]
-            ks, vs = ks.to(q.dtype).unsqueeze(0), vs.to(q.dtype).unsqueeze(0)
+            ks, vs = ks.to(q.dtype), vs.to(q.dtype)
+        if _use_tiled(q, s.q_len):
+            out[rows] = _tiled_causal_attention(q[rows], ks, vs, scale)
+            continue
+        qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]
+        if s.q_len == s.ctx_len:
+            o = F.scaled_dot_product_attention(qs, ks.unsqueeze(0), vs.unsqueeze(0), is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        else:
             # Query i sits at absolute position ctx_len - q_len + i and sees keys up to it.
             qpos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=q.device).unsqueeze(1)
             mask = torch.arange(s.ctx_len, device=q.device).unsqueeze(0) <= qpos
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[s.q_start:s.q_start + s.q_len] = o[0].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs, ks.unsqueeze(0), vs.unsqueeze(0), attn_mask=mask, scale=scale,
+                                               enable_gqa=True)
+        out[rows] = o[0].transpose(0, 1)
     if md.decode_rows.numel():
         # One query per sequence: fold the query heads of a KV group into the "query length" axis so
         # a single batched SDPA covers every decode sequence without repeating K/V.
-        qd = q[md.decode_rows].view(-1, kv_heads, group, d)  # [b, kv_heads, group, d]
+        qd = (q if md.decode_only else q[md.decode_rows]).view(-1, kv_heads, group, d)  # [b, kv_heads, group, d]
         kd, vd = cache.gather(layer, md.decode_blocks)  # [b, kv_heads, L, d]
         o = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=md.decode_mask,
                                            scale=scale)
+        if md.decode_only:
+            return o.reshape(n, heads * d)
         out[md.decode_rows] = o.reshape(-1, heads, d)
     return out.view(n, heads * d)

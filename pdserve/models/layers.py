@@ -129,10 +129,9 @@ class QKVParallelLinear(nn.Module):
         if self.bias is not None:
             self.bias.copy_(self._slices(q_bias, k_bias, v_bias))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = linear(x, self.weight, self.bias)
-        d = self.head_dim
-        return qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, (local heads + 2 * local kv heads) * head_dim]: q, then k, then v."""
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -195,10 +194,10 @@ class RMSNorm(nn.Module):
         self.weight.copy_(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32, as the reference implementation does, then cast back.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # Normalise in fp32, as the reference implementation does, then cast back before the weight.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op, same rounding
+        return F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype) * self.weight
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -228,14 +227,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)  # [max_positions, head_dim]
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [n, heads, head_dim], k: [n, kv_heads, head_dim], positions: [n]."""
+    def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin for `rotate`, [n, 1, head_dim] each; looked up once per step and
+        shared by every layer."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        half = sin.shape[-1] // 2
+        return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
+    @staticmethod
+    def rotate(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [n, heads, head_dim] -> x * cos + rotate_half(x) * sin, in fp32, cast back.
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+        rotate_half(x) = [-x2, x1]; the minus sign lives in the table's sin, so the halves only swap."""
+        cos, signed_sin = table
+        n, heads, d = x.shape
+        swapped = x.view(n, heads, 2, d // 2).flip(2).view(n, heads, d)
+        return (x.float() * cos + swapped.float() * signed_sin).to(x.dtype)

@@ -34,13 +34,12 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x, positions, rope: RotaryEmbedding, layer: int, cache: PagedKVCache, md: AttentionMetadata):
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x)
-        q = q.view(n, -1, self.head_dim)  # [n, local heads, head_dim]
-        k = k.view(n, -1, self.head_dim)  # [n, local kv heads, head_dim]
-        v = v.view(n, -1, self.head_dim)
-        q, k = rope(positions, q, k)
+    def forward(self, x, rope_table, layer: int, cache: PagedKVCache, md: AttentionMetadata):
+        n, heads, kv_heads = x.shape[0], self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        qkv = self.qkv_proj(x).view(n, heads + 2 * kv_heads, self.head_dim)
+        # q and k sit side by side in the fused output: one rotation covers both.
+        qk = RotaryEmbedding.rotate(qkv[:, : heads + kv_heads], rope_table)
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
         return self.o_proj(paged_attention(q, k, v, layer, cache, md, self.scale))
 
 
@@ -63,8 +62,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, ps, dtype)
 
-    def forward(self, x, positions, rope, layer, cache, md):
-        h = x + self.self_attn(self.input_layernorm(x), positions, rope, layer, cache, md)
+    def forward(self, x, rope_table, layer, cache, md):
+        h = x + self.self_attn(self.input_layernorm(x), rope_table, layer, cache, md)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -98,8 +97,9 @@ class LlamaForCausalLM(nn.Module):
                 md: AttentionMetadata) -> torch.Tensor:
         """First stage takes token ids [n]; later stages take hidden states [n, hidden]."""
         h = self.embed_tokens(ids_or_hidden) if self.embed_tokens is not None else ids_or_hidden
+        rope_table = self.rope.table(positions)
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions, self.rope, i, cache, md)
+            h = layer(h, rope_table, i, cache, md)
         return h
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:

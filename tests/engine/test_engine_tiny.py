@@ -74,6 +74,18 @@ def test_preemption_recomputes_without_changing_tokens(tiny):
     assert out == ref
 
 
+def test_long_prompts_take_tiled_attention_and_match_transformers(tiny, hf_greedy):
+    """Prompts past attention.TILED_MIN_TOKENS run the tiled oneDNN prefill, whole and in chunks that
+    start after a cached part; greedy tokens must not move."""
+    d, _, _ = tiny
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, model.config.vocab_size, (L,), generator=g).tolist() for L in (700, 1100)]
+    ref = hf_greedy(model, prompts, MAX_NEW)
+    assert _run(d, prompts) == ref
+    assert _run(d, prompts, max_num_tokens=520) == ref
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,pp", [(2, 1), (4, 1), (1, 2), (2, 2)])
 def test_parallel_layouts_match_transformers(tiny, tp, pp):
