@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.distributed import ParallelState, broadcast_bytes, recv_bytes, send_bytes
+from pdserve.engine.host_malloc import keep_freed_memory
 from pdserve.engine.kv_connector import KVConnector, RankReport, shared_pool_allocator
 from pdserve.engine.sampler import SampleResult, SampleSpec, sample
 from pdserve.models.attention import AttentionMetadata, PagedKVCache, SeqSlice
@@ -82,6 +83,8 @@ class ModelRunner:
         self.dtype = DTYPES[ecfg.dtype]
         self.kv_dtype = self.dtype if ecfg.kv_cache_dtype == "auto" else DTYPES[ecfg.kv_cache_dtype]
         self.tokens_per_block = ecfg.tokens_per_block
+        if device.type == "cpu":
+            keep_freed_memory()  # activations live in malloc'd host memory: see host_malloc.py
         with torch.device(device):
             self.model = LlamaForCausalLM(model_cfg, ps, self.dtype, max_model_len)
         load_weights(self.model, model_dir, show_progress=ps.rank == 0)
