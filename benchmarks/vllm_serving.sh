@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # vLLM (CPU build) as the peer of pdserve in the serving sweep, on the same weights and fixed ports:
-#   vllm_agg  :8300  one vLLM server on both cores; vLLM's own binding (auto) computes on core 0 and
-#                    leaves core 1 to its scheduler; VLLM_CPU_OMP_THREADS_BIND=0-1 computes on both
+#   vllm_agg  :8300  one vLLM server computing on every core (VLLM_CPU_OMP_THREADS_BIND=0-N by default;
+#                    vLLM's own default, auto, computes on all cores but one, i.e. on 1 of 2 here,
+#                    which halves its prefill: docs/benchmarks.md)
 #   vllm_pd   :8400  benchmarks/vllm_pd_proxy.py in front of
 #                      prefill :8401, OpenMP threads on core 0 (VLLM_CPU_OMP_THREADS_BIND=0)
 #                      decode  :8402, OpenMP threads on core 1
@@ -114,7 +115,8 @@ PY
 PD_ENV=(env "PYTHONPATH=$SITE_DIR${PYTHONPATH:+:$PYTHONPATH}")
 urls=()
 if [[ " $SYSTEMS " == *" agg "* ]]; then
-  start vllm_agg "${VLLM_SERVER[@]}" --port 8300
+  start vllm_agg env "VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-$(($(nproc) - 1))}" \
+    "${VLLM_SERVER[@]}" --port 8300
   urls+=(http://127.0.0.1:8300)
 fi
 if [[ " $SYSTEMS " == *" pd "* ]]; then
