@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable, TypeVar
+from typing import AsyncIterable, AsyncIterator, Awaitable, Callable, TypeVar
 
 import httpx
 
@@ -69,7 +69,7 @@ class Orchestrator:
                                                                       ("context", "generation"))
         self._kv_endpoints: dict[str, str] = {}  # context url -> its KV control endpoint (generation_first)
 
-    async def serve(self, api: str, body: dict, conversation_id: str | None = None) -> dict | AsyncIterator[bytes]:
+    async def serve(self, api: str, body: dict, conversation_id: str | None = None) -> dict | AsyncIterable[bytes]:
         """A JSON answer, or the SSE bytes of a streaming one."""
         arrival = time.monotonic()
         req = _Request(api, body, RouteRequest(), self._request_id(body), arrival)
@@ -215,7 +215,7 @@ class Orchestrator:
                                          f"lacking first_gen_tokens: {params!r}", "worker_bad_answer")
         return answer
 
-    async def _generation_first(self, req: _Request, gen_route: Route) -> dict | AsyncIterator[bytes]:
+    async def _generation_first(self, req: _Request, gen_route: Route) -> dict | AsyncIterable[bytes]:
         try:
             ctx_route, endpoint = await self._call("context", req, self._kv_endpoint)
         except BaseException:
@@ -266,14 +266,14 @@ class Orchestrator:
             await self.cluster.finish("context", route.url, req.route_req)
         self.metrics.context.observe(time.monotonic() - start)
 
-    def _finished(self, req: _Request, answer: dict) -> dict | AsyncIterator[bytes]:
+    def _finished(self, req: _Request, answer: dict) -> dict | AsyncIterable[bytes]:
         self.metrics.e2e.observe(time.monotonic() - req.arrival)
         if req.stream:
             return sse.finished_answer_as_stream(answer, req.api == CHAT, req.include_usage)
         return answer
 
     async def _generate(self, req: _Request, params: dict, route: Route | None,
-                        prefill_cached_tokens: int | None = None) -> dict | AsyncIterator[bytes]:
+                        prefill_cached_tokens: int | None = None) -> dict | AsyncIterable[bytes]:
         """`prefill_cached_tokens`: the context worker's prefix-cache hit, which is the one the client
         cares about (the generation worker received the whole KV); it replaces the generation worker's
         count in a non-streaming answer's usage."""
@@ -291,23 +291,45 @@ class Orchestrator:
             return answer
         route, response = await self._call("generation", req, lambda url: open_stream(
             self.http, "generation", url, req.api, body, timeout), route)
-        return self._proxy(req, route, response)
+        return _Relay(self, req, route, response)
 
-    async def _proxy(self, req: _Request, route: Route, response: httpx.Response) -> AsyncIterator[bytes]:
+
+class _Relay:
+    """A generation worker's open SSE stream, relayed to the client.
+
+    Iterating it yields the worker's chunks; `aclose` releases the worker connection and the route
+    exactly once, whether or not the relay ever started. (A plain async generator that was never
+    iterated skips its `finally` on close, which leaked both when a generation_first request's
+    context side failed after the generation stream had opened.)"""
+
+    def __init__(self, orch: "Orchestrator", req: _Request, route: Route, response: httpx.Response):
+        self.orch, self.req, self.route, self.response = orch, req, route, response
+        self._closed = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        orch, req = self.orch, self.req
         first = True
         try:
-            async for chunk in iter_stream(response, "generation", route.url, self.cfg.request_timeout):
+            async for chunk in iter_stream(self.response, "generation", self.route.url, orch.cfg.request_timeout):
                 if first:
                     first = False
-                    self.metrics.ttft.observe(time.monotonic() - req.arrival)
+                    orch.metrics.ttft.observe(time.monotonic() - req.arrival)
                 yield chunk
         except OrchestratorError as e:  # the status line is gone: tell the client in the stream
-            self.metrics.worker_errors.labels("generation", str(e.status)).inc()
+            orch.metrics.worker_errors.labels("generation", str(e.status)).inc()
             yield sse.event(e.body())
         finally:
-            await response.aclose()
-            await self.cluster.finish("generation", route.url, req.route_req)
-            self.metrics.e2e.observe(time.monotonic() - req.arrival)
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.response.aclose()
+        finally:
+            await self.orch.cluster.finish("generation", self.route.url, self.req.route_req)
+            self.orch.metrics.e2e.observe(time.monotonic() - self.req.arrival)
 
 
 async def _cancel_both(ctx: asyncio.Task, gen: asyncio.Task) -> None:
@@ -315,5 +337,5 @@ async def _cancel_both(ctx: asyncio.Task, gen: asyncio.Task) -> None:
     for task in (ctx, gen):
         task.cancel()
     _, opened = await asyncio.gather(ctx, gen, return_exceptions=True)
-    if isinstance(opened, AsyncIterator):
+    if isinstance(opened, _Relay):
         await opened.aclose()

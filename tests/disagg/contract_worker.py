@@ -17,8 +17,10 @@ CTX_REQUEST_ID = 17
 
 
 def contract_worker(name: str, behaviour: dict) -> tuple[FastAPI, list[dict]]:
-    """`behaviour` may hold: delay_s (before every answer), die_mid_stream (bool). Returns the app and
-    the list of request bodies it received."""
+    """`behaviour` may hold: delay_s (before every answer), die_mid_stream (bool), context_error_after_s
+    (a context_only request fails with a 500 after that long), hold_stream_s (a stream waits that long
+    before its first chunk). Returns the app and the list of request bodies it received; a stream the
+    caller closed early is recorded as {"closed_stream": True}."""
     app = FastAPI()
     received: list[dict] = []
 
@@ -36,6 +38,9 @@ def contract_worker(name: str, behaviour: dict) -> tuple[FastAPI, list[dict]]:
         await asyncio.sleep(behaviour.get("delay_s", 0))
         dp = body.get("disaggregated_params") or {}
         if dp.get("request_type") == "context_only":
+            if "context_error_after_s" in behaviour:
+                await asyncio.sleep(behaviour["context_error_after_s"])
+                return JSONResponse({"error": {"message": "prefill failed", "type": "internal_error"}}, 500)
             if body.get("stream"):
                 return JSONResponse({"error": {"message": "stream with context_only", "type": "x"}}, 400)
             if body.get("max_tokens") == 1:
@@ -48,6 +53,11 @@ def contract_worker(name: str, behaviour: dict) -> tuple[FastAPI, list[dict]]:
             return completion("".join(GEN_TEXT), "length", None)
 
         async def sse():
+            try:
+                await asyncio.sleep(behaviour.get("hold_stream_s", 0))
+            except asyncio.CancelledError:
+                received.append({"closed_stream": True})
+                raise
             for i, t in enumerate(GEN_TEXT):
                 chunk = {"id": f"cmpl-{name}", "object": "text_completion", "created": 0, "model": "tiny",
                          "choices": [{"index": 0, "text": t, "logprobs": None,

@@ -4,6 +4,8 @@ a worker that times out."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 from contract_worker import CTX_REQUEST_ID, FIRST_TOKEN, GEN_TEXT, contract_worker
@@ -95,3 +97,21 @@ def test_slow_worker_is_a_504_naming_the_timeout():
     assert r.status_code == 504
     assert r.json()["error"]["type"] == "gateway_timeout"
     assert "context server" in r.json()["error"]["message"] and "request_timeout=0.5" in r.json()["error"]["message"]
+
+
+def test_generation_first_stream_is_released_when_the_context_side_fails():
+    """The generation worker's stream opens before the prefill ends; when the context side then fails,
+    the client gets the context's error, the open stream is closed and both routes are released."""
+    ctx, gen, orch, _, gen_seen = run(ctx_behaviour={"context_error_after_s": 0.5}, gen_behaviour={"hold_stream_s": 30},
+                                      schedule_style="generation_first")
+    with ctx, gen, orch:
+        wait_healthy(orch.url)
+        r = httpx.post(orch.url + "/v1/completions", json={**BODY, "stream": True}, timeout=30)
+        info = httpx.get(orch.url + "/cluster_info").json()
+        deadline = time.monotonic() + 10
+        while {"closed_stream": True} not in gen_seen and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert r.status_code == 502 and "prefill failed" in r.json()["error"]["message"]
+    for role in ("context_servers", "generation_servers"):
+        assert [i["in_flight_requests"] for i in info[role]["instances"]] == [0], info[role]
+    assert {"closed_stream": True} in gen_seen  # the worker saw the orchestrator hang up
