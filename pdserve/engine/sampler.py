@@ -33,10 +33,17 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> SampleResult:
     """logits: [n, vocab] float32, one row per sampling sequence."""
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.logprobs is not None for s in specs) else None
+    penalized = [s.repetition_penalty != 1.0 and bool(s.history) for s in specs]
+    # Greedy rows without a penalty share one batched argmax (one op instead of one per sequence).
+    plain_greedy = [s.temperature == 0.0 and not p for s, p in zip(specs, penalized)]
+    argmax = logits.argmax(dim=-1).tolist() if any(plain_greedy) else None
     tokens: list[int] = []
     for i, s in enumerate(specs):
+        if plain_greedy[i]:
+            tokens.append(argmax[i])
+            continue
         row = logits[i]
-        if s.repetition_penalty != 1.0 and s.history:
+        if penalized[i]:
             seen = torch.tensor(sorted(set(s.history)), dtype=torch.long, device=row.device)
             vals = row[seen]
             row = row.clone()
