@@ -302,7 +302,7 @@ class _Relay:
     iterated skips its `finally` on close, which leaked both when a generation_first request's
     context side failed after the generation stream had opened.)"""
 
-    def __init__(self, orch: "Orchestrator", req: _Request, route: Route, response: httpx.Response):
+    def __init__(self, orch: Orchestrator, req: _Request, route: Route, response: httpx.Response):
         self.orch, self.req, self.route, self.response = orch, req, route, response
         self._closed = False
 

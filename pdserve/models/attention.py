@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdserve.models.layers import onednn_linear
+
 
 @dataclass
 class SeqSlice:
@@ -64,7 +66,6 @@ def _tiled_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     n, heads, d = q.shape
     kv_heads, ctx, _ = k.shape
     group, past = heads // kv_heads, ctx - n
-    gemm = torch.ops.mkldnn._linear_pointwise  # x @ w.T for a plain [out, in] w
     qh = (q.float() * scale).view(n, kv_heads, group, d).transpose(0, 1).contiguous()  # [kv_heads, n, group, d]
     kh = k.float().contiguous()
     vt = v.float().transpose(1, 2).contiguous()  # [kv_heads, d, ctx]: the PV product's weight rows
@@ -74,11 +75,11 @@ def _tiled_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
         keys = past + start + rows  # the last query of the tile sees this many keys
         above = torch.ones(rows, rows, dtype=torch.bool).triu_(1).unsqueeze(1)  # [rows, 1, rows]
         for h in range(kv_heads):
-            scores = gemm(qh[h, start:start + rows].view(rows * group, d), kh[h, :keys], None, "none", [], "")
+            scores = onednn_linear(qh[h, start:start + rows].view(rows * group, d), kh[h, :keys])
             scores.view(rows, group, keys)[:, :, keys - rows:].masked_fill_(above, float("-inf"))
             probs = scores.softmax(-1)
             # oneDNN wants the weight rows contiguous: a sliced [d, keys] view is copied (d * keys floats).
-            out[start:start + rows, h] = gemm(probs, vt[h, :, :keys].contiguous(), None, "none", [], "").view(rows, group, d)
+            out[start:start + rows, h] = onednn_linear(probs, vt[h, :, :keys].contiguous()).view(rows, group, d)
     return out.view(n, heads, d).to(q.dtype)
 
 

@@ -29,8 +29,14 @@ _PACKABLE = (torch.float32, torch.bfloat16)
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [..., in] @ weight: [out, in] (plain, or packed by `pack_for_cpu`) -> [..., out]."""
     if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T through oneDNN's CPU GEMM; `weight` packed by `pack_for_cpu`, or a plain contiguous
+    [out, in] tensor (the tiled attention multiplies by K and V this way)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def _packed(weight: torch.Tensor) -> torch.Tensor:
@@ -223,23 +229,21 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv = _inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)  # [max_positions, head_dim]
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", torch.cat([freqs, freqs], dim=-1).cos(), persistent=False)  # [max_positions, head_dim]
+        # rotate_half(x) = [-x2, x1]: its minus sign is folded into the first half of sin.
+        sin = freqs.sin()
+        self.register_buffer("signed_sin", torch.cat([-sin, sin], dim=-1), persistent=False)
 
     def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin for `rotate`, [n, 1, head_dim] each; looked up once per step and
         shared by every layer."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        half = sin.shape[-1] // 2
-        return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
     @staticmethod
     def rotate(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x: [n, heads, head_dim] -> x * cos + rotate_half(x) * sin, in fp32, cast back.
 
-        rotate_half(x) = [-x2, x1]; the minus sign lives in the table's sin, so the halves only swap."""
+        The minus sign of rotate_half lives in the table's sin, so the halves only swap."""
         cos, signed_sin = table
         n, heads, d = x.shape
         swapped = x.view(n, heads, 2, d // 2).flip(2).view(n, heads, d)
