@@ -26,7 +26,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
+# Every row runs with PyTorch's huge-page allocation, as pdserve's own processes do (pdserve/__init__.py):
+# set before torch is imported here, inherited by the vLLM child.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+import torch  # noqa: E402
 
 if TYPE_CHECKING:
     from pdserve.engine.llm_engine import LLMEngine

@@ -238,6 +238,7 @@ class ModelRunner:
             decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=dev),
             decode_blocks=table.view(len(decode_tables), max_blocks),
             decode_mask=mask,
+            decode_lens=lens,
             decode_only=not prefills,
         )
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdserve.models import cpu_kernels
 from pdserve.models.layers import onednn_linear
 
 
@@ -42,6 +43,7 @@ class AttentionMetadata:
     decode_rows: torch.Tensor  # [n_decode] row of each single-token sequence in the batch
     decode_blocks: torch.Tensor  # [n_decode, max_blocks] block table, padded with 0
     decode_mask: torch.Tensor  # [n_decode, 1, 1, max_blocks * tokens_per_block] True = attend
+    decode_lens: torch.Tensor  # [n_decode] int64 tokens each decode sequence attends to
     decode_only: bool = False  # every row is a decode row, in order (skips the row gather/scatter)
 
 
@@ -163,10 +165,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     if md.decode_rows.numel():
         # One query per sequence: fold the query heads of a KV group into the "query length" axis so
         # a single batched SDPA covers every decode sequence without repeating K/V.
-        qd = (q if md.decode_only else q[md.decode_rows]).view(-1, kv_heads, group, d)  # [b, kv_heads, group, d]
-        kd, vd = cache.gather(layer, md.decode_blocks)  # [b, kv_heads, L, d]
-        o = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=md.decode_mask,
-                                           scale=scale)
+        qd = q if md.decode_only else q[md.decode_rows]  # [b, heads, d]
+        o = cpu_kernels.paged_decode_attention(qd, cache.pool, cache.layout, layer, md.decode_blocks,
+                                               md.decode_lens, scale)
+        if o is None:
+            qd = qd.view(-1, kv_heads, group, d)  # [b, kv_heads, group, d]
+            kd, vd = cache.gather(layer, md.decode_blocks)  # [b, kv_heads, L, d]
+            o = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=md.decode_mask,
+                                               scale=scale)
         if md.decode_only:
             return o.reshape(n, heads * d)
         out[md.decode_rows] = o.reshape(-1, heads, d)

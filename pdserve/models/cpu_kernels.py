@@ -1,0 +1,176 @@
+"""Native CPU kernels, compiled from `csrc/` on first use and loaded with ctypes.
+
+The only one so far is paged decode attention (`csrc/paged_decode.c`): one query token per sequence,
+K and V read straight from the pool through the block table. The PyTorch path gathers the blocks
+into a dense copy and runs SDPA over it; the kernel reads the KV once instead of three times.
+
+Build: the machine's C compiler (`$CC`, else `cc`) with `-O3 -march=native -fopenmp`, into
+`$PDSERVE_KERNEL_CACHE` (default `~/.cache/pdserve/kernels`) under a name that hashes the source,
+the flags, the compiler's version and this CPU's feature flags, so a cache shared between machines
+never loads a binary built for another CPU. A build is written to a temporary file and renamed into
+place, so ranks that build at once all end up loading one complete library. The library links the
+process's libgomp (the one PyTorch loaded), so its threads are PyTorch's OpenMP threads.
+
+Where no compiler works, or with `PDSERVE_CPU_KERNELS=0`, `paged_decode_attention` returns None
+and the caller keeps the PyTorch path; the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import threading
+import uuid
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+ENABLE_ENV = "PDSERVE_CPU_KERNELS"
+CACHE_ENV = "PDSERVE_KERNEL_CACHE"
+_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+class _DecodeArgs(ctypes.Structure):
+    """Mirror of `decode_args` in csrc/paged_decode.c; field order and types must match."""
+
+    _fields_ = [
+        ("pool", ctypes.c_void_p),
+        ("layer_offset", ctypes.c_int64),
+        ("block_stride", ctypes.c_int64),
+        ("kv_stride", ctypes.c_int64),
+        ("head_stride", ctypes.c_int64),
+        ("token_stride", ctypes.c_int64),
+        ("num_blocks", ctypes.c_int64),
+        ("block_table", ctypes.c_void_p),
+        ("max_blocks", ctypes.c_int64),
+        ("context_lens", ctypes.c_void_p),
+        ("batch", ctypes.c_int64),
+        ("heads", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("tokens_per_block", ctypes.c_int64),
+        ("scale", ctypes.c_float),
+        ("q", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+    ]
+
+
+class KernelBuildError(RuntimeError):
+    """The C compiler failed or is missing; the message carries its output."""
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "pdserve" / "kernels"
+
+
+def _cpu_signature() -> str:
+    """This CPU's feature flags (what -march=native compiles for), or the machine name."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def build(source: Path = SOURCE, cache_dir: Path | None = None) -> Path:
+    """Compile `source` into the kernel cache (once per source, flags, compiler and CPU)."""
+    compiler = os.environ.get("CC", "cc")
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise KernelBuildError(f"no working C compiler {compiler!r} ({exc}); set CC or install gcc") from exc
+    key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, "-lm", version, _cpu_signature()]).encode()).hexdigest()
+    cache_dir = cache_dir or _cache_dir()
+    target = cache_dir / f"{source.stem}-{key[:16]}.so"
+    if target.exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache_dir / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    cmd = [compiler, *FLAGS, "-o", str(tmp), str(source), "-lm"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise KernelBuildError(f"`{' '.join(cmd)}` failed:\n{done.stderr.strip()}")
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built on first call; None (reason logged once) where it cannot be."""
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if os.environ.get(ENABLE_ENV, "1") == "0":
+            log.info("%s=0: native CPU kernels disabled, attention runs in PyTorch", ENABLE_ENV)
+            return None
+        try:
+            lib = ctypes.CDLL(str(build()))
+        except (KernelBuildError, OSError) as exc:
+            log.warning("native CPU kernels unavailable, attention runs in PyTorch: %s", exc)
+            return None
+        lib.paged_decode_attention.argtypes = [ctypes.POINTER(_DecodeArgs), ctypes.c_int, ctypes.c_int]
+        lib.paged_decode_attention.restype = ctypes.c_int
+        _lib = lib
+        return _lib
+
+
+def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layout: str, layer: int, block_table: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """Attention of one query per sequence against its paged K/V.
+
+    q: [b, heads, d]; pool: the rank's KV pool (attention.PagedKVCache's layout); block_table:
+    [b, max_blocks] int64, padded; context_lens: [b] int64. Returns [b, heads, d] in q's dtype, or
+    None where the kernel does not apply (not on CPU, no library, an unsupported dtype or shape), in
+    which case the caller takes the PyTorch path.
+    """
+    if pool.device.type != "cpu" or pool.dtype not in _KV_DTYPES or pool.stride(-1) != 1:
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    if block_table.dtype != torch.int64 or context_lens.dtype != torch.int64:
+        raise TypeError("block_table and context_lens must be int64")
+    b, heads, d = q.shape
+    if d != pool.shape[-1]:
+        raise ValueError(f"query head_dim {d} does not match the pool's {pool.shape[-1]}")
+    s = pool.stride()
+    head_stride, token_stride = (s[3], s[4]) if layout == "HND" else (s[4], s[3])
+    kv_heads = pool.shape[3] if layout == "HND" else pool.shape[4]
+    qf = q.float().contiguous()
+    table = block_table.contiguous()
+    lens = context_lens.contiguous()
+    out = torch.empty(b, heads, d, dtype=torch.float32)
+    args = _DecodeArgs(
+        pool.data_ptr(), layer * s[1], s[0], s[2], head_stride, token_stride, pool.shape[0],
+        table.data_ptr(), table.shape[1], lens.data_ptr(),
+        b, heads, kv_heads, d, pool.shape[4] if layout == "HND" else pool.shape[3], scale,
+        qf.data_ptr(), out.data_ptr(),
+    )
+    status = lib.paged_decode_attention(ctypes.byref(args), _KV_DTYPES[pool.dtype], torch.get_num_threads())
+    if status == -2:
+        raise IndexError(f"paged decode attention: a context length or block id is outside the block table "
+                         f"[{table.shape[0]}, {table.shape[1]}] or the pool of {pool.shape[0]} blocks")
+    if status != 0:
+        return None
+    return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -1,0 +1,184 @@
+/* Paged decode attention for the CPU: one query token per sequence, read straight from the KV pool.
+ *
+ * The PyTorch path gathers every sequence's blocks into a dense [b, kv_heads, len, d] copy and then
+ * runs SDPA over it, so the KV crosses memory three times per layer. Here each (sequence, KV head)
+ * task walks its block table and reads every K and V row once, with an online softmax per block of
+ * tokens (running max and sum, rescaled when the max grows), so no score row longer than one block
+ * is ever stored.
+ *
+ * Addressing is the pool's affine formula, in elements:
+ *     row(block, kv, head, token) = block * block_stride + layer_offset + kv * kv_stride
+ *                                   + head * head_stride + token * token_stride
+ * with head_dim contiguous; HND and NHD differ only in head_stride and token_stride.
+ *
+ * Query heads [h * group, (h + 1) * group) share KV head h. q and out are contiguous fp32
+ * [b, heads, d]. Compiled with -ffast-math so that the dot products vectorise (reassociated sums) and
+ * expf vectorises through glibc's libmvec.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_TOKENS_PER_BLOCK 256
+#define MAX_HEAD_DIM 512
+
+typedef struct {
+    const void *pool;
+    int64_t layer_offset, block_stride, kv_stride, head_stride, token_stride;
+    int64_t num_blocks;
+    const int64_t *block_table; /* [b, max_blocks] */
+    int64_t max_blocks;
+    const int64_t *context_lens; /* [b] */
+    int64_t batch, heads, kv_heads, head_dim, tokens_per_block;
+    float scale;
+    const float *q;
+    float *out;
+} decode_args;
+
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
+
+/* A pointer to one K or V row as fp32: the pool itself for fp32, else `buf` after conversion. */
+static inline __attribute__((always_inline)) const float *row_as_float(const char *pool, int64_t elem, int dtype,
+                                                                       float *buf, int64_t d) {
+    if (dtype == KV_F32) return (const float *)pool + elem;
+    if (dtype == KV_BF16) {
+        const uint16_t *src = (const uint16_t *)pool + elem;
+        uint32_t *dst = (uint32_t *)buf;
+        for (int64_t i = 0; i < d; i++) dst[i] = (uint32_t)src[i] << 16;
+    } else {
+        const _Float16 *src = (const _Float16 *)pool + elem;
+        for (int64_t i = 0; i < d; i++) buf[i] = (float)src[i];
+    }
+    return buf;
+}
+
+static inline int64_t elem_bytes(int dtype) { return dtype == KV_F32 ? 4 : 2; }
+
+/* Prefetch the K and V rows of one block for KV heads [h0, h1). */
+static inline __attribute__((always_inline)) void prefetch_block(const char *pool, int64_t block_base, int64_t h0,
+                                                                 int64_t h1, const decode_args *a, int64_t elem,
+                                                                 int64_t d) {
+    for (int64_t kv = 0; kv < 2; kv++)
+        for (int64_t h = h0; h < h1; h++)
+            for (int64_t t = 0; t < a->tokens_per_block; t++) {
+                const char *row = pool + (block_base + kv * a->kv_stride + h * a->head_stride + t * a->token_stride) * elem;
+                for (int64_t byte = 0; byte < d * elem; byte += 64) __builtin_prefetch(row + byte);
+            }
+}
+
+/* One task: sequence `seq`, KV heads [h0, h1) and the query heads that share them. Inlined into one
+ * function per (dtype, head_dim) below, so that the loops over head_dim have a constant trip count
+ * and vectorise without a remainder. Within a block it reads every K row of its heads, then every V
+ * row, which for both layouts walks the block's memory forward. */
+static inline __attribute__((always_inline)) void decode_task(const decode_args *a, int64_t seq, int64_t h0,
+                                                              int64_t h1, const int dtype, const int64_t d) {
+    const int64_t T = a->tokens_per_block, group = a->heads / a->kv_heads, ctx = a->context_lens[seq];
+    const int64_t nq = (h1 - h0) * group; /* query heads of this task */
+    const float *q = a->q + (seq * a->heads + h0 * group) * d;
+    float *out = a->out + (seq * a->heads + h0 * group) * d;
+    float acc[nq * d], scores[nq * T], running_max[nq], running_sum[nq], row[d];
+    for (int64_t r = 0; r < nq; r++) {
+        running_max[r] = -FLT_MAX;
+        running_sum[r] = 0.0f;
+    }
+    memset(acc, 0, sizeof(acc));
+    const char *pool = (const char *)a->pool;
+    const int64_t *table = a->block_table + seq * a->max_blocks;
+    for (int64_t start = 0, j = 0; start < ctx; start += T, j++) {
+        const int64_t n = ctx - start < T ? ctx - start : T;
+        const int64_t base = table[j] * a->block_stride + a->layer_offset;
+        /* Blocks sit anywhere in the pool, where the hardware prefetcher cannot follow: ask for the
+         * next block's rows while this one is computed. */
+        if (start + T < ctx) prefetch_block(pool, table[j + 1] * a->block_stride + a->layer_offset, h0, h1, a,
+                                            elem_bytes(dtype), d);
+        for (int64_t h = h0; h < h1; h++)
+            for (int64_t t = 0; t < n; t++) {
+                const float *k = row_as_float(pool, base + h * a->head_stride + t * a->token_stride, dtype, row, d);
+                for (int64_t r = (h - h0) * group; r < (h - h0 + 1) * group; r++) {
+                    float s = 0.0f;
+                    for (int64_t i = 0; i < d; i++) s += q[r * d + i] * k[i];
+                    scores[r * T + t] = s * a->scale;
+                }
+            }
+        for (int64_t r = 0; r < nq; r++) {
+            float *sc = scores + r * T, m = running_max[r];
+            for (int64_t t = 0; t < n; t++) m = sc[t] > m ? sc[t] : m;
+            const float rescale = expf(running_max[r] - m);
+            float sum = 0.0f;
+            for (int64_t t = 0; t < n; t++) {
+                sc[t] = expf(sc[t] - m);
+                sum += sc[t];
+            }
+            running_sum[r] = running_sum[r] * rescale + sum;
+            running_max[r] = m;
+            if (rescale != 1.0f)
+                for (int64_t i = 0; i < d; i++) acc[r * d + i] *= rescale;
+        }
+        for (int64_t h = h0; h < h1; h++)
+            for (int64_t t = 0; t < n; t++) {
+                const float *v = row_as_float(pool, base + a->kv_stride + h * a->head_stride + t * a->token_stride,
+                                              dtype, row, d);
+                for (int64_t r = (h - h0) * group; r < (h - h0 + 1) * group; r++) {
+                    const float p = scores[r * T + t];
+                    for (int64_t i = 0; i < d; i++) acc[r * d + i] += p * v[i];
+                }
+            }
+    }
+    for (int64_t r = 0; r < nq; r++) {
+        const float inv = 1.0f / running_sum[r];
+        for (int64_t i = 0; i < d; i++) out[r * d + i] = acc[r * d + i] * inv;
+    }
+}
+
+typedef void (*task_fn)(const decode_args *, int64_t, int64_t, int64_t);
+
+#define DEFINE_TASKS(NAME, DTYPE)                                                                        \
+    static void NAME##_d64(const decode_args *a, int64_t s, int64_t h0, int64_t h1) {                   \
+        decode_task(a, s, h0, h1, DTYPE, 64);                                                            \
+    }                                                                                                    \
+    static void NAME##_d128(const decode_args *a, int64_t s, int64_t h0, int64_t h1) {                  \
+        decode_task(a, s, h0, h1, DTYPE, 128);                                                           \
+    }                                                                                                    \
+    static void NAME##_any(const decode_args *a, int64_t s, int64_t h0, int64_t h1) {                   \
+        decode_task(a, s, h0, h1, DTYPE, a->head_dim);                                                   \
+    }
+
+DEFINE_TASKS(f32, KV_F32)
+DEFINE_TASKS(bf16, KV_BF16)
+DEFINE_TASKS(f16, KV_F16)
+
+static task_fn pick_task(int dtype, int64_t d) {
+    static const task_fn table[3][3] = {{f32_d64, f32_d128, f32_any},
+                                        {bf16_d64, bf16_d128, bf16_any},
+                                        {f16_d64, f16_d128, f16_any}};
+    return table[dtype][d == 64 ? 0 : d == 128 ? 1 : 2];
+}
+
+/* kv_dtype: 0 fp32, 1 bf16, 2 fp16. Returns 0; -1 for a shape or dtype the kernel does not take; -2
+ * for a context length or block id outside the table or the pool. */
+int paged_decode_attention(const decode_args *a, int kv_dtype, int num_threads) {
+    if (a->tokens_per_block > MAX_TOKENS_PER_BLOCK || a->head_dim > MAX_HEAD_DIM || a->kv_heads <= 0 ||
+        a->heads % a->kv_heads != 0 || kv_dtype < 0 || kv_dtype > 2)
+        return -1;
+    /* A bad block id or length would read outside the pool: refuse the call instead. */
+    for (int64_t seq = 0; seq < a->batch; seq++) {
+        const int64_t ctx = a->context_lens[seq], used = (ctx + a->tokens_per_block - 1) / a->tokens_per_block;
+        if (ctx < 1 || used > a->max_blocks) return -2;
+        for (int64_t j = 0; j < used; j++) {
+            const int64_t block = a->block_table[seq * a->max_blocks + j];
+            if (block < 0 || block >= a->num_blocks) return -2;
+        }
+    }
+    const task_fn task = pick_task(kv_dtype, a->head_dim);
+    /* A task covers all KV heads of a sequence (one forward walk through each block) when there are
+     * enough sequences to keep every thread busy, else one KV head. */
+    const int64_t heads_per_task = a->batch >= 4 * (int64_t)num_threads ? a->kv_heads : 1;
+    const int64_t per_seq = a->kv_heads / heads_per_task, tasks = a->batch * per_seq;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t i = 0; i < tasks; i++) {
+        const int64_t h0 = (i % per_seq) * heads_per_task;
+        task(a, i / per_seq, h0, h0 + heads_per_task);
+    }
+    return 0;
+}

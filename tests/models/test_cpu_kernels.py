@@ -1,0 +1,121 @@
+"""The native paged decode attention kernel against float64 attention over the same blocks.
+
+Each case builds a real pool in the engine's layout, scatters sequences over random blocks, and
+compares the kernel with softmax attention computed in float64 from K/V read back through
+PagedKVCache.gather. The kernel is built by the machine's C compiler, as in production."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from pdserve.models import cpu_kernels
+from pdserve.models.attention import PagedKVCache
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler to build the CPU kernels")
+
+
+def _pool(layout, num_blocks, layers, kv_heads, T, d, dtype, g):
+    shape = (num_blocks, layers, 2, kv_heads, T, d) if layout == "HND" else (num_blocks, layers, 2, T, kv_heads, d)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def _reference(q, cache, layer, table, lens, scale):
+    """float64 softmax attention of q [b, heads, d] over each sequence's first lens[i] tokens."""
+    out = []
+    for i in range(q.shape[0]):
+        k, v = cache.gather(layer, table[i], int(lens[i]))  # [kv_heads, len, d]
+        group = q.shape[1] // k.shape[0]
+        k, v = k.double().repeat_interleave(group, 0), v.double().repeat_interleave(group, 0)
+        p = (torch.einsum("hd,hld->hl", q[i].double(), k) * scale).softmax(-1)
+        out.append(torch.einsum("hl,hld->hd", p, v))
+    return torch.stack(out)
+
+
+def _case(layout, dtype, heads, kv_heads, d, T, lens, layers=3, layer=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-n // T) for n in lens)
+    num_blocks = len(lens) * max_blocks + 5
+    pool = _pool(layout, num_blocks, layers, kv_heads, T, d, dtype, g)
+    order = torch.randperm(num_blocks, generator=g)
+    table = order[: len(lens) * max_blocks].view(len(lens), max_blocks).clone()
+    for i, n in enumerate(lens):  # padding past a sequence's last block is 0, as the model runner writes it
+        table[i, -(-n // T):] = 0
+    q = torch.randn(len(lens), heads, d, generator=g)
+    return q, pool, PagedKVCache(pool, layout), table, torch.tensor(lens, dtype=torch.long)
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,d,T,lens", [
+    (9, 3, 64, 32, [1, 32, 33, 200, 95, 64, 7, 150, 31, 2, 129, 96, 40, 77, 160, 5]),  # SmolLM2 heads, 16 seqs
+    (8, 8, 128, 16, [1000]),  # one long sequence: many online-softmax rescales, one task per head
+    (8, 1, 40, 8, [13, 3]),  # MQA and a head_dim with no specialised loop
+])
+def test_matches_float64_attention(layout, dtype, heads, kv_heads, d, T, lens):
+    q, pool, cache, table, ctx = _case(layout, dtype, heads, kv_heads, d, T, lens)
+    scale = d ** -0.5
+    out = cpu_kernels.paged_decode_attention(q, pool, layout, 1, table, ctx, scale)
+    assert out is not None and out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out.double(), _reference(q, cache, 1, table, ctx, scale), atol=2e-6, rtol=2e-5)
+
+
+def test_bf16_queries_come_back_in_bf16():
+    q, pool, cache, table, ctx = _case("HND", torch.bfloat16, 6, 2, 64, 32, [50, 70])
+    out = cpu_kernels.paged_decode_attention(q.bfloat16(), pool, "HND", 1, table, ctx, 0.125)
+    assert out.dtype == torch.bfloat16
+    ref = _reference(q.bfloat16().float(), cache, 1, table, ctx, 0.125)
+    torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=1e-2)
+
+
+def test_bad_block_ids_and_lengths_are_refused_not_read():
+    q, pool, _, table, ctx = _case("HND", torch.float32, 4, 2, 64, 32, [40, 10])
+    bad = table.clone()
+    bad[0, 1] = pool.shape[0]  # one past the last block
+    with pytest.raises(IndexError, match="outside the block table"):
+        cpu_kernels.paged_decode_attention(q, pool, "HND", 0, bad, ctx, 0.125)
+    with pytest.raises(IndexError, match="outside the block table"):  # longer than the table holds
+        cpu_kernels.paged_decode_attention(q, pool, "HND", 0, table, torch.tensor([65, 10]), 0.125)
+    with pytest.raises(ValueError, match="head_dim"):
+        cpu_kernels.paged_decode_attention(q[..., :32], pool, "HND", 0, table, ctx, 0.125)
+
+
+def test_build_is_cached_and_a_compiler_error_is_reported(tmp_path):
+    first = cpu_kernels.build(cache_dir=tmp_path)
+    assert cpu_kernels.build(cache_dir=tmp_path) == first and first.exists()
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]  # no temporary left behind
+    broken = tmp_path / "broken.c"
+    broken.write_text("int f( {\n")
+    with pytest.raises(cpu_kernels.KernelBuildError, match="broken.c"):
+        cpu_kernels.build(broken, cache_dir=tmp_path)
+
+
+def test_the_kernel_shares_pytorchs_openmp_runtime():
+    """Two OpenMP runtimes in one process would each keep spinning threads on the same two cores."""
+    cpu_kernels.load()
+    with open("/proc/self/maps") as f:
+        runtimes = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
+    assert len(runtimes) == 1, runtimes
+
+
+def test_disabled_by_environment_falls_back_to_pytorch(tmp_path):
+    code = textwrap.dedent("""
+        import torch
+        from pdserve.models import cpu_kernels
+        q, pool = torch.randn(1, 2, 8), torch.randn(2, 1, 2, 2, 4, 8)
+        out = cpu_kernels.paged_decode_attention(q, pool, "HND", 0, torch.zeros(1, 1, dtype=torch.long),
+                                                 torch.tensor([3]), 1.0)
+        print("fallback" if out is None else "kernel")
+    """)
+    env = dict(os.environ, PDSERVE_CPU_KERNELS="0", PDSERVE_KERNEL_CACHE=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "fallback"
+    assert not list(tmp_path.iterdir())  # nothing was built
+    assert isinstance(cpu_kernels.load(), ctypes.CDLL)  # this process still has it
