@@ -19,6 +19,7 @@ from pdserve.distributed import ParallelState, broadcast_bytes, recv_bytes, send
 from pdserve.engine.host_malloc import keep_freed_memory
 from pdserve.engine.kv_connector import KVConnector, RankReport, shared_pool_allocator
 from pdserve.engine.sampler import SampleResult, SampleSpec, sample
+from pdserve.models import cpu_kernels
 from pdserve.models.attention import AttentionMetadata, PagedKVCache, SeqSlice
 from pdserve.models.config import ModelConfig
 from pdserve.models.llama import LlamaForCausalLM, stage_layers
@@ -85,6 +86,7 @@ class ModelRunner:
         self.tokens_per_block = ecfg.tokens_per_block
         if device.type == "cpu":
             keep_freed_memory()  # activations live in malloc'd host memory: see host_malloc.py
+            cpu_kernels.load()  # build the decode attention kernel now, not inside the first request
         with torch.device(device):
             self.model = LlamaForCausalLM(model_cfg, ps, self.dtype, max_model_len)
         load_weights(self.model, model_dir, show_progress=ps.rank == 0)
