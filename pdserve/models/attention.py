@@ -75,10 +75,12 @@ def _tiled_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     for start in range(0, n, _TILE):
         rows = min(_TILE, n - start)
         keys = past + start + rows  # the last query of the tile sees this many keys
-        above = torch.ones(rows, rows, dtype=torch.bool).triu_(1).unsqueeze(1)  # [rows, 1, rows]
+        # -inf above the diagonal, 0 elsewhere: an add on the strided diagonal square is ~3x cheaper
+        # than a masked_fill with a broadcast boolean mask, and gives the same scores.
+        above = torch.full((rows, rows), float("-inf")).triu_(1).unsqueeze(1)  # [rows, 1, rows]
         for h in range(kv_heads):
             scores = onednn_linear(qh[h, start:start + rows].view(rows * group, d), kh[h, :keys])
-            scores.view(rows, group, keys)[:, :, keys - rows:].masked_fill_(above, float("-inf"))
+            scores.view(rows, group, keys)[:, :, keys - rows:].add_(above)
             probs = scores.softmax(-1)
             # oneDNN wants the weight rows contiguous: a sliced [d, keys] view is copied (d * keys floats).
             out[start:start + rows, h] = onednn_linear(probs, vt[h, :, :keys].contiguous()).view(rows, group, d)
