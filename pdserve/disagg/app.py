@@ -17,7 +17,7 @@ import socket
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from pdserve.disagg.cluster import LocalCluster
 from pdserve.disagg.config import DisaggConfig
@@ -26,6 +26,7 @@ from pdserve.disagg.metrics import OrchestratorMetrics
 from pdserve.disagg.orchestrator import CHAT, COMPLETIONS, Orchestrator
 from pdserve.disagg.request_id import RequestIdGenerator
 from pdserve.disagg.upstream import make_client
+from pdserve.server.streaming import ClosingStreamingResponse
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +122,8 @@ def build_app(cfg: DisaggConfig, *, process_id: int = 0, cluster=None) -> FastAP
         if isinstance(result, dict):
             metrics.in_flight.dec()
             return JSONResponse(result)
-        return StreamingResponse(_counted(result, metrics), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        # Closes the relay (worker stream, route) and counts the request out however the client leaves.
+        return ClosingStreamingResponse(result, on_close=metrics.in_flight.dec)
 
     @app.post(COMPLETIONS)
     async def completions(request: Request):
@@ -158,14 +159,6 @@ def build_app(cfg: DisaggConfig, *, process_id: int = 0, cluster=None) -> FastAP
         return Response(data, media_type=content_type)
 
     return app
-
-
-async def _counted(stream, metrics: OrchestratorMetrics):
-    try:
-        async for chunk in stream:
-            yield chunk
-    finally:
-        metrics.in_flight.dec()
 
 
 async def _unless_disconnected(request: Request, work):

@@ -17,7 +17,7 @@ from typing import Any, Awaitable
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.config import WorkerConfig
@@ -32,6 +32,7 @@ from pdserve.server.protocol import (
     TokenizeResponse,
 )
 from pdserve.server.serving import OpenAIServing
+from pdserve.server.streaming import ClosingStreamingResponse
 
 log = logging.getLogger(__name__)
 
@@ -195,8 +196,7 @@ async def _answer(request: Request, work: Awaitable):
         return Response(status_code=CLIENT_CLOSED)
     result = task.result()
     if hasattr(result, "__aiter__"):
-        return StreamingResponse(result, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return ClosingStreamingResponse(result)  # closing it aborts the request, even if it never streamed
     return result
 
 

@@ -6,7 +6,8 @@ length, bad token ids) is a 400 rather than a broken stream. The answer is eithe
 or, for `stream: true`, an async iterator of SSE lines ending with `data: [DONE]`.
 
 Closing that iterator (the client went away) closes the engine's generator, which aborts the
-request and frees its KV blocks.
+request and frees its KV blocks; it is an `OwnedStream`, so this holds even when the client left
+before the first chunk and the SSE generator never started.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from pdserve.server.protocol import (
     Usage,
     random_id,
 )
+from pdserve.server.streaming import OwnedStream
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -89,7 +91,7 @@ class OpenAIServing:
         created = int(time.time())
         outputs, first = await self._start(rid, ids, params, req)
         if req.stream:
-            return self._stream_completion(req, rid, created, outputs, first)
+            return OwnedStream(self._stream_completion(req, rid, created, outputs, first), outputs)
         async with aclosing(outputs):
             text, logprobs, last = "", None, first
             async for out in _chain(first, outputs):
@@ -143,7 +145,7 @@ class OpenAIServing:
         created = int(time.time())
         outputs, first = await self._start(rid, ids, params, req)
         if req.stream:
-            return self._stream_chat(req, rid, created, outputs, first)
+            return OwnedStream(self._stream_chat(req, rid, created, outputs, first), outputs)
         async with aclosing(outputs):
             text, last = "", first
             lps = ChatLogprobs(content=[]) if req.logprobs else None

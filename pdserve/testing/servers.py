@@ -12,6 +12,29 @@ import httpx
 import uvicorn
 
 
+class ClientGoneBeforeFirstByte:
+    """ASGI wrapper: a streaming (text/event-stream) answer's response start fails the way it does once
+    the client has hung up (ASGI 2.4: `send` raises OSError), so the body is never iterated. Every
+    other message passes through."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        scope = {**scope, "asgi": {**scope.get("asgi", {}), "spec_version": "2.4"}}
+
+        async def gone(message):
+            headers = dict(message.get("headers") or [])
+            if message["type"] == "http.response.start" and headers.get(b"content-type", b"").startswith(
+                    b"text/event-stream"):
+                raise OSError("the client hung up")
+            await send(message)
+
+        await self.app(scope, receive, gone)
+
+
 class UvicornThread:
     """Serve an ASGI app on a free loopback port from a daemon thread; `with` starts and stops it."""
 

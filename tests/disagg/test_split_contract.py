@@ -14,6 +14,7 @@ from harness import AppThread, wait_healthy
 from pdserve.disagg.app import build_app
 from pdserve.disagg.config import DisaggConfig
 from pdserve.disagg.request_id import is_global_id
+from pdserve.testing.servers import ClientGoneBeforeFirstByte
 
 BODY = {"model": "tiny", "prompt": "hello there", "max_tokens": 4, "temperature": 0.0}
 
@@ -115,3 +116,26 @@ def test_generation_first_stream_is_released_when_the_context_side_fails():
     for role in ("context_servers", "generation_servers"):
         assert [i["in_flight_requests"] for i in info[role]["instances"]] == [0], info[role]
     assert {"closed_stream": True} in gen_seen  # the worker saw the orchestrator hang up
+
+
+
+def test_stream_whose_client_is_gone_before_the_first_byte_is_released():
+    """The relay never starts, yet the worker's stream is closed, the route freed and in_flight back to 0."""
+    ctx, gen, _, _, gen_seen = run(gen_behaviour={"hold_stream_s": 30})
+    cfg = DisaggConfig(context_servers={"urls": [ctx.url]}, generation_servers={"urls": [gen.url]})
+    orch = AppThread(ClientGoneBeforeFirstByte(build_app(cfg)))
+    with ctx, gen, orch:
+        wait_healthy(orch.url)
+        try:
+            httpx.post(orch.url + "/v1/completions", json={**BODY, "stream": True}, timeout=30)
+        except httpx.HTTPError:
+            pass  # however the server ends the exchange, the client is not the point here
+        deadline = time.monotonic() + 10
+        while {"closed_stream": True} not in gen_seen and time.monotonic() < deadline:
+            time.sleep(0.05)
+        info = httpx.get(orch.url + "/cluster_info").json()
+        metrics = httpx.get(orch.url + "/metrics").text
+    assert {"closed_stream": True} in gen_seen  # the worker's stream was closed, not left to run 30 s
+    for role in ("context_servers", "generation_servers"):
+        assert [i["in_flight_requests"] for i in info[role]["instances"]] == [0], info[role]
+    assert "pdserve_orchestrator_requests_in_flight 0.0" in metrics

@@ -11,7 +11,12 @@ import threading
 
 import httpx
 import pytest
-from server_harness import MAX_MODEL_LEN, NUM_KV_BLOCKS, EngineHold, scrape, wait_for, wait_kv_baseline
+from server_harness import (MAX_MODEL_LEN, NUM_KV_BLOCKS, EngineHold, ServerThread, scrape, wait_for,
+                            wait_kv_baseline)
+
+from pdserve.config import WorkerConfig
+from pdserve.server.app import build_app
+from pdserve.testing.servers import ClientGoneBeforeFirstByte
 
 ABORTS = 'pdserve_request_success_total{finished_reason="abort"}'
 LONG = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": MAX_MODEL_LEN - 16, "temperature": 0,
@@ -68,3 +73,26 @@ def test_nonstreaming_disconnect_aborts_and_frees_kv(server, engine, http):
     assert after["pdserve_kv_cache_blocks_free"] == NUM_KV_BLOCKS
     r = http.post("/v1/completions", json={**LONG, "max_tokens": 4})  # and the server is fine
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", LONG),
+    ("/v1/chat/completions", {**{k: v for k, v in LONG.items() if k != "prompt"},
+                              "max_tokens": 64, "messages": [{"role": "user", "content": "fox"}]}),
+])
+def test_stream_whose_client_is_gone_before_the_first_byte_aborts_and_frees_kv(server, engine, http, path, body):
+    """The SSE generator never starts, so only the response's own cleanup can abort the request."""
+    before = wait_kv_baseline(http)
+    app = ClientGoneBeforeFirstByte(build_app(engine, WorkerConfig(model=engine.engine.ecfg.model)))
+    with EngineHold(engine) as hold, ServerThread(app) as gone_server, \
+            httpx.Client(base_url=gone_server.url, timeout=10) as gone_http:
+        try:
+            gone_http.post(path, json={**body, "stream": True})
+        except httpx.HTTPError:
+            pass  # however the server ends the exchange; the client is not the point here
+        assert hold.paused.wait(10)
+        wait_for(lambda: aborts(gone_http) == 1, "the server to abort the request")  # this app's own metrics
+        hold.release()
+        after = wait_kv_baseline(http)
+        assert hold.tokens_of(hold.outputs[0].request_id) == 1
+    assert after["pdserve_kv_cache_blocks_free"] == NUM_KV_BLOCKS
