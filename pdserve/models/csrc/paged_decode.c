@@ -1,10 +1,11 @@
 /* Paged decode attention for the CPU: one query token per sequence, read straight from the KV pool.
  *
  * The PyTorch path gathers every sequence's blocks into a dense [b, kv_heads, len, d] copy and then
- * runs SDPA over it, so the KV crosses memory three times per layer. Here each (sequence, KV head)
- * task walks its block table and reads every K and V row once, with an online softmax per block of
- * tokens (running max and sum, rescaled when the max grows), so no score row longer than one block
- * is ever stored.
+ * runs SDPA over it, so the KV crosses memory three times per layer. Here each task (a sequence, or a
+ * sequence and one KV head when there are few sequences) walks its block table and reads every K and
+ * V row once, with an online softmax per block of tokens (running max and sum, rescaled when the max
+ * grows), so no score row longer than one block is ever stored; the next block is prefetched while
+ * one is computed, since scattered blocks defeat the hardware prefetcher.
  *
  * Addressing is the pool's affine formula, in elements:
  *     row(block, kv, head, token) = block * block_stride + layer_offset + kv * kv_stride
