@@ -9,6 +9,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.models import cpu_kernels
 from pdserve.testing import make_tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -42,6 +43,14 @@ def _run(model_dir, prompts, **cfg):
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_batched_matches_transformers(tiny, layout):
+    d, prompts, ref = tiny
+    assert _run(d, prompts, kv_layout=layout) == ref
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_pytorch_decode_attention_matches_transformers(tiny, layout, monkeypatch):
+    """Decode attention as it runs without a C compiler (and on CUDA): gathered blocks + SDPA."""
+    monkeypatch.setattr(cpu_kernels, "paged_decode_attention", lambda *args: None)
     d, prompts, ref = tiny
     assert _run(d, prompts, kv_layout=layout) == ref
 
