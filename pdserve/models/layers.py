@@ -222,7 +222,7 @@ def _inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch
     return torch.where(mid, blended, out)
 
 
-ROPE_FUSED_MIN_TOKENS = 64  # RotaryEmbedding.rotate's form for this many tokens and more
+ROPE_HALVES_MIN_TOKENS = 64  # RotaryEmbedding.rotate's form for this many tokens and more
 
 
 class RotaryEmbedding(nn.Module):
@@ -254,7 +254,7 @@ class RotaryEmbedding(nn.Module):
         sum alike, so a token gets the same bits whichever form a batch takes (no fused multiply-add)."""
         cos, signed_sin = table
         n, heads, d = x.shape
-        if n < ROPE_FUSED_MIN_TOKENS:
+        if n < ROPE_HALVES_MIN_TOKENS:
             swapped = x.view(n, heads, 2, d // 2).flip(2).view(n, heads, d)
             return (x.float() * cos + swapped.float() * signed_sin).to(x.dtype)
         xf = x.float().view(n, heads, 2, d // 2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.models.layers import ROPE_FUSED_MIN_TOKENS, RotaryEmbedding
+from pdserve.models.layers import ROPE_HALVES_MIN_TOKENS, RotaryEmbedding
 
 
 def _textbook(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -20,7 +20,7 @@ def _textbook(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.T
     return x * cos + half * sin
 
 
-@pytest.mark.parametrize("n", [1, 16, ROPE_FUSED_MIN_TOKENS - 1, ROPE_FUSED_MIN_TOKENS, 300])
+@pytest.mark.parametrize("n", [1, 16, ROPE_HALVES_MIN_TOKENS - 1, ROPE_HALVES_MIN_TOKENS, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotate_matches_the_textbook_formula(n, dtype):
     rope = RotaryEmbedding(64, 2048, 10000.0, None)
@@ -37,7 +37,7 @@ def test_rotate_matches_the_textbook_formula(n, dtype):
 def test_both_forms_agree_to_the_last_bit(dtype):
     """The prefill form and the decode form must round alike, or a token would differ by batch shape."""
     rope = RotaryEmbedding(64, 4096, 10000.0, None)
-    positions = torch.arange(ROPE_FUSED_MIN_TOKENS * 2)
+    positions = torch.arange(ROPE_HALVES_MIN_TOKENS * 2)
     x = torch.randn(len(positions), 4, 64).to(dtype)
     whole = RotaryEmbedding.rotate(x, rope.table(positions))
     one_by_one = torch.cat([RotaryEmbedding.rotate(x[i:i + 1], rope.table(positions[i:i + 1]))
