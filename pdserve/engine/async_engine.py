@@ -39,7 +39,11 @@ class _Add:
 
 @dataclass
 class _Abort:
-    request_id: str
+    """Abort `request_id`, or else whatever request `add` created (nothing if it was refused or never
+    taken): a caller cancelled while its add was in the queue cannot know the id yet."""
+
+    request_id: str | None = None
+    add: _Add | None = None
 
 
 @dataclass
@@ -89,7 +93,13 @@ class AsyncEngine:
         cmd = _Add(prompt_token_ids, params, request_id, request_type, disagg,
                    lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
         self._commands.put(cmd)
-        rid = await asyncio.wrap_future(cmd.done)
+        try:
+            rid = await asyncio.wrap_future(cmd.done)
+        except asyncio.CancelledError:
+            # Gone before the engine answered. If the engine already took the add, the request exists
+            # and nobody would read it: abort it (queued after the add, so applied after it).
+            self._commands.put(_Abort(add=cmd))
+            raise
         finished = False
         try:
             while not finished:
@@ -101,6 +111,8 @@ class AsyncEngine:
                 self._commands.put(_Abort(rid))
 
     async def call(self, fn: Callable[[LLMEngine], object]):
+        if self.error:
+            raise RuntimeError(f"engine is not running: {self.error}")
         cmd = _Call(fn)
         self._commands.put(cmd)
         return await asyncio.wrap_future(cmd.done)
@@ -128,8 +140,23 @@ class AsyncEngine:
             log.exception("engine step loop died")
             self.error = f"{type(e).__name__}: {e}"
             for rid, sink in list(self._sinks.items()):
-                sink(RequestOutput(rid, [], "", True, "error", error=self.error))
+                try:
+                    sink(RequestOutput(rid, [], "", True, "error", error=self.error))
+                except RuntimeError:  # that caller's loop is gone
+                    pass
             self._sinks.clear()
+            self._fail_queued()
+
+    def _fail_queued(self) -> None:
+        """After the loop died: answer every command still queued, so no caller waits forever."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            done = getattr(cmd, "done", None)
+            if done is not None and done.set_running_or_notify_cancel():
+                done.set_exception(RuntimeError(f"engine is not running: {self.error}"))
 
     def _drain(self, block: bool) -> None:
         try:
@@ -144,7 +171,12 @@ class AsyncEngine:
                 return
 
     def _apply(self, cmd) -> None:
+        # A caller that gave up cancels its command's future; set_running_or_notify_cancel() skips such a
+        # command and otherwise makes the future uncancellable, so setting its result cannot raise
+        # InvalidStateError here (which would end this thread and with it the engine).
         if isinstance(cmd, _Add):
+            if not cmd.done.set_running_or_notify_cancel():
+                return
             try:
                 rid = self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.request_type,
                                               cmd.disagg)
@@ -154,10 +186,15 @@ class AsyncEngine:
             self._sinks[rid] = cmd.sink
             cmd.done.set_result(rid)
         elif isinstance(cmd, _Abort):
-            self.engine.abort(cmd.request_id)
-            self._sinks.pop(cmd.request_id, None)
-            self.engine.take_abort_output(cmd.request_id)
+            rid = cmd.request_id if cmd.add is None else _added_id(cmd.add)
+            if rid is None:
+                return
+            self.engine.abort(rid)
+            self._sinks.pop(rid, None)
+            self.engine.take_abort_output(rid)
         elif isinstance(cmd, _Call):
+            if not cmd.done.set_running_or_notify_cancel():
+                return
             try:
                 cmd.done.set_result(cmd.fn(self.engine))
             except Exception as e:
@@ -166,9 +203,26 @@ class AsyncEngine:
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             sink = self._sinks.get(out.request_id)
-            if sink is not None:
+            if sink is None:
+                continue
+            try:
                 sink(out)
-                if out.finished:
-                    del self._sinks[out.request_id]
+            except RuntimeError:  # the caller's event loop is closed: nobody will read this request
+                log.warning("request %s: its caller's event loop is gone; aborting it", out.request_id)
+                del self._sinks[out.request_id]
+                if not out.finished:
+                    self.engine.abort(out.request_id)
+                    self.engine.take_abort_output(out.request_id)
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
         if self.on_step is not None and outputs:
             self.on_step(outputs)
+
+
+def _added_id(add: _Add) -> str | None:
+    """The id `add` created, or None if it was cancelled, refused or not applied yet."""
+    done = add.done
+    if not done.done() or done.cancelled() or done.exception(timeout=0) is not None:
+        return None
+    return done.result()
