@@ -33,7 +33,7 @@ class _Add:
     request_id: str | None
     request_type: RequestType
     disagg: DisaggInfo | None
-    sink: Callable[[RequestOutput], None]
+    sink: Callable[[RequestOutput], bool]  # False once the caller can no longer receive
     done: Future = field(default_factory=Future)
 
 
@@ -63,7 +63,7 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.kv_endpoint = engine.kv_endpoint
         self._commands: queue.Queue = queue.Queue()
-        self._sinks: dict[str, Callable[[RequestOutput], None]] = {}
+        self._sinks: dict[str, Callable[[RequestOutput], bool]] = {}
         self._stop = threading.Event()
         self.error: str | None = None  # set if the step loop died; /health reports it
         self.stats = engine.stats()
@@ -90,8 +90,16 @@ class AsyncEngine:
             raise RuntimeError(f"engine is not running: {self.error}")
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        cmd = _Add(prompt_token_ids, params, request_id, request_type, disagg,
-                   lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+
+        def sink(out: RequestOutput) -> bool:
+            """Hand `out` to this caller; False once its event loop is closed (nobody will read it)."""
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, out)
+            except RuntimeError:
+                return False
+            return True
+
+        cmd = _Add(prompt_token_ids, params, request_id, request_type, disagg, sink)
         self._commands.put(cmd)
         try:
             rid = await asyncio.wrap_future(cmd.done)
@@ -140,10 +148,7 @@ class AsyncEngine:
             log.exception("engine step loop died")
             self.error = f"{type(e).__name__}: {e}"
             for rid, sink in list(self._sinks.items()):
-                try:
-                    sink(RequestOutput(rid, [], "", True, "error", error=self.error))
-                except RuntimeError:  # that caller's loop is gone
-                    pass
+                sink(RequestOutput(rid, [], "", True, "error", error=self.error))
             self._sinks.clear()
             self._fail_queued()
 
@@ -205,9 +210,7 @@ class AsyncEngine:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
-            try:
-                sink(out)
-            except RuntimeError:  # the caller's event loop is closed: nobody will read this request
+            if not sink(out):
                 log.warning("request %s: its caller's event loop is gone; aborting it", out.request_id)
                 del self._sinks[out.request_id]
                 if not out.finished:

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+LIBS = ["-lm"]  # libm, which pulls in libmvec for the vectorised expf
 ENABLE_ENV = "PDSERVE_CPU_KERNELS"
 CACHE_ENV = "PDSERVE_KERNEL_CACHE"
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -91,14 +92,14 @@ def build(source: Path = SOURCE, cache_dir: Path | None = None) -> Path:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise KernelBuildError(f"no working C compiler {compiler!r} ({exc}); set CC or install gcc") from exc
-    key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, "-lm", version, _cpu_signature()]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, *LIBS, version, _cpu_signature()]).encode()).hexdigest()
     cache_dir = cache_dir or _cache_dir()
     target = cache_dir / f"{source.stem}-{key[:16]}.so"
     if target.exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = cache_dir / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
-    cmd = [compiler, *FLAGS, "-o", str(tmp), str(source), "-lm"]
+    cmd = [compiler, *FLAGS, "-o", str(tmp), str(source), *LIBS]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:

@@ -38,14 +38,14 @@ class ClosingStreamingResponse(StreamingResponse):
 
     def __init__(self, body, on_close: Callable[[], None] | None = None):
         super().__init__(body, media_type="text/event-stream", headers=SSE_HEADERS)
-        self._body, self._on_close = body, on_close
+        self._on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             try:
-                aclose = getattr(self._body, "aclose", None)
+                aclose = getattr(self.body_iterator, "aclose", None)
                 if aclose is not None:
                     await aclose()
             finally:

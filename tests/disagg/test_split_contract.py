@@ -19,12 +19,20 @@ from pdserve.testing.servers import ClientGoneBeforeFirstByte
 BODY = {"model": "tiny", "prompt": "hello there", "max_tokens": 4, "temperature": 0.0}
 
 
-def run(ctx_behaviour=None, gen_behaviour=None, **cfg_kw):
+def run(ctx_behaviour=None, gen_behaviour=None, wrap=lambda app: app, **cfg_kw):
+    """Contract workers and an orchestrator over them; `wrap` wraps the orchestrator's ASGI app."""
     ctx_app, ctx_seen = contract_worker("ctx", ctx_behaviour or {})
     gen_app, gen_seen = contract_worker("gen", gen_behaviour or {})
     ctx, gen = AppThread(ctx_app), AppThread(gen_app)
     cfg = DisaggConfig(context_servers={"urls": [ctx.url]}, generation_servers={"urls": [gen.url]}, **cfg_kw)
-    return ctx, gen, AppThread(build_app(cfg)), ctx_seen, gen_seen
+    return ctx, gen, AppThread(wrap(build_app(cfg))), ctx_seen, gen_seen
+
+
+def wait_stream_closed(gen_seen: list[dict], timeout: float = 10) -> None:
+    """Until the generation worker records that its stream was closed by the caller (or timeout)."""
+    deadline = time.monotonic() + timeout
+    while {"closed_stream": True} not in gen_seen and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def test_split_carries_the_contract_fields():
@@ -109,30 +117,23 @@ def test_generation_first_stream_is_released_when_the_context_side_fails():
         wait_healthy(orch.url)
         r = httpx.post(orch.url + "/v1/completions", json={**BODY, "stream": True}, timeout=30)
         info = httpx.get(orch.url + "/cluster_info").json()
-        deadline = time.monotonic() + 10
-        while {"closed_stream": True} not in gen_seen and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_stream_closed(gen_seen)
     assert r.status_code == 502 and "prefill failed" in r.json()["error"]["message"]
     for role in ("context_servers", "generation_servers"):
         assert [i["in_flight_requests"] for i in info[role]["instances"]] == [0], info[role]
     assert {"closed_stream": True} in gen_seen  # the worker saw the orchestrator hang up
 
 
-
 def test_stream_whose_client_is_gone_before_the_first_byte_is_released():
     """The relay never starts, yet the worker's stream is closed, the route freed and in_flight back to 0."""
-    ctx, gen, _, _, gen_seen = run(gen_behaviour={"hold_stream_s": 30})
-    cfg = DisaggConfig(context_servers={"urls": [ctx.url]}, generation_servers={"urls": [gen.url]})
-    orch = AppThread(ClientGoneBeforeFirstByte(build_app(cfg)))
+    ctx, gen, orch, _, gen_seen = run(gen_behaviour={"hold_stream_s": 30}, wrap=ClientGoneBeforeFirstByte)
     with ctx, gen, orch:
         wait_healthy(orch.url)
         try:
             httpx.post(orch.url + "/v1/completions", json={**BODY, "stream": True}, timeout=30)
         except httpx.HTTPError:
             pass  # however the server ends the exchange, the client is not the point here
-        deadline = time.monotonic() + 10
-        while {"closed_stream": True} not in gen_seen and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_stream_closed(gen_seen)
         info = httpx.get(orch.url + "/cluster_info").json()
         metrics = httpx.get(orch.url + "/metrics").text
     assert {"closed_stream": True} in gen_seen  # the worker's stream was closed, not left to run 30 s

@@ -6,7 +6,6 @@ PagedKVCache.gather. The kernel is built by the machine's C compiler, as in prod
 
 from __future__ import annotations
 
-import ctypes
 import os
 import subprocess
 import sys
@@ -118,4 +117,3 @@ def test_disabled_by_environment_falls_back_to_pytorch(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "fallback"
     assert not list(tmp_path.iterdir())  # nothing was built
-    assert isinstance(cpu_kernels.load(), ctypes.CDLL)  # this process still has it
