@@ -1,8 +1,12 @@
 """Native CPU kernels, compiled from `csrc/` on first use and loaded with ctypes.
 
-The only one so far is paged decode attention (`csrc/paged_decode.c`): one query token per sequence,
-K and V read straight from the pool through the block table. The PyTorch path gathers the blocks
-into a dense copy and runs SDPA over it; the kernel reads the KV once instead of three times.
+- paged decode attention (`csrc/paged_decode.c`): one query token per sequence, K and V read
+  straight from the pool through the block table. The PyTorch path gathers the blocks into a dense
+  copy and runs SDPA over it; the kernel reads the KV once instead of three times.
+- causal softmax (`csrc/causal_softmax.c`) for the tiles of the prefill attention: mask, softmax and
+  the cast of the probabilities in one pass over the scores instead of five.
+
+Every `csrc/*.c` goes into one library.
 
 Build: the machine's C compiler (`$CC`, else `cc`) with `-O3 -march=native -fopenmp`, into
 `$PDSERVE_KERNEL_CACHE` (default `~/.cache/pdserve/kernels`) under a name that hashes the source,
@@ -11,8 +15,8 @@ never loads a binary built for another CPU. A build is written to a temporary fi
 place, so ranks that build at once all end up loading one complete library. The library links the
 process's libgomp (the one PyTorch loaded), so its threads are PyTorch's OpenMP threads.
 
-Where no compiler works, or with `PDSERVE_CPU_KERNELS=0`, `paged_decode_attention` returns None
-and the caller keeps the PyTorch path; the reason is logged once.
+Where no compiler works, or with `PDSERVE_CPU_KERNELS=0`, every wrapper here returns None and the
+caller keeps its PyTorch path; the reason is logged once.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 LIBS = ["-lm"]  # libm, which pulls in libmvec for the vectorised expf
 ENABLE_ENV = "PDSERVE_CPU_KERNELS"
@@ -85,21 +89,22 @@ def _cpu_signature() -> str:
     return platform.machine()
 
 
-def build(source: Path = SOURCE, cache_dir: Path | None = None) -> Path:
-    """Compile `source` into the kernel cache (once per source, flags, compiler and CPU)."""
+def build(sources: list[Path] = SOURCES, cache_dir: Path | None = None) -> Path:
+    """Compile `sources` into one library in the kernel cache (once per sources, flags, compiler and CPU)."""
     compiler = os.environ.get("CC", "cc")
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise KernelBuildError(f"no working C compiler {compiler!r} ({exc}); set CC or install gcc") from exc
-    key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, *LIBS, version, _cpu_signature()]).encode()).hexdigest()
+    texts = [f"{src.name}\0{src.read_text()}" for src in sources]
+    key = hashlib.sha256("\0".join([*texts, *FLAGS, *LIBS, version, _cpu_signature()]).encode()).hexdigest()
     cache_dir = cache_dir or _cache_dir()
-    target = cache_dir / f"{source.stem}-{key[:16]}.so"
+    target = cache_dir / f"pdserve_kernels-{key[:16]}.so"
     if target.exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = cache_dir / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
-    cmd = [compiler, *FLAGS, "-o", str(tmp), str(source), *LIBS]
+    cmd = [compiler, *FLAGS, "-o", str(tmp), *map(str, sources), *LIBS]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
@@ -123,15 +128,18 @@ def load() -> ctypes.CDLL | None:
             return _lib
         _tried = True
         if os.environ.get(ENABLE_ENV, "1") == "0":
-            log.info("%s=0: native CPU kernels disabled, attention runs in PyTorch", ENABLE_ENV)
+            log.info("%s=0: native CPU kernels disabled, attention runs in PyTorch only", ENABLE_ENV)
             return None
         try:
             lib = ctypes.CDLL(str(build()))
         except (KernelBuildError, OSError) as exc:
-            log.warning("native CPU kernels unavailable, attention runs in PyTorch: %s", exc)
+            log.warning("native CPU kernels unavailable, attention runs in PyTorch only: %s", exc)
             return None
         lib.paged_decode_attention.argtypes = [ctypes.POINTER(_DecodeArgs), ctypes.c_int, ctypes.c_int]
         lib.paged_decode_attention.restype = ctypes.c_int
+        lib.causal_softmax.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                       ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+        lib.causal_softmax.restype = ctypes.c_int
         _lib = lib
         return _lib
 
@@ -175,3 +183,28 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layout: str, lay
     if status != 0:
         return None
     return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+_SOFTMAX_OUT = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def causal_softmax(scores: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """Softmax of one prefill tile's scores under the causal mask, cast to `out_dtype`.
+
+    scores: fp32 [rows, group, keys], contiguous, already scaled; query row i sees keys
+    [0, keys - rows + i] and gets zero probability for the rest. For fp32 the probabilities
+    overwrite `scores`. Returns None where the kernel does not apply (no library, another dtype).
+    """
+    if (scores.device.type != "cpu" or scores.dtype != torch.float32 or not scores.is_contiguous()
+            or out_dtype not in _SOFTMAX_OUT):
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    rows, group, keys = scores.shape
+    out = scores if out_dtype == torch.float32 else torch.empty(scores.shape, dtype=out_dtype)
+    if lib.causal_softmax(scores.data_ptr(), out.data_ptr(), rows, group, keys, _SOFTMAX_OUT[out_dtype],
+                          torch.get_num_threads()) != 0:
+        raise ValueError(f"causal softmax: a tile of {rows} query rows cannot see only {keys} keys")
+    return out
+
