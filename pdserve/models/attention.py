@@ -145,13 +145,40 @@ class PagedKVCache:
         return k, v
 
 
+def _sdpa_decode(q: torch.Tensor, layer: int, cache: PagedKVCache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+    """PyTorch decode attention, q: [b, heads, d] one query per decode sequence -> [b, kv_heads, group, d].
+    The query heads of a KV group are folded into the "query length" axis so a single batched SDPA covers
+    every sequence without repeating K/V."""
+    kd, vd = cache.gather(layer, md.decode_blocks)  # [b, kv_heads, L, d]
+    b, heads, d = q.shape
+    qd = q.view(b, kd.shape[1], heads // kd.shape[1], d)
+    return F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=md.decode_mask, scale=scale)
+
+
+def native_decode_attention(qkv: torch.Tensor, heads: int, rope_table: tuple[torch.Tensor, torch.Tensor], layer: int,
+                            cache: PagedKVCache, md: AttentionMetadata, scale: float) -> torch.Tensor | None:
+    """A decode-only step on CPU in two native calls: RoPE on q and k with K/V written to the cache
+    (cpu_kernels.rope_cache_write, the same bits as RotaryEmbedding.rotate + PagedKVCache.write), then
+    paged_decode_attention. qkv: [b, heads + 2 * kv_heads, d]. Returns [b, heads * d], or None where
+    the kernels do not apply and the caller takes the PyTorch path."""
+    if not md.decode_only:
+        return None
+    q = cpu_kernels.rope_cache_write(qkv, heads, *rope_table, cache.pool, cache.layout, layer, md.slot_blocks,
+                                     md.slot_offsets)
+    if q is None:
+        return None
+    o = cpu_kernels.paged_decode_attention(q, cache.pool, cache.layout, layer, md.decode_blocks, md.decode_lens,
+                                           scale, out_dtype=qkv.dtype)
+    if o is None:
+        o = _sdpa_decode(q.to(qkv.dtype), layer, cache, md, scale)
+    return o.reshape(q.shape[0], -1)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: PagedKVCache,
                     md: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [n, heads, d]; k, v: [n, kv_heads, d] for the new tokens. Returns [n, heads * d]."""
     cache.write(layer, k, v, md)
     n, heads, d = q.shape
-    kv_heads = k.shape[1]
-    group = heads // kv_heads
     out = None if md.decode_only else torch.empty(n, heads, d, dtype=q.dtype, device=q.device)
     # SDPA gets 4-D [1, heads, len, d] inputs: with 3-D ones PyTorch's CPU backend falls back to the
     # math kernel and materialises the whole [heads, len, len] score matrix (6x slower at 2048 tokens).
@@ -180,16 +207,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
                                                enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
     if md.decode_rows.numel():
-        # One query per sequence: fold the query heads of a KV group into the "query length" axis so
-        # a single batched SDPA covers every decode sequence without repeating K/V.
+        # One query per sequence: the native kernel reads the pool directly; else SDPA over a gather.
         qd = q if md.decode_only else q[md.decode_rows]  # [b, heads, d]
         o = cpu_kernels.paged_decode_attention(qd, cache.pool, cache.layout, layer, md.decode_blocks,
                                                md.decode_lens, scale)
         if o is None:
-            qd = qd.view(-1, kv_heads, group, d)  # [b, kv_heads, group, d]
-            kd, vd = cache.gather(layer, md.decode_blocks)  # [b, kv_heads, L, d]
-            o = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=md.decode_mask,
-                                               scale=scale)
+            o = _sdpa_decode(qd, layer, cache, md, scale)
         if md.decode_only:
             return o.reshape(n, heads * d)
         out[md.decode_rows] = o.reshape(-1, heads, d)

@@ -5,6 +5,10 @@
   copy and runs SDPA over it; the kernel reads the KV once instead of three times.
 - causal softmax (`csrc/causal_softmax.c`) for the tiles of the prefill attention: mask, softmax and
   the cast of the probabilities in one pass over the scores instead of five.
+- RoPE and cache write for a decode step (`csrc/rope_cache.c`): q and k rotated, K and V stored into
+  their slots, bit-identical to the PyTorch ops it replaces (some fifteen a layer).
+- RMSNorm (`csrc/rms_norm.c`): one call instead of five to eight PyTorch ops, which at a decode step
+  cost more in dispatch than in arithmetic.
 
 Every `csrc/*.c` goes into one library.
 
@@ -41,6 +45,7 @@ LIBS = ["-lm"]  # libm, which pulls in libmvec for the vectorised expf
 ENABLE_ENV = "PDSERVE_CPU_KERNELS"
 CACHE_ENV = "PDSERVE_KERNEL_CACHE"
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_FLOAT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # activations: the first two of the same enum
 
 
 class _DecodeArgs(ctypes.Structure):
@@ -65,6 +70,31 @@ class _DecodeArgs(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("q", ctypes.c_void_p),
         ("out", ctypes.c_void_p),
+    ]
+
+
+class _RopeCacheArgs(ctypes.Structure):
+    """Mirror of `rope_cache_args` in csrc/rope_cache.c; field order and types must match."""
+
+    _fields_ = [
+        ("qkv", ctypes.c_void_p),
+        ("rows", ctypes.c_int64),
+        ("heads", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("cos", ctypes.c_void_p),
+        ("signed_sin", ctypes.c_void_p),
+        ("pool", ctypes.c_void_p),
+        ("layer_offset", ctypes.c_int64),
+        ("block_stride", ctypes.c_int64),
+        ("kv_stride", ctypes.c_int64),
+        ("head_stride", ctypes.c_int64),
+        ("token_stride", ctypes.c_int64),
+        ("num_blocks", ctypes.c_int64),
+        ("tokens_per_block", ctypes.c_int64),
+        ("slot_blocks", ctypes.c_void_p),
+        ("slot_offsets", ctypes.c_void_p),
+        ("q_out", ctypes.c_void_p),
     ]
 
 
@@ -123,6 +153,8 @@ _tried = False
 def load() -> ctypes.CDLL | None:
     """The kernel library, built on first call; None (reason logged once) where it cannot be."""
     global _lib, _tried
+    if _lib is not None:  # the common case, without the lock: once set, _lib never changes
+        return _lib
     with _lock:
         if _tried:
             return _lib
@@ -140,18 +172,30 @@ def load() -> ctypes.CDLL | None:
         lib.causal_softmax.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                        ctypes.c_int64, ctypes.c_int, ctypes.c_int]
         lib.causal_softmax.restype = ctypes.c_int
+        lib.rope_cache_write.argtypes = [ctypes.POINTER(_RopeCacheArgs), ctypes.c_int, ctypes.c_int]
+        lib.rope_cache_write.restype = ctypes.c_int
+        lib.rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                 ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        lib.rms_norm.restype = ctypes.c_int
         _lib = lib
         return _lib
 
 
+def _pool_geometry(pool: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
+    """(head stride, token stride, kv heads, tokens per block) of a pool in attention.PagedKVCache's layout."""
+    s = pool.stride()
+    return (s[3], s[4], pool.shape[3], pool.shape[4]) if layout == "HND" else (s[4], s[3], pool.shape[4], pool.shape[3])
+
+
 def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layout: str, layer: int, block_table: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+                           context_lens: torch.Tensor, scale: float,
+                           out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """Attention of one query per sequence against its paged K/V.
 
     q: [b, heads, d]; pool: the rank's KV pool (attention.PagedKVCache's layout); block_table:
-    [b, max_blocks] int64, padded; context_lens: [b] int64. Returns [b, heads, d] in q's dtype, or
-    None where the kernel does not apply (not on CPU, no library, an unsupported dtype or shape), in
-    which case the caller takes the PyTorch path.
+    [b, max_blocks] int64, padded; context_lens: [b] int64. Returns [b, heads, d] in `out_dtype`
+    (default q's dtype), or None where the kernel does not apply (not on CPU, no library, an
+    unsupported dtype or shape), in which case the caller takes the PyTorch path.
     """
     if pool.device.type != "cpu" or pool.dtype not in _KV_DTYPES or pool.stride(-1) != 1:
         return None
@@ -164,8 +208,7 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layout: str, lay
     if d != pool.shape[-1]:
         raise ValueError(f"query head_dim {d} does not match the pool's {pool.shape[-1]}")
     s = pool.stride()
-    head_stride, token_stride = (s[3], s[4]) if layout == "HND" else (s[4], s[3])
-    kv_heads = pool.shape[3] if layout == "HND" else pool.shape[4]
+    head_stride, token_stride, kv_heads, tokens_per_block = _pool_geometry(pool, layout)
     qf = q.float().contiguous()
     table = block_table.contiguous()
     lens = context_lens.contiguous()
@@ -173,7 +216,7 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layout: str, lay
     args = _DecodeArgs(
         pool.data_ptr(), layer * s[1], s[0], s[2], head_stride, token_stride, pool.shape[0],
         table.data_ptr(), table.shape[1], lens.data_ptr(),
-        b, heads, kv_heads, d, pool.shape[4] if layout == "HND" else pool.shape[3], scale,
+        b, heads, kv_heads, d, tokens_per_block, scale,
         qf.data_ptr(), out.data_ptr(),
     )
     status = lib.paged_decode_attention(ctypes.byref(args), _KV_DTYPES[pool.dtype], torch.get_num_threads())
@@ -182,10 +225,8 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layout: str, lay
                          f"[{table.shape[0]}, {table.shape[1]}] or the pool of {pool.shape[0]} blocks")
     if status != 0:
         return None
-    return out if q.dtype == torch.float32 else out.to(q.dtype)
-
-
-_SOFTMAX_OUT = {torch.float32: 0, torch.bfloat16: 1}
+    out_dtype = out_dtype or q.dtype
+    return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
 def causal_softmax(scores: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor | None:
@@ -196,15 +237,65 @@ def causal_softmax(scores: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor
     overwrite `scores`. Returns None where the kernel does not apply (no library, another dtype).
     """
     if (scores.device.type != "cpu" or scores.dtype != torch.float32 or not scores.is_contiguous()
-            or out_dtype not in _SOFTMAX_OUT):
+            or out_dtype not in _FLOAT_DTYPES):
         return None
     lib = load()
     if lib is None:
         return None
     rows, group, keys = scores.shape
     out = scores if out_dtype == torch.float32 else torch.empty(scores.shape, dtype=out_dtype)
-    if lib.causal_softmax(scores.data_ptr(), out.data_ptr(), rows, group, keys, _SOFTMAX_OUT[out_dtype],
+    if lib.causal_softmax(scores.data_ptr(), out.data_ptr(), rows, group, keys, _FLOAT_DTYPES[out_dtype],
                           torch.get_num_threads()) != 0:
         raise ValueError(f"causal softmax: a tile of {rows} query rows cannot see only {keys} keys")
     return out
 
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """x [..., hidden] normalised by its root mean square and scaled by weight [hidden], rounded as
+    layers.RMSNorm's PyTorch form rounds. None where the kernel does not apply (no library, another
+    dtype or device, a non-contiguous input, weight of another dtype)."""
+    if (x.device.type != "cpu" or x.dtype not in _FLOAT_DTYPES or weight.dtype != x.dtype or not x.is_contiguous()
+            or not weight.is_contiguous()):
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    hidden = x.shape[-1]
+    out = torch.empty_like(x)
+    lib.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps,
+                 _FLOAT_DTYPES[x.dtype], torch.get_num_threads())
+    return out
+
+
+def rope_cache_write(qkv: torch.Tensor, heads: int, cos: torch.Tensor, signed_sin: torch.Tensor, pool: torch.Tensor,
+                     layout: str, layer: int, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> torch.Tensor | None:
+    """RoPE on q and k of qkv [n, heads + 2 * kv_heads, d] (contiguous, fp32 or bf16), K and V written
+    to pool (attention.PagedKVCache's layout) at (slot_blocks[i], slot_offsets[i]) for layer `layer`.
+    cos, signed_sin: [n, d] fp32 rows of the rotary table. Returns the rotated q as fp32
+    [n, heads, d], holding values of qkv's dtype; None where the kernel does not apply."""
+    if (qkv.device.type != "cpu" or qkv.dtype not in _FLOAT_DTYPES or pool.dtype not in _KV_DTYPES
+            or not qkv.is_contiguous() or pool.stride(-1) != 1):
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    n, width, d = qkv.shape
+    cos, signed_sin = cos.reshape(n, d).contiguous(), signed_sin.reshape(n, d).contiguous()
+    blocks, offsets = slot_blocks.contiguous(), slot_offsets.contiguous()
+    if blocks.dtype != torch.int64 or offsets.dtype != torch.int64:
+        raise TypeError("slot_blocks and slot_offsets must be int64")
+    head_stride, token_stride, kv_heads, tokens_per_block = _pool_geometry(pool, layout)
+    if width != heads + 2 * kv_heads or d != pool.shape[-1]:
+        raise ValueError(f"qkv rows of {width} heads x {d} do not match {heads} query heads and the pool's "
+                         f"{kv_heads} KV heads x {pool.shape[-1]}")
+    q = torch.empty(n, heads, d, dtype=torch.float32)
+    s = pool.stride()
+    args = _RopeCacheArgs(qkv.data_ptr(), n, heads, kv_heads, d, cos.data_ptr(), signed_sin.data_ptr(),
+                          pool.data_ptr(), layer * s[1], s[0], s[2], head_stride, token_stride, pool.shape[0],
+                          tokens_per_block, blocks.data_ptr(), offsets.data_ptr(), q.data_ptr())
+    status = lib.rope_cache_write(ctypes.byref(args), _FLOAT_DTYPES[qkv.dtype], _KV_DTYPES[pool.dtype])
+    if status == -2:
+        raise IndexError(f"rope/cache write: a slot is outside the pool of {pool.shape[0]} blocks of "
+                         f"{tokens_per_block} tokens")
+    return q if status == 0 else None

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.distributed import ParallelState
+from pdserve.models import cpu_kernels
 from pdserve.models.config import RopeScaling
 
 
@@ -200,6 +201,9 @@ class RMSNorm(nn.Module):
         self.weight.copy_(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = cpu_kernels.rms_norm(x, self.weight, self.eps)  # on CPU: one native call, the same rounding
+        if out is not None:
+            return out
         # Normalise in fp32, as the reference implementation does, then cast back before the weight.
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op, same rounding

@@ -47,10 +47,16 @@ def test_batched_matches_transformers(tiny, layout):
     assert _run(d, prompts, kv_layout=layout) == ref
 
 
+_NATIVE = ("paged_decode_attention", "rope_cache_write", "rms_norm", "causal_softmax")
+
+
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
-def test_pytorch_decode_attention_matches_transformers(tiny, layout, monkeypatch):
-    """Decode attention as it runs without a C compiler (and on CUDA): gathered blocks + SDPA."""
-    monkeypatch.setattr(cpu_kernels, "paged_decode_attention", lambda *args: None)
+@pytest.mark.parametrize("missing", [_NATIVE, ("paged_decode_attention",)], ids=["all", "attention"])
+def test_pytorch_paths_match_transformers(tiny, layout, missing, monkeypatch):
+    """The model as it runs without a C compiler (and on CUDA): every native kernel replaced by its
+    PyTorch path; and with only the decode attention kernel missing after the native cache write."""
+    for name in missing:
+        monkeypatch.setattr(cpu_kernels, name, lambda *args, **kwargs: None)
     d, prompts, ref = tiny
     assert _run(d, prompts, kv_layout=layout) == ref
 

@@ -11,12 +11,15 @@ import os
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pdserve.models import cpu_kernels
 from pdserve.models.attention import PagedKVCache
+from pdserve.models.layers import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler to build the CPU kernels")
 
@@ -107,6 +110,63 @@ def test_causal_softmax_matches_float64(rows, group, keys, out_dtype):
 def test_causal_softmax_refuses_fewer_keys_than_rows():
     with pytest.raises(ValueError, match="cannot see"):
         cpu_kernels.causal_softmax(torch.zeros(4, 1, 3), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (16, 576), (300, 96), (3, 7)])
+def test_rms_norm_matches_pytorchs_form(dtype, rows, hidden):
+    """Against layers.RMSNorm's PyTorch form (the reference's rounding): fp32 within a few ulps (the
+    sum of squares is added in another order), bf16 the same bits except where that ulp crosses a
+    rounding boundary."""
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
+    w = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+    if dtype == torch.float32:
+        expected = F.rms_norm(x, (hidden,), w, 1e-5)
+    else:
+        expected = F.rms_norm(x.float(), (hidden,), None, 1e-5).to(dtype) * w
+    out = cpu_kernels.rms_norm(x, w, 1e-5)
+    assert out.dtype == dtype and out.shape == x.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, atol=1e-6, rtol=4e-7)
+    else:
+        torch.testing.assert_close(out, expected, atol=0, rtol=2 ** -7)  # at most one bf16 ulp apart
+        assert (out != expected).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("model_dtype,kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                  (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                                  (torch.float32, torch.float16)])
+def test_rope_cache_write_is_bit_identical_to_the_pytorch_ops(layout, model_dtype, kv_dtype):
+    """The same bits as RotaryEmbedding.rotate followed by PagedKVCache.write, for a decode step of
+    five sequences at scattered positions."""
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, d, T, n = 9, 3, 64, 16, 5
+    rope = RotaryEmbedding(d, 4096, 10000.0, None)
+    positions = torch.tensor([0, 17, 300, 4095, 1000])
+    table = rope.table(positions)
+    qkv = (torch.randn(n, heads + 2 * kv_heads, d, generator=g) * 2).to(model_dtype)
+    shape = (12, 4, 2, kv_heads, T, d) if layout == "HND" else (12, 4, 2, T, kv_heads, d)
+    expected_pool, pool = torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)
+    blocks, offsets = torch.tensor([3, 0, 11, 7, 3]), torch.tensor([0, 15, 4, 9, 1])
+    md = SimpleNamespace(slot_blocks=blocks, slot_offsets=offsets)
+
+    qk = RotaryEmbedding.rotate(qkv[:, :heads + kv_heads], table)
+    PagedKVCache(expected_pool, layout).write(2, qk[:, heads:], qkv[:, heads + kv_heads:], md)
+    q = cpu_kernels.rope_cache_write(qkv, heads, *table, pool, layout, 2, blocks, offsets)
+
+    assert q.dtype == torch.float32 and torch.equal(q, qk[:, :heads].float())
+    assert torch.equal(pool, expected_pool)  # the slots written, and nothing else
+
+
+def test_rope_cache_write_refuses_a_slot_outside_the_pool():
+    pool, qkv = torch.zeros(2, 1, 2, 1, 4, 8), torch.zeros(1, 3, 8)
+    cos = torch.ones(1, 8)
+    for block, offset in ((2, 0), (-1, 0), (0, 4)):
+        with pytest.raises(IndexError, match="outside the pool"):
+            cpu_kernels.rope_cache_write(qkv, 1, cos, cos, pool, "HND", 0, torch.tensor([block]), torch.tensor([offset]))
+    assert not pool.any()
 
 
 def test_build_is_cached_and_a_compiler_error_is_reported(tmp_path):

@@ -1,0 +1,62 @@
+/* RMSNorm of each row: out = x / sqrt(mean(x^2) + eps) * weight, in one pass per row.
+ *
+ * PyTorch's CPU rms_norm runs as five element-wise ops (square, mean, add, rsqrt, two products), and
+ * for bf16 the model adds a cast to fp32 and back and a product by the weight: at a decode step, where
+ * a row is 576 values, the dispatch of those ops costs more than the arithmetic. The rounding
+ * follows the model's PyTorch form: for fp32, one fp32 result; for bf16, the normalised row is
+ * rounded to bf16 before the product by the bf16 weight, and the product rounded again.
+ *
+ * x, out: [rows, hidden] contiguous; weight: [hidden]; all of one dtype, fp32 or bf16.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { NORM_F32 = 0, NORM_BF16 = 1 };
+
+static inline float bf16_in(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t bf16_out(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static void row_f32(const float *x, const float *w, float *out, int64_t hidden, float eps) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < hidden; i++) sum += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+    for (int64_t i = 0; i < hidden; i++) out[i] = x[i] * inv * w[i];
+}
+
+static void row_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t hidden, float eps) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < hidden; i++) sum += bf16_in(x[i]) * bf16_in(x[i]);
+    const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+    for (int64_t i = 0; i < hidden; i++) out[i] = bf16_out(bf16_in(bf16_out(bf16_in(x[i]) * inv)) * bf16_in(w[i]));
+}
+
+/* Returns 0, or -1 for a dtype the kernel does not take. A few rows (a decode step) stay on the
+ * calling thread. */
+int rms_norm(const void *x, const void *weight, void *out, int64_t rows, int64_t hidden, float eps, int dtype,
+             int num_threads) {
+    if ((dtype != NORM_F32 && dtype != NORM_BF16) || hidden < 1) return -1;
+    const int64_t esize = dtype == NORM_F32 ? 4 : 2;
+    const int threads = rows < 32 ? 1 : num_threads;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < rows; r++) {
+        const char *xr = (const char *)x + r * hidden * esize;
+        char *o = (char *)out + r * hidden * esize;
+        if (dtype == NORM_F32)
+            row_f32((const float *)xr, weight, (float *)o, hidden, eps);
+        else
+            row_bf16((const uint16_t *)xr, weight, (uint16_t *)o, hidden, eps);
+    }
+    return 0;
+}

@@ -1,0 +1,108 @@
+/* A decode step's attention prologue: RoPE on q and k, and the new K and V written into the pool.
+ *
+ * In PyTorch this is some fifteen small ops per layer (split, flip, casts, two products and a sum,
+ * a stack, a cast to the cache dtype, an indexed store), each costing more in dispatch than in
+ * arithmetic at a few tokens. Here one call reads each token's fused qkv row once.
+ *
+ * The results are bit-identical to the PyTorch path (layers.RotaryEmbedding.rotate, then
+ * attention.PagedKVCache.write): x * cos and rotate_half(x) * sin are each rounded to fp32 and then
+ * added (contraction into a fused multiply-add is switched off below), the sum is rounded to the
+ * model's dtype, and K and V are then converted to the cache's dtype. q comes back as fp32 holding
+ * the model-dtype values, which is what the decode attention kernel reads.
+ *
+ * qkv: [rows, heads + 2 * kv_heads, d] contiguous in the model dtype (fp32 or bf16); cos and
+ * signed_sin: [rows, d] fp32 (the rotary table's rows, minus sign of rotate_half folded into the
+ * first half of sin); q_out: [rows, heads, d] fp32. Token i goes to pool row
+ *     slot_blocks[i] * block_stride + layer_offset + kv * kv_stride + head * head_stride
+ *     + slot_offsets[i] * token_stride
+ * in elements of the pool dtype (fp32, bf16 or fp16), head_dim contiguous.
+ */
+#pragma GCC optimize("fp-contract=off")
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_HEAD_DIM 512
+
+typedef struct {
+    const void *qkv;
+    int64_t rows, heads, kv_heads, head_dim;
+    const float *cos, *signed_sin;
+    void *pool;
+    int64_t layer_offset, block_stride, kv_stride, head_stride, token_stride, num_blocks, tokens_per_block;
+    const int64_t *slot_blocks, *slot_offsets;
+    float *q_out;
+} rope_cache_args;
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+
+static inline float bf16_in(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t bf16_out(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* One head's row of the model dtype as fp32. */
+static inline void load_row(const void *base, int64_t elem, int dtype, float *dst, int64_t d) {
+    if (dtype == F32)
+        memcpy(dst, (const float *)base + elem, d * sizeof(float));
+    else
+        for (int64_t i = 0; i < d; i++) dst[i] = bf16_in(((const uint16_t *)base)[elem + i]);
+}
+
+/* Rotate `x` into `out`, rounding the sum to the model dtype (kept as fp32). */
+static inline void rotate(const float *x, const float *cos, const float *ssin, float *out, int64_t d, int dtype) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < d; i++) {
+        const float a = x[i] * cos[i];
+        const float b = x[i < half ? i + half : i - half] * ssin[i];
+        const float s = a + b;
+        out[i] = dtype == F32 ? s : bf16_in(bf16_out(s));
+    }
+}
+
+static inline void store_row(void *pool, int64_t elem, int pool_dtype, const float *src, int64_t d) {
+    if (pool_dtype == F32)
+        memcpy((float *)pool + elem, src, d * sizeof(float));
+    else if (pool_dtype == BF16)
+        for (int64_t i = 0; i < d; i++) ((uint16_t *)pool)[elem + i] = bf16_out(src[i]);
+    else
+        for (int64_t i = 0; i < d; i++) ((_Float16 *)pool)[elem + i] = (_Float16)src[i];
+}
+
+/* Returns 0; -1 for a dtype or shape the kernel does not take; -2 for a slot outside the pool. */
+int rope_cache_write(const rope_cache_args *a, int model_dtype, int pool_dtype) {
+    const int64_t d = a->head_dim, width = a->heads + 2 * a->kv_heads;
+    if (d > MAX_HEAD_DIM || d % 2 || (model_dtype != F32 && model_dtype != BF16) || pool_dtype < F32 ||
+        pool_dtype > F16)
+        return -1;
+    for (int64_t t = 0; t < a->rows; t++)
+        if (a->slot_blocks[t] < 0 || a->slot_blocks[t] >= a->num_blocks || a->slot_offsets[t] < 0 ||
+            a->slot_offsets[t] >= a->tokens_per_block)
+            return -2;
+    float x[MAX_HEAD_DIM], rotated[MAX_HEAD_DIM];
+    for (int64_t t = 0; t < a->rows; t++) {
+        const float *cos = a->cos + t * d, *ssin = a->signed_sin + t * d;
+        const int64_t slot = a->slot_blocks[t] * a->block_stride + a->layer_offset + a->slot_offsets[t] * a->token_stride;
+        for (int64_t h = 0; h < width; h++) {
+            load_row(a->qkv, (t * width + h) * d, model_dtype, x, d);
+            if (h < a->heads) {
+                rotate(x, cos, ssin, a->q_out + (t * a->heads + h) * d, d, model_dtype);
+            } else if (h < a->heads + a->kv_heads) {
+                rotate(x, cos, ssin, rotated, d, model_dtype);
+                store_row(a->pool, slot + (h - a->heads) * a->head_stride, pool_dtype, rotated, d);
+            } else {
+                store_row(a->pool, slot + a->kv_stride + (h - a->heads - a->kv_heads) * a->head_stride, pool_dtype,
+                          x, d);
+            }
+        }
+    }
+    return 0;
+}
