@@ -4,8 +4,8 @@
  * runs SDPA over it, so the KV crosses memory three times per layer. Here each task (a sequence, or a
  * sequence and one KV head when there are few sequences) walks its block table and reads every K and
  * V row once, with an online softmax per block of tokens (running max and sum, rescaled when the max
- * grows), so no score row longer than one block is ever stored; the next block is prefetched while
- * one is computed, since scattered blocks defeat the hardware prefetcher.
+ * grows), so no score row longer than one block is ever stored; the next block is prefetched row by
+ * row while one is computed, since scattered blocks defeat the hardware prefetcher.
  *
  * Addressing is the pool's affine formula, in elements:
  *     row(block, kv, head, token) = block * block_stride + layer_offset + kv * kv_stride
@@ -56,16 +56,9 @@ static inline __attribute__((always_inline)) const float *row_as_float(const cha
 
 static inline int64_t elem_bytes(int dtype) { return dtype == KV_F32 ? 4 : 2; }
 
-/* Prefetch the K and V rows of one block for KV heads [h0, h1). */
-static inline __attribute__((always_inline)) void prefetch_block(const char *pool, int64_t block_base, int64_t h0,
-                                                                 int64_t h1, const decode_args *a, int64_t elem,
-                                                                 int64_t d) {
-    for (int64_t kv = 0; kv < 2; kv++)
-        for (int64_t h = h0; h < h1; h++)
-            for (int64_t t = 0; t < a->tokens_per_block; t++) {
-                const char *row = pool + (block_base + kv * a->kv_stride + h * a->head_stride + t * a->token_stride) * elem;
-                for (int64_t byte = 0; byte < d * elem; byte += 64) __builtin_prefetch(row + byte);
-            }
+/* Prefetch one K or V row (`d` elements of `elem` bytes at element `row`). */
+static inline __attribute__((always_inline)) void prefetch_row(const char *pool, int64_t row, int64_t elem, int64_t d) {
+    for (int64_t byte = 0; byte < d * elem; byte += 64) __builtin_prefetch(pool + row * elem + byte);
 }
 
 /* One task: sequence `seq`, KV heads [h0, h1) and the query heads that share them. Inlined into one
@@ -89,13 +82,15 @@ static inline __attribute__((always_inline)) void decode_task(const decode_args 
     for (int64_t start = 0, j = 0; start < ctx; start += T, j++) {
         const int64_t n = ctx - start < T ? ctx - start : T;
         const int64_t base = table[j] * a->block_stride + a->layer_offset;
-        /* Blocks sit anywhere in the pool, where the hardware prefetcher cannot follow: ask for the
-         * next block's rows while this one is computed. */
-        if (start + T < ctx) prefetch_block(pool, table[j + 1] * a->block_stride + a->layer_offset, h0, h1, a,
-                                            elem_bytes(dtype), d);
+        /* Blocks sit anywhere in the pool, where the hardware prefetcher cannot follow: each K or V row
+         * read here asks for the same row of the next block, so those loads overlap this block's
+         * arithmetic (asking for the whole next block at once stalls on the core's miss buffers). */
+        const int64_t next = start + T < ctx ? table[j + 1] * a->block_stride + a->layer_offset : -1;
         for (int64_t h = h0; h < h1; h++)
             for (int64_t t = 0; t < n; t++) {
-                const float *k = row_as_float(pool, base + h * a->head_stride + t * a->token_stride, dtype, row, d);
+                const int64_t offset = h * a->head_stride + t * a->token_stride;
+                if (next >= 0) prefetch_row(pool, next + offset, elem_bytes(dtype), d);
+                const float *k = row_as_float(pool, base + offset, dtype, row, d);
                 for (int64_t r = (h - h0) * group; r < (h - h0 + 1) * group; r++) {
                     float s = 0.0f;
                     for (int64_t i = 0; i < d; i++) s += q[r * d + i] * k[i];
@@ -118,8 +113,9 @@ static inline __attribute__((always_inline)) void decode_task(const decode_args 
         }
         for (int64_t h = h0; h < h1; h++)
             for (int64_t t = 0; t < n; t++) {
-                const float *v = row_as_float(pool, base + a->kv_stride + h * a->head_stride + t * a->token_stride,
-                                              dtype, row, d);
+                const int64_t offset = a->kv_stride + h * a->head_stride + t * a->token_stride;
+                if (next >= 0) prefetch_row(pool, next + offset, elem_bytes(dtype), d);
+                const float *v = row_as_float(pool, base + offset, dtype, row, d);
                 for (int64_t r = (h - h0) * group; r < (h - h0 + 1) * group; r++) {
                     const float p = scores[r * T + t];
                     for (int64_t i = 0; i < d; i++) acc[r * d + i] += p * v[i];
