@@ -174,8 +174,8 @@ def load() -> ctypes.CDLL | None:
         lib.causal_softmax.restype = ctypes.c_int
         lib.rope_cache_write.argtypes = [ctypes.POINTER(_RopeCacheArgs), ctypes.c_int, ctypes.c_int]
         lib.rope_cache_write.restype = ctypes.c_int
-        lib.rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                 ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        lib.rms_norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int,
+                                                         ctypes.c_int]
         lib.rms_norm.restype = ctypes.c_int
         _lib = lib
         return _lib
@@ -251,21 +251,27 @@ def causal_softmax(scores: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor
 
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor] | None:
     """x [..., hidden] normalised by its root mean square and scaled by weight [hidden], rounded as
-    layers.RMSNorm's PyTorch form rounds. None where the kernel does not apply (no library, another
-    dtype or device, a non-contiguous input, weight of another dtype)."""
+    layers.RMSNorm's PyTorch form rounds. With `residual` (x's shape), the row normalised is
+    h = x + residual (rounded to the dtype, as PyTorch's add). Returns (h or None, normalised), or None
+    where the kernel does not apply (no library, another dtype or device, a non-contiguous input)."""
     if (x.device.type != "cpu" or x.dtype not in _FLOAT_DTYPES or weight.dtype != x.dtype or not x.is_contiguous()
             or not weight.is_contiguous()):
+        return None
+    if residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape or not residual.is_contiguous()):
         return None
     lib = load()
     if lib is None:
         return None
     hidden = x.shape[-1]
     out = torch.empty_like(x)
-    lib.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps,
-                 _FLOAT_DTYPES[x.dtype], torch.get_num_threads())
-    return out
+    h = None if residual is None else torch.empty_like(x)
+    lib.rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), None if h is None else h.data_ptr(),
+                 weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps, _FLOAT_DTYPES[x.dtype],
+                 torch.get_num_threads())
+    return h, out
 
 
 def rope_cache_write(qkv: torch.Tensor, heads: int, cos: torch.Tensor, signed_sin: torch.Tensor, pool: torch.Tensor,

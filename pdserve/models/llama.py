@@ -67,8 +67,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, ps, dtype)
 
     def forward(self, x, rope_table, layer, cache, md):
-        h = x + self.self_attn(self.input_layernorm(x), rope_table, layer, cache, md)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn = self.self_attn(self.input_layernorm(x), rope_table, layer, cache, md)
+        h, h_normed = self.post_attention_layernorm.add_and_norm(x, attn)  # h = x + attn, and its norm
+        return h + self.mlp(h_normed)
 
 
 def stage_layers(num_layers: int, pp_size: int) -> list[int]:

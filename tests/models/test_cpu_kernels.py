@@ -125,8 +125,8 @@ def test_rms_norm_matches_pytorchs_form(dtype, rows, hidden):
         expected = F.rms_norm(x, (hidden,), w, 1e-5)
     else:
         expected = F.rms_norm(x.float(), (hidden,), None, 1e-5).to(dtype) * w
-    out = cpu_kernels.rms_norm(x, w, 1e-5)
-    assert out.dtype == dtype and out.shape == x.shape
+    h, out = cpu_kernels.rms_norm(x, w, 1e-5)
+    assert h is None and out.dtype == dtype and out.shape == x.shape
     if dtype == torch.float32:
         torch.testing.assert_close(out, expected, atol=1e-6, rtol=4e-7)
     else:
@@ -167,6 +167,16 @@ def test_rope_cache_write_refuses_a_slot_outside_the_pool():
         with pytest.raises(IndexError, match="outside the pool"):
             cpu_kernels.rope_cache_write(qkv, 1, cos, cos, pool, "HND", 0, torch.tensor([block]), torch.tensor([offset]))
     assert not pool.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_after_a_residual_add_matches_the_two_steps(dtype):
+    g = torch.Generator().manual_seed(5)
+    x, y = ((torch.randn(9, 576, generator=g) * 3).to(dtype) for _ in range(2))
+    w = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    h, out = cpu_kernels.rms_norm(y, w, 1e-6, residual=x)
+    assert torch.equal(h, x + y)  # the sum rounded as PyTorch rounds it
+    assert torch.equal(out, cpu_kernels.rms_norm(x + y, w, 1e-6)[1])
 
 
 def test_build_is_cached_and_a_compiler_error_is_reported(tmp_path):

@@ -1,4 +1,6 @@
-/* RMSNorm of each row: out = x / sqrt(mean(x^2) + eps) * weight, in one pass per row.
+/* RMSNorm of each row: out = x / sqrt(mean(x^2) + eps) * weight, in one pass per row; optionally
+ * after a residual add, h = x + residual, which is written out too (the decoder block's
+ * "h = x + attn; norm(h)" in one call).
  *
  * PyTorch's CPU rms_norm runs as five element-wise ops (square, mean, add, rsqrt, two products), and
  * for bf16 the model adds a cast to fp32 and back and a product by the weight: at a decode step, where
@@ -6,7 +8,9 @@
  * follows the model's PyTorch form: for fp32, one fp32 result; for bf16, the normalised row is
  * rounded to bf16 before the product by the bf16 weight, and the product rounded again.
  *
- * x, out: [rows, hidden] contiguous; weight: [hidden]; all of one dtype, fp32 or bf16.
+ * x, out, and residual and h_out when given: [rows, hidden] contiguous; weight: [hidden]; all of one
+ * dtype, fp32 or bf16. The sum is rounded to that dtype before it is normalised, as PyTorch's add
+ * rounds it.
  */
 #include <math.h>
 #include <stdint.h>
@@ -42,10 +46,10 @@ static void row_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_
     for (int64_t i = 0; i < hidden; i++) out[i] = bf16_out(bf16_in(bf16_out(bf16_in(x[i]) * inv)) * bf16_in(w[i]));
 }
 
-/* Returns 0, or -1 for a dtype the kernel does not take. A few rows (a decode step) stay on the
+/* residual and h_out: both NULL, or both given. Returns 0, or -1 for a dtype the kernel does not take. A few rows (a decode step) stay on the
  * calling thread. */
-int rms_norm(const void *x, const void *weight, void *out, int64_t rows, int64_t hidden, float eps, int dtype,
-             int num_threads) {
+int rms_norm(const void *x, const void *residual, void *h_out, const void *weight, void *out, int64_t rows,
+             int64_t hidden, float eps, int dtype, int num_threads) {
     if ((dtype != NORM_F32 && dtype != NORM_BF16) || hidden < 1) return -1;
     const int64_t esize = dtype == NORM_F32 ? 4 : 2;
     const int threads = rows < 32 ? 1 : num_threads;
@@ -53,6 +57,16 @@ int rms_norm(const void *x, const void *weight, void *out, int64_t rows, int64_t
     for (int64_t r = 0; r < rows; r++) {
         const char *xr = (const char *)x + r * hidden * esize;
         char *o = (char *)out + r * hidden * esize;
+        if (residual) { /* h = x + residual, rounded to the dtype, is the row to normalise */
+            char *h = (char *)h_out + r * hidden * esize;
+            const char *res = (const char *)residual + r * hidden * esize;
+            if (dtype == NORM_F32)
+                for (int64_t i = 0; i < hidden; i++) ((float *)h)[i] = ((const float *)xr)[i] + ((const float *)res)[i];
+            else
+                for (int64_t i = 0; i < hidden; i++)
+                    ((uint16_t *)h)[i] = bf16_out(bf16_in(((const uint16_t *)xr)[i]) + bf16_in(((const uint16_t *)res)[i]));
+            xr = h;
+        }
         if (dtype == NORM_F32)
             row_f32((const float *)xr, weight, (float *)o, hidden, eps);
         else
