@@ -258,8 +258,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     h = x + residual (rounded to the dtype, as PyTorch's add). Returns (h or None, normalised), or None
     where the kernel does not apply (no library, another dtype or device, a non-contiguous input)."""
     if (x.device.type != "cpu" or x.dtype not in _FLOAT_DTYPES or weight.dtype != x.dtype or not x.is_contiguous()
-            or not weight.is_contiguous()):
-        return None
+            or not weight.is_contiguous() or weight.shape != x.shape[-1:]):
+        return None  # (a weight of the wrong size then fails in PyTorch, with PyTorch's message)
     if residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape or not residual.is_contiguous()):
         return None
     lib = load()

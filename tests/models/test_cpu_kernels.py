@@ -179,6 +179,12 @@ def test_rms_norm_after_a_residual_add_matches_the_two_steps(dtype):
     assert torch.equal(out, cpu_kernels.rms_norm(x + y, w, 1e-6)[1])
 
 
+def test_rms_norm_leaves_mismatched_shapes_to_pytorch():
+    x = torch.randn(2, 8)
+    assert cpu_kernels.rms_norm(x, torch.ones(4), 1e-6) is None  # never reads past the weight
+    assert cpu_kernels.rms_norm(x, torch.ones(8), 1e-6, residual=torch.randn(1, 8)) is None
+
+
 def test_build_is_cached_and_a_compiler_error_is_reported(tmp_path):
     first = cpu_kernels.build(cache_dir=tmp_path)
     assert cpu_kernels.build(cache_dir=tmp_path) == first and first.exists()
