@@ -39,7 +39,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))  # with the headers beside them (*.h)
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 LIBS = ["-lm"]  # libm, which pulls in libmvec for the vectorised expf
 ENABLE_ENV = "PDSERVE_CPU_KERNELS"
@@ -126,7 +126,8 @@ def build(sources: list[Path] = SOURCES, cache_dir: Path | None = None) -> Path:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise KernelBuildError(f"no working C compiler {compiler!r} ({exc}); set CC or install gcc") from exc
-    texts = [f"{src.name}\0{src.read_text()}" for src in sources]
+    headers = sorted({h for src in sources for h in src.parent.glob("*.h")})
+    texts = [f"{f.name}\0{f.read_text()}" for f in [*sources, *headers]]
     key = hashlib.sha256("\0".join([*texts, *FLAGS, *LIBS, version, _cpu_signature()]).encode()).hexdigest()
     cache_dir = cache_dir or _cache_dir()
     target = cache_dir / f"pdserve_kernels-{key[:16]}.so"

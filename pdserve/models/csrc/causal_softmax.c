@@ -16,14 +16,9 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { OUT_F32 = 0, OUT_BF16 = 1 };
+#include "bf16.h"
 
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+enum { OUT_F32 = 0, OUT_BF16 = 1 };
 
 static void softmax_row(float *s, int64_t visible, int64_t keys, void *out, int out_dtype) {
     float max = -FLT_MAX;
@@ -40,7 +35,7 @@ static void softmax_row(float *s, int64_t visible, int64_t keys, void *out, int 
         memset(o + visible, 0, (keys - visible) * sizeof(float));
     } else {
         uint16_t *o = out;
-        for (int64_t j = 0; j < visible; j++) o[j] = to_bf16(s[j] * inv);
+        for (int64_t j = 0; j < visible; j++) o[j] = bf16_out(s[j] * inv);
         memset(o + visible, 0, (keys - visible) * sizeof(uint16_t));
     }
 }

@@ -16,21 +16,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 enum { NORM_F32 = 0, NORM_BF16 = 1 };
-
-static inline float bf16_in(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t bf16_out(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 static void row_f32(const float *x, const float *w, float *out, int64_t hidden, float eps) {
     float sum = 0.0f;

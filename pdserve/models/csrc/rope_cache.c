@@ -21,6 +21,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_HEAD_DIM 512
 
 typedef struct {
@@ -34,20 +36,6 @@ typedef struct {
 } rope_cache_args;
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };
-
-static inline float bf16_in(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t bf16_out(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* One head's row of the model dtype as fp32. */
 static inline void load_row(const void *base, int64_t elem, int dtype, float *dst, int64_t d) {
