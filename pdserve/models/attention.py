@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.models import cpu_kernels
-from pdserve.models.layers import onednn_linear
+from pdserve.models.layers import RotaryEmbedding, onednn_linear
 
 
 @dataclass
@@ -166,29 +166,24 @@ def _sdpa_decode(q: torch.Tensor, layer: int, cache: PagedKVCache, md: Attention
     return F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=md.decode_mask, scale=scale)
 
 
-def native_decode_attention(qkv: torch.Tensor, heads: int, rope_table: tuple[torch.Tensor, torch.Tensor], layer: int,
-                            cache: PagedKVCache, md: AttentionMetadata, scale: float) -> torch.Tensor | None:
-    """A decode-only step on CPU in two native calls: RoPE on q and k with K/V written to the cache
-    (cpu_kernels.rope_cache_write, the same bits as RotaryEmbedding.rotate + PagedKVCache.write), then
-    paged_decode_attention. qkv: [b, heads + 2 * kv_heads, d]. Returns [b, heads * d], or None where
-    the kernels do not apply and the caller takes the PyTorch path."""
-    if not md.decode_only:
-        return None
-    q = cpu_kernels.rope_cache_write(qkv, heads, *rope_table, cache.pool, cache.layout, layer, md.slot_blocks,
-                                     md.slot_offsets)
-    if q is None:
-        return None
-    o = cpu_kernels.paged_decode_attention(q, cache.pool, cache.layout, layer, md.decode_blocks, md.decode_lens,
-                                           scale, out_dtype=qkv.dtype)
-    if o is None:
-        o = _sdpa_decode(q.to(qkv.dtype), layer, cache, md, scale)
-    return o.reshape(q.shape[0], -1)
+def rotate_and_cache(qkv: torch.Tensor, heads: int, rope_table: tuple[torch.Tensor, torch.Tensor], layer: int,
+                     cache: PagedKVCache, md: AttentionMetadata) -> torch.Tensor:
+    """RoPE on q and k of qkv [n, heads + 2 * kv_heads, d], and the new K and V written to the cache.
+    Returns the rotated q and k side by side, [n, heads + kv_heads, d]. On CPU one native call
+    (cpu_kernels.rope_cache_write, the same bits); elsewhere RotaryEmbedding.rotate + PagedKVCache.write."""
+    qk = cpu_kernels.rope_cache_write(qkv, heads, *rope_table, cache.pool, cache.layout, layer, md.slot_blocks,
+                                      md.slot_offsets)
+    if qk is None:
+        kv_heads = (qkv.shape[1] - heads) // 2
+        qk = RotaryEmbedding.rotate(qkv[:, : heads + kv_heads], rope_table)  # q and k: one rotation covers both
+        cache.write(layer, qk[:, heads:], qkv[:, heads + kv_heads:], md)
+    return qk
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: PagedKVCache,
                     md: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [n, heads, d]; k, v: [n, kv_heads, d] for the new tokens. Returns [n, heads * d]."""
-    cache.write(layer, k, v, md)
+    """q: [n, heads, d]; k, v: [n, kv_heads, d] for the new tokens, already in the cache
+    (rotate_and_cache). Returns [n, heads * d]."""
     n, heads, d = q.shape
     out = None if md.decode_only else torch.empty(n, heads, d, dtype=q.dtype, device=q.device)
     # SDPA gets 4-D [1, heads, len, d] inputs: with 3-D ones PyTorch's CPU backend falls back to the

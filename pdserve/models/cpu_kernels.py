@@ -5,8 +5,8 @@
   copy and runs SDPA over it; the kernel reads the KV once instead of three times.
 - causal softmax (`csrc/causal_softmax.c`) for the tiles of the prefill attention: mask, softmax and
   the cast of the probabilities in one pass over the scores instead of five.
-- RoPE and cache write for a decode step (`csrc/rope_cache.c`): q and k rotated, K and V stored into
-  their slots, bit-identical to the PyTorch ops it replaces (some fifteen a layer).
+- RoPE and cache write (`csrc/rope_cache.c`): q and k rotated, K and V stored into their slots,
+  bit-identical to the PyTorch ops it replaces (some fifteen a layer).
 - RMSNorm (`csrc/rms_norm.c`): one call instead of five to eight PyTorch ops, which at a decode step
   cost more in dispatch than in arithmetic.
 
@@ -94,7 +94,7 @@ class _RopeCacheArgs(ctypes.Structure):
         ("tokens_per_block", ctypes.c_int64),
         ("slot_blocks", ctypes.c_void_p),
         ("slot_offsets", ctypes.c_void_p),
-        ("q_out", ctypes.c_void_p),
+        ("qk_out", ctypes.c_void_p),
     ]
 
 
@@ -173,7 +173,7 @@ def load() -> ctypes.CDLL | None:
         lib.causal_softmax.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                        ctypes.c_int64, ctypes.c_int, ctypes.c_int]
         lib.causal_softmax.restype = ctypes.c_int
-        lib.rope_cache_write.argtypes = [ctypes.POINTER(_RopeCacheArgs), ctypes.c_int, ctypes.c_int]
+        lib.rope_cache_write.argtypes = [ctypes.POINTER(_RopeCacheArgs), ctypes.c_int, ctypes.c_int, ctypes.c_int]
         lib.rope_cache_write.restype = ctypes.c_int
         lib.rms_norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int,
                                                          ctypes.c_int]
@@ -279,8 +279,8 @@ def rope_cache_write(qkv: torch.Tensor, heads: int, cos: torch.Tensor, signed_si
                      layout: str, layer: int, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> torch.Tensor | None:
     """RoPE on q and k of qkv [n, heads + 2 * kv_heads, d] (contiguous, fp32 or bf16), K and V written
     to pool (attention.PagedKVCache's layout) at (slot_blocks[i], slot_offsets[i]) for layer `layer`.
-    cos, signed_sin: [n, d] fp32 rows of the rotary table. Returns the rotated q as fp32
-    [n, heads, d], holding values of qkv's dtype; None where the kernel does not apply."""
+    cos, signed_sin: [n, d] fp32 rows of the rotary table. Returns the rotated q and k,
+    [n, heads + kv_heads, d] in qkv's dtype; None where the kernel does not apply."""
     if (qkv.device.type != "cpu" or qkv.dtype not in _FLOAT_DTYPES or pool.dtype not in _KV_DTYPES
             or not qkv.is_contiguous() or pool.stride(-1) != 1):
         return None
@@ -296,13 +296,14 @@ def rope_cache_write(qkv: torch.Tensor, heads: int, cos: torch.Tensor, signed_si
     if width != heads + 2 * kv_heads or d != pool.shape[-1]:
         raise ValueError(f"qkv rows of {width} heads x {d} do not match {heads} query heads and the pool's "
                          f"{kv_heads} KV heads x {pool.shape[-1]}")
-    q = torch.empty(n, heads, d, dtype=torch.float32)
+    qk = torch.empty(n, heads + kv_heads, d, dtype=qkv.dtype)
     s = pool.stride()
     args = _RopeCacheArgs(qkv.data_ptr(), n, heads, kv_heads, d, cos.data_ptr(), signed_sin.data_ptr(),
                           pool.data_ptr(), layer * s[1], s[0], s[2], head_stride, token_stride, pool.shape[0],
-                          tokens_per_block, blocks.data_ptr(), offsets.data_ptr(), q.data_ptr())
-    status = lib.rope_cache_write(ctypes.byref(args), _FLOAT_DTYPES[qkv.dtype], _KV_DTYPES[pool.dtype])
+                          tokens_per_block, blocks.data_ptr(), offsets.data_ptr(), qk.data_ptr())
+    status = lib.rope_cache_write(ctypes.byref(args), _FLOAT_DTYPES[qkv.dtype], _KV_DTYPES[pool.dtype],
+                                  torch.get_num_threads())
     if status == -2:
         raise IndexError(f"rope/cache write: a slot is outside the pool of {pool.shape[0]} blocks of "
                          f"{tokens_per_block} tokens")
-    return q if status == 0 else None
+    return qk if status == 0 else None

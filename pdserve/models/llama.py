@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.distributed import ParallelState
-from pdserve.models.attention import AttentionMetadata, PagedKVCache, native_decode_attention, paged_attention
+from pdserve.models.attention import AttentionMetadata, PagedKVCache, paged_attention, rotate_and_cache
 from pdserve.models.config import ModelConfig
 from pdserve.models.layers import (
     MergedColumnParallelLinear,
@@ -37,12 +37,7 @@ class Attention(nn.Module):
     def forward(self, x, rope_table, layer: int, cache: PagedKVCache, md: AttentionMetadata):
         n, heads, kv_heads = x.shape[0], self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         qkv = self.qkv_proj(x).view(n, heads + 2 * kv_heads, self.head_dim)
-        # A decode step on CPU: the same RoPE, cache write and attention as below, in native code.
-        out = native_decode_attention(qkv, heads, rope_table, layer, cache, md, self.scale)
-        if out is not None:
-            return self.o_proj(out)
-        # q and k sit side by side in the fused output: one rotation covers both.
-        qk = RotaryEmbedding.rotate(qkv[:, : heads + kv_heads], rope_table)
+        qk = rotate_and_cache(qkv, heads, rope_table, layer, cache, md)  # RoPE on q and k; K, V into the cache
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
         return self.o_proj(paged_attention(q, k, v, layer, cache, md, self.scale))
 

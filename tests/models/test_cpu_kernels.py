@@ -138,25 +138,29 @@ def test_rms_norm_matches_pytorchs_form(dtype, rows, hidden):
 @pytest.mark.parametrize("model_dtype,kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                   (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
                                                   (torch.float32, torch.float16)])
-def test_rope_cache_write_is_bit_identical_to_the_pytorch_ops(layout, model_dtype, kv_dtype):
-    """The same bits as RotaryEmbedding.rotate followed by PagedKVCache.write, for a decode step of
-    five sequences at scattered positions."""
+@pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
+def test_rope_cache_write_is_bit_identical_to_the_pytorch_ops(layout, model_dtype, kv_dtype, prefill):
+    """The same bits as RotaryEmbedding.rotate followed by PagedKVCache.write: a decode step of five
+    sequences at scattered positions, and a 100-token prefill (split across threads; RoPE's other
+    PyTorch form, ROPE_HALVES_MIN_TOKENS)."""
     g = torch.Generator().manual_seed(3)
-    heads, kv_heads, d, T, n = 9, 3, 64, 16, 5
+    heads, kv_heads, d, T = 9, 3, 64, 16
     rope = RotaryEmbedding(d, 4096, 10000.0, None)
-    positions = torch.tensor([0, 17, 300, 4095, 1000])
+    positions = torch.tensor([0, 17, 300, 4095, 1000] + list(range(2000, 2100)) if prefill else [0, 17, 300, 4095, 1000])
+    n = len(positions)
     table = rope.table(positions)
     qkv = (torch.randn(n, heads + 2 * kv_heads, d, generator=g) * 2).to(model_dtype)
-    shape = (12, 4, 2, kv_heads, T, d) if layout == "HND" else (12, 4, 2, T, kv_heads, d)
+    shape = (20, 4, 2, kv_heads, T, d) if layout == "HND" else (20, 4, 2, T, kv_heads, d)
     expected_pool, pool = torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)
-    blocks, offsets = torch.tensor([3, 0, 11, 7, 3]), torch.tensor([0, 15, 4, 9, 1])
+    slots = torch.randperm(20 * T, generator=g)[:n]  # distinct slots in scattered blocks
+    blocks, offsets = slots // T, slots % T
     md = SimpleNamespace(slot_blocks=blocks, slot_offsets=offsets)
 
     qk = RotaryEmbedding.rotate(qkv[:, :heads + kv_heads], table)
     PagedKVCache(expected_pool, layout).write(2, qk[:, heads:], qkv[:, heads + kv_heads:], md)
-    q = cpu_kernels.rope_cache_write(qkv, heads, *table, pool, layout, 2, blocks, offsets)
+    native = cpu_kernels.rope_cache_write(qkv, heads, *table, pool, layout, 2, blocks, offsets)
 
-    assert q.dtype == torch.float32 and torch.equal(q, qk[:, :heads].float())
+    assert native.dtype == model_dtype and torch.equal(native, qk)
     assert torch.equal(pool, expected_pool)  # the slots written, and nothing else
 
 

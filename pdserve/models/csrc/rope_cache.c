@@ -1,18 +1,19 @@
-/* A decode step's attention prologue: RoPE on q and k, and the new K and V written into the pool.
+/* The attention prologue of every step: RoPE on q and k, and the new K and V written into the pool.
  *
- * In PyTorch this is some fifteen small ops per layer (split, flip, casts, two products and a sum,
- * a stack, a cast to the cache dtype, an indexed store), each costing more in dispatch than in
- * arithmetic at a few tokens. Here one call reads each token's fused qkv row once.
+ * In PyTorch this is some fifteen ops per layer (split, flip or halves, casts, two products and a
+ * sum, a stack, a cast to the cache dtype, an indexed store): at a decode step each costs more in
+ * dispatch than in arithmetic, and at a prefill each is a pass over the tokens. Here one call reads
+ * each token's fused qkv row once; tokens are split across threads when there are many.
  *
  * The results are bit-identical to the PyTorch path (layers.RotaryEmbedding.rotate, then
  * attention.PagedKVCache.write): x * cos and rotate_half(x) * sin are each rounded to fp32 and then
  * added (contraction into a fused multiply-add is switched off below), the sum is rounded to the
- * model's dtype, and K and V are then converted to the cache's dtype. q comes back as fp32 holding
- * the model-dtype values, which is what the decode attention kernel reads.
+ * model's dtype, and K and V are then converted to the cache's dtype.
  *
  * qkv: [rows, heads + 2 * kv_heads, d] contiguous in the model dtype (fp32 or bf16); cos and
  * signed_sin: [rows, d] fp32 (the rotary table's rows, minus sign of rotate_half folded into the
- * first half of sin); q_out: [rows, heads, d] fp32. Token i goes to pool row
+ * first half of sin); qk_out: [rows, heads + kv_heads, d], the rotated q and k in the model dtype.
+ * Token i goes to pool row
  *     slot_blocks[i] * block_stride + layer_offset + kv * kv_stride + head * head_stride
  *     + slot_offsets[i] * token_stride
  * in elements of the pool dtype (fp32, bf16 or fp16), head_dim contiguous.
@@ -24,6 +25,7 @@
 #include "bf16.h"
 
 #define MAX_HEAD_DIM 512
+#define MIN_PARALLEL_ROWS 16 /* fewer tokens (a decode step) stay on the calling thread */
 
 typedef struct {
     const void *qkv;
@@ -32,7 +34,7 @@ typedef struct {
     void *pool;
     int64_t layer_offset, block_stride, kv_stride, head_stride, token_stride, num_blocks, tokens_per_block;
     const int64_t *slot_blocks, *slot_offsets;
-    float *q_out;
+    void *qk_out;
 } rope_cache_args;
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };
@@ -56,41 +58,46 @@ static inline void rotate(const float *x, const float *cos, const float *ssin, f
     }
 }
 
-static inline void store_row(void *pool, int64_t elem, int pool_dtype, const float *src, int64_t d) {
-    if (pool_dtype == F32)
-        memcpy((float *)pool + elem, src, d * sizeof(float));
-    else if (pool_dtype == BF16)
-        for (int64_t i = 0; i < d; i++) ((uint16_t *)pool)[elem + i] = bf16_out(src[i]);
+/* `d` fp32 values into `dst` at element `elem`, converted to `dtype` (fp32, bf16 or fp16). */
+static inline void store_row(void *dst, int64_t elem, int dtype, const float *src, int64_t d) {
+    if (dtype == F32)
+        memcpy((float *)dst + elem, src, d * sizeof(float));
+    else if (dtype == BF16)
+        for (int64_t i = 0; i < d; i++) ((uint16_t *)dst)[elem + i] = bf16_out(src[i]);
     else
-        for (int64_t i = 0; i < d; i++) ((_Float16 *)pool)[elem + i] = (_Float16)src[i];
+        for (int64_t i = 0; i < d; i++) ((_Float16 *)dst)[elem + i] = (_Float16)src[i];
 }
 
-/* Returns 0; -1 for a dtype or shape the kernel does not take; -2 for a slot outside the pool. */
-int rope_cache_write(const rope_cache_args *a, int model_dtype, int pool_dtype) {
-    const int64_t d = a->head_dim, width = a->heads + 2 * a->kv_heads;
-    if (d > MAX_HEAD_DIM || d % 2 || (model_dtype != F32 && model_dtype != BF16) || pool_dtype < F32 ||
-        pool_dtype > F16)
+/* One token: q and k rotated into qk_out, k and v stored into the pool. */
+static void token(const rope_cache_args *a, int64_t t, int model_dtype, int pool_dtype) {
+    const int64_t d = a->head_dim, width = a->heads + 2 * a->kv_heads, rotated_heads = a->heads + a->kv_heads;
+    const float *cos = a->cos + t * d, *ssin = a->signed_sin + t * d;
+    const int64_t slot = a->slot_blocks[t] * a->block_stride + a->layer_offset + a->slot_offsets[t] * a->token_stride;
+    float x[MAX_HEAD_DIM], rotated[MAX_HEAD_DIM];
+    for (int64_t h = 0; h < width; h++) {
+        load_row(a->qkv, (t * width + h) * d, model_dtype, x, d);
+        if (h < rotated_heads) {
+            rotate(x, cos, ssin, rotated, d, model_dtype);
+            store_row(a->qk_out, (t * rotated_heads + h) * d, model_dtype, rotated, d);
+            if (h >= a->heads) store_row(a->pool, slot + (h - a->heads) * a->head_stride, pool_dtype, rotated, d);
+        } else {
+            store_row(a->pool, slot + a->kv_stride + (h - rotated_heads) * a->head_stride, pool_dtype, x, d);
+        }
+    }
+}
+
+/* Returns 0; -1 for a dtype or shape the kernel does not take; -2 for a slot outside the pool (then
+ * nothing is written). */
+int rope_cache_write(const rope_cache_args *a, int model_dtype, int pool_dtype, int num_threads) {
+    if (a->head_dim > MAX_HEAD_DIM || a->head_dim % 2 || (model_dtype != F32 && model_dtype != BF16) ||
+        pool_dtype < F32 || pool_dtype > F16)
         return -1;
     for (int64_t t = 0; t < a->rows; t++)
         if (a->slot_blocks[t] < 0 || a->slot_blocks[t] >= a->num_blocks || a->slot_offsets[t] < 0 ||
             a->slot_offsets[t] >= a->tokens_per_block)
             return -2;
-    float x[MAX_HEAD_DIM], rotated[MAX_HEAD_DIM];
-    for (int64_t t = 0; t < a->rows; t++) {
-        const float *cos = a->cos + t * d, *ssin = a->signed_sin + t * d;
-        const int64_t slot = a->slot_blocks[t] * a->block_stride + a->layer_offset + a->slot_offsets[t] * a->token_stride;
-        for (int64_t h = 0; h < width; h++) {
-            load_row(a->qkv, (t * width + h) * d, model_dtype, x, d);
-            if (h < a->heads) {
-                rotate(x, cos, ssin, a->q_out + (t * a->heads + h) * d, d, model_dtype);
-            } else if (h < a->heads + a->kv_heads) {
-                rotate(x, cos, ssin, rotated, d, model_dtype);
-                store_row(a->pool, slot + (h - a->heads) * a->head_stride, pool_dtype, rotated, d);
-            } else {
-                store_row(a->pool, slot + a->kv_stride + (h - a->heads - a->kv_heads) * a->head_stride, pool_dtype,
-                          x, d);
-            }
-        }
-    }
+    const int threads = a->rows < MIN_PARALLEL_ROWS ? 1 : num_threads;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < a->rows; t++) token(a, t, model_dtype, pool_dtype);
     return 0;
 }
