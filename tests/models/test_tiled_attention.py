@@ -23,8 +23,8 @@ def _reference(q, k, v, scale):
 
 @pytest.mark.parametrize("n,past,heads,kv_heads", [
     (1, 0, 4, 4),  # one row
-    (128, 0, 9, 3),  # exactly one tile
-    (300, 0, 9, 3),  # a partial last tile
+    (attention._TILE, 0, 9, 3),  # exactly one tile
+    (attention._TILE + 44, 0, 9, 3),  # a partial last tile
     (257, 40, 8, 2),  # a cached prefix before the queries
     (130, 700, 6, 1),  # prefix far longer than the queries (MQA)
 ])
