@@ -65,9 +65,10 @@ def _tiled_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     heads of one KV group (folded into rows) by the keys it can see, masks only the diagonal square,
     and takes a full-row softmax: no running max, so the result is the plain formula's.
 
-    Scores and softmax are fp32. The probabilities meet V in V's dtype: for bf16 they are rounded to
-    bf16 and multiplied by bf16 V with fp32 accumulation, as PyTorch's own bf16 flash attention does
-    (twice the GEMM speed of fp32 on CPUs with AVX512-BF16 or AMX).
+    Scores and softmax are fp32. For bf16 inputs the probabilities are then rounded to bf16 and
+    multiplied by bf16 V with fp32 accumulation, as PyTorch's own bf16 flash attention does (oneDNN's
+    bf16 GEMMs run about twice as fast as fp32 on the AVX512-BF16 development machine); otherwise the
+    P @ V product is fp32 too.
     """
     n, heads, d = q.shape
     kv_heads, ctx, _ = k.shape
