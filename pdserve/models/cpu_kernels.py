@@ -48,25 +48,34 @@ _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _FLOAT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # activations: the first two of the same enum
 
 
+class _PoolView(ctypes.Structure):
+    """Mirror of `pool_view` in csrc/pool.h (one layer of a KV pool); field order and types must match."""
+
+    _fields_ = [("base", ctypes.c_void_p)] + [(name, ctypes.c_int64) for name in (
+        "layer_offset", "block_stride", "kv_stride", "head_stride", "token_stride",
+        "num_blocks", "kv_heads", "tokens_per_block", "head_dim")]
+
+
+def _pool_view(pool: torch.Tensor, layout: str, layer: int) -> _PoolView:
+    """Layer `layer` of a pool in attention.PagedKVCache's layout, HND [blocks, layers, 2, heads, tokens, d]
+    or NHD [blocks, layers, 2, tokens, heads, d]."""
+    s = pool.stride()
+    head_stride, token_stride, kv_heads, tokens = ((s[3], s[4], pool.shape[3], pool.shape[4]) if layout == "HND"
+                                                   else (s[4], s[3], pool.shape[4], pool.shape[3]))
+    return _PoolView(pool.data_ptr(), layer * s[1], s[0], s[2], head_stride, token_stride, pool.shape[0], kv_heads,
+                     tokens, pool.shape[-1])
+
+
 class _DecodeArgs(ctypes.Structure):
     """Mirror of `decode_args` in csrc/paged_decode.c; field order and types must match."""
 
     _fields_ = [
-        ("pool", ctypes.c_void_p),
-        ("layer_offset", ctypes.c_int64),
-        ("block_stride", ctypes.c_int64),
-        ("kv_stride", ctypes.c_int64),
-        ("head_stride", ctypes.c_int64),
-        ("token_stride", ctypes.c_int64),
-        ("num_blocks", ctypes.c_int64),
+        ("cache", _PoolView),
         ("block_table", ctypes.c_void_p),
         ("max_blocks", ctypes.c_int64),
         ("context_lens", ctypes.c_void_p),
         ("batch", ctypes.c_int64),
         ("heads", ctypes.c_int64),
-        ("kv_heads", ctypes.c_int64),
-        ("head_dim", ctypes.c_int64),
-        ("tokens_per_block", ctypes.c_int64),
         ("scale", ctypes.c_float),
         ("q", ctypes.c_void_p),
         ("out", ctypes.c_void_p),
@@ -77,21 +86,12 @@ class _RopeCacheArgs(ctypes.Structure):
     """Mirror of `rope_cache_args` in csrc/rope_cache.c; field order and types must match."""
 
     _fields_ = [
+        ("cache", _PoolView),
         ("qkv", ctypes.c_void_p),
         ("rows", ctypes.c_int64),
         ("heads", ctypes.c_int64),
-        ("kv_heads", ctypes.c_int64),
-        ("head_dim", ctypes.c_int64),
         ("cos", ctypes.c_void_p),
         ("signed_sin", ctypes.c_void_p),
-        ("pool", ctypes.c_void_p),
-        ("layer_offset", ctypes.c_int64),
-        ("block_stride", ctypes.c_int64),
-        ("kv_stride", ctypes.c_int64),
-        ("head_stride", ctypes.c_int64),
-        ("token_stride", ctypes.c_int64),
-        ("num_blocks", ctypes.c_int64),
-        ("tokens_per_block", ctypes.c_int64),
         ("slot_blocks", ctypes.c_void_p),
         ("slot_offsets", ctypes.c_void_p),
         ("qk_out", ctypes.c_void_p),
@@ -182,12 +182,6 @@ def load() -> ctypes.CDLL | None:
         return _lib
 
 
-def _pool_geometry(pool: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
-    """(head stride, token stride, kv heads, tokens per block) of a pool in attention.PagedKVCache's layout."""
-    s = pool.stride()
-    return (s[3], s[4], pool.shape[3], pool.shape[4]) if layout == "HND" else (s[4], s[3], pool.shape[4], pool.shape[3])
-
-
 def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layout: str, layer: int, block_table: torch.Tensor,
                            context_lens: torch.Tensor, scale: float,
                            out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
@@ -208,18 +202,12 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layout: str, lay
     b, heads, d = q.shape
     if d != pool.shape[-1]:
         raise ValueError(f"query head_dim {d} does not match the pool's {pool.shape[-1]}")
-    s = pool.stride()
-    head_stride, token_stride, kv_heads, tokens_per_block = _pool_geometry(pool, layout)
     qf = q.float().contiguous()
     table = block_table.contiguous()
     lens = context_lens.contiguous()
     out = torch.empty(b, heads, d, dtype=torch.float32)
-    args = _DecodeArgs(
-        pool.data_ptr(), layer * s[1], s[0], s[2], head_stride, token_stride, pool.shape[0],
-        table.data_ptr(), table.shape[1], lens.data_ptr(),
-        b, heads, kv_heads, d, tokens_per_block, scale,
-        qf.data_ptr(), out.data_ptr(),
-    )
+    args = _DecodeArgs(_pool_view(pool, layout, layer), table.data_ptr(), table.shape[1], lens.data_ptr(), b, heads,
+                       scale, qf.data_ptr(), out.data_ptr())
     status = lib.paged_decode_attention(ctypes.byref(args), _KV_DTYPES[pool.dtype], torch.get_num_threads())
     if status == -2:
         raise IndexError(f"paged decode attention: a context length or block id is outside the block table "
@@ -292,18 +280,16 @@ def rope_cache_write(qkv: torch.Tensor, heads: int, cos: torch.Tensor, signed_si
     blocks, offsets = slot_blocks.contiguous(), slot_offsets.contiguous()
     if blocks.dtype != torch.int64 or offsets.dtype != torch.int64:
         raise TypeError("slot_blocks and slot_offsets must be int64")
-    head_stride, token_stride, kv_heads, tokens_per_block = _pool_geometry(pool, layout)
-    if width != heads + 2 * kv_heads or d != pool.shape[-1]:
+    view = _pool_view(pool, layout, layer)
+    if width != heads + 2 * view.kv_heads or d != view.head_dim:
         raise ValueError(f"qkv rows of {width} heads x {d} do not match {heads} query heads and the pool's "
-                         f"{kv_heads} KV heads x {pool.shape[-1]}")
-    qk = torch.empty(n, heads + kv_heads, d, dtype=qkv.dtype)
-    s = pool.stride()
-    args = _RopeCacheArgs(qkv.data_ptr(), n, heads, kv_heads, d, cos.data_ptr(), signed_sin.data_ptr(),
-                          pool.data_ptr(), layer * s[1], s[0], s[2], head_stride, token_stride, pool.shape[0],
-                          tokens_per_block, blocks.data_ptr(), offsets.data_ptr(), qk.data_ptr())
+                         f"{view.kv_heads} KV heads x {view.head_dim}")
+    qk = torch.empty(n, heads + view.kv_heads, d, dtype=qkv.dtype)
+    args = _RopeCacheArgs(view, qkv.data_ptr(), n, heads, cos.data_ptr(), signed_sin.data_ptr(), blocks.data_ptr(),
+                          offsets.data_ptr(), qk.data_ptr())
     status = lib.rope_cache_write(ctypes.byref(args), _FLOAT_DTYPES[qkv.dtype], _KV_DTYPES[pool.dtype],
                                   torch.get_num_threads())
     if status == -2:
-        raise IndexError(f"rope/cache write: a slot is outside the pool of {pool.shape[0]} blocks of "
-                         f"{tokens_per_block} tokens")
+        raise IndexError(f"rope/cache write: a slot is outside the pool of {view.num_blocks} blocks of "
+                         f"{view.tokens_per_block} tokens")
     return qk if status == 0 else None

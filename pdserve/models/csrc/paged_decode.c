@@ -7,10 +7,7 @@
  * grows), so no score row longer than one block is ever stored; the next block is prefetched row by
  * row while one is computed, since scattered blocks defeat the hardware prefetcher.
  *
- * Addressing is the pool's affine formula, in elements:
- *     row(block, kv, head, token) = block * block_stride + layer_offset + kv * kv_stride
- *                                   + head * head_stride + token * token_stride
- * with head_dim contiguous; HND and NHD differ only in head_stride and token_stride.
+ * Addressing is the pool's affine formula (pool.h).
  *
  * Query heads [h * group, (h + 1) * group) share KV head h. q and out are contiguous fp32
  * [b, heads, d]. Compiled with -ffast-math so that the dot products vectorise (reassociated sums) and
@@ -21,17 +18,17 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "pool.h"
+
 #define MAX_TOKENS_PER_BLOCK 256
 #define MAX_HEAD_DIM 512
 
 typedef struct {
-    const void *pool;
-    int64_t layer_offset, block_stride, kv_stride, head_stride, token_stride;
-    int64_t num_blocks;
+    pool_view cache;
     const int64_t *block_table; /* [b, max_blocks] */
     int64_t max_blocks;
     const int64_t *context_lens; /* [b] */
-    int64_t batch, heads, kv_heads, head_dim, tokens_per_block;
+    int64_t batch, heads;
     float scale;
     const float *q;
     float *out;
@@ -67,7 +64,7 @@ static inline __attribute__((always_inline)) void prefetch_row(const char *pool,
  * row, which for both layouts walks the block's memory forward. */
 static inline __attribute__((always_inline)) void decode_task(const decode_args *a, int64_t seq, int64_t h0,
                                                               int64_t h1, const int dtype, const int64_t d) {
-    const int64_t T = a->tokens_per_block, group = a->heads / a->kv_heads, ctx = a->context_lens[seq];
+    const int64_t T = a->cache.tokens_per_block, group = a->heads / a->cache.kv_heads, ctx = a->context_lens[seq];
     const int64_t nq = (h1 - h0) * group; /* query heads of this task */
     const float *q = a->q + (seq * a->heads + h0 * group) * d;
     float *out = a->out + (seq * a->heads + h0 * group) * d;
@@ -77,18 +74,18 @@ static inline __attribute__((always_inline)) void decode_task(const decode_args 
         running_sum[r] = 0.0f;
     }
     memset(acc, 0, sizeof(acc));
-    const char *pool = (const char *)a->pool;
+    const char *pool = (const char *)a->cache.base;
     const int64_t *table = a->block_table + seq * a->max_blocks;
     for (int64_t start = 0, j = 0; start < ctx; start += T, j++) {
         const int64_t n = ctx - start < T ? ctx - start : T;
-        const int64_t base = table[j] * a->block_stride + a->layer_offset;
+        const int64_t base = table[j] * a->cache.block_stride + a->cache.layer_offset;
         /* Blocks sit anywhere in the pool, where the hardware prefetcher cannot follow: each K or V row
          * read here asks for the same row of the next block, so those loads overlap this block's
          * arithmetic (asking for the whole next block at once stalls on the core's miss buffers). */
-        const int64_t next = start + T < ctx ? table[j + 1] * a->block_stride + a->layer_offset : -1;
+        const int64_t next = start + T < ctx ? table[j + 1] * a->cache.block_stride + a->cache.layer_offset : -1;
         for (int64_t h = h0; h < h1; h++)
             for (int64_t t = 0; t < n; t++) {
-                const int64_t offset = h * a->head_stride + t * a->token_stride;
+                const int64_t offset = h * a->cache.head_stride + t * a->cache.token_stride;
                 if (next >= 0) prefetch_row(pool, next + offset, elem_bytes(dtype), d);
                 const float *k = row_as_float(pool, base + offset, dtype, row, d);
                 for (int64_t r = (h - h0) * group; r < (h - h0 + 1) * group; r++) {
@@ -113,7 +110,7 @@ static inline __attribute__((always_inline)) void decode_task(const decode_args 
         }
         for (int64_t h = h0; h < h1; h++)
             for (int64_t t = 0; t < n; t++) {
-                const int64_t offset = a->kv_stride + h * a->head_stride + t * a->token_stride;
+                const int64_t offset = a->cache.kv_stride + h * a->cache.head_stride + t * a->cache.token_stride;
                 if (next >= 0) prefetch_row(pool, next + offset, elem_bytes(dtype), d);
                 const float *v = row_as_float(pool, base + offset, dtype, row, d);
                 for (int64_t r = (h - h0) * group; r < (h - h0 + 1) * group; r++) {
@@ -138,7 +135,7 @@ typedef void (*task_fn)(const decode_args *, int64_t, int64_t, int64_t);
         decode_task(a, s, h0, h1, DTYPE, 128);                                                           \
     }                                                                                                    \
     static void NAME##_any(const decode_args *a, int64_t s, int64_t h0, int64_t h1) {                   \
-        decode_task(a, s, h0, h1, DTYPE, a->head_dim);                                                   \
+        decode_task(a, s, h0, h1, DTYPE, a->cache.head_dim);                                                   \
     }
 
 DEFINE_TASKS(f32, KV_F32)
@@ -155,23 +152,23 @@ static task_fn pick_task(int dtype, int64_t d) {
 /* kv_dtype: 0 fp32, 1 bf16, 2 fp16. Returns 0; -1 for a shape or dtype the kernel does not take; -2
  * for a context length or block id outside the table or the pool. */
 int paged_decode_attention(const decode_args *a, int kv_dtype, int num_threads) {
-    if (a->tokens_per_block > MAX_TOKENS_PER_BLOCK || a->head_dim > MAX_HEAD_DIM || a->kv_heads <= 0 ||
-        a->heads % a->kv_heads != 0 || kv_dtype < 0 || kv_dtype > 2)
+    if (a->cache.tokens_per_block > MAX_TOKENS_PER_BLOCK || a->cache.head_dim > MAX_HEAD_DIM || a->cache.kv_heads <= 0 ||
+        a->heads % a->cache.kv_heads != 0 || kv_dtype < 0 || kv_dtype > 2)
         return -1;
     /* A bad block id or length would read outside the pool: refuse the call instead. */
     for (int64_t seq = 0; seq < a->batch; seq++) {
-        const int64_t ctx = a->context_lens[seq], used = (ctx + a->tokens_per_block - 1) / a->tokens_per_block;
+        const int64_t ctx = a->context_lens[seq], used = (ctx + a->cache.tokens_per_block - 1) / a->cache.tokens_per_block;
         if (ctx < 1 || used > a->max_blocks) return -2;
         for (int64_t j = 0; j < used; j++) {
             const int64_t block = a->block_table[seq * a->max_blocks + j];
-            if (block < 0 || block >= a->num_blocks) return -2;
+            if (block < 0 || block >= a->cache.num_blocks) return -2;
         }
     }
-    const task_fn task = pick_task(kv_dtype, a->head_dim);
+    const task_fn task = pick_task(kv_dtype, a->cache.head_dim);
     /* A task covers all KV heads of a sequence (one forward walk through each block) when there are
      * enough sequences to keep every thread busy, else one KV head. */
-    const int64_t heads_per_task = a->batch >= 4 * (int64_t)num_threads ? a->kv_heads : 1;
-    const int64_t per_seq = a->kv_heads / heads_per_task, tasks = a->batch * per_seq;
+    const int64_t heads_per_task = a->batch >= 4 * (int64_t)num_threads ? a->cache.kv_heads : 1;
+    const int64_t per_seq = a->cache.kv_heads / heads_per_task, tasks = a->batch * per_seq;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t i = 0; i < tasks; i++) {
         const int64_t h0 = (i % per_seq) * heads_per_task;

@@ -13,26 +13,24 @@
  * qkv: [rows, heads + 2 * kv_heads, d] contiguous in the model dtype (fp32 or bf16); cos and
  * signed_sin: [rows, d] fp32 (the rotary table's rows, minus sign of rotate_half folded into the
  * first half of sin); qk_out: [rows, heads + kv_heads, d], the rotated q and k in the model dtype.
- * Token i goes to pool row
- *     slot_blocks[i] * block_stride + layer_offset + kv * kv_stride + head * head_stride
- *     + slot_offsets[i] * token_stride
- * in elements of the pool dtype (fp32, bf16 or fp16), head_dim contiguous.
+ * Token i goes to the pool (pool.h; fp32, bf16 or fp16) at block slot_blocks[i], token
+ * slot_offsets[i].
  */
 #pragma GCC optimize("fp-contract=off")
 #include <stdint.h>
 #include <string.h>
 
 #include "bf16.h"
+#include "pool.h"
 
 #define MAX_HEAD_DIM 512
 #define MIN_PARALLEL_ROWS 16 /* fewer tokens (a decode step) stay on the calling thread */
 
 typedef struct {
+    pool_view cache;
     const void *qkv;
-    int64_t rows, heads, kv_heads, head_dim;
+    int64_t rows, heads;
     const float *cos, *signed_sin;
-    void *pool;
-    int64_t layer_offset, block_stride, kv_stride, head_stride, token_stride, num_blocks, tokens_per_block;
     const int64_t *slot_blocks, *slot_offsets;
     void *qk_out;
 } rope_cache_args;
@@ -70,18 +68,18 @@ static inline void store_row(void *dst, int64_t elem, int dtype, const float *sr
 
 /* One token: q and k rotated into qk_out, k and v stored into the pool. */
 static void token(const rope_cache_args *a, int64_t t, int model_dtype, int pool_dtype) {
-    const int64_t d = a->head_dim, width = a->heads + 2 * a->kv_heads, rotated_heads = a->heads + a->kv_heads;
+    const int64_t d = a->cache.head_dim, width = a->heads + 2 * a->cache.kv_heads, rotated_heads = a->heads + a->cache.kv_heads;
     const float *cos = a->cos + t * d, *ssin = a->signed_sin + t * d;
-    const int64_t slot = a->slot_blocks[t] * a->block_stride + a->layer_offset + a->slot_offsets[t] * a->token_stride;
+    const int64_t slot = a->slot_blocks[t] * a->cache.block_stride + a->cache.layer_offset + a->slot_offsets[t] * a->cache.token_stride;
     float x[MAX_HEAD_DIM], rotated[MAX_HEAD_DIM];
     for (int64_t h = 0; h < width; h++) {
         load_row(a->qkv, (t * width + h) * d, model_dtype, x, d);
         if (h < rotated_heads) {
             rotate(x, cos, ssin, rotated, d, model_dtype);
             store_row(a->qk_out, (t * rotated_heads + h) * d, model_dtype, rotated, d);
-            if (h >= a->heads) store_row(a->pool, slot + (h - a->heads) * a->head_stride, pool_dtype, rotated, d);
+            if (h >= a->heads) store_row(a->cache.base, slot + (h - a->heads) * a->cache.head_stride, pool_dtype, rotated, d);
         } else {
-            store_row(a->pool, slot + a->kv_stride + (h - rotated_heads) * a->head_stride, pool_dtype, x, d);
+            store_row(a->cache.base, slot + a->cache.kv_stride + (h - rotated_heads) * a->cache.head_stride, pool_dtype, x, d);
         }
     }
 }
@@ -89,12 +87,12 @@ static void token(const rope_cache_args *a, int64_t t, int model_dtype, int pool
 /* Returns 0; -1 for a dtype or shape the kernel does not take; -2 for a slot outside the pool (then
  * nothing is written). */
 int rope_cache_write(const rope_cache_args *a, int model_dtype, int pool_dtype, int num_threads) {
-    if (a->head_dim > MAX_HEAD_DIM || a->head_dim % 2 || (model_dtype != F32 && model_dtype != BF16) ||
+    if (a->cache.head_dim > MAX_HEAD_DIM || a->cache.head_dim % 2 || (model_dtype != F32 && model_dtype != BF16) ||
         pool_dtype < F32 || pool_dtype > F16)
         return -1;
     for (int64_t t = 0; t < a->rows; t++)
-        if (a->slot_blocks[t] < 0 || a->slot_blocks[t] >= a->num_blocks || a->slot_offsets[t] < 0 ||
-            a->slot_offsets[t] >= a->tokens_per_block)
+        if (a->slot_blocks[t] < 0 || a->slot_blocks[t] >= a->cache.num_blocks || a->slot_offsets[t] < 0 ||
+            a->slot_offsets[t] >= a->cache.tokens_per_block)
             return -2;
     const int threads = a->rows < MIN_PARALLEL_ROWS ? 1 : num_threads;
 #pragma omp parallel for schedule(static) num_threads(threads)
