@@ -86,7 +86,7 @@ class ModelRunner:
         self.tokens_per_block = ecfg.tokens_per_block
         if device.type == "cpu":
             keep_freed_memory()  # activations live in malloc'd host memory: see host_malloc.py
-            cpu_kernels.load()  # build the decode attention kernel now, not inside the first request
+            cpu_kernels.load()  # build the native CPU kernels now, not inside the first request
         with torch.device(device):
             self.model = LlamaForCausalLM(model_cfg, ps, self.dtype, max_model_len)
         load_weights(self.model, model_dir, show_progress=ps.rank == 0)

@@ -161,12 +161,12 @@ def load() -> ctypes.CDLL | None:
             return _lib
         _tried = True
         if os.environ.get(ENABLE_ENV, "1") == "0":
-            log.info("%s=0: native CPU kernels disabled, attention runs in PyTorch only", ENABLE_ENV)
+            log.info("%s=0: native CPU kernels disabled, the model runs in PyTorch only", ENABLE_ENV)
             return None
         try:
             lib = ctypes.CDLL(str(build()))
         except (KernelBuildError, OSError) as exc:
-            log.warning("native CPU kernels unavailable, attention runs in PyTorch only: %s", exc)
+            log.warning("native CPU kernels unavailable, the model runs in PyTorch only: %s", exc)
             return None
         lib.paged_decode_attention.argtypes = [ctypes.POINTER(_DecodeArgs), ctypes.c_int, ctypes.c_int]
         lib.paged_decode_attention.restype = ctypes.c_int
@@ -237,7 +237,6 @@ def causal_softmax(scores: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor
                           torch.get_num_threads()) != 0:
         raise ValueError(f"causal softmax: a tile of {rows} query rows cannot see only {keys} keys")
     return out
-
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "pool.h"
 
 #define MAX_TOKENS_PER_BLOCK 256
@@ -42,8 +43,7 @@ static inline __attribute__((always_inline)) const float *row_as_float(const cha
     if (dtype == KV_F32) return (const float *)pool + elem;
     if (dtype == KV_BF16) {
         const uint16_t *src = (const uint16_t *)pool + elem;
-        uint32_t *dst = (uint32_t *)buf;
-        for (int64_t i = 0; i < d; i++) dst[i] = (uint32_t)src[i] << 16;
+        for (int64_t i = 0; i < d; i++) buf[i] = bf16_in(src[i]);
     } else {
         const _Float16 *src = (const _Float16 *)pool + elem;
         for (int64_t i = 0; i < d; i++) buf[i] = (float)src[i];

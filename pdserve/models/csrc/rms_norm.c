@@ -34,8 +34,8 @@ static void row_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_
     for (int64_t i = 0; i < hidden; i++) out[i] = bf16_out(bf16_in(bf16_out(bf16_in(x[i]) * inv)) * bf16_in(w[i]));
 }
 
-/* residual and h_out: both NULL, or both given. Returns 0, or -1 for a dtype the kernel does not take. A few rows (a decode step) stay on the
- * calling thread. */
+/* residual and h_out: both NULL, or both given. Returns 0, or -1 for a dtype the kernel does not take.
+ * A few rows (a decode step) stay on the calling thread. */
 int rms_norm(const void *x, const void *residual, void *h_out, const void *weight, void *out, int64_t rows,
              int64_t hidden, float eps, int dtype, int num_threads) {
     if ((dtype != NORM_F32 && dtype != NORM_BF16) || hidden < 1) return -1;
