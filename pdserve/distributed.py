@@ -7,12 +7,49 @@ torch.distributed, so single-process code paths stay free of collectives.
 
 from __future__ import annotations
 
+import random
+import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (outgoing connections take their local port there)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that is free now, for a server that binds it a moment later.
+
+    Picked below the kernel's ephemeral range: a port the OS hands out for `bind(0)` lies in that range,
+    where any outgoing connection in the meantime (a rank dialling its peers, a client) can take it
+    before the server binds. Ports handed out earlier in this process are not handed out again."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(10000, max(10001, low))
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # a machine with nothing free below the range: let the OS choose
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 @dataclass

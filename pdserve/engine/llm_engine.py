@@ -13,7 +13,6 @@ import base64
 import itertools
 import logging
 import multiprocessing as mp
-import socket
 import time
 import uuid
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Callable
 import msgpack
 
 from pdserve.config import EngineConfig
-from pdserve.distributed import init_parallel
+from pdserve.distributed import free_port, init_parallel
 from pdserve.engine.block_manager import BlockManager, KVEvent
 from pdserve.engine.model_runner import ModelRunner, SeqStep, StepSpec
 from pdserve.engine.output import OutputTracker, RequestOutput
@@ -45,12 +44,6 @@ class RequestError(ValueError):
 
 class ConflictError(RequestError):
     """A second in-flight request with the same disaggregated request id (HTTP 409)."""
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class LLMEngine:
@@ -79,7 +72,7 @@ class LLMEngine:
         ecfg = self.ecfg
         set_threads(ecfg)
         device = pick_device(ecfg.device, 0)
-        port = ecfg.dist_port or _free_port(ecfg.dist_host)
+        port = ecfg.dist_port or free_port(ecfg.dist_host)
         if ecfg.world_size > 1:
             ctx = mp.get_context("spawn")
             for rank in range(1, ecfg.world_size):

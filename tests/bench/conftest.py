@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from pdserve.distributed import free_port
 from pdserve.testing import make_tiny_model
 from pdserve.testing.servers import wait_for_health
 from pdserve.tokenizer import Tokenizer
@@ -24,16 +24,10 @@ def bench_tokenizer(bench_model_dir):
     return Tokenizer.from_dir(bench_model_dir)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def server_url(bench_model_dir, tmp_path_factory):
     """`pdserve serve` as a subprocess; its log goes to a file, so a full pipe can never block it."""
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("bench-server") / "serve.log"
     with open(log, "w") as log_file:
         proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "serve",

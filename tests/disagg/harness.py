@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,18 +13,13 @@ from pathlib import Path
 import httpx
 import yaml
 
+from pdserve.distributed import free_port
 from pdserve.testing.servers import UvicornThread
 
 MODEL_NAME = "tiny"
 TOKENS_PER_BLOCK = 8
 WORKER_CONFIG = {"served_model_name": MODEL_NAME, "device": "cpu", "max_model_len": 256, "num_kv_blocks": 64,
                  "tokens_per_block": TOKENS_PER_BLOCK, "max_num_tokens": 256, "num_threads": 1}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Worker:

@@ -13,15 +13,15 @@ import httpx
 import yaml
 from harness import MODEL_NAME, wait_healthy
 
+from pdserve.distributed import free_port
+
 PROMPT = [5, 17, 42, 99, 7, 123]
 
 
 def free_port_pair() -> int:
     """A port P with P-1 free too (the coordinator's default)."""
     for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         try:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", port - 1))

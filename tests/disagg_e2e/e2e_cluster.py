@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,17 +20,13 @@ import httpx
 import openai
 import yaml
 
+from pdserve.distributed import free_port
+
 MODEL_NAME = "tiny"
 # Worker keys every tiny instance shares; a spec adds its topology, layout, block size and backend.
 TINY_BASE = {"served_model_name": MODEL_NAME, "device": "cpu", "max_model_len": 512, "num_kv_blocks": 48,
              "max_num_tokens": 512, "num_threads": 1}
 START_TIMEOUT_S = 150.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

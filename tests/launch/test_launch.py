@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,16 +14,11 @@ import pytest
 import yaml
 from openai import OpenAI
 
+from pdserve.distributed import free_port
 from pdserve.engine.llm import LLM
 from pdserve.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.testing import make_tiny_model
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_for_line(proc: subprocess.Popen, needle: str, timeout: float) -> str:
@@ -46,10 +40,10 @@ def tiny(tmp_path):
 
 
 def test_launch_serves_disaggregated_and_stops_cleanly(tmp_path, tiny):
-    port = _free_port()
+    port = free_port()
     cluster = {"model": tiny, "port": port, "log_dir": str(tmp_path / "logs"), "backend": "shm",
-               "context": [{"port": _free_port(), "config": {"tokens_per_block": 8}}],
-               "generation": [{"port": _free_port(), "config": {"tokens_per_block": 8}}]}
+               "context": [{"port": free_port(), "config": {"tokens_per_block": 8}}],
+               "generation": [{"port": free_port(), "config": {"tokens_per_block": 8}}]}
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(cluster))
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "launch", str(path)], stdout=subprocess.PIPE,

@@ -4,23 +4,17 @@ SIGTERM, then exits 0."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 
 import httpx
 
+from pdserve.distributed import free_port
 from pdserve.testing.servers import wait_for_health
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_pdserve_serve_answers_and_shuts_down_gracefully(tiny_model_dir):
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "serve",
                              str(tiny_model_dir), "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
