@@ -3,8 +3,9 @@
 - paged decode attention (`csrc/paged_decode.c`): one query token per sequence, K and V read
   straight from the pool through the block table. The PyTorch path gathers the blocks into a dense
   copy and runs SDPA over it; the kernel reads the KV once instead of three times.
-- causal softmax (`csrc/causal_softmax.c`) for the tiles of the prefill attention: mask, softmax and
-  the cast of the probabilities in one pass over the scores instead of five.
+- flash prefill attention (`csrc/flash_prefill.c`): causal attention of a prefill chunk in one pass
+  over the keys with an online softmax, nothing of size queries x keys in memory; bf16 products on
+  CPUs with AVX512-BF16.
 - RoPE and cache write (`csrc/rope_cache.c`): q and k rotated, K and V stored into their slots,
   bit-identical to the PyTorch ops it replaces (some fifteen a layer).
 - RMSNorm (`csrc/rms_norm.c`): one call instead of five to eight PyTorch ops, which at a decode step
@@ -80,6 +81,18 @@ class _DecodeArgs(ctypes.Structure):
         ("q", ctypes.c_void_p),
         ("out", ctypes.c_void_p),
     ]
+
+
+class _FlashArgs(ctypes.Structure):
+    """Mirror of `flash_args` in csrc/flash_prefill.c; field order and types must match."""
+
+    _fields_ = [("q", ctypes.c_void_p), ("kt", ctypes.c_void_p), ("v", ctypes.c_void_p), ("out", ctypes.c_void_p)] + [
+        (name, ctypes.c_int64) for name in ("n", "ctx", "ld", "heads", "kv_heads", "head_dim")] + [
+        ("scale", ctypes.c_float)]
+
+
+_FLASH_KEY_BLOCK = 64  # BK in csrc/flash_prefill.c: K and V are padded to a multiple of it
+_FLASH_BF16_PAIRS = 2  # FLASH_BF16_PAIRS in csrc/flash_prefill.c
 
 
 class _RopeCacheArgs(ctypes.Structure):
@@ -170,14 +183,15 @@ def load() -> ctypes.CDLL | None:
             return None
         lib.paged_decode_attention.argtypes = [ctypes.POINTER(_DecodeArgs), ctypes.c_int, ctypes.c_int]
         lib.paged_decode_attention.restype = ctypes.c_int
-        lib.causal_softmax.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                       ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-        lib.causal_softmax.restype = ctypes.c_int
         lib.rope_cache_write.argtypes = [ctypes.POINTER(_RopeCacheArgs), ctypes.c_int, ctypes.c_int, ctypes.c_int]
         lib.rope_cache_write.restype = ctypes.c_int
         lib.rms_norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int,
                                                          ctypes.c_int]
         lib.rms_norm.restype = ctypes.c_int
+        lib.flash_prefill.argtypes = [ctypes.POINTER(_FlashArgs), ctypes.c_int, ctypes.c_int]
+        lib.flash_prefill.restype = ctypes.c_int
+        lib.flash_prefill_bf16_pairs.argtypes = []
+        lib.flash_prefill_bf16_pairs.restype = ctypes.c_int
         _lib = lib
         return _lib
 
@@ -218,25 +232,43 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layout: str, lay
     return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
-def causal_softmax(scores: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor | None:
-    """Softmax of one prefill tile's scores under the causal mask, cast to `out_dtype`.
+def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """Causal attention of a prefill chunk, in one pass over the keys (online softmax).
 
-    scores: fp32 [rows, group, keys], contiguous, already scaled; query row i sees keys
-    [0, keys - rows + i] and gets zero probability for the rest. For fp32 the probabilities
-    overwrite `scores`. Returns None where the kernel does not apply (no library, another dtype).
+    q: [n, heads, d] fp32 or bf16 for the last n positions; k, v: [kv_heads, ctx, d] (any strides, a
+    float dtype) for positions 0..ctx-1, so query i sits at position ctx - n + i. Returns [n, heads, d]
+    in q's dtype. Scores and softmax are fp32; for bf16 q on a CPU with AVX512-BF16 the two products
+    take bf16 inputs (K and V as bf16, the probabilities rounded to bf16), else they are fp32. None
+    where the kernel does not apply (no library, not on CPU, another dtype, head_dim not a multiple
+    of 16).
     """
-    if (scores.device.type != "cpu" or scores.dtype != torch.float32 or not scores.is_contiguous()
-            or out_dtype not in _FLOAT_DTYPES):
+    n, heads, d = q.shape
+    kv_heads, ctx, _ = k.shape
+    if q.device.type != "cpu" or q.dtype not in _FLOAT_DTYPES or d % 16 or heads % kv_heads or ctx < n:
         return None
     lib = load()
     if lib is None:
         return None
-    rows, group, keys = scores.shape
-    out = scores if out_dtype == torch.float32 else torch.empty(scores.shape, dtype=out_dtype)
-    if lib.causal_softmax(scores.data_ptr(), out.data_ptr(), rows, group, keys, _FLOAT_DTYPES[out_dtype],
-                          torch.get_num_threads()) != 0:
-        raise ValueError(f"causal softmax: a tile of {rows} query rows cannot see only {keys} keys")
-    return out
+    ld = -(-ctx // _FLASH_KEY_BLOCK) * _FLASH_KEY_BLOCK
+    pairs = q.dtype == torch.bfloat16 and lib.flash_prefill_bf16_pairs() == 1
+    dtype = torch.bfloat16 if pairs else torch.float32
+    kp = torch.zeros(kv_heads, ld, d, dtype=dtype)
+    kp[:, :ctx] = k
+    vp = torch.zeros(kv_heads, ld, d, dtype=dtype)
+    vp[:, :ctx] = v
+    if pairs:  # csrc/flash_prefill.c: K as [kv_heads, d / 2, ld, 2], V as [kv_heads, ld / 2, d, 2]
+        kp = kp.view(kv_heads, ld, d // 2, 2).transpose(1, 2).contiguous()
+        vp = vp.view(kv_heads, ld // 2, 2, d).transpose(2, 3).contiguous()
+    else:  # K transposed, [kv_heads, d, ld]; V as it is
+        kp = kp.transpose(1, 2).contiguous()
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    args = _FlashArgs(q.data_ptr(), kp.data_ptr(), vp.data_ptr(), out.data_ptr(), n, ctx, ld, heads, kv_heads, d, scale)
+    mode = _FLASH_BF16_PAIRS if pairs else _FLOAT_DTYPES[q.dtype]
+    status = lib.flash_prefill(ctypes.byref(args), mode, torch.get_num_threads())
+    if status == -3:
+        raise MemoryError("flash prefill attention: out of memory for its per-thread scratch")
+    return out if status == 0 else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -47,14 +47,14 @@ def test_batched_matches_transformers(tiny, layout):
     assert _run(d, prompts, kv_layout=layout) == ref
 
 
-_NATIVE = ("paged_decode_attention", "rope_cache_write", "rms_norm", "causal_softmax")
+_NATIVE = ("paged_decode_attention", "flash_prefill", "rope_cache_write", "rms_norm")
 
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
-@pytest.mark.parametrize("missing", [_NATIVE, ("paged_decode_attention",)], ids=["all", "attention"])
+@pytest.mark.parametrize("missing", [_NATIVE, ("paged_decode_attention", "flash_prefill")], ids=["all", "attention"])
 def test_pytorch_paths_match_transformers(tiny, layout, missing, monkeypatch):
     """The model as it runs without a C compiler (and on CUDA): every native kernel replaced by its
-    PyTorch path; and with only the decode attention kernel missing after the native cache write."""
+    PyTorch path; and with only the attention kernels missing after the native cache write."""
     for name in missing:
         monkeypatch.setattr(cpu_kernels, name, lambda *args, **kwargs: None)
     d, prompts, ref = tiny
@@ -89,9 +89,13 @@ def test_preemption_recomputes_without_changing_tokens(tiny):
     assert out == ref
 
 
-def test_long_prompts_take_tiled_attention_and_match_transformers(tiny, hf_greedy):
-    """Prompts past attention.TILED_MIN_TOKENS run the tiled oneDNN prefill, whole and in chunks that
-    start after a cached part; greedy tokens must not move."""
+@pytest.mark.parametrize("native", [True, False], ids=["flash", "tiled"])
+def test_long_prompts_match_transformers(tiny, hf_greedy, native, monkeypatch):
+    """Prompts of several key blocks run the native flash prefill, or without it, past
+    attention.TILED_MIN_TOKENS, the tiled oneDNN prefill; whole and in chunks that start after a
+    cached part, greedy tokens must not move."""
+    if not native:
+        monkeypatch.setattr(cpu_kernels, "flash_prefill", lambda *args, **kwargs: None)
     d, _, _ = tiny
     model = transformers.AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32)
     g = torch.Generator().manual_seed(7)

@@ -89,29 +89,6 @@ def test_bad_block_ids_and_lengths_are_refused_not_read():
         cpu_kernels.paged_decode_attention(q[..., :32], pool, "HND", 0, table, ctx, 0.125)
 
 
-@pytest.mark.parametrize("rows,group,keys", [(128, 3, 128), (37, 3, 500), (1, 1, 1), (5, 8, 5)])
-@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_causal_softmax_matches_float64(rows, group, keys, out_dtype):
-    g = torch.Generator().manual_seed(rows + keys)
-    scores = torch.randn(rows, group, keys, generator=g) * 4
-    visible = torch.arange(keys).view(1, 1, keys) <= (keys - rows + torch.arange(rows)).view(rows, 1, 1)
-    expected = scores.double().masked_fill(~visible, float("-inf")).softmax(-1)
-    out = cpu_kernels.causal_softmax(scores.clone(), out_dtype)
-    assert out.dtype == out_dtype and out.shape == scores.shape
-    assert (out[~visible.expand_as(out)] == 0).all()  # the masked tail is written, as zeros
-    tol = {"atol": 2e-7, "rtol": 1e-5} if out_dtype == torch.float32 else {"atol": 0, "rtol": 2 ** -8}
-    torch.testing.assert_close(out.double(), expected, **tol)
-    # Rounding to bf16 is PyTorch's (round to nearest even) applied to the fp32 probabilities.
-    fp32 = cpu_kernels.causal_softmax(scores.clone(), torch.float32)
-    if out_dtype == torch.bfloat16:
-        assert torch.equal(out, fp32.bfloat16())
-
-
-def test_causal_softmax_refuses_fewer_keys_than_rows():
-    with pytest.raises(ValueError, match="cannot see"):
-        cpu_kernels.causal_softmax(torch.zeros(4, 1, 3), torch.float32)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,hidden", [(1, 576), (16, 576), (300, 96), (3, 7)])
 def test_rms_norm_matches_pytorchs_form(dtype, rows, hidden):

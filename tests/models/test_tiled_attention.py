@@ -1,4 +1,5 @@
-"""The tiled oneDNN prefill attention against SDPA computed in float64: same formula, any tile edge."""
+"""The tiled oneDNN prefill attention (the CPU path without the native kernels) against SDPA computed in
+float64: same formula, any tile edge."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.models import attention, cpu_kernels
+from pdserve.models import attention
 from pdserve.models.attention import _tiled_causal_attention
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
@@ -37,18 +38,6 @@ def test_matches_sdpa(n, past, heads, kv_heads):
     out = _tiled_causal_attention(q, k, v, d ** -0.5)
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out.double(), _reference(q, k, v, d ** -0.5), atol=2e-6, rtol=1e-5)
-
-
-@pytest.mark.parametrize("native_softmax", [True, False])
-def test_matches_sdpa_with_and_without_the_native_softmax(native_softmax, monkeypatch):
-    if not native_softmax:
-        monkeypatch.setattr(cpu_kernels, "causal_softmax", lambda *args: None)
-    elif cpu_kernels.load() is None:
-        pytest.skip("no C compiler to build the CPU kernels")
-    g = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(300, 9, 64, generator=g), torch.randn(3, 340, 64, generator=g), torch.randn(3, 340, 64, generator=g)
-    out = _tiled_causal_attention(q, k, v, 0.125)
-    torch.testing.assert_close(out.double(), _reference(q, k, v, 0.125), atol=2e-6, rtol=1e-5)
 
 
 def test_bf16_is_as_accurate_as_pytorchs_own_bf16_attention():

@@ -1,0 +1,109 @@
+"""The native flash prefill attention (csrc/flash_prefill.c) against attention computed in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.models import cpu_kernels
+
+LIB = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler to build the CPU kernels")
+
+
+def _reference(q, k, v, scale):
+    """q: [n, heads, d]; k, v: [kv_heads, ctx, d]; query i at position ctx - n + i."""
+    n, ctx = q.shape[0], k.shape[1]
+    mask = torch.arange(ctx).unsqueeze(0) <= torch.arange(ctx - n, ctx).unsqueeze(1)
+    o = F.scaled_dot_product_attention(q.double().transpose(0, 1)[None], k.double()[None], v.double()[None],
+                                       attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+def _inputs(n, ctx, heads, kv_heads, d, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, heads, d, generator=g).to(dtype), torch.randn(kv_heads, ctx, d, generator=g).to(dtype),
+            torch.randn(kv_heads, ctx, d, generator=g).to(dtype))
+
+
+@pytest.fixture(params=["bf16 pairs", "fp32 products"])
+def bf16_form(request, monkeypatch):
+    """Both forms of the bf16 products: bf16 pairs where the CPU has them, and the fp32 form that a CPU
+    without AVX512-BF16 takes."""
+    if request.param == "bf16 pairs":
+        if LIB.flash_prefill_bf16_pairs() != 1:
+            pytest.skip("this CPU has no AVX512-BF16")
+    else:
+        monkeypatch.setattr(LIB, "flash_prefill_bf16_pairs", lambda: 0)
+    return request.param
+
+
+@pytest.mark.parametrize("n,past,heads,kv_heads,d", [
+    (1, 0, 2, 1, 16),  # one query, one key
+    (5, 0, 4, 2, 16),  # less than one key block
+    (64, 0, 9, 3, 64),  # exactly one key block
+    (70, 0, 9, 3, 64),  # a partial second block; 96-row work items with padding rows
+    (33, 167, 8, 1, 32),  # a cached prefix (chunked prefill), MQA: one query position per work item row group
+    (130, 0, 6, 6, 48),  # MHA, head_dim of three vectors
+    (100, 200, 4, 2, 128),  # two 64-wide slices of the accumulator
+    (40, 0, 128, 1, 16),  # a group wider than a work item: one query position per item
+])
+def test_fp32_matches_float64(n, past, heads, kv_heads, d):
+    q, k, v = _inputs(n, past + n, heads, kv_heads, d, seed=n + past)
+    out = cpu_kernels.flash_prefill(q, k, v, d ** -0.5)
+    assert out.shape == q.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), _reference(q, k, v, d ** -0.5), atol=2e-6, rtol=1e-5)
+
+
+def test_running_max_that_keeps_growing_and_large_scores():
+    """Scores that rise along the keys by far more than the lazy-rescale margin, and scores in the
+    hundreds: the running max moves many times, nothing overflows, and the error stays that of
+    PyTorch's own fp32 attention (fp32 scores in the hundreds carry ~1e-5 of rounding)."""
+    q, k, v = _inputs(300, 300, 4, 2, 64, seed=3)
+    k = k * torch.linspace(0.1, 12.0, 300).view(1, 300, 1)  # later keys dominate, more and more
+    for scale in (0.125, 1.0):
+        out = cpu_kernels.flash_prefill(q, k, v, scale)
+        assert torch.isfinite(out).all()
+        exact = _reference(q, k, v, scale)
+        torch_fp32 = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], is_causal=True,
+                                                    scale=scale, enable_gqa=True)[0].transpose(0, 1)
+        ours, theirs = (out.double() - exact).abs(), (torch_fp32.double() - exact).abs()
+        assert ours.mean() <= 1.25 * theirs.mean(), (ours.mean(), theirs.mean())
+        assert ours.max() <= 1.5 * theirs.max(), (ours.max(), theirs.max())
+
+
+def test_strided_k_v_as_the_engine_passes_them():
+    """The engine hands over K and V of a fresh prefill as transposed views of the projected rows."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(90, 6, 32, generator=g)
+    k_rows, v_rows = torch.randn(90, 2, 32, generator=g), torch.randn(90, 2, 32, generator=g)
+    k, v = k_rows.transpose(0, 1), v_rows.transpose(0, 1)
+    assert not k.is_contiguous()
+    out = cpu_kernels.flash_prefill(q, k, v, 0.2)
+    torch.testing.assert_close(out.double(), _reference(q, k, v, 0.2), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n,past", [(600, 0), (77, 300)])
+def test_bf16_is_as_accurate_as_pytorchs_own_bf16_attention(n, past, bf16_form):
+    """PyTorch's bf16 flash attention (scores and softmax fp32, probabilities rounded to bf16) is the
+    yardstick for both forms of the bf16 products."""
+    q, k, v = _inputs(n, past + n, 6, 2, 64, dtype=torch.bfloat16, seed=n)
+    out = cpu_kernels.flash_prefill(q, k, v, 0.125)
+    assert out.dtype == torch.bfloat16
+    exact = _reference(q, k, v, 0.125)
+    mask = torch.arange(past + n).unsqueeze(0) <= torch.arange(past, past + n).unsqueeze(1)
+    torch_bf16 = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
+                                                scale=0.125, enable_gqa=True)[0].transpose(0, 1)
+    ours, theirs = (out.double() - exact).abs(), (torch_bf16.double() - exact).abs()
+    assert ours.mean() <= 1.25 * theirs.mean(), (ours.mean(), theirs.mean())
+    assert ours.max() <= 2 * theirs.max(), (ours.max(), theirs.max())
+
+
+def test_shapes_the_kernel_does_not_take_are_left_to_pytorch():
+    q, k, v = _inputs(8, 8, 4, 2, 24)  # head_dim not a multiple of 16
+    assert cpu_kernels.flash_prefill(q, k, v, 0.2) is None
+    q, k, v = _inputs(8, 8, 4, 2, 32, dtype=torch.float16)  # no fp16 activations
+    assert cpu_kernels.flash_prefill(q, k, v, 0.2) is None
+    q, k, v = _inputs(8, 4, 4, 2, 32)  # more queries than context
+    assert cpu_kernels.flash_prefill(q, k, v, 0.2) is None
