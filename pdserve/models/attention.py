@@ -199,10 +199,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         else:
             ks, vs = cache.gather(layer, s.block_ids, s.ctx_len)  # [kv_heads, ctx_len, d]
             ks, vs = ks.to(q.dtype), vs.to(q.dtype)
-        o = cpu_kernels.flash_prefill(q[rows], ks, vs, scale)  # None off CPU or without the native kernels
-        if o is not None:
-            out[rows] = o
-            continue
+        if cpu_kernels.flash_prefill(q[rows], ks, vs, scale, out=out[rows]) is not None:
+            continue  # written into out; None off CPU or without the native kernels
         if _use_tiled(q, s.q_len):
             out[rows] = _tiled_causal_attention(q[rows], ks, vs, scale)
             continue

@@ -86,12 +86,12 @@ class _DecodeArgs(ctypes.Structure):
 class _FlashArgs(ctypes.Structure):
     """Mirror of `flash_args` in csrc/flash_prefill.c; field order and types must match."""
 
-    _fields_ = [("q", ctypes.c_void_p), ("kt", ctypes.c_void_p), ("v", ctypes.c_void_p), ("out", ctypes.c_void_p)] + [
-        (name, ctypes.c_int64) for name in ("n", "ctx", "ld", "heads", "kv_heads", "head_dim")] + [
+    _fields_ = [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("out", ctypes.c_void_p)] + [
+        (name, ctypes.c_int64) for name in ("n", "ctx", "heads", "kv_heads", "head_dim", "k_head_stride",
+                                            "k_token_stride", "v_head_stride", "v_token_stride")] + [
         ("scale", ctypes.c_float)]
 
 
-_FLASH_KEY_BLOCK = 64  # BK in csrc/flash_prefill.c: K and V are padded to a multiple of it
 _FLASH_BF16_PAIRS = 2  # FLASH_BF16_PAIRS in csrc/flash_prefill.c
 
 
@@ -232,42 +232,37 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layout: str, lay
     return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
-def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  out: torch.Tensor | None = None) -> torch.Tensor | None:
     """Causal attention of a prefill chunk, in one pass over the keys (online softmax).
 
-    q: [n, heads, d] fp32 or bf16 for the last n positions; k, v: [kv_heads, ctx, d] (any strides, a
-    float dtype) for positions 0..ctx-1, so query i sits at position ctx - n + i. Returns [n, heads, d]
-    in q's dtype. Scores and softmax are fp32; for bf16 q on a CPU with AVX512-BF16 the two products
-    take bf16 inputs (K and V as bf16, the probabilities rounded to bf16), else they are fp32. None
-    where the kernel does not apply (no library, not on CPU, another dtype, head_dim not a multiple
-    of 16).
+    q: [n, heads, d] fp32 or bf16 for the last n positions; k, v: [kv_heads, ctx, d] in q's dtype
+    (any strides over heads and positions) for positions 0..ctx-1, so query i sits at position
+    ctx - n + i. Returns [n, heads, d] in q's dtype, written into `out` when given (contiguous).
+    Scores and softmax are fp32; for bf16 on a CPU with AVX512-BF16 the two products take bf16
+    inputs (the probabilities rounded to bf16), else they are fp32. None where the kernel does not
+    apply (no library, not on CPU, another dtype, head_dim not a multiple of 16).
     """
     n, heads, d = q.shape
     kv_heads, ctx, _ = k.shape
-    if q.device.type != "cpu" or q.dtype not in _FLOAT_DTYPES or d % 16 or heads % kv_heads or ctx < n:
+    if (q.device.type != "cpu" or q.dtype not in _FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype
+            or d % 16 or heads % kv_heads or ctx < n or k.stride(-1) != 1 or v.stride(-1) != 1):
         return None
     lib = load()
     if lib is None:
         return None
-    ld = -(-ctx // _FLASH_KEY_BLOCK) * _FLASH_KEY_BLOCK
-    pairs = q.dtype == torch.bfloat16 and lib.flash_prefill_bf16_pairs() == 1
-    dtype = torch.bfloat16 if pairs else torch.float32
-    kp = torch.zeros(kv_heads, ld, d, dtype=dtype)
-    kp[:, :ctx] = k
-    vp = torch.zeros(kv_heads, ld, d, dtype=dtype)
-    vp[:, :ctx] = v
-    if pairs:  # csrc/flash_prefill.c: K as [kv_heads, d / 2, ld, 2], V as [kv_heads, ld / 2, d, 2]
-        kp = kp.view(kv_heads, ld, d // 2, 2).transpose(1, 2).contiguous()
-        vp = vp.view(kv_heads, ld // 2, 2, d).transpose(2, 3).contiguous()
-    else:  # K transposed, [kv_heads, d, ld]; V as it is
-        kp = kp.transpose(1, 2).contiguous()
     q = q.contiguous()
-    out = torch.empty_like(q)
-    args = _FlashArgs(q.data_ptr(), kp.data_ptr(), vp.data_ptr(), out.data_ptr(), n, ctx, ld, heads, kv_heads, d, scale)
+    if out is None:
+        out = torch.empty_like(q)
+    elif not out.is_contiguous() or out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"flash prefill attention: out must be a contiguous {tuple(q.shape)} {q.dtype} tensor")
+    args = _FlashArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, ctx, heads, kv_heads, d,
+                      k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale)
+    pairs = q.dtype == torch.bfloat16 and lib.flash_prefill_bf16_pairs() == 1
     mode = _FLASH_BF16_PAIRS if pairs else _FLOAT_DTYPES[q.dtype]
     status = lib.flash_prefill(ctypes.byref(args), mode, torch.get_num_threads())
     if status == -3:
-        raise MemoryError("flash prefill attention: out of memory for its per-thread scratch")
+        raise MemoryError("flash prefill attention: out of memory for its packed K/V and per-thread scratch")
     return out if status == 0 else None
 
 

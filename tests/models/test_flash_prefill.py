@@ -12,15 +12,6 @@ LIB = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler to build the CPU kernels")
 
 
-def _reference(q, k, v, scale):
-    """q: [n, heads, d]; k, v: [kv_heads, ctx, d]; query i at position ctx - n + i."""
-    n, ctx = q.shape[0], k.shape[1]
-    mask = torch.arange(ctx).unsqueeze(0) <= torch.arange(ctx - n, ctx).unsqueeze(1)
-    o = F.scaled_dot_product_attention(q.double().transpose(0, 1)[None], k.double()[None], v.double()[None],
-                                       attn_mask=mask, scale=scale, enable_gqa=True)
-    return o[0].transpose(0, 1)
-
-
 def _inputs(n, ctx, heads, kv_heads, d, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(n, heads, d, generator=g).to(dtype), torch.randn(kv_heads, ctx, d, generator=g).to(dtype),
@@ -49,14 +40,14 @@ def bf16_form(request, monkeypatch):
     (100, 200, 4, 2, 128),  # two 64-wide slices of the accumulator
     (40, 0, 128, 1, 16),  # a group wider than a work item: one query position per item
 ])
-def test_fp32_matches_float64(n, past, heads, kv_heads, d):
+def test_fp32_matches_float64(n, past, heads, kv_heads, d, attention_float64):
     q, k, v = _inputs(n, past + n, heads, kv_heads, d, seed=n + past)
     out = cpu_kernels.flash_prefill(q, k, v, d ** -0.5)
     assert out.shape == q.shape and out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), _reference(q, k, v, d ** -0.5), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(out.double(), attention_float64(q, k, v, d ** -0.5), atol=2e-6, rtol=1e-5)
 
 
-def test_running_max_that_keeps_growing_and_large_scores():
+def test_running_max_that_keeps_growing_and_large_scores(attention_float64):
     """Scores that rise along the keys by far more than the lazy-rescale margin, and scores in the
     hundreds: the running max moves many times, nothing overflows, and the error stays that of
     PyTorch's own fp32 attention (fp32 scores in the hundreds carry ~1e-5 of rounding)."""
@@ -65,7 +56,7 @@ def test_running_max_that_keeps_growing_and_large_scores():
     for scale in (0.125, 1.0):
         out = cpu_kernels.flash_prefill(q, k, v, scale)
         assert torch.isfinite(out).all()
-        exact = _reference(q, k, v, scale)
+        exact = attention_float64(q, k, v, scale)
         torch_fp32 = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], is_causal=True,
                                                     scale=scale, enable_gqa=True)[0].transpose(0, 1)
         ours, theirs = (out.double() - exact).abs(), (torch_fp32.double() - exact).abs()
@@ -73,7 +64,7 @@ def test_running_max_that_keeps_growing_and_large_scores():
         assert ours.max() <= 1.5 * theirs.max(), (ours.max(), theirs.max())
 
 
-def test_strided_k_v_as_the_engine_passes_them():
+def test_strided_k_v_as_the_engine_passes_them(attention_float64):
     """The engine hands over K and V of a fresh prefill as transposed views of the projected rows."""
     g = torch.Generator().manual_seed(5)
     q = torch.randn(90, 6, 32, generator=g)
@@ -81,17 +72,17 @@ def test_strided_k_v_as_the_engine_passes_them():
     k, v = k_rows.transpose(0, 1), v_rows.transpose(0, 1)
     assert not k.is_contiguous()
     out = cpu_kernels.flash_prefill(q, k, v, 0.2)
-    torch.testing.assert_close(out.double(), _reference(q, k, v, 0.2), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(out.double(), attention_float64(q, k, v, 0.2), atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("n,past", [(600, 0), (77, 300)])
-def test_bf16_is_as_accurate_as_pytorchs_own_bf16_attention(n, past, bf16_form):
+def test_bf16_is_as_accurate_as_pytorchs_own_bf16_attention(n, past, bf16_form, attention_float64):
     """PyTorch's bf16 flash attention (scores and softmax fp32, probabilities rounded to bf16) is the
     yardstick for both forms of the bf16 products."""
     q, k, v = _inputs(n, past + n, 6, 2, 64, dtype=torch.bfloat16, seed=n)
     out = cpu_kernels.flash_prefill(q, k, v, 0.125)
     assert out.dtype == torch.bfloat16
-    exact = _reference(q, k, v, 0.125)
+    exact = attention_float64(q, k, v, 0.125)
     mask = torch.arange(past + n).unsqueeze(0) <= torch.arange(past, past + n).unsqueeze(1)
     torch_bf16 = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
                                                 scale=0.125, enable_gqa=True)[0].transpose(0, 1)
@@ -107,3 +98,15 @@ def test_shapes_the_kernel_does_not_take_are_left_to_pytorch():
     assert cpu_kernels.flash_prefill(q, k, v, 0.2) is None
     q, k, v = _inputs(8, 4, 4, 2, 32)  # more queries than context
     assert cpu_kernels.flash_prefill(q, k, v, 0.2) is None
+    q, k, v = _inputs(8, 8, 4, 2, 32)  # K and V in another dtype than q (the caller converts them)
+    assert cpu_kernels.flash_prefill(q, k.bfloat16(), v.bfloat16(), 0.2) is None
+
+
+def test_writes_into_the_given_output_and_checks_it(attention_float64):
+    q, k, v = _inputs(20, 50, 4, 2, 32)
+    out = torch.full((30, 4, 32), float("nan"))
+    assert cpu_kernels.flash_prefill(q, k, v, 0.2, out=out[5:25]) is not None
+    torch.testing.assert_close(out[5:25].double(), attention_float64(q, k, v, 0.2), atol=2e-6, rtol=1e-5)
+    assert out[:5].isnan().all() and out[25:].isnan().all()  # nothing written outside it
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_kernels.flash_prefill(q, k, v, 0.2, out=torch.empty(20, 32, 4).transpose(1, 2))

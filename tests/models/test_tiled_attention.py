@@ -13,15 +13,6 @@ from pdserve.models.attention import _tiled_causal_attention
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
 
-def _reference(q, k, v, scale):
-    """q: [n, heads, d]; k, v: [kv_heads, ctx, d]; query i at position ctx - n + i."""
-    n, ctx = q.shape[0], k.shape[1]
-    mask = torch.arange(ctx).unsqueeze(0) <= torch.arange(ctx - n, ctx).unsqueeze(1)
-    o = F.scaled_dot_product_attention(q.double().transpose(0, 1)[None], k.double()[None], v.double()[None],
-                                       attn_mask=mask, scale=scale, enable_gqa=True)
-    return o[0].transpose(0, 1)
-
-
 @pytest.mark.parametrize("n,past,heads,kv_heads", [
     (1, 0, 4, 4),  # one row
     (attention._TILE, 0, 9, 3),  # exactly one tile
@@ -29,7 +20,7 @@ def _reference(q, k, v, scale):
     (257, 40, 8, 2),  # a cached prefix before the queries
     (130, 700, 6, 1),  # prefix far longer than the queries (MQA)
 ])
-def test_matches_sdpa(n, past, heads, kv_heads):
+def test_matches_sdpa(n, past, heads, kv_heads, attention_float64):
     g = torch.Generator().manual_seed(n + past)
     d = 32
     q = torch.randn(n, heads, d, generator=g)
@@ -37,17 +28,17 @@ def test_matches_sdpa(n, past, heads, kv_heads):
     v = torch.randn(kv_heads, past + n, d, generator=g)
     out = _tiled_causal_attention(q, k, v, d ** -0.5)
     assert out.shape == q.shape and out.dtype == q.dtype
-    torch.testing.assert_close(out.double(), _reference(q, k, v, d ** -0.5), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(out.double(), attention_float64(q, k, v, d ** -0.5), atol=2e-6, rtol=1e-5)
 
 
-def test_bf16_is_as_accurate_as_pytorchs_own_bf16_attention():
+def test_bf16_is_as_accurate_as_pytorchs_own_bf16_attention(attention_float64):
     """Scores and softmax in fp32, probabilities rounded to bf16 for the P @ V product, as PyTorch's
     bf16 flash attention does: its error against float64 is the yardstick."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(*s, generator=g).bfloat16() for s in ((600, 6, 64), (2, 600, 64), (2, 600, 64)))
     out = _tiled_causal_attention(q, k, v, 0.125)
     assert out.dtype == torch.bfloat16
-    exact = _reference(q, k, v, 0.125)
+    exact = attention_float64(q, k, v, 0.125)
     torch_bf16 = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], is_causal=True, scale=0.125,
                                                 enable_gqa=True)[0].transpose(0, 1)
     ours, theirs = (out.double() - exact).abs(), (torch_bf16.double() - exact).abs()

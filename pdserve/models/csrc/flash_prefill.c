@@ -9,22 +9,24 @@
  * (the online softmax), so nothing of size queries x keys is ever stored. Blocks wholly above the
  * causal diagonal are never visited.
  *
- * Two forms of the products:
+ * K and V are first packed (in parallel, once per call) into the layout the register tiles read,
+ * padded with zeros to ld keys, a multiple of BK. Two forms of the products:
  * - fp32 (FLASH_F32, and FLASH_BF16 where the CPU lacks AVX512-BF16): q is widened when a work item
- *   starts; K arrives as an fp32 copy transposed, [kv_heads, d, ld], and V as [kv_heads, ld, d].
- *   The register tiles use GCC vector extensions, so the compiler emits AVX-512 here and narrower
- *   vectors elsewhere.
+ *   starts; K is packed transposed, [kv_heads, d, ld] fp32, and V as [kv_heads, ld, d] fp32. The
+ *   register tiles use GCC vector extensions, so the compiler emits AVX-512 here and narrower vectors
+ *   elsewhere.
  * - bf16 (FLASH_BF16_PAIRS, only where flash_prefill_bf16_pairs() says the build has AVX512-BF16):
- *   both products take bf16 pairs with fp32 accumulation (vdpbf16ps), twice the fp32 rate. K arrives
- *   as [kv_heads, d / 2, ld, 2] (for each pair of dimensions, each key's two values) and V as
+ *   both products take bf16 pairs with fp32 accumulation (vdpbf16ps), twice the fp32 rate. K is
+ *   packed as [kv_heads, d / 2, ld, 2] (for each pair of dimensions, each key's two values) and V as
  *   [kv_heads, ld / 2, d, 2] (for each pair of keys, each dimension's two values). The probabilities
  *   are rounded to bf16 for P @ V, as PyTorch's bf16 flash attention rounds them; their sum is not.
  * Scores, the softmax and the accumulators are fp32 in both.
  *
  * q: [n, heads, d] fp32 or bf16, contiguous; query i sits at position ctx - n + i and sees keys
  *    0 .. ctx - n + i.
- * kt, v: as above, ld >= ctx rounded up to BK, keys past ctx zero.
- * out: [n, heads, d] in q's dtype (bf16 rounded to nearest even).
+ * k, v: in q's dtype, key t of KV head h at h * head_stride + t * token_stride (elements), each key's
+ *    d values contiguous.
+ * out: [n, heads, d] in q's dtype (bf16 rounded to nearest even), contiguous.
  */
 #include <float.h>
 #include <math.h>
@@ -50,12 +52,17 @@ enum { LANES = 16, BK = 64, MR = 6, TARGET_ROWS = 96 };
 #define LAZY_MAX 8.0f
 
 struct flash_args {
-    const void *q;
-    const void *kt;
-    const void *v;
+    const void *q, *k, *v;
     void *out;
-    int64_t n, ctx, ld, heads, kv_heads, head_dim;
+    int64_t n, ctx, heads, kv_heads, head_dim;
+    int64_t k_head_stride, k_token_stride, v_head_stride, v_token_stride;
     float scale;
+};
+
+/* K and V packed for the tiles (see the top of the file), ld keys per KV head. */
+struct packed {
+    void *k, *v;
+    int64_t ld;
 };
 
 static inline vf vload(const float *p) { return *(const vf_u *)p; }
@@ -294,24 +301,24 @@ static void softmax_step(float *s, int64_t vis, float scale, float *m, float *l,
 #endif
 
 /* One KV head, query positions [q0, q1): rows (i - q0) * group + g for query head kvh * group + g. */
-static void work_item(const struct flash_args *a, int mode, int64_t kvh, int64_t q0, int64_t q1,
-                      const struct scratch *w) {
+static void work_item(const struct flash_args *a, int mode, const struct packed *kv, int64_t kvh, int64_t q0,
+                      int64_t q1, const struct scratch *w) {
     const int64_t d = a->head_dim, group = a->heads / a->kv_heads, past = a->ctx - a->n;
     const int64_t real = (q1 - q0) * group, rows = (real + MR - 1) / MR * MR;
     load_rows(a, mode, kvh, q0, real, rows, w);
-    const int64_t head_elems = d * a->ld;  /* K and V of one KV head, in elements of either form */
+    const int64_t head_elems = d * kv->ld;  /* K and V of one KV head, in elements of either form */
     const int64_t key_end = past + q1;  /* the last query of the item sees keys [0, key_end) */
     for (int64_t kb = 0; kb < key_end; kb += BK) {
         const int64_t kn = key_end - kb < BK ? key_end - kb : BK;
         for (int64_t r = 0; r < rows; r += MR) {
 #ifdef __AVX512BF16__
             if (mode == FLASH_BF16_PAIRS) {
-                qk_tile_bf16((const uint16_t *)w->q + r * d, d, (const uint16_t *)a->kt + kvh * head_elems + kb * 2,
-                             a->ld, w->s + r * BK);
+                qk_tile_bf16((const uint16_t *)w->q + r * d, d, (const uint16_t *)kv->k + kvh * head_elems + kb * 2,
+                             kv->ld, w->s + r * BK);
                 continue;
             }
 #endif
-            qk_tile((const float *)w->q + r * d, d, (const float *)a->kt + kvh * head_elems + kb, a->ld, w->s + r * BK);
+            qk_tile((const float *)w->q + r * d, d, (const float *)kv->k + kvh * head_elems + kb, kv->ld, w->s + r * BK);
         }
         for (int64_t r = 0; r < rows; r++) {
             const int64_t i = q0 + (r < real ? r : real - 1) / group;
@@ -323,11 +330,11 @@ static void work_item(const struct flash_args *a, int mode, int64_t kvh, int64_t
         for (int64_t r = 0; r < rows; r += MR) {
 #ifdef __AVX512BF16__
             if (mode == FLASH_BF16_PAIRS) {
-                pv_rows_bf16(w->p + r * BK, kn, (const uint16_t *)a->v + kvh * head_elems + kb * d, d, w->o + r * d);
+                pv_rows_bf16(w->p + r * BK, kn, (const uint16_t *)kv->v + kvh * head_elems + kb * d, d, w->o + r * d);
                 continue;
             }
 #endif
-            pv_rows(w->s + r * BK, kn, (const float *)a->v + kvh * head_elems + kb * d, d, w->o + r * d);
+            pv_rows(w->s + r * BK, kn, (const float *)kv->v + kvh * head_elems + kb * d, d, w->o + r * d);
         }
     }
     for (int64_t r = 0; r < real; r++) {
@@ -340,22 +347,61 @@ static void work_item(const struct flash_args *a, int mode, int64_t kvh, int64_t
     }
 }
 
+static inline float widen(const void *p, int64_t i, int mode) {
+    return mode == FLASH_F32 ? ((const float *)p)[i] : bf16_in(((const uint16_t *)p)[i]);
+}
+
+/* Packs keys [t0, t0 + BK) of KV head h (zeros past ctx) into kv, in the form `mode` reads. The
+ * loops run along the packed rows, so every write is sequential; the reads of one block stay in L1. */
+static void pack_block(const struct flash_args *a, int mode, const struct packed *kv, int64_t h, int64_t t0) {
+    const int64_t d = a->head_dim, ld = kv->ld, base = h * d * ld;
+    const int64_t kh = h * a->k_head_stride, vh = h * a->v_head_stride;
+    const int64_t valid = a->ctx - t0 < BK ? (a->ctx - t0 > 0 ? a->ctx - t0 : 0) : BK;
+    if (mode == FLASH_BF16_PAIRS) {  /* K [d / 2][ld][2], V [ld / 2][d][2] */
+        const uint16_t *ks = (const uint16_t *)a->k + kh, *vs = (const uint16_t *)a->v + vh;
+        for (int64_t x = 0; x < d; x += 2) {
+            uint16_t *k = (uint16_t *)kv->k + base + ((x / 2) * ld + t0) * 2;
+            for (int64_t t = 0; t < BK; t++) {
+                k[2 * t] = t < valid ? ks[(t0 + t) * a->k_token_stride + x] : 0;
+                k[2 * t + 1] = t < valid ? ks[(t0 + t) * a->k_token_stride + x + 1] : 0;
+            }
+        }
+        for (int64_t t = 0; t < BK; t++) {
+            uint16_t *v = (uint16_t *)kv->v + base + ((t0 + t) / 2) * d * 2 + t % 2;
+            for (int64_t x = 0; x < d; x++) v[2 * x] = t < valid ? vs[(t0 + t) * a->v_token_stride + x] : 0;
+        }
+    } else {  /* K [d][ld], V [ld][d], fp32 */
+        for (int64_t x = 0; x < d; x++) {
+            float *k = (float *)kv->k + base + x * ld + t0;
+            for (int64_t t = 0; t < BK; t++) k[t] = t < valid ? widen(a->k, kh + (t0 + t) * a->k_token_stride + x, mode) : 0.0f;
+        }
+        for (int64_t t = 0; t < BK; t++) {
+            float *v = (float *)kv->v + base + (t0 + t) * d;
+            for (int64_t x = 0; x < d; x++) v[x] = t < valid ? widen(a->v, vh + (t0 + t) * a->v_token_stride + x, mode) : 0.0f;
+        }
+    }
+}
+
 /* Returns 0; -1 for arguments the kernel does not take (head_dim not a multiple of 16, heads not a
- * multiple of kv_heads, a chunk longer than its context, ld too short, FLASH_BF16_PAIRS in a build
- * without AVX512-BF16); -3 when out of memory. */
+ * multiple of kv_heads, a chunk longer than its context, FLASH_BF16_PAIRS in a build without
+ * AVX512-BF16); -3 when out of memory. */
 int flash_prefill(const struct flash_args *a, int mode, int num_threads) {
     if (a->n < 1 || a->ctx < a->n || a->kv_heads < 1 || a->heads % a->kv_heads || a->head_dim < LANES ||
-        a->head_dim % LANES || a->ld < (a->ctx + BK - 1) / BK * BK ||
-        (mode != FLASH_F32 && mode != FLASH_BF16 && mode != FLASH_BF16_PAIRS) ||
+        a->head_dim % LANES || (mode != FLASH_F32 && mode != FLASH_BF16 && mode != FLASH_BF16_PAIRS) ||
         (mode == FLASH_BF16_PAIRS && !flash_prefill_bf16_pairs()))
         return -1;
     const int64_t group = a->heads / a->kv_heads, d = a->head_dim;
     const int64_t bq = group >= TARGET_ROWS ? 1 : TARGET_ROWS / group;  /* query positions per item */
     const int64_t blocks = (a->n + bq - 1) / bq, items = blocks * a->kv_heads;
     const int64_t max_rows = (bq * group + MR - 1) / MR * MR;
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads)
+    const int64_t key_blocks = (a->ctx + BK - 1) / BK;
+    const size_t kv_bytes = (size_t)a->kv_heads * key_blocks * BK * d * (mode == FLASH_BF16_PAIRS ? 2 : 4);
+    struct packed kv = {malloc(kv_bytes), malloc(kv_bytes), key_blocks * BK};
+    int failed = !kv.k || !kv.v;
+#pragma omp parallel num_threads(num_threads) if (!failed)
     {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < a->kv_heads * key_blocks; t++) pack_block(a, mode, &kv, t / key_blocks, t % key_blocks * BK);
         /* q, o: max_rows x d floats; s: max_rows x BK; m, l: max_rows; p: max_rows x BK bf16. */
         float *buf = malloc((size_t)max_rows * (2 * d + BK + 2 + BK / 2) * sizeof(float));
         if (!buf) {
@@ -376,9 +422,11 @@ int flash_prefill(const struct flash_args *a, int mode, int num_threads) {
             if (!buf) continue;
             const int64_t qb = blocks - 1 - t / a->kv_heads, kvh = t % a->kv_heads;
             const int64_t q0 = qb * bq, q1 = q0 + bq < a->n ? q0 + bq : a->n;
-            work_item(a, mode, kvh, q0, q1, &w);
+            work_item(a, mode, &kv, kvh, q0, q1, &w);
         }
         free(buf);
     }
+    free(kv.k);
+    free(kv.v);
     return failed ? -3 : 0;
 }
