@@ -218,14 +218,10 @@ static void load_rows(const struct flash_args *a, int mode, int64_t kvh, int64_t
     memset(w->o, 0, rows * d * sizeof(float));
 }
 
-/* The online softmax of row r over one key block whose first `vis` scores it may see: the
- * probabilities (relative to the running max m) replace the scores, and go to p as bf16 when p is not
- * NULL; zero past vis. The running sum moves on; when m moves, the row's accumulator and sum are
- * rescaled to it. */
 #ifdef __AVX512F__
-/* e^x for x <= LAZY_MAX, to a few ulp: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, so r is exact
- * to fp32), e^r by its Taylor series to r^6 (error < 1.3e-7 relative), times 2^n by scalef, which
- * flushes to zero below the smallest normal power. libmvec's expf costs about twice as much here. */
+/* e^x for x <= LAZY_MAX, to a few ulp: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, so r is
+ * exact to fp32), e^r by its Taylor series to r^6 (error < 1.3e-7 relative), times 2^n by scalef,
+ * which flushes to zero below the smallest normal power. */
 static inline __m512 exp_bounded(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
@@ -242,6 +238,10 @@ static inline __m512 exp_bounded(__m512 x) {
     return _mm512_scalef_ps(e, n);
 }
 
+/* The online softmax of row r over one key block whose first `vis` scores it may see: the
+ * probabilities (relative to the running max m) replace the scores, and go to p as bf16 when p is not
+ * NULL; zero past vis. The running sum moves on; when m moves, the row's accumulator and sum are
+ * rescaled to it. */
 static void softmax_step(float *s, int64_t vis, float scale, float *m, float *l, float *o, int64_t d, uint16_t *p) {
     __m512 x[BK / LANES];
     __mmask16 keep[BK / LANES];
@@ -275,6 +275,7 @@ static void softmax_step(float *s, int64_t vis, float scale, float *m, float *l,
         for (int64_t x0 = 0; x0 < d; x0++) o[x0] *= corr;
 }
 #else
+/* softmax_step above, in plain C. */
 static void softmax_step(float *s, int64_t vis, float scale, float *m, float *l, float *o, int64_t d, uint16_t *p) {
     float mx = -FLT_MAX;
     for (int64_t j = 0; j < vis; j++) {
@@ -397,8 +398,13 @@ int flash_prefill(const struct flash_args *a, int mode, int num_threads) {
     const int64_t key_blocks = (a->ctx + BK - 1) / BK;
     const size_t kv_bytes = (size_t)a->kv_heads * key_blocks * BK * d * (mode == FLASH_BF16_PAIRS ? 2 : 4);
     struct packed kv = {malloc(kv_bytes), malloc(kv_bytes), key_blocks * BK};
-    int failed = !kv.k || !kv.v;
-#pragma omp parallel num_threads(num_threads) if (!failed)
+    if (!kv.k || !kv.v) {
+        free(kv.k);
+        free(kv.v);
+        return -3;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < a->kv_heads * key_blocks; t++) pack_block(a, mode, &kv, t / key_blocks, t % key_blocks * BK);
