@@ -231,16 +231,14 @@ class ModelRunner:
                 sample_rows.append(row + n - 1)
         max_blocks = max((len(t) for t in decode_tables), default=0)
         table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long, device=dev)
-        lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
-        mask = (torch.arange(max_blocks * T, device=dev).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
         md = AttentionMetadata(
             slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
             slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=dev),
             prefills=prefills,
             decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=dev),
             decode_blocks=table.view(len(decode_tables), max_blocks),
-            decode_mask=mask,
-            decode_lens=lens,
+            decode_lens=torch.tensor(decode_lens, dtype=torch.long, device=dev),
+            tokens_per_block=T,
             decode_only=not prefills,
         )
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),

@@ -19,6 +19,7 @@ shorter ones SDPA.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -44,9 +45,17 @@ class AttentionMetadata:
     prefills: list[SeqSlice]  # sequences with q_len > 1 (or whose q_len == ctx_len)
     decode_rows: torch.Tensor  # [n_decode] row of each single-token sequence in the batch
     decode_blocks: torch.Tensor  # [n_decode, max_blocks] block table, padded with 0
-    decode_mask: torch.Tensor  # [n_decode, 1, 1, max_blocks * tokens_per_block] True = attend
     decode_lens: torch.Tensor  # [n_decode] int64 tokens each decode sequence attends to
+    tokens_per_block: int
     decode_only: bool = False  # every row is a decode row, in order (skips the row gather/scatter)
+
+    @cached_property
+    def decode_mask(self) -> torch.Tensor:
+        """[n_decode, 1, 1, max_blocks * tokens_per_block], True = attend: what the PyTorch decode path
+        (gather + SDPA) needs; built on first use, once per step."""
+        span = self.decode_blocks.shape[1] * self.tokens_per_block
+        keys = torch.arange(span, device=self.decode_lens.device)
+        return (keys.unsqueeze(0) < self.decode_lens.unsqueeze(1))[:, None, None, :]
 
 
 # Without the native kernels, a prefill of at least this many tokens takes the tiled oneDNN path on CPU;
