@@ -12,8 +12,8 @@ Prefills on CPU do not use SDPA, whose CPU flash kernel runs its tiles on the ge
 native kernel `cpu_kernels.flash_prefill` takes them (a 2048-token causal attention layer of SmolLM2
 on the development machine: SDPA ~34 ms, the kernel ~13 ms in fp32 and ~8 ms in bf16).
 Without the native kernels, prefills of TILED_MIN_TOKENS or more take `_tiled_causal_attention`,
-exact softmax attention tile by tile with oneDNN's GEMMs (18-23 ms in fp32 on a quiet machine), and
-shorter ones SDPA.
+exact softmax attention tile by tile with oneDNN's GEMMs (18-36 ms in fp32 across runs, the machine's
+speed moving with them), and shorter ones SDPA.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Shared by the attention kernel tests: the oracle they all compare with."""
+"""Shared by the attention kernel tests: the float64 oracle, and the yardstick of PyTorch's own error."""
 
 from __future__ import annotations
 
@@ -19,3 +19,15 @@ def _causal_attention_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 @pytest.fixture(scope="session")
 def attention_float64():
     return _causal_attention_float64
+
+
+def _as_accurate_as(ours: torch.Tensor, theirs: torch.Tensor, exact: torch.Tensor, max_ratio: float) -> None:
+    """`ours` is off `exact` by at most 1.25x `theirs`'s mean error and max_ratio x its largest one."""
+    ours, theirs = (ours.double() - exact).abs(), (theirs.double() - exact).abs()
+    assert ours.mean() <= 1.25 * theirs.mean(), (ours.mean(), theirs.mean())
+    assert ours.max() <= max_ratio * theirs.max(), (ours.max(), theirs.max())
+
+
+@pytest.fixture(scope="session")
+def as_accurate_as():
+    return _as_accurate_as

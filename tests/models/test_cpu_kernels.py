@@ -2,8 +2,9 @@
 
 Paged decode attention: each case builds a real pool in the engine's layout, scatters sequences over
 random blocks, and compares the kernel with softmax attention computed in float64 from K/V read back
-through PagedKVCache.gather. Causal softmax: a prefill tile's scores against a float64 softmax under
-the same mask. The kernels are built by the machine's C compiler, as in production."""
+through PagedKVCache.gather. RMSNorm and the RoPE/cache write: against the PyTorch ops they replace.
+(The flash prefill attention has its own file.) The kernels are built by the machine's C compiler, as
+in production."""
 
 from __future__ import annotations
 
