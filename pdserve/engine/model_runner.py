@@ -90,7 +90,7 @@ class ModelRunner:
         with torch.device(device):
             self.model = LlamaForCausalLM(model_cfg, ps, self.dtype, max_model_len)
         load_weights(self.model, model_dir, show_progress=ps.rank == 0)
-        pack_for_cpu(self.model)
+        pack_for_cpu(self.model, gemv=ecfg.cpu_decode_gemv)
         self.num_blocks = num_kv_blocks(model_cfg, ecfg, self.kv_dtype)
         attn = self.model.layers[0].self_attn.qkv_proj if self.model.layers else None
         kv_heads = attn.num_kv_heads if attn else max(1, model_cfg.num_kv_heads // ps.tp_size)

@@ -10,6 +10,8 @@
   bit-identical to the PyTorch ops it replaces (some fifteen a layer).
 - RMSNorm (`csrc/rms_norm.c`): one call instead of five to eight PyTorch ops, which at a decode step
   cost more in dispatch than in arithmetic.
+- a GEMV for batch-1 decode (`csrc/skinny_linear.c`): one row times a plain weight matrix, streamed at
+  the machine's read bandwidth; oneDNN's GEMM is slower at one row (and faster at more).
 
 Every `csrc/*.c` goes into one library.
 
@@ -132,8 +134,9 @@ def _cpu_signature() -> str:
     return platform.machine()
 
 
-def build(sources: list[Path] = SOURCES, cache_dir: Path | None = None) -> Path:
-    """Compile `sources` into one library in the kernel cache (once per sources, flags, compiler and CPU)."""
+def build(sources: list[Path] = SOURCES, cache_dir: Path | None = None, flags: list[str] = FLAGS) -> Path:
+    """Compile `sources` into one library in the kernel cache (once per sources, flags, compiler and CPU).
+    Tests pass other `flags` to build a kernel's form for CPUs without some instructions."""
     compiler = os.environ.get("CC", "cc")
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -141,14 +144,14 @@ def build(sources: list[Path] = SOURCES, cache_dir: Path | None = None) -> Path:
         raise KernelBuildError(f"no working C compiler {compiler!r} ({exc}); set CC or install gcc") from exc
     headers = sorted({h for src in sources for h in src.parent.glob("*.h")})
     texts = [f"{f.name}\0{f.read_text()}" for f in [*sources, *headers]]
-    key = hashlib.sha256("\0".join([*texts, *FLAGS, *LIBS, version, _cpu_signature()]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([*texts, *flags, *LIBS, version, _cpu_signature()]).encode()).hexdigest()
     cache_dir = cache_dir or _cache_dir()
     target = cache_dir / f"pdserve_kernels-{key[:16]}.so"
     if target.exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = cache_dir / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
-    cmd = [compiler, *FLAGS, "-o", str(tmp), *map(str, sources), *LIBS]
+    cmd = [compiler, *flags, "-o", str(tmp), *map(str, sources), *LIBS]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
@@ -190,6 +193,8 @@ def load() -> ctypes.CDLL | None:
         lib.rms_norm.restype = ctypes.c_int
         lib.flash_prefill.argtypes = [ctypes.POINTER(_FlashArgs), ctypes.c_int, ctypes.c_int]
         lib.flash_prefill.restype = ctypes.c_int
+        lib.skinny_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_int, ctypes.c_int]
+        lib.skinny_linear.restype = ctypes.c_int
         lib.flash_prefill_bf16_pairs.argtypes = []
         lib.flash_prefill_bf16_pairs.restype = ctypes.c_int
         _lib = lib
@@ -263,6 +268,31 @@ def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     status = lib.flash_prefill(ctypes.byref(args), mode, torch.get_num_threads())
     if status == -3:
         raise MemoryError("flash prefill attention: out of memory for its packed K/V and per-thread scratch")
+    return out if status == 0 else None
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [..., in] @ weight [out, in] (plain, contiguous) + bias [out], for x of one or a few rows (a
+    decode step); fp32 or bf16, all one dtype. The sums are fp32 and rounded once, after the bias. A
+    row's result does not depend on the other rows. Returns [..., out], or None where the kernel does
+    not apply (no library or no AVX-512, another dtype or device, a packed or strided weight)."""
+    k = x.shape[-1]
+    if (x.device.type != "cpu" or x.dtype not in _FLOAT_DTYPES or weight.is_mkldnn or weight.dtype != x.dtype
+            or weight.dim() != 2 or weight.shape[1] != k or not weight.is_contiguous()
+            or (bias is not None and (bias.dtype != x.dtype or bias.shape != weight.shape[:1]
+                                      or not bias.is_contiguous()))):
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    n = weight.shape[0]
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    status = lib.skinny_linear(rows.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                               out.data_ptr(), rows.shape[0], n, k, rows.stride(0), n, _FLOAT_DTYPES[x.dtype],
+                               torch.get_num_threads())
     return out if status == 0 else None
 
 

@@ -47,7 +47,7 @@ def test_batched_matches_transformers(tiny, layout):
     assert _run(d, prompts, kv_layout=layout) == ref
 
 
-_NATIVE = ("paged_decode_attention", "flash_prefill", "rope_cache_write", "rms_norm")
+_NATIVE = ("paged_decode_attention", "flash_prefill", "rope_cache_write", "rms_norm", "skinny_linear")
 
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
@@ -59,6 +59,21 @@ def test_pytorch_paths_match_transformers(tiny, layout, missing, monkeypatch):
         monkeypatch.setattr(cpu_kernels, name, lambda *args, **kwargs: None)
     d, prompts, ref = tiny
     assert _run(d, prompts, kv_layout=layout) == ref
+
+
+@pytest.mark.parametrize("gemv", [True, False], ids=["gemv", "onednn only"])
+def test_one_sequence_at_a_time_with_and_without_the_gemv(tiny, gemv):
+    """Batch-1 decode steps run the linears through the native GEMV on a plain copy of each weight
+    (`cpu_decode_gemv`, the default), or through oneDNN's packed weights only; tokens must not move."""
+    from pdserve.models.layers import _LINEARS
+
+    d, prompts, ref = tiny
+    with LLM(EngineConfig(model=str(d), tokens_per_block=8, max_num_seqs=1, cpu_decode_gemv=gemv)) as llm:
+        linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, _LINEARS)]
+        kept = [m.gemv_weight for m in linears if m.gemv_weight is not None]
+        assert len(kept) == (len(linears) if gemv and cpu_kernels.load() is not None else 0)
+        assert all(not w.is_mkldnn and w.is_contiguous() for w in kept)
+        assert [c.token_ids for c in llm.generate(prompts, GREEDY)] == ref
 
 
 def test_unbatched_and_chunked_prefill_match(tiny):
