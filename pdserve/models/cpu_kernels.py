@@ -36,6 +36,7 @@ import platform
 import subprocess
 import threading
 import uuid
+import weakref
 from pathlib import Path
 
 import torch
@@ -69,6 +70,22 @@ def _pool_view(pool: torch.Tensor, layout: str, layer: int) -> _PoolView:
                      tokens, pool.shape[-1])
 
 
+_views: dict[int, tuple[weakref.ref, dict[tuple[str, int], _PoolView]]] = {}
+
+
+def _layer_view(pool: torch.Tensor, layout: str, layer: int) -> _PoolView:
+    """`_pool_view`, built once per pool, layout and layer: a decode step asks for every layer's view
+    on every step, and building one costs about a microsecond."""
+    key = id(pool)
+    entry = _views.get(key)
+    if entry is None or entry[0]() is not pool:
+        entry = _views[key] = (weakref.ref(pool, lambda _, key=key: _views.pop(key, None)), {})
+    view = entry[1].get((layout, layer))
+    if view is None:
+        view = entry[1][(layout, layer)] = _pool_view(pool, layout, layer)
+    return view
+
+
 class _DecodeArgs(ctypes.Structure):
     """Mirror of `decode_args` in csrc/paged_decode.c; field order and types must match."""
 
@@ -81,7 +98,9 @@ class _DecodeArgs(ctypes.Structure):
         ("heads", ctypes.c_int64),
         ("scale", ctypes.c_float),
         ("q", ctypes.c_void_p),
+        ("q_seq_stride", ctypes.c_int64),
         ("out", ctypes.c_void_p),
+        ("io_dtype", ctypes.c_int64),
     ]
 
 
@@ -202,14 +221,13 @@ def load() -> ctypes.CDLL | None:
 
 
 def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layout: str, layer: int, block_table: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float,
-                           out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+                           context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
     """Attention of one query per sequence against its paged K/V.
 
-    q: [b, heads, d]; pool: the rank's KV pool (attention.PagedKVCache's layout); block_table:
-    [b, max_blocks] int64, padded; context_lens: [b] int64. Returns [b, heads, d] in `out_dtype`
-    (default q's dtype), or None where the kernel does not apply (not on CPU, no library, an
-    unsupported dtype or shape), in which case the caller takes the PyTorch path.
+    q: [b, heads, d] (heads and d contiguous, any stride between sequences); pool: the rank's KV pool
+    (attention.PagedKVCache's layout); block_table: [b, max_blocks] int64, padded; context_lens: [b]
+    int64. Returns [b, heads, d] in q's dtype, or None where the kernel does not apply (not on CPU, no
+    library, an unsupported dtype or shape), in which case the caller takes the PyTorch path.
     """
     if pool.device.type != "cpu" or pool.dtype not in _KV_DTYPES or pool.stride(-1) != 1:
         return None
@@ -221,20 +239,21 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layout: str, lay
     b, heads, d = q.shape
     if d != pool.shape[-1]:
         raise ValueError(f"query head_dim {d} does not match the pool's {pool.shape[-1]}")
-    qf = q.float().contiguous()
+    io = _FLOAT_DTYPES.get(q.dtype)
+    qk = q if io is not None and q.stride(2) == 1 and q.stride(1) == d else q.float().contiguous()
+    io = _FLOAT_DTYPES[qk.dtype]
     table = block_table.contiguous()
     lens = context_lens.contiguous()
-    out = torch.empty(b, heads, d, dtype=torch.float32)
-    args = _DecodeArgs(_pool_view(pool, layout, layer), table.data_ptr(), table.shape[1], lens.data_ptr(), b, heads,
-                       scale, qf.data_ptr(), out.data_ptr())
+    out = torch.empty(b, heads, d, dtype=qk.dtype)
+    args = _DecodeArgs(_layer_view(pool, layout, layer), table.data_ptr(), table.shape[1], lens.data_ptr(), b, heads,
+                       scale, qk.data_ptr(), qk.stride(0), out.data_ptr(), io)
     status = lib.paged_decode_attention(ctypes.byref(args), _KV_DTYPES[pool.dtype], torch.get_num_threads())
     if status == -2:
         raise IndexError(f"paged decode attention: a context length or block id is outside the block table "
                          f"[{table.shape[0]}, {table.shape[1]}] or the pool of {pool.shape[0]} blocks")
     if status != 0:
         return None
-    out_dtype = out_dtype or q.dtype
-    return out if out_dtype == torch.float32 else out.to(out_dtype)
+    return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
 def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -285,15 +304,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     lib = load()
     if lib is None:
         return None
-    rows = x.reshape(-1, k)
+    rows = x if x.dim() == 2 else x.reshape(-1, k)  # (a decode step's rows are already 2-D)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    n = weight.shape[0]
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    m, n = rows.shape[0], weight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype)
     status = lib.skinny_linear(rows.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                               out.data_ptr(), rows.shape[0], n, k, rows.stride(0), n, _FLOAT_DTYPES[x.dtype],
+                               out.data_ptr(), m, n, k, rows.stride(0), n, _FLOAT_DTYPES[x.dtype],
                                torch.get_num_threads())
-    return out if status == 0 else None
+    if status != 0:
+        return None
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -332,11 +353,12 @@ def rope_cache_write(qkv: torch.Tensor, heads: int, cos: torch.Tensor, signed_si
     if lib is None:
         return None
     n, width, d = qkv.shape
-    cos, signed_sin = cos.reshape(n, d).contiguous(), signed_sin.reshape(n, d).contiguous()
+    if not (cos.is_contiguous() and signed_sin.is_contiguous() and cos.numel() == signed_sin.numel() == n * d):
+        cos, signed_sin = cos.reshape(n, d).contiguous(), signed_sin.reshape(n, d).contiguous()  # else as they are
     blocks, offsets = slot_blocks.contiguous(), slot_offsets.contiguous()
     if blocks.dtype != torch.int64 or offsets.dtype != torch.int64:
         raise TypeError("slot_blocks and slot_offsets must be int64")
-    view = _pool_view(pool, layout, layer)
+    view = _layer_view(pool, layout, layer)
     if width != heads + 2 * view.kv_heads or d != view.head_dim:
         raise ValueError(f"qkv rows of {width} heads x {d} do not match {heads} query heads and the pool's "
                          f"{view.kv_heads} KV heads x {view.head_dim}")

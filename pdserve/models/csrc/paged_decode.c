@@ -9,8 +9,9 @@
  *
  * Addressing is the pool's affine formula (pool.h).
  *
- * Query heads [h * group, (h + 1) * group) share KV head h. q and out are contiguous fp32
- * [b, heads, d]. Compiled with -ffast-math so that the dot products vectorise (reassociated sums) and
+ * Query heads [h * group, (h + 1) * group) share KV head h. q is [b, heads, d] with heads and d
+ * contiguous and sequences q_seq_stride elements apart (a view into the step's q/k buffer), out is
+ * contiguous [b, heads, d]; both fp32 or both bf16 (io_dtype), the arithmetic fp32. Compiled with -ffast-math so that the dot products vectorise (reassociated sums) and
  * expf vectorises through glibc's libmvec.
  */
 #include <float.h>
@@ -31,9 +32,13 @@ typedef struct {
     const int64_t *context_lens; /* [b] */
     int64_t batch, heads;
     float scale;
-    const float *q;
-    float *out;
+    const void *q;
+    int64_t q_seq_stride;
+    void *out;
+    int64_t io_dtype; /* IO_F32 or IO_BF16, for q and out */
 } decode_args;
+
+enum { IO_F32 = 0, IO_BF16 = 1 };
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
 
@@ -66,9 +71,10 @@ static inline __attribute__((always_inline)) void decode_task(const decode_args 
                                                               int64_t h1, const int dtype, const int64_t d) {
     const int64_t T = a->cache.tokens_per_block, group = a->heads / a->cache.kv_heads, ctx = a->context_lens[seq];
     const int64_t nq = (h1 - h0) * group; /* query heads of this task */
-    const float *q = a->q + (seq * a->heads + h0 * group) * d;
-    float *out = a->out + (seq * a->heads + h0 * group) * d;
-    float acc[nq * d], scores[nq * T], running_max[nq], running_sum[nq], row[d];
+    const int64_t q_at = seq * a->q_seq_stride + h0 * group * d, out_at = (seq * a->heads + h0 * group) * d;
+    float q[nq * d], acc[nq * d], scores[nq * T], running_max[nq], running_sum[nq], row[d];
+    for (int64_t i = 0; i < nq * d; i++)
+        q[i] = a->io_dtype == IO_F32 ? ((const float *)a->q)[q_at + i] : bf16_in(((const uint16_t *)a->q)[q_at + i]);
     for (int64_t r = 0; r < nq; r++) {
         running_max[r] = -FLT_MAX;
         running_sum[r] = 0.0f;
@@ -121,7 +127,13 @@ static inline __attribute__((always_inline)) void decode_task(const decode_args 
     }
     for (int64_t r = 0; r < nq; r++) {
         const float inv = 1.0f / running_sum[r];
-        for (int64_t i = 0; i < d; i++) out[r * d + i] = acc[r * d + i] * inv;
+        for (int64_t i = 0; i < d; i++) {
+            const float o = acc[r * d + i] * inv;
+            if (a->io_dtype == IO_F32)
+                ((float *)a->out)[out_at + r * d + i] = o;
+            else
+                ((uint16_t *)a->out)[out_at + r * d + i] = bf16_out(o);
+        }
     }
 }
 
@@ -153,7 +165,8 @@ static task_fn pick_task(int dtype, int64_t d) {
  * for a context length or block id outside the table or the pool. */
 int paged_decode_attention(const decode_args *a, int kv_dtype, int num_threads) {
     if (a->cache.tokens_per_block > MAX_TOKENS_PER_BLOCK || a->cache.head_dim > MAX_HEAD_DIM || a->cache.kv_heads <= 0 ||
-        a->heads % a->cache.kv_heads != 0 || kv_dtype < 0 || kv_dtype > 2)
+        a->heads % a->cache.kv_heads != 0 || kv_dtype < 0 || kv_dtype > 2 || a->io_dtype < IO_F32 ||
+        a->io_dtype > IO_BF16)
         return -1;
     /* A bad block id or length would read outside the pool: refuse the call instead. */
     for (int64_t seq = 0; seq < a->batch; seq++) {
