@@ -22,6 +22,7 @@ from pdserve.engine.sampler import SampleResult, SampleSpec, sample
 from pdserve.models import cpu_kernels
 from pdserve.models.attention import AttentionMetadata, PagedKVCache, SeqSlice
 from pdserve.models.config import ModelConfig
+from pdserve.models.cpu_decode import StageDecoder
 from pdserve.models.llama import LlamaForCausalLM, stage_layers
 from pdserve.models.layers import pack_for_cpu
 from pdserve.models.loader import load_weights
@@ -91,6 +92,7 @@ class ModelRunner:
             self.model = LlamaForCausalLM(model_cfg, ps, self.dtype, max_model_len)
         load_weights(self.model, model_dir, show_progress=ps.rank == 0)
         pack_for_cpu(self.model, gemv=ecfg.cpu_decode_gemv)
+        self.model.stage_decoder = StageDecoder.for_model(self.model)  # None where it does not apply
         self.num_blocks = num_kv_blocks(model_cfg, ecfg, self.kv_dtype)
         attn = self.model.layers[0].self_attn.qkv_proj if self.model.layers else None
         kv_heads = attn.num_kv_heads if attn else max(1, model_cfg.num_kv_heads // ps.tp_size)

@@ -86,6 +86,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ps, dtype) if ps.is_first_stage else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, ps, dtype) for _ in range(self.num_local_layers))
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.stage_decoder = None  # cpu_decode.StageDecoder, set by the model runner where it applies
         if ps.is_last_stage:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
             if cfg.tie_word_embeddings and self.embed_tokens is not None:
@@ -98,6 +99,10 @@ class LlamaForCausalLM(nn.Module):
         """First stage takes token ids [n]; later stages take hidden states [n, hidden]."""
         h = self.embed_tokens(ids_or_hidden) if self.embed_tokens is not None else ids_or_hidden
         rope_table = self.rope.table(positions)
+        if self.stage_decoder is not None:  # one decode token on CPU: the same layers in one native call
+            out = self.stage_decoder(h, rope_table, cache, md)
+            if out is not None:
+                return out
         for i, layer in enumerate(self.layers):
             h = layer(h, rope_table, i, cache, md)
         return h

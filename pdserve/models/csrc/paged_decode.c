@@ -20,25 +20,11 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 #include "pool.h"
 
 #define MAX_TOKENS_PER_BLOCK 256
 #define MAX_HEAD_DIM 512
-
-typedef struct {
-    pool_view cache;
-    const int64_t *block_table; /* [b, max_blocks] */
-    int64_t max_blocks;
-    const int64_t *context_lens; /* [b] */
-    int64_t batch, heads;
-    float scale;
-    const void *q;
-    int64_t q_seq_stride;
-    void *out;
-    int64_t io_dtype; /* IO_F32 or IO_BF16, for q and out */
-} decode_args;
-
-enum { IO_F32 = 0, IO_BF16 = 1 };
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
 

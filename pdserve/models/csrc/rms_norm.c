@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 
 enum { NORM_F32 = 0, NORM_BF16 = 1 };
 

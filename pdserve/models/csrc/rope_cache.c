@@ -21,19 +21,11 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 #include "pool.h"
 
 #define MAX_HEAD_DIM 512
 #define MIN_PARALLEL_ROWS 16 /* fewer tokens (a decode step) stay on the calling thread */
-
-typedef struct {
-    pool_view cache;
-    const void *qkv;
-    int64_t rows, heads;
-    const float *cos, *signed_sin;
-    const int64_t *slot_blocks, *slot_offsets;
-    void *qk_out;
-} rope_cache_args;
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };
 

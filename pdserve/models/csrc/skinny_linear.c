@@ -21,6 +21,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "kernels.h"
 
 enum { SKINNY_F32 = 0, SKINNY_BF16 = 1 };
 
