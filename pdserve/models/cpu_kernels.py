@@ -10,8 +10,10 @@
   bit-identical to the PyTorch ops it replaces (some fifteen a layer).
 - RMSNorm (`csrc/rms_norm.c`): one call instead of five to eight PyTorch ops, which at a decode step
   cost more in dispatch than in arithmetic.
-- a GEMV for batch-1 decode (`csrc/skinny_linear.c`): one row times a plain weight matrix, streamed at
-  the machine's read bandwidth; oneDNN's GEMM is slower at one row (and faster at more).
+- a GEMV for batch-1 decode (`csrc/skinny_linear.c`): one row times a plain weight matrix; oneDNN's
+  GEMM streams the weights slower at one row (and is faster from two rows on).
+- a batch-1 decode step through a stage's layers (`csrc/decode_layers.c`), chaining the kernels above
+  in C; its ctypes side is `models/cpu_decode.py`.
 
 Every `csrc/*.c` goes into one library.
 
@@ -288,6 +290,12 @@ def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     if status == -3:
         raise MemoryError("flash prefill attention: out of memory for its packed K/V and per-thread scratch")
     return out if status == 0 else None
+
+
+def skinny_linear_runs() -> bool:
+    """Whether the GEMV runs on this machine: the library loads and was built with AVX-512 (one trial
+    call on a 1 x 16 row)."""
+    return skinny_linear(torch.ones(1, 16), torch.ones(4, 16)) is not None
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:

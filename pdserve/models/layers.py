@@ -62,8 +62,8 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:
 def pack_for_cpu(model: nn.Module, gemv: bool = False) -> None:
     """Repack every linear weight for oneDNN (see the module docstring); a no-op off CPU, for dtypes
     oneDNN's CPU GEMM does not take, or when torch was built without it. With `gemv`, each linear also
-    keeps its plain weight for single-row steps (where the native kernels load)."""
-    gemv = gemv and cpu_kernels.load() is not None
+    keeps its plain weight for single-row steps (where the native GEMV runs)."""
+    gemv = gemv and cpu_kernels.skinny_linear_runs()
     for m in model.modules():
         if (gemv and isinstance(m, _LINEARS) and m.weight.device.type == "cpu"
                 and m.weight.dtype in _PACKABLE):
