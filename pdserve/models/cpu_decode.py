@@ -87,8 +87,10 @@ class StageDecoder:
         output, [1, hidden]; None where the step is not a single decode token or a kernel refused it
         (the caller then runs the modules)."""
         cos, signed_sin = rope_table
+        indices = (md.slot_blocks, md.slot_offsets, md.decode_blocks, md.decode_lens)
         if (h.shape[0] != 1 or not md.decode_only or cache.pool.dtype not in cpu_kernels._KV_DTYPES
-                or not cos.is_contiguous() or not signed_sin.is_contiguous()):
+                or not cos.is_contiguous() or not signed_sin.is_contiguous()
+                or any(t.dtype != torch.int64 or not t.is_contiguous() for t in indices)):
             return None
         first = self.layers[0]
         attn = first.self_attn
@@ -99,9 +101,9 @@ class StageDecoder:
                          md.slot_blocks.data_ptr(), md.slot_offsets.data_ptr(), md.decode_blocks.data_ptr(),
                          md.decode_lens.data_ptr(), md.decode_blocks.shape[1])
         args = self._layer_args(cache)
-        status = self.lib.decode_layers(args, len(self.layers), ctypes.byref(step), h.data_ptr(),
-                                                  out.data_ptr(), cpu_kernels._FLOAT_DTYPES[h.dtype],
-                                                  cpu_kernels._KV_DTYPES[cache.pool.dtype], torch.get_num_threads())
+        status = self.lib.decode_layers(args, len(self.layers), ctypes.byref(step), h.data_ptr(), out.data_ptr(),
+                                        cpu_kernels._FLOAT_DTYPES[h.dtype], cpu_kernels._KV_DTYPES[cache.pool.dtype],
+                                        torch.get_num_threads())
         if status == -2:
             raise IndexError("decode step: a slot, block id or context length is outside the KV pool or block table")
         if status == -3:

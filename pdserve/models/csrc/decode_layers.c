@@ -9,13 +9,13 @@
  *     a = attention(q, pool); h = h + a Wo; x = rms_norm(h); h = h + (silu(g) * u) Wdown, [g u] = x Wgu
  *
  * so its result equals the module path's but for silu, whose exp here is glibc's where PyTorch's is
- * Sleef's (either within an ulp of fp32). Every product and sum is rounded to the model dtype where
- * PyTorch rounds it.
+ * Sleef's: the two may differ in the last bit of an fp32 (tests/models/test_cpu_decode.py measures
+ * how far that carries). Every product and sum is rounded to the model dtype where PyTorch rounds it.
  *
  * h_in, h_out: [hidden] in the model dtype (fp32 or bf16); h_in is left as it is, so a caller may
  * still take another path after a failure. Returns 0; -1 where a kernel refused its inputs (nothing
- * is then half-done that the other path does not redo: the pool slots written are rewritten with the
- * same values); -2 for a slot, block id or length outside the pool or table; -3 out of memory.
+ * is then half-done that the other path does not redo: it rewrites every pool slot written here);
+ * -2 for a slot, block id or length outside the pool or table; -3 out of memory.
  */
 #include <math.h>
 #include <stdint.h>
