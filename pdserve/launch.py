@@ -173,6 +173,9 @@ def worker_configs(cfg: ClusterConfig) -> list[dict]:
         conf["cache_transceiver_config"] = {"backend": cfg.backend, **conf.get("cache_transceiver_config", {})}
         if role == "ctx":
             conf.setdefault("kv_events_port", 0)
+            # It only runs context_only requests (prefill and first token), never a decode step, so it
+            # need not keep the batch-1 decode copy of its weights.
+            conf.setdefault("cpu_decode_gemv", False)
         try:
             load_yaml(None, WorkerConfig, **conf)
         except ValueError as e:

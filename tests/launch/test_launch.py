@@ -18,6 +18,7 @@ from pdserve.distributed import free_port
 from pdserve.engine.llm import LLM
 from pdserve.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.launch import ClusterConfig, worker_configs
 from pdserve.testing import make_tiny_model
 
 
@@ -81,3 +82,13 @@ def test_launch_refuses_a_bad_cluster_config(tmp_path):
                          timeout=120)
     assert out.returncode == 1
     assert "tensor_parallel_size" in out.stderr
+
+
+def test_context_instances_keep_one_copy_of_their_weights():
+    """A launched context instance only prefills: no batch-1 decode copy of its weights unless its own
+    config asks for one; a generation instance keeps the engine's default."""
+    cfg = ClusterConfig(context=[{"port": 9101}, {"port": 9102, "config": {"cpu_decode_gemv": True}}],
+                        generation=[{"port": 9103}])
+    ctx0, ctx1, gen0 = worker_configs(cfg)
+    assert ctx0["cpu_decode_gemv"] is False and ctx1["cpu_decode_gemv"] is True
+    assert "cpu_decode_gemv" not in gen0
