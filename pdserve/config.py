@@ -63,9 +63,10 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads per rank; default: cores / ranks")
     cpu_decode_gemv: bool = Field(
-        True, description="CPU: batch-1 decode steps run pdserve's native path (a GEMV on a second, plain copy "
-                          "of every linear weight, and without TP the whole layer stack in one native call); "
-                          "the linear weights take their memory twice. false keeps oneDNN's packed copy only")
+        True, description="CPU: decode steps of a few sequences run their linears through pdserve's GEMV on a "
+                          "second, plain copy of every linear weight (the linear weights' memory twice), and a "
+                          "one-sequence step without TP runs the whole layer stack in one native call; false "
+                          "keeps oneDNN's packed copy only")
     dist_host: str = Field("127.0.0.1", description="address of rank 0's torch.distributed store")
     dist_port: int = Field(0, ge=0, le=65535, description="0 = pick a free port")
     dist_timeout_s: float = Field(300.0, gt=0, description="rank start-up and collective timeout")

@@ -10,8 +10,8 @@
   bit-identical to the PyTorch ops it replaces (some fifteen a layer).
 - RMSNorm (`csrc/rms_norm.c`): one call instead of five to eight PyTorch ops, which at a decode step
   cost more in dispatch than in arithmetic.
-- a GEMV for batch-1 decode (`csrc/skinny_linear.c`): one row times a plain weight matrix; oneDNN's
-  GEMM streams the weights slower at one row (and is faster from two rows on).
+- a GEMV for decode steps of a few sequences (`csrc/skinny_linear.c`): a few rows times a plain
+  weight matrix; oneDNN's GEMM streams the weights slower there (`SKINNY_MAX_ROWS`).
 - a batch-1 decode step through a stage's layers (`csrc/decode_layers.c`), chaining the kernels above
   in C; its ctypes side is `models/cpu_decode.py`.
 
@@ -290,6 +290,11 @@ def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     if status == -3:
         raise MemoryError("flash prefill attention: out of memory for its packed K/V and per-thread scratch")
     return out if status == 0 else None
+
+
+# Rows up to which skinny_linear beat oneDNN's packed GEMM on a SmolLM2 step's linears on the 2-core
+# development machine (bf16 1.12-1.22x up to 24 rows; fp32 1.04-1.13x up to 8, 0.90x at 12 and 16).
+SKINNY_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 16}
 
 
 def skinny_linear_runs() -> bool:

@@ -10,11 +10,11 @@ the packed one at ~27-32 GB/s; end to end, batch-1 decode went from 22.6 to 39.1
 2048-token prefill from 534 to 799 tok/s (benchmarks/bench_engine.py, docs/benchmarks.md).
 Elsewhere (CUDA, fp16 on CPU) the weights stay plain and `linear` is F.linear.
 
-A step of one row (batch-1 decode) is the exception: oneDNN's GEMM streams the weights slower there
-than a plain matrix-vector loop, so `pack_for_cpu(model, gemv=True)` keeps each linear's plain weight
-beside the packed one as `gemv_weight`, and `linear` sends single rows to the native GEMV
-(`cpu_kernels.skinny_linear`). That costs the linear weights' memory a second time
-(`cpu_decode_gemv` in the engine config).
+A decode step of a few sequences is the exception: oneDNN's GEMM streams the weights slower there
+than a plain loop over their rows, so `pack_for_cpu(model, gemv=True)` keeps each linear's plain
+weight beside the packed one as `gemv_weight`, and `linear` sends up to `cpu_kernels.SKINNY_MAX_ROWS`
+rows (8 fp32, 16 bf16) to the native GEMV (`cpu_kernels.skinny_linear`). That costs the linear
+weights' memory a second time (`cpu_decode_gemv` in the engine config).
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ _PACKABLE = (torch.float32, torch.bfloat16)
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            gemv_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [..., in] @ weight: [out, in] (plain, or packed by `pack_for_cpu`) -> [..., out]; a single row
-    goes to the native GEMV when the layer keeps a plain `gemv_weight`."""
-    if gemv_weight is not None and x.numel() == x.shape[-1]:
+    """x: [..., in] @ weight: [out, in] (plain, or packed by `pack_for_cpu`) -> [..., out]; a few rows
+    (a decode step, up to cpu_kernels.SKINNY_MAX_ROWS) go to the native GEMV when the layer keeps a
+    plain `gemv_weight`."""
+    if gemv_weight is not None and x.numel() <= x.shape[-1] * cpu_kernels.SKINNY_MAX_ROWS.get(x.dtype, 0):
         out = cpu_kernels.skinny_linear(x, gemv_weight, bias)
         if out is not None:
             return out
@@ -62,7 +63,7 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:
 def pack_for_cpu(model: nn.Module, gemv: bool = False) -> None:
     """Repack every linear weight for oneDNN (see the module docstring); a no-op off CPU, for dtypes
     oneDNN's CPU GEMM does not take, or when torch was built without it. With `gemv`, each linear also
-    keeps its plain weight for single-row steps (where the native GEMV runs)."""
+    keeps its plain weight for steps of a few rows (where the native GEMV runs)."""
     gemv = gemv and cpu_kernels.skinny_linear_runs()
     for m in model.modules():
         if (gemv and isinstance(m, _LINEARS) and m.weight.device.type == "cpu"
@@ -73,7 +74,7 @@ def pack_for_cpu(model: nn.Module, gemv: bool = False) -> None:
     kept = sum(m.gemv_weight.numel() * m.gemv_weight.element_size() for m in model.modules()
                if isinstance(m, _LINEARS) and m.gemv_weight is not None)
     if kept:
-        log.info("batch-1 decode GEMV: keeping plain linear weights beside oneDNN's packed ones (+%.0f MB; "
+        log.info("decode GEMV: keeping plain linear weights beside oneDNN's packed ones (+%.0f MB; "
                  "cpu_decode_gemv: false keeps one copy)", kept / 1e6)
     lookup = getattr(model, "embed_tokens", None)
     for m in model.modules():
@@ -106,7 +107,7 @@ class ColumnParallelLinear(nn.Module):
         self.ps = ps
         self.weight = nn.Parameter(torch.empty(out_features // ps.tp_size, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features // ps.tp_size, dtype=dtype), requires_grad=False) if bias else None
-        self.gemv_weight: torch.Tensor | None = None  # plain copy for single-row steps (pack_for_cpu)
+        self.gemv_weight: torch.Tensor | None = None  # plain copy for steps of a few rows (pack_for_cpu)
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight.copy_(_shard(weight, 0, self.ps.tp_rank, self.ps.tp_size))
@@ -150,7 +151,7 @@ class QKVParallelLinear(nn.Module):
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         self.weight = nn.Parameter(torch.empty(out, hidden, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False) if bias else None
-        self.gemv_weight: torch.Tensor | None = None  # plain copy for single-row steps (pack_for_cpu)
+        self.gemv_weight: torch.Tensor | None = None  # plain copy for steps of a few rows (pack_for_cpu)
 
     def _slices(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         d = self.head_dim
@@ -178,7 +179,7 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"input size {in_features} is not divisible by tensor_parallel_size {ps.tp_size}")
         self.ps = ps
         self.weight = nn.Parameter(torch.empty(out_features, in_features // ps.tp_size, dtype=dtype), requires_grad=False)
-        self.gemv_weight: torch.Tensor | None = None  # plain copy for single-row steps (pack_for_cpu)
+        self.gemv_weight: torch.Tensor | None = None  # plain copy for steps of a few rows (pack_for_cpu)
 
     def load(self, weight: torch.Tensor) -> None:
         self.weight.copy_(_shard(weight, 1, self.ps.tp_rank, self.ps.tp_size))

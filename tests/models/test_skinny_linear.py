@@ -112,15 +112,19 @@ def test_refused_inputs_are_left_to_pytorch():
         assert cpu_kernels.skinny_linear(x, torch.ops.mkldnn._reorder_linear_weight(w)) is None  # packed
 
 
-def test_linear_sends_single_rows_to_the_gemv():
-    """`layers.linear` with a plain `gemv_weight`: one row takes the kernel, more rows take the GEMM on
-    the packed weight, and both agree with F.linear."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_sends_a_few_rows_to_the_gemv(dtype):
+    """`layers.linear` with a plain `gemv_weight`: up to SKINNY_MAX_ROWS rows take the kernel, more take
+    the GEMM on the packed weight, and both agree with F.linear."""
     _skip_without_avx512()
-    x, w, b = _inputs(5, 48, 64, torch.float32, seed=2)
+    limit = cpu_kernels.SKINNY_MAX_ROWS[dtype]
+    x, w, b = _inputs(limit + 1, 48, 64, dtype, seed=2)
     packed = torch.ops.mkldnn._reorder_linear_weight(w) if torch.backends.mkldnn.is_available() else w
-    one = layers.linear(x[:1], packed, b, gemv_weight=w)
-    assert torch.equal(one, cpu_kernels.skinny_linear(x[:1], w, b))
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for rows in (1, limit):
+        few = layers.linear(x[:rows], packed, b, gemv_weight=w)
+        assert torch.equal(few, cpu_kernels.skinny_linear(x[:rows], w, b))
+        torch.testing.assert_close(few, F.linear(x[:rows], w, b), **tol)
     many = layers.linear(x, packed, b, gemv_weight=w)
     assert torch.equal(many, layers.linear(x, packed, b))
-    torch.testing.assert_close(many, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(one, F.linear(x[:1], w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(many, F.linear(x, w, b), **tol)

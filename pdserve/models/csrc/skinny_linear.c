@@ -3,9 +3,9 @@
  * At a decode step x has one row per sequence, so a linear is a matrix-vector product whose time is
  * the time to stream W from memory once. On the 2-core development machine oneDNN's GEMM on its
  * packed weights streamed SmolLM2's 120 decode linears at 31.6 (bf16) and 37.0 GB/s (fp32) at one
- * row; this loop, on plain row-major weights, at 40.2 and 40.8 GB/s in the same run. From two rows
- * on, oneDNN is the faster of the two there (docs/benchmarks.md), so the engine sends only single
- * rows here (layers.linear).
+ * row; this loop, on plain row-major weights, at 40.2 and 40.8 GB/s in the same run. With more rows
+ * it stays ahead up to 24 bf16 rows and 8 fp32 rows, where fp32 turns compute-bound
+ * (docs/benchmarks.md); the engine sends it steps up to cpu_kernels.SKINNY_MAX_ROWS (layers.linear).
  *
  * Work is split by output columns (rows of W), NR at a time: each thread streams its own share of W
  * once, and the NR rows it holds meet every row of x before it moves on (for more than MR rows of x,
@@ -51,9 +51,17 @@ INLINE void reduce_rows(const __m512 *acc, int nr, float *out) {
 /* fp32: 16 values of K per step. */
 INLINE __m512 load_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 
+/* Asks for the next tile's weights at this step's offset. With several rows of x a tile is compute
+ * for a while after its weights arrive, and without this the memory sat idle meanwhile (a SmolLM2
+ * step's linears at 16 bf16 rows: 12.7 ms without, 7.9 ms with, in two runs). Past the last tile it
+ * asks for nothing useful, and a prefetch never faults. */
+#define PREFETCH_NEXT_TILE(w, k, kk) \
+    _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) _mm_prefetch((const char *)((w) + (NR + j) * (k) + (kk)), _MM_HINT_T0)
+
 /* One step along K: rows of x times rows of w, under `mask` (all ones but in the last step). */
 INLINE void step_f32(__m512 acc[MR][NR], const float *x, int64_t ldx, const float *w, int64_t k, int64_t kk,
                      __mmask16 mask, int mr, int nr) {
+    PREFETCH_NEXT_TILE(w, k, kk);
     _Pragma("GCC unroll 4") for (int i = 0; i < mr; i++) {
         const __m512 xv = load_f32(x + i * ldx + kk, mask);
         _Pragma("GCC unroll 4") for (int j = 0; j < nr; j++)
@@ -96,6 +104,7 @@ INLINE __m512 dot_bf16(__m512 acc, __m512i a, __m512i b) {
 
 INLINE void step_bf16(__m512 acc[MR][NR], const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t k,
                       int64_t kk, __mmask32 mask, int mr, int nr) {
+    PREFETCH_NEXT_TILE(w, k, kk);
     _Pragma("GCC unroll 4") for (int i = 0; i < mr; i++) {
         const __m512i xv = load_bf16(x + i * ldx + kk, mask);
         _Pragma("GCC unroll 4") for (int j = 0; j < nr; j++)
