@@ -292,8 +292,9 @@ def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return out if status == 0 else None
 
 
-# Rows up to which skinny_linear beat oneDNN's packed GEMM on a SmolLM2 step's linears on the 2-core
-# development machine (bf16 1.12-1.22x up to 24 rows; fp32 1.04-1.13x up to 8, 0.90x at 12 and 16).
+# Rows up to which skinny_linear beat (or matched) oneDNN's packed GEMM on a SmolLM2 step's linears on
+# the 2-core development machine: bf16 1.12-1.24x at 1-3 and 8-24 rows, 0.98x at 4; fp32 1.03-1.13x
+# up to 8, 0.92x at 12, 0.90-0.92x at 16 (docs/benchmarks.md).
 SKINNY_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 16}
 
 
