@@ -24,7 +24,7 @@ from pdserve.models.attention import AttentionMetadata, PagedKVCache, SeqSlice
 from pdserve.models.config import ModelConfig
 from pdserve.models.cpu_decode import StageDecoder
 from pdserve.models.llama import LlamaForCausalLM, stage_layers
-from pdserve.models.layers import pack_for_cpu
+from pdserve.models.layers import decode_step, pack_for_cpu
 from pdserve.models.loader import load_weights
 from pdserve.kv_transfer.rank_info import RankInfo
 
@@ -177,7 +177,8 @@ class ModelRunner:
         else:
             x = torch.empty(len(ids), self.model.cfg.hidden_size, dtype=self.dtype, device=self.device)
             dist.recv(x, src=ps.stage_rank(ps.pp_rank - 1))
-        h = self.model(x, positions, self.cache, md)
+        with decode_step(md.decode_only):  # decode-only steps of a few rows take the GEMV (layers.py)
+            h = self.model(x, positions, self.cache, md)
         if not ps.is_last_stage:
             dist.send(h.contiguous(), dst=ps.stage_rank(ps.pp_rank + 1))
             return self._result_from_last_stage() if ps.rank == 0 else None

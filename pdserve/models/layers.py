@@ -12,13 +12,16 @@ Elsewhere (CUDA, fp16 on CPU) the weights stay plain and `linear` is F.linear.
 
 A decode step of a few sequences is the exception: oneDNN's GEMM streams the weights slower there
 than a plain loop over their rows, so `pack_for_cpu(model, gemv=True)` keeps each linear's plain
-weight beside the packed one as `gemv_weight`, and `linear` sends up to `cpu_kernels.SKINNY_MAX_ROWS`
-rows (8 fp32, 16 bf16) to the native GEMV (`cpu_kernels.skinny_linear`). That costs the linear
-weights' memory a second time (`cpu_decode_gemv` in the engine config).
+weight beside the packed one as `gemv_weight`, and `linear` sends decode steps (`decode_step`) of up
+to `cpu_kernels.SKINNY_MAX_ROWS` rows (8 fp32, 16 bf16) to the native GEMV
+(`cpu_kernels.skinny_linear`). That costs the linear weights' memory a second time
+(`cpu_decode_gemv` in the engine config).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import math
 
@@ -35,13 +38,29 @@ log = logging.getLogger(__name__)
 
 _PACKABLE = (torch.float32, torch.bfloat16)
 
+# Whether the step being run has decode rows only. Only then do linears take the GEMV: a prefill chunk
+# keeps oneDNN's GEMM whatever its length, so a prompt's logits do not depend on how it was chunked
+# (oneDNN's rows come out the same at any row count; a chunk of a few rows on the GEMV would not).
+_DECODE_STEP: contextvars.ContextVar[bool] = contextvars.ContextVar("decode_step", default=False)
+
+
+@contextlib.contextmanager
+def decode_step(decode_only: bool):
+    """Marks the model calls inside as a step of decode rows only (AttentionMetadata.decode_only)."""
+    token = _DECODE_STEP.set(decode_only)
+    try:
+        yield
+    finally:
+        _DECODE_STEP.reset(token)
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            gemv_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [..., in] @ weight: [out, in] (plain, or packed by `pack_for_cpu`) -> [..., out]; a few rows
-    (a decode step, up to cpu_kernels.SKINNY_MAX_ROWS) go to the native GEMV when the layer keeps a
-    plain `gemv_weight`."""
-    if gemv_weight is not None and x.numel() <= x.shape[-1] * cpu_kernels.SKINNY_MAX_ROWS.get(x.dtype, 0):
+    """x: [..., in] @ weight: [out, in] (plain, or packed by `pack_for_cpu`) -> [..., out]; in a decode
+    step (`decode_step`) of up to cpu_kernels.SKINNY_MAX_ROWS rows, the native GEMV, when the layer
+    keeps a plain `gemv_weight`."""
+    if (gemv_weight is not None and x.numel() <= x.shape[-1] * cpu_kernels.SKINNY_MAX_ROWS.get(x.dtype, 0)
+            and _DECODE_STEP.get()):
         out = cpu_kernels.skinny_linear(x, gemv_weight, bias)
         if out is not None:
             return out

@@ -114,17 +114,21 @@ def test_refused_inputs_are_left_to_pytorch():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_sends_a_few_rows_to_the_gemv(dtype):
-    """`layers.linear` with a plain `gemv_weight`: up to SKINNY_MAX_ROWS rows take the kernel, more take
-    the GEMM on the packed weight, and both agree with F.linear."""
+    """`layers.linear` with a plain `gemv_weight`: in a decode step up to SKINNY_MAX_ROWS rows take the
+    kernel; more rows, or any prefill, take the GEMM on the packed weight; both agree with F.linear."""
     _skip_without_avx512()
     limit = cpu_kernels.SKINNY_MAX_ROWS[dtype]
     x, w, b = _inputs(limit + 1, 48, 64, dtype, seed=2)
     packed = torch.ops.mkldnn._reorder_linear_weight(w) if torch.backends.mkldnn.is_available() else w
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     for rows in (1, limit):
-        few = layers.linear(x[:rows], packed, b, gemv_weight=w)
+        with layers.decode_step(True):
+            few = layers.linear(x[:rows], packed, b, gemv_weight=w)
         assert torch.equal(few, cpu_kernels.skinny_linear(x[:rows], w, b))
         torch.testing.assert_close(few, F.linear(x[:rows], w, b), **tol)
-    many = layers.linear(x, packed, b, gemv_weight=w)
+        prefill = layers.linear(x[:rows], packed, b, gemv_weight=w)  # not a decode step: the GEMM
+        assert torch.equal(prefill, layers.linear(x[:rows], packed, b))
+    with layers.decode_step(True):
+        many = layers.linear(x, packed, b, gemv_weight=w)
     assert torch.equal(many, layers.linear(x, packed, b))
     torch.testing.assert_close(many, F.linear(x, w, b), **tol)
