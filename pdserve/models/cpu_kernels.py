@@ -89,7 +89,7 @@ def _layer_view(pool: torch.Tensor, layout: str, layer: int) -> _PoolView:
 
 
 class _DecodeArgs(ctypes.Structure):
-    """Mirror of `decode_args` in csrc/paged_decode.c; field order and types must match."""
+    """Mirror of `decode_args` in csrc/kernels.h; field order and types must match."""
 
     _fields_ = [
         ("cache", _PoolView),
@@ -119,7 +119,7 @@ _FLASH_BF16_PAIRS = 2  # FLASH_BF16_PAIRS in csrc/flash_prefill.c
 
 
 class _RopeCacheArgs(ctypes.Structure):
-    """Mirror of `rope_cache_args` in csrc/rope_cache.c; field order and types must match."""
+    """Mirror of `rope_cache_args` in csrc/kernels.h; field order and types must match."""
 
     _fields_ = [
         ("cache", _PoolView),
@@ -241,14 +241,13 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layout: str, lay
     b, heads, d = q.shape
     if d != pool.shape[-1]:
         raise ValueError(f"query head_dim {d} does not match the pool's {pool.shape[-1]}")
-    io = _FLOAT_DTYPES.get(q.dtype)
-    qk = q if io is not None and q.stride(2) == 1 and q.stride(1) == d else q.float().contiguous()
-    io = _FLOAT_DTYPES[qk.dtype]
+    # fp32 or bf16 with heads and d contiguous as they lie (a view into the step's q/k rows), else fp32
+    q_in = q if q.dtype in _FLOAT_DTYPES and q.stride(2) == 1 and q.stride(1) == d else q.float().contiguous()
     table = block_table.contiguous()
     lens = context_lens.contiguous()
-    out = torch.empty(b, heads, d, dtype=qk.dtype)
+    out = torch.empty(b, heads, d, dtype=q_in.dtype)
     args = _DecodeArgs(_layer_view(pool, layout, layer), table.data_ptr(), table.shape[1], lens.data_ptr(), b, heads,
-                       scale, qk.data_ptr(), qk.stride(0), out.data_ptr(), io)
+                       scale, q_in.data_ptr(), q_in.stride(0), out.data_ptr(), _FLOAT_DTYPES[q_in.dtype])
     status = lib.paged_decode_attention(ctypes.byref(args), _KV_DTYPES[pool.dtype], torch.get_num_threads())
     if status == -2:
         raise IndexError(f"paged decode attention: a context length or block id is outside the block table "

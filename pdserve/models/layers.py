@@ -84,28 +84,27 @@ def pack_for_cpu(model: nn.Module, gemv: bool = False) -> None:
     oneDNN's CPU GEMM does not take, or when torch was built without it. With `gemv`, each linear also
     keeps its plain weight for steps of a few rows (where the native GEMV runs)."""
     gemv = gemv and cpu_kernels.skinny_linear_runs()
-    for m in model.modules():
-        if (gemv and isinstance(m, _LINEARS) and m.weight.device.type == "cpu"
-                and m.weight.dtype in _PACKABLE):
-            m.gemv_weight = m.weight.detach()  # the same storage, a plain tensor (not a second parameter)
-    if not torch.backends.mkldnn.is_available():
-        return
-    kept = sum(m.gemv_weight.numel() * m.gemv_weight.element_size() for m in model.modules()
-               if isinstance(m, _LINEARS) and m.gemv_weight is not None)
-    if kept:
-        log.info("decode GEMV: keeping plain linear weights beside oneDNN's packed ones (+%.0f MB; "
-                 "cpu_decode_gemv: false keeps one copy)", kept / 1e6)
+    packing = torch.backends.mkldnn.is_available()
     lookup = getattr(model, "embed_tokens", None)
+    kept = 0  # bytes of plain weights kept beside packed ones
     for m in model.modules():
         if isinstance(m, _LINEARS):
             if m.weight.device.type == "cpu" and m.weight.dtype in _PACKABLE:
-                m.weight = _packed(m.weight)
-        elif isinstance(m, VocabParallelEmbedding) and m.weight.device.type == "cpu" and m.weight.dtype in _PACKABLE:
+                if gemv:
+                    m.gemv_weight = m.weight.detach()  # the same storage, a plain tensor (not a parameter)
+                    kept += m.gemv_weight.numel() * m.gemv_weight.element_size() if packing else 0
+                if packing:
+                    m.weight = _packed(m.weight)
+        elif (packing and isinstance(m, VocabParallelEmbedding) and m.weight.device.type == "cpu"
+              and m.weight.dtype in _PACKABLE):
             if m is getattr(model, "lm_head", None):
                 m.head_weight = _packed(m.weight)
                 if m is not lookup:
                     m.weight = None  # an untied head never looks rows up: drop the plain copy
             # A tied head keeps both: the lookup needs plain rows, the head the packed matrix.
+    if kept:
+        log.info("decode GEMV: keeping plain linear weights beside oneDNN's packed ones (+%.0f MB; "
+                 "cpu_decode_gemv: false keeps one copy)", kept / 1e6)
 
 
 def _shard(full: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:

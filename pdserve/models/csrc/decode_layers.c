@@ -2,8 +2,9 @@
  *
  * With one sequence a decode step is ~120 small GEMVs and ~150 small kernels and PyTorch ops, and
  * on the 2-core development machine the Python around them (module calls, views, wrappers) cost
- * ~2.5 ms of a ~9 ms bf16 SmolLM2 step. This function runs the decoder block of every layer in C,
- * calling the same kernels in the same order as the model's PyTorch code does:
+ * ~2.5 ms of a 10 ms bf16 SmolLM2 step (same-process A/B, docs/benchmarks.md). This function runs
+ * the decoder block of every layer in C, calling the same kernels in the same order as the model's
+ * PyTorch code does:
  *
  *     x = rms_norm(h); qkv = x Wqkv (+ b); q, k = rope(q, k), k and v into the pool;
  *     a = attention(q, pool); h = h + a Wo; x = rms_norm(h); h = h + (silu(g) * u) Wdown, [g u] = x Wgu
