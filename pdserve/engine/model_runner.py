@@ -177,14 +177,18 @@ class ModelRunner:
         else:
             x = torch.empty(len(ids), self.model.cfg.hidden_size, dtype=self.dtype, device=self.device)
             dist.recv(x, src=ps.stage_rank(ps.pp_rank - 1))
+        # The last stage needs hidden states only where a token is sampled (all rows in a decode step).
+        out_rows = None
+        if ps.is_last_stage and len(sample_rows) < len(ids):
+            out_rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         with decode_step(md.decode_only):  # decode-only steps of a few rows take the GEMV (layers.py)
-            h = self.model(x, positions, self.cache, md)
+            h = self.model(x, positions, self.cache, md, out_rows)
         if not ps.is_last_stage:
             dist.send(h.contiguous(), dst=ps.stage_rank(ps.pp_rank + 1))
             return self._result_from_last_stage() if ps.rank == 0 else None
         if not sample_rows:
             return self._deliver(SampleResult([], [], []))
-        logits = self.model.compute_logits(h[torch.tensor(sample_rows, device=self.device)])
+        logits = self.model.compute_logits(h)
         if ps.tp_rank != 0:
             return None
         specs = [SampleSpec(**s.sample) for s in spec.seqs if s.sample is not None]

@@ -34,12 +34,14 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x, rope_table, layer: int, cache: PagedKVCache, md: AttentionMetadata):
+    def forward(self, x, rope_table, layer: int, cache: PagedKVCache, md: AttentionMetadata, rows=None):
+        """K and V of every row go to the cache; the output is that of `rows` only (default: all)."""
         n, heads, kv_heads = x.shape[0], self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         qkv = self.qkv_proj(x).view(n, heads + 2 * kv_heads, self.head_dim)
         qk = rotate_and_cache(qkv, heads, rope_table, layer, cache, md)  # RoPE on q and k; K, V into the cache
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
-        return self.o_proj(paged_attention(q, k, v, layer, cache, md, self.scale))
+        attn = paged_attention(q, k, v, layer, cache, md, self.scale)
+        return self.o_proj(attn if rows is None else attn[rows])
 
 
 class MLP(nn.Module):
@@ -61,8 +63,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, ps, dtype)
 
-    def forward(self, x, rope_table, layer, cache, md):
-        attn = self.self_attn(self.input_layernorm(x), rope_table, layer, cache, md)
+    def forward(self, x, rope_table, layer, cache, md, rows=None):
+        """The block's output at `rows` only (default: all), though every row's K and V is cached."""
+        attn = self.self_attn(self.input_layernorm(x), rope_table, layer, cache, md, rows)
+        x = x if rows is None else x[rows]
         h, h_normed = self.post_attention_layernorm.add_and_norm(x, attn)  # h = x + attn, and its norm
         return h + self.mlp(h_normed)
 
@@ -95,16 +99,20 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ps, dtype)
 
     def forward(self, ids_or_hidden: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
-                md: AttentionMetadata) -> torch.Tensor:
-        """First stage takes token ids [n]; later stages take hidden states [n, hidden]."""
+                md: AttentionMetadata, out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """First stage takes token ids [n]; later stages take hidden states [n, hidden]. Returns the
+        hidden states [n, hidden]; on the last stage with `out_rows` (the rows that sample), those rows'
+        only [len(out_rows), hidden]: nothing after the last layer reads the others, so the last layer
+        computes only their attention output, o_proj and MLP (every row's K and V is still cached)."""
         h = self.embed_tokens(ids_or_hidden) if self.embed_tokens is not None else ids_or_hidden
         rope_table = self.rope.table(positions)
         if self.stage_decoder is not None:  # one decode token on CPU: the same layers in one native call
             out = self.stage_decoder(h, rope_table, cache, md)
             if out is not None:
-                return out
+                return out if out_rows is None else out[out_rows]
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            h = layer(h, rope_table, i, cache, md)
+            h = layer(h, rope_table, i, cache, md, out_rows if i == last and self.ps.is_last_stage else None)
         return h
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -83,6 +83,30 @@ def test_unbatched_and_chunked_prefill_match(tiny):
     assert _run(d, prompts, max_num_tokens=7) == ref
 
 
+def test_last_layer_on_the_sampled_rows_only(tiny):
+    """Prefill steps hand the model the rows that sample (`out_rows`): the last layer computes only
+    theirs, and they equal those rows of the whole forward. Chunks of 7 tokens make steps that sample
+    nothing (a long prompt alone), and, with six sequences, steps that mix chunks with decode rows."""
+    d, prompts, ref = tiny
+    seen = []
+    with LLM(EngineConfig(model=str(d), tokens_per_block=8, max_num_tokens=7)) as llm:
+        model = llm.engine.runner.model
+        forward = model.forward
+
+        def both(x, positions, cache, md, out_rows=None):
+            ours = forward(x, positions, cache, md, out_rows)
+            if out_rows is not None:
+                whole = forward(x, positions, cache, md)  # rewrites the same K and V into the same slots
+                assert torch.equal(ours, whole[out_rows])
+                seen.append((len(x), len(out_rows)))
+            return ours
+
+        model.forward = both
+        assert llm.generate([prompts[3]], GREEDY)[0].token_ids == ref[3]  # alone: chunks that sample nothing
+        assert [c.token_ids for c in llm.generate(prompts, GREEDY)] == ref
+    assert any(k == 0 for _, k in seen) and any(0 < k < n for n, k in seen)
+
+
 def test_prefix_cache_hit_equals_miss(tiny):
     d, prompts, ref = tiny
     shared = prompts[3][:48]  # six full 8-token blocks
