@@ -110,8 +110,9 @@ class _FlashArgs(ctypes.Structure):
     """Mirror of `flash_args` in csrc/flash_prefill.c; field order and types must match."""
 
     _fields_ = [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("out", ctypes.c_void_p)] + [
-        (name, ctypes.c_int64) for name in ("n", "ctx", "heads", "kv_heads", "head_dim", "k_head_stride",
-                                            "k_token_stride", "v_head_stride", "v_token_stride")] + [
+        (name, ctypes.c_int64) for name in ("n", "ctx", "heads", "kv_heads", "head_dim", "q_seq_stride",
+                                            "k_head_stride", "k_token_stride", "v_head_stride",
+                                            "v_token_stride")] + [
         ("scale", ctypes.c_float)]
 
 
@@ -261,9 +262,10 @@ def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
                   out: torch.Tensor | None = None) -> torch.Tensor | None:
     """Causal attention of a prefill chunk, in one pass over the keys (online softmax).
 
-    q: [n, heads, d] fp32 or bf16 for the last n positions; k, v: [kv_heads, ctx, d] in q's dtype
-    (any strides over heads and positions) for positions 0..ctx-1, so query i sits at position
-    ctx - n + i. Returns [n, heads, d] in q's dtype, written into `out` when given (contiguous).
+    q: [n, heads, d] fp32 or bf16 for the last n positions (any stride over positions: a view of the
+    rotated q and k side by side needs no copy); k, v: [kv_heads, ctx, d] in q's dtype (any strides over
+    heads and positions) for positions 0..ctx-1, so query i sits at position ctx - n + i. Returns
+    [n, heads, d] in q's dtype, written into `out` when given (contiguous).
     Scores and softmax are fp32; for bf16 on a CPU with AVX512-BF16 the two products take bf16
     inputs (the probabilities rounded to bf16), else they are fp32. None where the kernel does not
     apply (no library, not on CPU, another dtype, head_dim not a multiple of 16).
@@ -276,13 +278,14 @@ def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     lib = load()
     if lib is None:
         return None
-    q = q.contiguous()
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype)
     elif not out.is_contiguous() or out.shape != q.shape or out.dtype != q.dtype:
         raise ValueError(f"flash prefill attention: out must be a contiguous {tuple(q.shape)} {q.dtype} tensor")
     args = _FlashArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, ctx, heads, kv_heads, d,
-                      k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale)
+                      q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale)
     pairs = q.dtype == torch.bfloat16 and lib.flash_prefill_bf16_pairs() == 1
     mode = _FLASH_BF16_PAIRS if pairs else _FLOAT_DTYPES[q.dtype]
     status = lib.flash_prefill(ctypes.byref(args), mode, torch.get_num_threads())

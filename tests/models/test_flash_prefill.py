@@ -62,15 +62,18 @@ def test_running_max_that_keeps_growing_and_large_scores(attention_float64, as_a
         as_accurate_as(out, torch_fp32, exact, max_ratio=1.5)
 
 
-def test_strided_k_v_as_the_engine_passes_them(attention_float64):
-    """The engine hands over K and V of a fresh prefill as transposed views of the projected rows."""
+def test_strided_q_k_v_as_the_engine_passes_them(attention_float64):
+    """The engine hands over q as a view of the rotated q and k rows side by side, and K and V of a fresh
+    prefill as transposed views of the projected rows; the result equals that of contiguous copies."""
     g = torch.Generator().manual_seed(5)
-    q = torch.randn(90, 6, 32, generator=g)
+    qk = torch.randn(90, 6 + 2, 32, generator=g)
+    q = qk[:, :6]
     k_rows, v_rows = torch.randn(90, 2, 32, generator=g), torch.randn(90, 2, 32, generator=g)
     k, v = k_rows.transpose(0, 1), v_rows.transpose(0, 1)
-    assert not k.is_contiguous()
+    assert not q.is_contiguous() and not k.is_contiguous()
     out = cpu_kernels.flash_prefill(q, k, v, 0.2)
     torch.testing.assert_close(out.double(), attention_float64(q, k, v, 0.2), atol=2e-6, rtol=1e-5)
+    assert torch.equal(out, cpu_kernels.flash_prefill(q.contiguous(), k.contiguous(), v.contiguous(), 0.2))
 
 
 @pytest.mark.parametrize("n,past", [(600, 0), (77, 300)])

@@ -10,19 +10,26 @@
  * causal diagonal are never visited.
  *
  * K and V are first packed (in parallel, once per call) into the layout the register tiles read,
- * padded with zeros to ld keys, a multiple of BK. Two forms of the products:
+ * padded with zeros to ld keys, a multiple of BK; each block of BK keys is one contiguous run, so the
+ * tiles of a block read it from L1 (K packed [d, ld] with rows ld apart mapped a block's rows onto a
+ * few L1 sets: 3% slower at 2048 tokens). Two forms of the products:
  * - fp32 (FLASH_F32, and FLASH_BF16 where the CPU lacks AVX512-BF16): q is widened when a work item
- *   starts; K is packed transposed, [kv_heads, d, ld] fp32, and V as [kv_heads, ld, d] fp32. The
- *   register tiles use GCC vector extensions, so the compiler emits AVX-512 here and narrower vectors
- *   elsewhere.
+ *   starts; K is packed transposed, [kv_heads, ld / BK, d, BK] fp32, and V as [kv_heads, ld, d] fp32.
+ *   The register tiles use GCC vector extensions, so the compiler emits AVX-512 here and narrower
+ *   vectors elsewhere.
  * - bf16 (FLASH_BF16_PAIRS, only where flash_prefill_bf16_pairs() says the build has AVX512-BF16):
  *   both products take bf16 pairs with fp32 accumulation (vdpbf16ps), twice the fp32 rate. K is
- *   packed as [kv_heads, d / 2, ld, 2] (for each pair of dimensions, each key's two values) and V as
- *   [kv_heads, ld / 2, d, 2] (for each pair of keys, each dimension's two values). The probabilities
- *   are rounded to bf16 for P @ V, as PyTorch's bf16 flash attention rounds them; their sum is not.
- * Scores, the softmax and the accumulators are fp32 in both.
+ *   packed as [kv_heads, ld / BK, d / 2, BK, 2] (for each pair of dimensions, each key's two values)
+ *   and V as [kv_heads, ld / 2, d, 2] (for each pair of keys, each dimension's two values). The
+ *   probabilities are rounded to bf16 for P @ V, as PyTorch's bf16 flash attention rounds them; their
+ *   sum is not.
+ * Scores, the softmax and the accumulators are fp32 in both. A row's running sum is kept in LANES
+ * partial sums, added up at the end, and its running maximum is tested against a block's lanes
+ * without a horizontal reduction unless it moves: the softmax then costs a block's exps and little
+ * else.
  *
- * q: [n, heads, d] fp32 or bf16, contiguous; query i sits at position ctx - n + i and sees keys
+ * q: [n, heads, d] fp32 or bf16, query i's heads at i * q_seq_stride (elements), each head's d values
+ *    contiguous and the heads one after another; query i sits at position ctx - n + i and sees keys
  *    0 .. ctx - n + i.
  * k, v: in q's dtype, key t of KV head h at h * head_stride + t * token_stride (elements), each key's
  *    d values contiguous.
@@ -54,7 +61,7 @@ enum { LANES = 16, BK = 64, MR = 6, TARGET_ROWS = 96 };
 struct flash_args {
     const void *q, *k, *v;
     void *out;
-    int64_t n, ctx, heads, kv_heads, head_dim;
+    int64_t n, ctx, heads, kv_heads, head_dim, q_seq_stride;
     int64_t k_head_stride, k_token_stride, v_head_stride, v_token_stride;
     float scale;
 };
@@ -69,8 +76,8 @@ static inline vf vload(const float *p) { return *(const vf_u *)p; }
 static inline void vstore(float *p, vf x) { *(vf_u *)p = x; }
 static inline vf vbcast(float s) { return (vf){0} + s; }
 
-/* s[r][0, BK) = qb[r] . K[kb + j] for the MR rows of qb (row stride d); kt points at column kb of
- * the transposed K (row stride ld). */
+/* s[r][0, BK) = qb[r] . K[kb + j] for the MR rows of qb (row stride d); kt points at key block kb of
+ * the transposed K (row stride ld, which is BK in a packed block). */
 static inline void qk_tile(const float *qb, int64_t d, const float *kt, int64_t ld, float *s) {
     vf acc[MR][4];
     for (int r = 0; r < MR; r++)
@@ -125,8 +132,8 @@ static inline __m512bh pair_bcast(const uint16_t *p) {
     return (__m512bh)_mm512_set1_epi32(u);
 }
 
-/* qk_tile on bf16 pairs: qb bf16 [MR][d]; kp points at key kb of pair 0 of K packed as
- * [d / 2][ld][2]. */
+/* qk_tile on bf16 pairs: qb bf16 [MR][d]; kp points at key block kb of K packed as [d / 2][ld][2]
+ * (ld is BK in a packed block). */
 static inline void qk_tile_bf16(const uint16_t *qb, int64_t d, const uint16_t *kp, int64_t ld, float *s) {
     __m512 acc[MR][4];
     for (int r = 0; r < MR; r++)
@@ -188,7 +195,7 @@ int flash_prefill_bf16_pairs(void) {
 }
 
 /* Per-thread scratch: rows of q (fp32, or bf16 in FLASH_BF16_PAIRS), scores, bf16 probabilities,
- * output accumulators, running max and sum. */
+ * output accumulators, running max, and running sum (LANES partial sums a row). */
 struct scratch {
     void *q;
     float *s, *o, *m, *l;
@@ -201,7 +208,7 @@ static void load_rows(const struct flash_args *a, int mode, int64_t kvh, int64_t
                       const struct scratch *w) {
     const int64_t d = a->head_dim, group = a->heads / a->kv_heads;
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t i = q0 + r / group, h = kvh * group + r % group, at = (i * a->heads + h) * d;
+        const int64_t i = q0 + r / group, h = kvh * group + r % group, at = i * a->q_seq_stride + h * d;
         if (mode == FLASH_BF16_PAIRS) {
             uint16_t *qr = (uint16_t *)w->q + r * d;
             if (r < real) memcpy(qr, (const uint16_t *)a->q + at, d * sizeof(uint16_t));
@@ -213,7 +220,7 @@ static void load_rows(const struct flash_args *a, int mode, int64_t kvh, int64_t
             else for (int64_t x = 0; x < d; x++) qr[x] = bf16_in(((const uint16_t *)a->q)[at + x]);
         }
         w->m[r] = -FLT_MAX;
-        w->l[r] = 0.0f;
+        memset(w->l + r * LANES, 0, LANES * sizeof(float));
     }
     memset(w->o, 0, rows * d * sizeof(float));
 }
@@ -240,8 +247,9 @@ static inline __m512 exp_bounded(__m512 x) {
 
 /* The online softmax of row r over one key block whose first `vis` scores it may see: the
  * probabilities (relative to the running max m) replace the scores, and go to p as bf16 when p is not
- * NULL; zero past vis. The running sum moves on; when m moves, the row's accumulator and sum are
- * rescaled to it. */
+ * NULL; zero past vis. The running sum l (LANES partial sums) moves on; when m moves, the row's
+ * accumulator and sums are rescaled to it. Only then is the block's maximum reduced to one value:
+ * whether any of its lanes passes m + LAZY_MAX is a mask test. */
 static void softmax_step(float *s, int64_t vis, float scale, float *m, float *l, float *o, int64_t d, uint16_t *p) {
     __m512 x[BK / LANES];
     __mmask16 keep[BK / LANES];
@@ -252,15 +260,15 @@ static void softmax_step(float *s, int64_t vis, float scale, float *m, float *l,
         x[j] = _mm512_mul_ps(_mm512_loadu_ps(s + j * LANES), _mm512_set1_ps(scale));
         vmax = _mm512_mask_max_ps(vmax, keep[j], vmax, x[j]);
     }
-    float mx = _mm512_reduce_max_ps(vmax), corr = 1.0f;
-    if (*m == -FLT_MAX) {
-        corr = 0.0f;  /* the first block this row sees */
-    } else if (vis == 0 || mx <= *m + LAZY_MAX) {
-        mx = *m;  /* lazy rescaling: probabilities up to e^LAZY_MAX are safe in fp32 */
-    } else {
+    float mx = *m, corr = 1.0f;
+    if (mx == -FLT_MAX) {
+        mx = _mm512_reduce_max_ps(vmax);  /* the first block this row sees */
+        corr = 0.0f;
+    } else if (_mm512_cmp_ps_mask(vmax, _mm512_set1_ps(mx + LAZY_MAX), _CMP_GT_OQ)) {
+        mx = _mm512_reduce_max_ps(vmax);  /* else lazy: probabilities up to e^LAZY_MAX are safe in fp32 */
         corr = expf(*m - mx);
     }
-    __m512 vsum = _mm512_setzero_ps();
+    __m512 vsum = _mm512_mul_ps(_mm512_loadu_ps(l), _mm512_set1_ps(corr));
     for (int j = 0; j < BK / LANES; j++) {
         const __m512 e = _mm512_maskz_mov_ps(keep[j], exp_bounded(_mm512_sub_ps(x[j], _mm512_set1_ps(mx))));
         vsum = _mm512_add_ps(vsum, e);
@@ -269,7 +277,7 @@ static void softmax_step(float *s, int64_t vis, float scale, float *m, float *l,
         if (p) _mm256_storeu_si256((__m256i *)(p + j * LANES), (__m256i)_mm512_cvtneps_pbh(e));
 #endif
     }
-    *l = *l * corr + _mm512_reduce_add_ps(vsum);
+    _mm512_storeu_ps(l, vsum);
     *m = mx;
     if (corr != 1.0f)
         for (int64_t x0 = 0; x0 < d; x0++) o[x0] *= corr;
@@ -294,7 +302,7 @@ static void softmax_step(float *s, int64_t vis, float scale, float *m, float *l,
     for (int64_t j = vis; j < BK; j++) s[j] = 0.0f;
     if (p)
         for (int64_t j = 0; j < BK; j++) p[j] = bf16_out(s[j]);
-    *l = *l * corr + sum;
+    l[0] = l[0] * corr + sum;  /* one of the LANES partial sums */
     *m = mx;
     if (corr != 1.0f)
         for (int64_t x = 0; x < d; x++) o[x] *= corr;
@@ -314,18 +322,18 @@ static void work_item(const struct flash_args *a, int mode, const struct packed 
         for (int64_t r = 0; r < rows; r += MR) {
 #ifdef __AVX512BF16__
             if (mode == FLASH_BF16_PAIRS) {
-                qk_tile_bf16((const uint16_t *)w->q + r * d, d, (const uint16_t *)kv->k + kvh * head_elems + kb * 2,
-                             kv->ld, w->s + r * BK);
+                qk_tile_bf16((const uint16_t *)w->q + r * d, d, (const uint16_t *)kv->k + kvh * head_elems + kb * d,
+                             BK, w->s + r * BK);
                 continue;
             }
 #endif
-            qk_tile((const float *)w->q + r * d, d, (const float *)kv->k + kvh * head_elems + kb, kv->ld, w->s + r * BK);
+            qk_tile((const float *)w->q + r * d, d, (const float *)kv->k + kvh * head_elems + kb * d, BK, w->s + r * BK);
         }
         for (int64_t r = 0; r < rows; r++) {
             const int64_t i = q0 + (r < real ? r : real - 1) / group;
             int64_t vis = past + i + 1 - kb;  /* keys of this block row r sees */
             vis = vis < 0 ? 0 : vis > kn ? kn : vis;
-            softmax_step(w->s + r * BK, vis, a->scale, w->m + r, w->l + r, w->o + r * d, d,
+            softmax_step(w->s + r * BK, vis, a->scale, w->m + r, w->l + r * LANES, w->o + r * d, d,
                          mode == FLASH_BF16_PAIRS ? w->p + r * BK : NULL);
         }
         for (int64_t r = 0; r < rows; r += MR) {
@@ -340,16 +348,14 @@ static void work_item(const struct flash_args *a, int mode, const struct packed 
     }
     for (int64_t r = 0; r < real; r++) {
         const int64_t i = q0 + r / group, h = kvh * group + r % group, at = (i * a->heads + h) * d;
-        const float inv = 1.0f / w->l[r], *o = w->o + r * d;
+        float sum = 0.0f;
+        for (int j = 0; j < LANES; j++) sum += w->l[r * LANES + j];
+        const float inv = 1.0f / sum, *o = w->o + r * d;
         if (mode == FLASH_F32)
             for (int64_t x = 0; x < d; x++) ((float *)a->out)[at + x] = o[x] * inv;
         else
             for (int64_t x = 0; x < d; x++) ((uint16_t *)a->out)[at + x] = bf16_out(o[x] * inv);
     }
-}
-
-static inline float widen(const void *p, int64_t i, int mode) {
-    return mode == FLASH_F32 ? ((const float *)p)[i] : bf16_in(((const uint16_t *)p)[i]);
 }
 
 /* Packs keys [t0, t0 + BK) of KV head h (zeros past ctx) into kv, in the form `mode` reads. The
@@ -361,7 +367,7 @@ static void pack_block(const struct flash_args *a, int mode, const struct packed
     if (mode == FLASH_BF16_PAIRS) {  /* K [d / 2][ld][2], V [ld / 2][d][2] */
         const uint16_t *ks = (const uint16_t *)a->k + kh, *vs = (const uint16_t *)a->v + vh;
         for (int64_t x = 0; x < d; x += 2) {
-            uint16_t *k = (uint16_t *)kv->k + base + ((x / 2) * ld + t0) * 2;
+            uint16_t *k = (uint16_t *)kv->k + base + t0 * d + (x / 2) * BK * 2;
             for (int64_t t = 0; t < BK; t++) {
                 k[2 * t] = t < valid ? ks[(t0 + t) * a->k_token_stride + x] : 0;
                 k[2 * t + 1] = t < valid ? ks[(t0 + t) * a->k_token_stride + x + 1] : 0;
@@ -371,14 +377,22 @@ static void pack_block(const struct flash_args *a, int mode, const struct packed
             uint16_t *v = (uint16_t *)kv->v + base + ((t0 + t) / 2) * d * 2 + t % 2;
             for (int64_t x = 0; x < d; x++) v[2 * x] = t < valid ? vs[(t0 + t) * a->v_token_stride + x] : 0;
         }
-    } else {  /* K [d][ld], V [ld][d], fp32 */
-        for (int64_t x = 0; x < d; x++) {
-            float *k = (float *)kv->k + base + x * ld + t0;
-            for (int64_t t = 0; t < BK; t++) k[t] = t < valid ? widen(a->k, kh + (t0 + t) * a->k_token_stride + x, mode) : 0.0f;
+    } else {  /* K [ld / BK][d][BK], V [ld][d], fp32; a token's row is read once, into K's column t */
+        float *k = (float *)kv->k + base + t0 * d, *v = (float *)kv->v + base + t0 * d;
+        if (valid < BK) {
+            memset(k, 0, BK * d * sizeof(float));
+            memset(v + valid * d, 0, (BK - valid) * d * sizeof(float));
         }
-        for (int64_t t = 0; t < BK; t++) {
-            float *v = (float *)kv->v + base + (t0 + t) * d;
-            for (int64_t x = 0; x < d; x++) v[x] = t < valid ? widen(a->v, vh + (t0 + t) * a->v_token_stride + x, mode) : 0.0f;
+        for (int64_t t = 0; t < valid; t++) {
+            const int64_t kt = kh + (t0 + t) * a->k_token_stride, vt = vh + (t0 + t) * a->v_token_stride;
+            float *vr = v + t * d;
+            if (mode == FLASH_F32) {
+                memcpy(vr, (const float *)a->v + vt, d * sizeof(float));
+                for (int64_t x = 0; x < d; x++) k[x * BK + t] = ((const float *)a->k)[kt + x];
+            } else {
+                for (int64_t x = 0; x < d; x++) vr[x] = bf16_in(((const uint16_t *)a->v)[vt + x]);
+                for (int64_t x = 0; x < d; x++) k[x * BK + t] = bf16_in(((const uint16_t *)a->k)[kt + x]);
+            }
         }
     }
 }
@@ -388,6 +402,7 @@ static void pack_block(const struct flash_args *a, int mode, const struct packed
  * AVX512-BF16); -3 when out of memory. */
 int flash_prefill(const struct flash_args *a, int mode, int num_threads) {
     if (a->n < 1 || a->ctx < a->n || a->kv_heads < 1 || a->heads % a->kv_heads || a->head_dim < LANES ||
+        a->q_seq_stride < a->heads * a->head_dim ||
         a->head_dim % LANES || (mode != FLASH_F32 && mode != FLASH_BF16 && mode != FLASH_BF16_PAIRS) ||
         (mode == FLASH_BF16_PAIRS && !flash_prefill_bf16_pairs()))
         return -1;
@@ -408,8 +423,9 @@ int flash_prefill(const struct flash_args *a, int mode, int num_threads) {
     {
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < a->kv_heads * key_blocks; t++) pack_block(a, mode, &kv, t / key_blocks, t % key_blocks * BK);
-        /* q, o: max_rows x d floats; s: max_rows x BK; m, l: max_rows; p: max_rows x BK bf16. */
-        float *buf = malloc((size_t)max_rows * (2 * d + BK + 2 + BK / 2) * sizeof(float));
+        /* q, o: max_rows x d floats; s: max_rows x BK; m: max_rows; l: max_rows x LANES; p: max_rows x BK
+         * bf16. */
+        float *buf = malloc((size_t)max_rows * (2 * d + BK + 1 + LANES + BK / 2) * sizeof(float));
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
@@ -420,7 +436,7 @@ int flash_prefill(const struct flash_args *a, int mode, int num_threads) {
             w.s = w.o + max_rows * d;
             w.m = w.s + max_rows * BK;
             w.l = w.m + max_rows;
-            w.p = (uint16_t *)(w.l + max_rows);
+            w.p = (uint16_t *)(w.l + max_rows * LANES);
         }
         /* The last query blocks see the most keys: hand them out first. */
 #pragma omp for schedule(dynamic, 1)
