@@ -11,7 +11,7 @@
 - RMSNorm (`csrc/rms_norm.c`): one call instead of five to eight PyTorch ops, which at a decode step
   cost more in dispatch than in arithmetic.
 - a GEMV for decode steps of a few sequences (`csrc/skinny_linear.c`): a few rows times a plain
-  weight matrix; oneDNN's GEMM streams the weights slower there (`SKINNY_MAX_ROWS`).
+  weight matrix; oneDNN's GEMM streams the weights slower there (`SKINNY_ROWS`).
 - a batch-1 decode step through a stage's layers (`csrc/decode_layers.c`), chaining the kernels above
   in C; its ctypes side is `models/cpu_decode.py`.
 
@@ -294,10 +294,11 @@ def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return out if status == 0 else None
 
 
-# Rows up to which skinny_linear beat (or matched) oneDNN's packed GEMM on a SmolLM2 step's linears on
-# the 2-core development machine: bf16 1.12-1.24x at 1-3 and 8-24 rows, 0.98x at 4; fp32 1.03-1.13x
-# up to 8, 0.92x at 12, 0.90-0.92x at 16 (docs/benchmarks.md).
-SKINNY_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 16}
+# Decode-step row counts that take skinny_linear rather than oneDNN's packed GEMM: where it beat (or
+# matched) oneDNN on a SmolLM2 step's 120 linears on the 2-core development machine (docs/benchmarks.md).
+# bf16: 1.12-1.24x at 1-3 and 8-24 rows, 0.98x at 4. fp32: the tiles 1.03-1.13x up to 8 rows; from 9
+# rows the lane loop, 0.92-0.99x at 9-11 (those stay on oneDNN), 1.06x at 12, 1.10x at 14, 1.17x at 16.
+SKINNY_ROWS = {torch.float32: frozenset([*range(1, 9), *range(12, 17)]), torch.bfloat16: frozenset(range(1, 17))}
 
 
 def skinny_linear_runs() -> bool:

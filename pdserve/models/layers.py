@@ -12,8 +12,8 @@ Elsewhere (CUDA, fp16 on CPU) the weights stay plain and `linear` is F.linear.
 
 A decode step of a few sequences is the exception: oneDNN's GEMM streams the weights slower there
 than a plain loop over their rows, so `pack_for_cpu(model, gemv=True)` keeps each linear's plain
-weight beside the packed one as `gemv_weight`, and `linear` sends decode steps (`decode_step`) of up
-to `cpu_kernels.SKINNY_MAX_ROWS` rows (8 fp32, 16 bf16) to the native GEMV
+weight beside the packed one as `gemv_weight`, and `linear` sends decode steps (`decode_step`) of
+`cpu_kernels.SKINNY_ROWS` rows (up to 16, but for 9-11 fp32 rows) to the native GEMV
 (`cpu_kernels.skinny_linear`). That costs the linear weights' memory a second time
 (`cpu_decode_gemv` in the engine config).
 """
@@ -57,10 +57,10 @@ def decode_step(decode_only: bool):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            gemv_weight: torch.Tensor | None = None) -> torch.Tensor:
     """x: [..., in] @ weight: [out, in] (plain, or packed by `pack_for_cpu`) -> [..., out]; in a decode
-    step (`decode_step`) of up to cpu_kernels.SKINNY_MAX_ROWS rows, the native GEMV, when the layer
-    keeps a plain `gemv_weight`."""
-    if (gemv_weight is not None and x.numel() <= x.shape[-1] * cpu_kernels.SKINNY_MAX_ROWS.get(x.dtype, 0)
-            and _DECODE_STEP.get()):
+    step (`decode_step`) of cpu_kernels.SKINNY_ROWS rows, the native GEMV, when the layer keeps a plain
+    `gemv_weight`."""
+    if (gemv_weight is not None and _DECODE_STEP.get()
+            and x.numel() // x.shape[-1] in cpu_kernels.SKINNY_ROWS.get(x.dtype, ())):
         out = cpu_kernels.skinny_linear(x, gemv_weight, bias)
         if out is not None:
             return out

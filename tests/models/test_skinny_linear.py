@@ -23,7 +23,9 @@ SHAPES = [  # m, n, k
     (3, 7, 40),
     (4, 64, 64),
     (6, 33, 100),  # a group of four rows of x and a remainder of two
-    (9, 20, 1536),
+    (9, 20, 1536),  # fp32: the lane loop
+    (16, 960, 576),
+    (13, 17, 40),  # the lane loop: a partial tile of w
 ]
 
 
@@ -79,13 +81,18 @@ def test_bf16_products_widened_to_fp32(tmp_path, as_accurate_as):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_does_not_depend_on_its_batch(dtype):
     """Every row is summed in the same order whatever the number of rows: a sequence decoded alone and
-    in a batch gets the same bits."""
+    in a batch gets the same bits. (fp32 within 1-8 rows, and within 9-16, which the lane loop takes.)"""
     _skip_without_avx512()
-    x, w, b = _inputs(9, 70, 200, dtype, seed=5)
-    together = cpu_kernels.skinny_linear(x, w, b)
-    for i in range(9):
+    x, w, b = _inputs(16, 70, 200, dtype, seed=5)
+    together = cpu_kernels.skinny_linear(x[:8], w, b)
+    for i in range(8):
         assert torch.equal(cpu_kernels.skinny_linear(x[i:i + 1], w, b), together[i:i + 1])
     assert torch.equal(cpu_kernels.skinny_linear(x[2:7], w, b), together[2:7])
+    sixteen = cpu_kernels.skinny_linear(x, w, b)
+    assert torch.equal(cpu_kernels.skinny_linear(x[3:12], w, b), sixteen[3:12])
+    assert torch.equal(cpu_kernels.skinny_linear(x[:13], w, b), sixteen[:13])
+    if dtype == torch.bfloat16:
+        assert torch.equal(sixteen[:8], together)
 
 
 def test_strided_rows_and_leading_dims():
@@ -113,14 +120,20 @@ def test_refused_inputs_are_left_to_pytorch():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_sends_a_few_rows_to_the_gemv(dtype):
-    """`layers.linear` with a plain `gemv_weight`: in a decode step up to SKINNY_MAX_ROWS rows take the
-    kernel; more rows, or any prefill, take the GEMM on the packed weight; both agree with F.linear."""
+    """`layers.linear` with a plain `gemv_weight`: in a decode step of SKINNY_ROWS rows the kernel;
+    other row counts (more, or 9-11 fp32 rows), or any prefill, the GEMM on the packed weight; both agree
+    with F.linear."""
     _skip_without_avx512()
-    limit = cpu_kernels.SKINNY_MAX_ROWS[dtype]
+    taken = cpu_kernels.SKINNY_ROWS[dtype]
+    limit = max(taken)
     x, w, b = _inputs(limit + 1, 48, 64, dtype, seed=2)
     packed = torch.ops.mkldnn._reorder_linear_weight(w) if torch.backends.mkldnn.is_available() else w
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
-    for rows in (1, limit):
+    if dtype == torch.float32:
+        assert 8 in taken and 10 not in taken and 12 in taken
+        with layers.decode_step(True):
+            assert torch.equal(layers.linear(x[:10], packed, b, gemv_weight=w), layers.linear(x[:10], packed, b))
+    for rows in sorted({1, 8, limit}):
         with layers.decode_step(True):
             few = layers.linear(x[:rows], packed, b, gemv_weight=w)
         assert torch.equal(few, cpu_kernels.skinny_linear(x[:rows], w, b))

@@ -4,14 +4,16 @@
  * the time to stream W from memory once. On the 2-core development machine oneDNN's GEMM on its
  * packed weights streamed SmolLM2's 120 decode linears at 31.6 (bf16) and 37.0 GB/s (fp32) at one
  * row; this loop, on plain row-major weights, at 40.2 and 40.8 GB/s in the same run. With more rows
- * it stays ahead up to 24 bf16 rows and 8 fp32 rows, where fp32 turns compute-bound
- * (docs/benchmarks.md); the engine sends it steps up to cpu_kernels.SKINNY_MAX_ROWS (layers.linear).
+ * it stays ahead up to 24 bf16 rows and 8 fp32 rows, where fp32 turns compute-bound; 9 to 16 fp32 rows
+ * take a second loop (lanes_f32, below). The engine sends it steps up to cpu_kernels.SKINNY_MAX_ROWS
+ * (layers.linear; figures in docs/benchmarks.md).
  *
  * Work is split by output columns (rows of W), NR at a time: each thread streams its own share of W
  * once, and the NR rows it holds meet every row of x before it moves on (for more than MR rows of x,
  * the NR weight rows are read again from L1/L2, not from memory). Each (x row, W row) product is a
  * 16-lane fp32 accumulator summed across its lanes at the end, in the same order whatever the number
- * of rows of x, so a sequence's result does not depend on the batch it runs in.
+ * of rows of x, so a sequence's result does not depend on the batch it runs in (for fp32: among batches
+ * of 1-8 rows, and among batches of 9-16, which the lane loop takes).
  *
  * Dtypes: fp32 (fp32 FMAs), bf16 (products of bf16 pairs with fp32 accumulation, `vdpbf16ps`, where
  * the CPU has AVX512-BF16, else both widened to fp32); y in x's dtype, the bias added in fp32 before
@@ -20,6 +22,7 @@
  */
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "bf16.h"
 #include "kernels.h"
@@ -179,6 +182,56 @@ INLINE void column_range(const struct job *jb, int dtype, int rem, int64_t n0, i
     for (; n < n1; n++) columns(jb, dtype, rem, n, 1);
 }
 
+/* fp32 with LANE_MIN_ROWS to 16 rows of x: the rows as the 16 lanes of a vector. Past 8 fp32 rows the
+ * tiles above turn compute-bound on their horizontal sums, and oneDNN's GEMM was little better (a
+ * SmolLM2 step's 120 linears at 16 rows: 17.9 and 15.4 ms). Here x is transposed once per call into
+ * xt [k][16] (zero lanes past m), and LR rows of W at a time meet it: acc[j] (column n0 + j of all 16
+ * rows) += W[n0 + j][kk] * xt[kk], kk in order. No horizontal sums (the same 120 linears: 12.7 ms
+ * against oneDNN's 14.7), and each value of y is one fp32 sum over K in order, whatever the number of
+ * rows, so a sequence's result still does not depend on its batch. */
+#define LR 16 /* rows of W per tile of the lane kernel */
+#define LANE_MIN_ROWS 9
+
+/* Columns n0 .. n0 + nr of y (nr is LR or 1 where inlined) into tile[j][0..16), the next tile's rows
+ * prefetched along the way: at step kk, row kk % 16's line of the 16 values of K this step is in. */
+INLINE void lane_tile(const float *xt, const float *w, int64_t k, int nr, float tile[LR][16]) {
+    __m512 acc[LR];
+    _Pragma("GCC unroll 16") for (int j = 0; j < nr; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < k; kk++) {
+        _mm_prefetch((const char *)(w + (nr + (kk & 15)) * k + (kk & ~(int64_t)15)), _MM_HINT_T0);
+        const __m512 xv = _mm512_load_ps(xt + kk * 16);
+        _Pragma("GCC unroll 16") for (int j = 0; j < nr; j++)
+            acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(w[j * k + kk]), xv, acc[j]);
+    }
+    _Pragma("GCC unroll 16") for (int j = 0; j < nr; j++) _mm512_storeu_ps(tile[j], acc[j]);
+}
+
+static int lanes_f32(const struct job *jb, int64_t n, int threads) {
+    const int64_t k = jb->k, m = jb->m;
+    float *xt = aligned_alloc(64, (size_t)k * 16 * sizeof(float));
+    if (!xt) return -3;
+    for (int64_t kk = 0; kk < k; kk++)
+        for (int64_t i = 0; i < 16; i++) xt[kk * 16 + i] = i < m ? ((const float *)jb->x)[i * jb->ldx + kk] : 0.0f;
+    const int64_t tiles = (n + LR - 1) / LR;
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t parts = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t t0 = tiles * me / parts, t1 = tiles * (me + 1) / parts;
+        float tile[LR][16];
+        for (int64_t t = t0; t < t1; t++) {
+            const int64_t n0 = t * LR, nr = n - n0 < LR ? n - n0 : LR;
+            const float *w = (const float *)jb->w + n0 * k;
+            if (nr == LR) lane_tile(xt, w, k, LR, tile);
+            else for (int64_t j = 0; j < nr; j++) lane_tile(xt, w + j * k, k, 1, tile + j);
+            for (int64_t i = 0; i < m; i++)
+                for (int64_t j = 0; j < nr; j++)
+                    ((float *)jb->y)[i * jb->ldy + n0 + j] = tile[j][i] + (jb->bias ? ((const float *)jb->bias)[n0 + j] : 0.0f);
+        }
+    }
+    free(xt);
+    return 0;
+}
+
 typedef void (*range_fn)(const struct job *jb, int64_t n0, int64_t n1);
 #define RANGE(name, dtype, rem) \
     static void name(const struct job *jb, int64_t n0, int64_t n1) { column_range(jb, dtype, rem, n0, n1); }
@@ -201,6 +254,7 @@ int skinny_linear(const void *x, const void *w, const void *bias, void *y, int64
     const range_fn fn = ranges[dtype][m % MR];
     const int64_t tiles = (n + NR - 1) / NR;
     const int threads = n * k < 32768 || tiles < 2 ? 1 : num_threads; /* a tiny weight is not worth a thread */
+    if (dtype == SKINNY_F32 && m >= LANE_MIN_ROWS && m <= 16) return lanes_f32(&jb, n, threads);
 #pragma omp parallel num_threads(threads)
     {
         /* each thread streams one contiguous share of w, whole tiles */
