@@ -35,7 +35,8 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x, rope_table, layer: int, cache: PagedKVCache, md: AttentionMetadata, rows=None):
-        """K and V of every row go to the cache; the output is that of `rows` only (default: all)."""
+        """Every row's K and V go to the cache and every row attends; o_proj, and so the output, covers
+        `rows` only (default: all)."""
         n, heads, kv_heads = x.shape[0], self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         qkv = self.qkv_proj(x).view(n, heads + 2 * kv_heads, self.head_dim)
         qk = rotate_and_cache(qkv, heads, rope_table, layer, cache, md)  # RoPE on q and k; K, V into the cache
@@ -102,8 +103,8 @@ class LlamaForCausalLM(nn.Module):
                 md: AttentionMetadata, out_rows: torch.Tensor | None = None) -> torch.Tensor:
         """First stage takes token ids [n]; later stages take hidden states [n, hidden]. Returns the
         hidden states [n, hidden]; on the last stage with `out_rows` (the rows that sample), those rows'
-        only [len(out_rows), hidden]: nothing after the last layer reads the others, so the last layer
-        computes only their attention output, o_proj and MLP (every row's K and V is still cached)."""
+        only [len(out_rows), hidden]: nothing after the last layer reads the others, so its o_proj and
+        MLP run on those rows only (every row still attends, and its K and V are cached)."""
         h = self.embed_tokens(ids_or_hidden) if self.embed_tokens is not None else ids_or_hidden
         rope_table = self.rope.table(positions)
         if self.stage_decoder is not None:  # one decode token on CPU: the same layers in one native call

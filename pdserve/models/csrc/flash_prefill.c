@@ -11,8 +11,8 @@
  *
  * K and V are first packed (in parallel, once per call) into the layout the register tiles read,
  * padded with zeros to ld keys, a multiple of BK; each block of BK keys is one contiguous run, so the
- * tiles of a block read it from L1 (K packed [d, ld] with rows ld apart mapped a block's rows onto a
- * few L1 sets: 3% slower at 2048 tokens). Two forms of the products:
+ * tiles of a block read it from L1 (K packed [d, ld], its rows ld apart, mapped a block's rows onto a
+ * few L1 sets: 3% slower at 2048 tokens, in two runs one after the other). Two forms of the products:
  * - fp32 (FLASH_F32, and FLASH_BF16 where the CPU lacks AVX512-BF16): q is widened when a work item
  *   starts; K is packed transposed, [kv_heads, ld / BK, d, BK] fp32, and V as [kv_heads, ld, d] fp32.
  *   The register tiles use GCC vector extensions, so the compiler emits AVX-512 here and narrower
@@ -358,13 +358,13 @@ static void work_item(const struct flash_args *a, int mode, const struct packed 
     }
 }
 
-/* Packs keys [t0, t0 + BK) of KV head h (zeros past ctx) into kv, in the form `mode` reads. The
- * loops run along the packed rows, so every write is sequential; the reads of one block stay in L1. */
+/* Packs keys [t0, t0 + BK) of KV head h (zeros past ctx) into kv, in the form `mode` reads; the
+ * block's reads and writes stay in L1. */
 static void pack_block(const struct flash_args *a, int mode, const struct packed *kv, int64_t h, int64_t t0) {
     const int64_t d = a->head_dim, ld = kv->ld, base = h * d * ld;
     const int64_t kh = h * a->k_head_stride, vh = h * a->v_head_stride;
     const int64_t valid = a->ctx - t0 < BK ? (a->ctx - t0 > 0 ? a->ctx - t0 : 0) : BK;
-    if (mode == FLASH_BF16_PAIRS) {  /* K [d / 2][ld][2], V [ld / 2][d][2] */
+    if (mode == FLASH_BF16_PAIRS) {  /* K [ld / BK][d / 2][BK][2], V [ld / 2][d][2] */
         const uint16_t *ks = (const uint16_t *)a->k + kh, *vs = (const uint16_t *)a->v + vh;
         for (int64_t x = 0; x < d; x += 2) {
             uint16_t *k = (uint16_t *)kv->k + base + t0 * d + (x / 2) * BK * 2;

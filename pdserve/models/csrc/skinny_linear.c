@@ -5,8 +5,8 @@
  * packed weights streamed SmolLM2's 120 decode linears at 31.6 (bf16) and 37.0 GB/s (fp32) at one
  * row; this loop, on plain row-major weights, at 40.2 and 40.8 GB/s in the same run. With more rows
  * it stays ahead up to 24 bf16 rows and 8 fp32 rows, where fp32 turns compute-bound; 9 to 16 fp32 rows
- * take a second loop (lanes_f32, below). The engine sends it steps up to cpu_kernels.SKINNY_MAX_ROWS
- * (layers.linear; figures in docs/benchmarks.md).
+ * take a second loop (lanes_f32, below). The engine sends it the steps of cpu_kernels.SKINNY_ROWS
+ * rows (layers.linear; figures in docs/benchmarks.md).
  *
  * Work is split by output columns (rows of W), NR at a time: each thread streams its own share of W
  * once, and the NR rows it holds meet every row of x before it moves on (for more than MR rows of x,
@@ -17,8 +17,9 @@
  *
  * Dtypes: fp32 (fp32 FMAs), bf16 (products of bf16 pairs with fp32 accumulation, `vdpbf16ps`, where
  * the CPU has AVX512-BF16, else both widened to fp32); y in x's dtype, the bias added in fp32 before
- * the one rounding. x, W and y have unit stride along K and N. Returns 0, or -1 where the kernel does
- * not apply (no AVX-512 at build time, another dtype): the caller keeps its GEMM.
+ * the one rounding. x, W and y have unit stride along K and N. Returns 0; -1 where the kernel does
+ * not apply (no AVX-512 at build time, another dtype), -3 out of memory for the lane loop's copy of x:
+ * the caller keeps its GEMM.
  */
 #include <omp.h>
 #include <stdint.h>
