@@ -84,9 +84,10 @@ def test_unbatched_and_chunked_prefill_match(tiny):
 
 
 def test_last_layer_on_the_sampled_rows_only(tiny):
-    """Prefill steps hand the model the rows that sample (`out_rows`): the last layer computes only
-    theirs, and they equal those rows of the whole forward. Chunks of 7 tokens make steps that sample
-    nothing (a long prompt alone), and, with six sequences, steps that mix chunks with decode rows."""
+    """Prefill steps hand the model the rows that sample (`out_rows`): the last layer's o_proj and MLP
+    run on those rows only, and they equal those rows of the whole forward. Chunks of 7 tokens make
+    steps that sample nothing (a long prompt alone), and, with six sequences, steps that mix chunks with
+    decode rows."""
     d, prompts, ref = tiny
     seen = []
     with LLM(EngineConfig(model=str(d), tokens_per_block=8, max_num_tokens=7)) as llm:
