@@ -24,6 +24,11 @@ log = logging.getLogger(__name__)
 
 ROLES = ("context", "generation")
 _PROBE_TIMEOUT_S = 2.0
+# Probes in a row that must time out before a ready worker is taken out of routing. A busy worker can
+# miss one 2 s probe (a CI run on two cores once saw it, with five instance processes), and taking out a
+# context server for one slow answer fails every request meanwhile; a worker that is gone refuses the
+# connection instead, and that counts at once.
+_TIMEOUTS_BEFORE_UNREADY = 2
 
 
 class LocalCluster:
@@ -35,6 +40,7 @@ class LocalCluster:
         self.disagg_info: dict[str, dict | None] = {}  # url -> /v1/disagg_info (None: the worker has none)
         self.models: dict[str, dict] = {}  # url -> its /v1/models answer
         self.status: dict[str, str] = {u: "starting" for r in self.routers.values() for u in r.urls}
+        self._timeouts: dict[str, int] = {}  # url -> probes in a row that timed out
         self._task: asyncio.Task | None = None
         self._http: httpx.AsyncClient | None = None
         self.started_at = time.monotonic()
@@ -75,6 +81,14 @@ class LocalCluster:
                 await self._learn(url)
         except httpx.HTTPError as e:
             ok, reason = False, f"{type(e).__name__}: {e or 'no answer'}"
+            timed_out = isinstance(e, httpx.TimeoutException)
+            self._timeouts[url] = self._timeouts.get(url, 0) + 1 if timed_out else 0
+            if timed_out and url in router.ready and self._timeouts[url] < _TIMEOUTS_BEFORE_UNREADY:
+                log.warning("%s server %s did not answer /health within %g s; still routed to until %d probes "
+                            "in a row time out", role, url, _PROBE_TIMEOUT_S, _TIMEOUTS_BEFORE_UNREADY)
+                return
+        else:
+            self._timeouts[url] = 0
         if ok != (url in router.ready):
             log.info("%s server %s is %s", role, url, "ready" if ok else f"not ready ({reason})")
         if ok and isinstance(router, KvCacheAwareRouter):
