@@ -25,9 +25,9 @@ log = logging.getLogger(__name__)
 ROLES = ("context", "generation")
 _PROBE_TIMEOUT_S = 2.0
 # Probes in a row that must time out before a ready worker is taken out of routing. A busy worker can
-# miss one 2 s probe (a CI run on two cores once saw it, with five instance processes), and taking out a
-# context server for one slow answer fails every request meanwhile; a worker that is gone refuses the
-# connection instead, and that counts at once.
+# miss one 2 s probe (a CI run on two cores once saw it, with several instances' ranks on the machine),
+# and taking out a context server for one slow answer fails every request meanwhile; a worker that is
+# gone refuses the connection instead, and that counts at once.
 _TIMEOUTS_BEFORE_UNREADY = 2
 
 

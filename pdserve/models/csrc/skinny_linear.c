@@ -183,6 +183,12 @@ INLINE void column_range(const struct job *jb, int dtype, int rem, int64_t n0, i
     for (; n < n1; n++) columns(jb, dtype, rem, n, 1);
 }
 
+/* Inside a parallel region: the first of `tiles` tiles of this thread's share (next = 0), or of the next
+ * thread's (next = 1). Each thread takes one contiguous share, so it streams its own part of W once. */
+INLINE int64_t share_start(int64_t tiles, int next) {
+    return tiles * (omp_get_thread_num() + next) / omp_get_num_threads();
+}
+
 /* fp32 with LANE_MIN_ROWS to 16 rows of x: the rows as the 16 lanes of a vector. Past 8 fp32 rows the
  * tiles above turn compute-bound on their horizontal sums, and oneDNN's GEMM was little better (a
  * SmolLM2 step's 120 linears at 16 rows: 17.9 and 15.4 ms). Here x is transposed once per call into
@@ -216,8 +222,7 @@ static int lanes_f32(const struct job *jb, int64_t n, int threads) {
     const int64_t tiles = (n + LR - 1) / LR;
 #pragma omp parallel num_threads(threads)
     {
-        const int64_t parts = omp_get_num_threads(), me = omp_get_thread_num();
-        const int64_t t0 = tiles * me / parts, t1 = tiles * (me + 1) / parts;
+        const int64_t t0 = share_start(tiles, 0), t1 = share_start(tiles, 1);
         float tile[LR][16];
         for (int64_t t = t0; t < t1; t++) {
             const int64_t n0 = t * LR, nr = n - n0 < LR ? n - n0 : LR;
@@ -259,8 +264,7 @@ int skinny_linear(const void *x, const void *w, const void *bias, void *y, int64
 #pragma omp parallel num_threads(threads)
     {
         /* each thread streams one contiguous share of w, whole tiles */
-        const int64_t parts = omp_get_num_threads(), me = omp_get_thread_num();
-        const int64_t t0 = tiles * me / parts, t1 = tiles * (me + 1) / parts;
+        const int64_t t0 = share_start(tiles, 0), t1 = share_start(tiles, 1);
         const int64_t n1 = t1 * NR < n ? t1 * NR : n;
         if (t0 * NR < n1) fn(&jb, t0 * NR, n1);
     }
