@@ -104,18 +104,23 @@ class ParallelState:
         return torch.cat(parts, dim=-1)
 
 
-def init_parallel(tp_size: int, pp_size: int, rank: int, host: str, port: int, backend: str,
+def init_parallel(tp_size: int, pp_size: int, rank: int, host: str, port: int, device: torch.device,
                   timeout_s: float, workers: list | None = None) -> ParallelState:
     """Join the process group and build one TP group per pipeline stage (every rank must build all).
 
-    Rank 0 hosts the store and, before the collective rendezvous, waits until every worker process
-    has checked in, watching `workers` (multiprocessing.Process objects): a worker that dies during
-    start-up becomes an error naming its exit code instead of a rendezvous that never completes.
+    The model's collectives run on NCCL when `device` is a CUDA device (made this process's current
+    device first, so NCCL binds the rank to it), on gloo otherwise. Rank 0 hosts the store and,
+    before the collective rendezvous, waits until every worker process has checked in, watching
+    `workers` (multiprocessing.Process objects): a worker that dies during start-up becomes an error
+    naming its exit code instead of a rendezvous that never completes.
     """
     world = tp_size * pp_size
     state = ParallelState(tp_size=tp_size, pp_size=pp_size, rank=rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if world == 1:
         return state
+    backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
     if rank == 0:

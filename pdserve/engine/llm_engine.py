@@ -71,7 +71,7 @@ class LLMEngine:
     def _start_ranks(self, pool_allocator) -> ModelRunner:
         ecfg = self.ecfg
         set_threads(ecfg)
-        device = pick_device(ecfg.device, 0)
+        device = pick_device(ecfg.device, 0, ecfg.world_size)
         port = ecfg.dist_port or free_port(ecfg.dist_host)
         if ecfg.world_size > 1:
             ctx = mp.get_context("spawn")
@@ -81,10 +81,9 @@ class LLMEngine:
                                 daemon=True, name=f"pdserve-rank{rank}")
                 p.start()
                 self._procs.append(p)
-        backend = "nccl" if device.type == "cuda" else "gloo"
         try:
             ps = init_parallel(ecfg.tensor_parallel_size, ecfg.pipeline_parallel_size, 0, ecfg.dist_host, port,
-                               backend, ecfg.dist_timeout_s, self._procs)
+                               device, ecfg.dist_timeout_s, self._procs)
             return ModelRunner(ecfg, self.model_cfg, self.model_dir, ps, device, self.max_model_len,
                                self.instance_name, pool_allocator)
         except BaseException:
