@@ -13,22 +13,62 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import types
+import typing
+
+
+def serve_config(args: argparse.Namespace):
+    """`pdserve serve`'s WorkerConfig: the YAML file, then the flags given on the command line."""
+    from pdserve.config import WorkerConfig, load_yaml
+
+    flags = {name: getattr(args, name) for name in WorkerConfig.model_fields if hasattr(args, name)}
+    return load_yaml(args.config, WorkerConfig, **flags)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from pdserve.config import WorkerConfig, load_yaml
     from pdserve.engine.async_engine import AsyncEngine
     from pdserve.server.app import run_server
 
-    cfg = load_yaml(args.config, WorkerConfig, model=args.model, host=args.host, port=args.port,
-                    tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
-                    api_key=args.api_key)
+    cfg = serve_config(args)
     engine = AsyncEngine.from_config(cfg, kv_events_port=cfg.kv_events_port)
     try:
         run_server(engine, cfg)
     finally:
         engine.shutdown()
     return 0
+
+
+# Short names kept beside the generated flags (vLLM spells these the same).
+_ALIASES = {"tensor_parallel_size": ["--tp"], "pipeline_parallel_size": ["--pp"]}
+
+
+def _add_config_flags(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...]) -> None:
+    """One flag per scalar key of the config class (`max_num_seqs` -> `--max-num-seqs`), read as text
+    and validated with the rest of the config, so a flag and its YAML key cannot drift apart. A flag
+    given on the command line overrides the YAML file; nested sections are YAML only."""
+    for name, field in cls.model_fields.items():
+        kind = field.annotation
+        options = [a for a in typing.get_args(kind) if a is not type(None)]
+        if name in skip or (typing.get_origin(kind) not in (typing.Literal, types.UnionType, None)):
+            continue
+        if typing.get_origin(kind) is types.UnionType:
+            if len(options) != 1 or options[0] not in (str, int, float):
+                continue
+            kind = options[0]
+        elif kind not in (str, int, float, bool) and typing.get_origin(kind) is not typing.Literal:
+            continue
+        default = "unset" if field.default is None else str(field.default).lower() if kind is bool else field.default
+        help_text = field.description or ""
+        if "default" not in help_text:
+            help_text += ("; " if help_text else "") + f"default: {default}"
+        if kind is bool:
+            extra = {"action": argparse.BooleanOptionalAction}
+        elif typing.get_origin(kind) is typing.Literal:
+            extra = {"choices": options}
+        else:
+            extra = {"metavar": {int: "N", float: "X", str: "TEXT"}[kind]}
+        parser.add_argument(f"--{name.replace('_', '-')}", *_ALIASES.get(name, []), dest=name,
+                            default=argparse.SUPPRESS, help=help_text, **extra)
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -52,15 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="serve one model over an OpenAI-compatible HTTP API")
+    s = sub.add_parser("serve", help="serve one model over an OpenAI-compatible HTTP API",
+                       description="Serve one model over an OpenAI-compatible HTTP API. Every flag below is also "
+                                   "a key of the YAML config (docs/configuration.md); a flag overrides the file.")
     s.add_argument("model", nargs="?", default=None,
                    help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     s.add_argument("--config", "-c", default=None, help="worker YAML config (see docs/configuration.md)")
-    s.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=None, help="port (default 8000)")
-    s.add_argument("--tensor-parallel-size", "--tp", type=int, default=None)
-    s.add_argument("--pipeline-parallel-size", "--pp", type=int, default=None)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    from pdserve.config import WorkerConfig
+
+    _add_config_flags(s, WorkerConfig, skip=("model",))
     s.set_defaults(func=_serve)
 
     c = sub.add_parser("convert", help="write a GGUF model as a Hugging Face directory (safetensors)")
