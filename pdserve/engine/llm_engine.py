@@ -52,8 +52,7 @@ class LLMEngine:
         self.ecfg = ecfg
         self.model_dir = Path(resolve_model(ecfg.model, cache_dir=ecfg.cache_dir))
         self.model_cfg = ModelConfig.from_hf(read_config(self.model_dir))
-        self.max_model_len = min(ecfg.max_model_len or self.model_cfg.max_position_embeddings,
-                                 self.model_cfg.max_position_embeddings)
+        self.max_model_len = self._max_model_len()
         self.model_name = ecfg.served_model_name or _default_name(ecfg.model, self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
@@ -67,6 +66,22 @@ class LLMEngine:
         self._ids = itertools.count()
         self.by_disagg_id: dict[int, Sequence] = {}
         self.kv = KVExchange(self)
+
+    def _max_model_len(self) -> int:
+        """The context window: the configured one, never past what the model computes exactly."""
+        cfg, asked = self.model_cfg, self.ecfg.max_model_len
+        limit = cfg.context_limit
+        if limit < cfg.max_position_embeddings:  # a sliding window shorter than the positions
+            if asked and asked > limit:
+                raise ValueError(
+                    f"max_model_len={asked} is longer than this model's sliding window ({limit} tokens): its layers "
+                    f"attend to the last {limit} positions only, which pdserve does not implement; set "
+                    f"max_model_len <= {limit}")
+            if not asked:
+                log.warning("the context window is %d tokens, the model's sliding window (max_position_embeddings "
+                            "is %d): pdserve's attention is full, which equals the model's only that far", limit,
+                            cfg.max_position_embeddings)
+        return min(asked or limit, limit)
 
     def _start_ranks(self, pool_allocator) -> ModelRunner:
         ecfg = self.ecfg

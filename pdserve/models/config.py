@@ -38,6 +38,17 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool  # Qwen2: q/k/v projections carry a bias
     rope_scaling: RopeScaling | None = None
+    # Some layers attend to only the last `sliding_window` positions (Mistral v0.1, Qwen2 with
+    # use_sliding_window). pdserve's attention is full, which is the same thing while a sequence is no
+    # longer than the window: `context_limit` keeps it there.
+    sliding_window: int | None = None
+
+    @property
+    def context_limit(self) -> int:
+        """The longest sequence pdserve computes exactly as the model defines it."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -80,4 +91,17 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", default_bias)),
             rope_scaling=scaling,
+            sliding_window=_sliding_window(cfg, arch),
         )
+
+
+def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
+    """The window of the layers that slide, as transformers reads config.json: Mistral slides whenever
+    `sliding_window` is set, Qwen2 only with `use_sliding_window`; a `layer_types` list without a
+    sliding layer means none slides."""
+    window = cfg.get("sliding_window")
+    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        return None
+    if "layer_types" in cfg and "sliding_attention" not in (cfg["layer_types"] or []):
+        return None
+    return int(window) if window else None

@@ -142,6 +142,7 @@ def tiny_config(
     rope_theta: float,
     max_position_embeddings: int,
     dtype: torch.dtype,
+    sliding_window: int | None = None,
 ) -> dict[str, Any]:
     """The config.json dict, in the legacy (rope_theta / rope_scaling) form real checkpoints use."""
     cfg: dict[str, Any] = {
@@ -167,9 +168,10 @@ def tiny_config(
     if arch == "llama":
         cfg.update(attention_bias=False, mlp_bias=False)
     elif arch == "mistral":
-        cfg.update(sliding_window=None)
-    else:
-        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=num_layers)
+        cfg.update(sliding_window=sliding_window)
+    else:  # qwen2: with a window, every layer slides (layers from max_window_layers on do)
+        cfg.update(use_sliding_window=sliding_window is not None, sliding_window=sliding_window,
+                   max_window_layers=0 if sliding_window else num_layers)
     return cfg
 
 
@@ -243,6 +245,7 @@ def make_tiny_model(
     rope_scaling: dict[str, Any] | None = None,
     rope_theta: float = 10000.0,
     max_position_embeddings: int = 2048,
+    sliding_window: int | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
 ) -> Path:
@@ -250,7 +253,8 @@ def make_tiny_model(
 
     hidden_size defaults to num_heads * head_dim. rope_scaling takes a llama3 dict
     ({"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    "original_max_position_embeddings"}).
+    "original_max_position_embeddings"}). sliding_window (mistral, qwen2) makes every layer attend to
+    only that many last positions.
     """
     if arch not in _ARCH_CLASSES:
         raise ValueError(f"arch={arch!r} unknown; choose one of {sorted(_ARCH_CLASSES)}")
@@ -267,6 +271,8 @@ def make_tiny_model(
             "other configs, and tiny models exist to be compared with transformers"
         )
     _check_rope_scaling(rope_scaling)
+    if sliding_window is not None and arch == "llama":
+        raise ValueError("sliding_window: Llama has none; use arch='mistral' or 'qwen2'")
     tokenizer = build_tiny_tokenizer(vocab_size, arch)
     cfg = tiny_config(
         arch=arch,
@@ -281,6 +287,7 @@ def make_tiny_model(
         rope_scaling=dict(rope_scaling) if rope_scaling is not None else None,
         rope_theta=rope_theta,
         max_position_embeddings=max_position_embeddings,
+        sliding_window=sliding_window,
         dtype=dtype,
     )
     out = Path(out_dir)

@@ -169,3 +169,22 @@ def test_llama3_rope_scaling(tmp_path, hf_greedy):
     model = transformers.AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32)
     prompts = _prompts(model.config.vocab_size, 3)
     assert _run(d, prompts) == hf_greedy(model, prompts, MAX_NEW)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_a_sliding_window_bounds_the_context(tmp_path, arch, hf_greedy):
+    """pdserve's attention is full; a model whose layers slide is computed exactly up to its window,
+    so the window is the context: within it the tokens are transformers', past it a clear error."""
+    window = 48
+    d = make_tiny_model(tmp_path / arch, arch=arch, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                        sliding_window=window)
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32)
+    prompts = [p[:window - MAX_NEW] for p in _prompts(model.config.vocab_size, 4)]
+    with LLM(EngineConfig(model=str(d), tokens_per_block=8)) as llm:
+        assert llm.engine.max_model_len == window
+        assert [c.token_ids for c in llm.generate(prompts, GREEDY)] == hf_greedy(model, prompts, MAX_NEW)
+        with pytest.raises(ValueError, match=f"maximum context length is {window} tokens"):
+            llm.generate([prompts[0] + [5] * window], GREEDY)
+    with pytest.raises(ValueError, match=rf"longer than this model's sliding window \({window} tokens\).*"
+                                         rf"set max_model_len <= {window}"):
+        LLM(EngineConfig(model=str(d), max_model_len=window + 1))

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import write_tiny_gguf
+from gguf_writers import write_tiny_gguf
 from safetensors.torch import load_file
 
 from pdserve.weights.gguf_convert import convert_gguf, llama3_rope_scaling, unpermute_rotary
@@ -153,7 +153,7 @@ def test_smollm2_tensors_and_generation_equal_transformers(smollm2_dir, smollm2_
 
 
 def test_sentencepiece_gguf_tokenizer(tiny_llama, tmp_path):
-    from conftest import write_sentencepiece_gguf
+    from gguf_writers import write_sentencepiece_gguf
 
     from pdserve.tokenizer import Tokenizer
 

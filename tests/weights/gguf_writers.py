@@ -1,0 +1,133 @@
+"""Tiny GGUF files written from tiny HF models, as llama.cpp's converter lays them out (imported by the
+checkpoint tests and their fixtures; a module of its own, since `conftest` names a different module in
+each test folder)."""
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.torch import load_file
+
+_LAYER_TO_GGUF = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GLOBAL_TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                   "lm_head.weight": "output.weight"}
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name in _GLOBAL_TO_GGUF:
+        return _GLOBAL_TO_GGUF[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_LAYER_TO_GGUF[module]}.{kind}"
+
+
+def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order: rotate-half halves -> interleaved pairs, per head."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(hf_dir: Path, path: Path, *, quant: str = "Q8_0", pre: str = "default",
+                    rope_freqs: np.ndarray | None = None) -> Path:
+    """Write a tiny HF directory as llama.cpp would: permuted q/k (llama), GGUF names, metadata.
+
+    quant: "F32" keeps weights exact (so a conversion must reproduce them bit for bit); "Q8_0"
+    quantizes every 2-D weight whose rows are a multiple of 32.
+    """
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    tok_cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    arch = cfg["model_type"]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny {arch}")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    vocab = tok["model"]["vocab"] | {t["content"]: t["id"] for t in tok["added_tokens"]}
+    tokens = sorted(vocab, key=vocab.get)
+    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(tok_cfg["chat_template"])
+    for name, t in load_file(str(hf_dir / "model.safetensors")).items():
+        a = t.float().numpy()
+        if arch == "llama" and ".q_proj." in name:
+            a = _permute(a, cfg["num_attention_heads"])
+        elif arch == "llama" and ".k_proj." in name:
+            a = _permute(a, cfg["num_key_value_heads"])
+        if quant == "Q8_0" and a.ndim == 2 and a.shape[1] % 32 == 0:
+            w.add_tensor(_gguf_name(name), gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(_gguf_name(name), np.ascontiguousarray(a))
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+SP_PIECES = ["▁", "t", "h", "e", "a", "n", "d", "o", "r", "s", "i", "l", "he", "▁t", "▁the", "▁a", "an", "▁an",
+             "and", "▁and", "in", "er", "re", "on", "▁o", "▁on", "is", "▁is", "it", "▁it", "es", "ed", "or",
+             "▁or", "ll", "▁he", "lo", "hel", "hell", "hello", "▁hello", "▁w", "▁wor", "ld", "▁world", "▁▁", "x"]
+
+
+def write_sentencepiece_gguf(model_gguf: Path, path: Path, vocab_size: int = 512) -> Path:
+    """Copy a tiny GGUF's model, replacing its tokenizer by a llama-style (sentencepiece BPE) one:
+    <unk> <s> </s>, 256 byte-fallback tokens, scored pieces (no merges stored), padding tokens."""
+    r = gguf.GGUFReader(model_gguf)
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SP_PIECES
+    types = [gguf.TokenType.UNKNOWN] + [gguf.TokenType.CONTROL] * 2 + [gguf.TokenType.BYTE] * 256
+    types += [gguf.TokenType.NORMAL] * len(SP_PIECES)
+    scores = [0.0] * 259 + [-float(i) if len(p) > 1 else -1000.0 - i for i, p in enumerate(SP_PIECES)]
+    pad = vocab_size - len(tokens)
+    tokens += [f"<extra_{i}>" for i in range(pad)]
+    types += [gguf.TokenType.USER_DEFINED] * pad
+    scores += [0.0] * pad
+    w = gguf.GGUFWriter(str(path), r.fields["general.architecture"].contents())
+    for f in r.fields.values():
+        if f.name.startswith(("GGUF.", "tokenizer.ggml", "general.architecture")):
+            continue
+        v = f.contents()
+        {str: w.add_string, bool: w.add_bool, int: w.add_uint32, float: w.add_float32}[type(v)](f.name, v)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_scores(scores)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
