@@ -59,6 +59,11 @@ class ModelConfig:
                 f"unsupported model architecture {archs!r}; pdserve serves "
                 f"{sorted(SUPPORTED_ARCHITECTURES)} (config.json 'architectures')"
             )
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"unsupported hidden_act {act!r}; pdserve's MLP is SwiGLU (silu)")
+        if cfg.get("mlp_bias"):
+            raise ValueError("unsupported mlp_bias: true; pdserve's MLP projections carry no bias")
         num_heads = cfg["num_attention_heads"]
         rope = dict(cfg.get("rope_parameters") or {})
         legacy_scaling = cfg.get("rope_scaling") or {}

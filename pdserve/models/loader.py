@@ -13,6 +13,8 @@ from tqdm import tqdm
 from pdserve.models.llama import LlamaForCausalLM
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# Tensors some checkpoints carry that are computed from the config anyway (RoPE's inverse frequencies).
+_DERIVED = ("rotary_emb.inv_freq",)
 
 
 def _checkpoint_files(model_dir: Path) -> list[Path]:
@@ -72,3 +74,10 @@ def _assign(model: LlamaForCausalLM, w: dict[str, torch.Tensor]) -> None:
             layer.mlp.down_proj.load(take(p + "mlp.down_proj.weight"))
             layer.input_layernorm.load(take(p + "input_layernorm.weight"))
             layer.post_attention_layernorm.load(take(p + "post_attention_layernorm.weight"))
+    w.pop("model.embed_tokens.weight", None)
+    w.pop("lm_head.weight", None)  # tied: the embedding serves as the head
+    unused = sorted(n for n in w if not n.endswith(_DERIVED))
+    if unused:
+        raise ValueError(f"checkpoint holds {len(unused)} tensors pdserve's decoder has no place for "
+                         f"({', '.join(unused[:4])}{', ...' if len(unused) > 4 else ''}): pdserve does not "
+                         "implement what they compute, and without them the model would compute something else")
