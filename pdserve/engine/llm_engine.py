@@ -86,7 +86,7 @@ class LLMEngine:
     def _start_ranks(self, pool_allocator) -> ModelRunner:
         ecfg = self.ecfg
         set_threads(ecfg)
-        device = pick_device(ecfg.device, 0, ecfg.world_size)
+        device = pick_device(ecfg, 0)
         port = ecfg.dist_port or free_port(ecfg.dist_host)
         if ecfg.world_size > 1:
             ctx = mp.get_context("spawn")

@@ -98,8 +98,6 @@ class ModelRunner:
         kv_heads = attn.num_kv_heads if attn else max(1, model_cfg.num_kv_heads // ps.tp_size)
         T, D, L = self.tokens_per_block, model_cfg.head_dim, self.model.num_local_layers
         shape = [self.num_blocks, L, 2, kv_heads, T, D] if ecfg.kv_layout == "HND" else [self.num_blocks, L, 2, T, kv_heads, D]
-        if device.type == "cuda" and ecfg.cache_transceiver_config.backend == "shm":
-            raise ValueError("cache_transceiver_config.backend: shm moves host memory only; on CUDA use nixl")
         self._allocator = pool_allocator or shared_pool_allocator(ecfg.cache_transceiver_config.backend)
         if self._allocator is not None:
             nbytes = self.num_blocks * L * 2 * kv_heads * T * D * self.kv_dtype.itemsize

@@ -10,24 +10,33 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def pick_device(choice: str, rank: int, world_size: int) -> torch.device:
-    """The device of `rank` among `world_size` ranks. NCCL runs one rank per CUDA device, so CUDA
-    needs a device for every rank: `auto` falls back to the CPU (and says so) when there are fewer,
-    `cuda` refuses with what to change."""
-    if choice == "cpu":
+def pick_device(ecfg, rank: int) -> torch.device:
+    """The device of `rank`. CUDA needs a device for every rank (NCCL runs one rank per device) and a
+    transceiver that moves device memory (the shm agent moves host memory only). `auto` takes CUDA
+    when both hold and the CPU otherwise, saying why when a CUDA device was there; `cuda` refuses
+    with what to change."""
+    if ecfg.device == "cpu":
         return torch.device("cpu")
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if choice == "cuda" and visible == 0:
-        raise ValueError("device: cuda was requested but no CUDA device is visible; set device: cpu")
-    if visible and visible < world_size:
-        why = (f"tensor_parallel_size x pipeline_parallel_size = {world_size} ranks, and NCCL needs a CUDA "
-               f"device for each, but {visible} {'is' if visible == 1 else 'are'} visible")
-        if choice == "cuda":
-            raise ValueError(f"device: cuda with {why}; use at most {visible} ranks or set device: cpu")
-        if rank == 0:
-            log.warning("device: auto runs on the CPU: %s", why)
+    if visible == 0:
+        if ecfg.device == "cuda":
+            raise ValueError("device: cuda was requested but no CUDA device is visible; set device: cpu")
         return torch.device("cpu")
-    return torch.device("cuda", rank) if visible else torch.device("cpu")
+    why = None
+    if visible < ecfg.world_size:
+        why = (f"tensor_parallel_size x pipeline_parallel_size = {ecfg.world_size} ranks, and NCCL needs a CUDA "
+               f"device for each, but {visible} {'is' if visible == 1 else 'are'} visible")
+        fix = f"use at most {visible} ranks or set device: cpu"
+    elif ecfg.cache_transceiver_config.backend == "shm":
+        why = "cache_transceiver_config.backend is shm, which moves host memory only"
+        fix = "use backend: nixl or set device: cpu"
+    if why is None:
+        return torch.device("cuda", rank)
+    if ecfg.device == "cuda":
+        raise ValueError(f"device: cuda, but {why}; {fix}")
+    if rank == 0:
+        log.warning("device: auto runs on the CPU: %s", why)
+    return torch.device("cpu")
 
 
 def set_threads(ecfg) -> None:
@@ -45,7 +54,7 @@ def worker_main(rank: int, ecfg, model_dir: str, port: int, max_model_len: int, 
 
     logging.basicConfig(level=logging.WARNING)
     set_threads(ecfg)
-    device = pick_device(ecfg.device, rank, ecfg.world_size)
+    device = pick_device(ecfg, rank)
     ps = init_parallel(ecfg.tensor_parallel_size, ecfg.pipeline_parallel_size, rank, ecfg.dist_host, port, device,
                        ecfg.dist_timeout_s)
     model_cfg = ModelConfig.from_hf(read_config(Path(model_dir)))
