@@ -27,6 +27,7 @@ import abc
 import enum
 from dataclasses import dataclass
 
+import msgpack
 import numpy as np
 
 from pdserve.kv_transfer.errors import KVTransferError
@@ -134,6 +135,23 @@ def check_fragments(src_ptrs: np.ndarray, dst_ptrs: np.ndarray, sizes: np.ndarra
             f"{[a.shape for a in arrays]}"
         )
     return arrays
+
+
+def read_descriptor(descriptor: bytes, kind: str, version: int | None = None) -> dict:
+    """A peer's `local_descriptor()` bytes, decoded: refused with what to fix when they are not a
+    descriptor, come from another backend's agent, or carry another descriptor version."""
+    try:
+        desc = msgpack.unpackb(descriptor)
+        theirs = desc["kind"]
+    except Exception as exc:
+        raise TransferAgentError(f"not a transfer-agent descriptor: {exc}") from exc
+    if theirs != kind:
+        raise TransferAgentError(
+            f"descriptor is for a {theirs!r} agent, this is the {kind} agent; configure one backend on both sides")
+    if version is not None and desc.get("version") != version:
+        raise TransferAgentError(f"{kind} descriptor version {desc.get('version')} != {version}; run one pdserve "
+                                 "version on both sides")
+    return desc
 
 
 class TransferHandle:

@@ -23,6 +23,7 @@ from pdserve.kv_transfer.agents.base import (
     TransferHandle,
     TransferState,
     check_fragments,
+    read_descriptor,
 )
 from pdserve.kv_transfer.agents.memcopy import copy_fragments
 
@@ -75,13 +76,7 @@ class FakeAgent(TransferAgent):
 
     # -- peers --------------------------------------------------------------------------------
     def load_remote(self, descriptor: bytes) -> str:
-        try:
-            desc = msgpack.unpackb(descriptor)
-            kind, name = desc["kind"], desc["name"]
-        except Exception as exc:
-            raise TransferAgentError(f"not a fake-agent descriptor: {exc}") from exc
-        if kind != "fake":
-            raise TransferAgentError(f"descriptor is for a {kind!r} agent, this is a fake agent; use one backend on both sides")
+        name = read_descriptor(descriptor, "fake")["name"]
         if name not in _REGISTRY:
             raise TransferAgentError(f"fake agent {name!r} does not exist in this process")
         self._peers.add(name)

@@ -26,6 +26,7 @@ from pdserve.kv_transfer.agents.base import (
     TransferHandle,
     TransferState,
     check_fragments,
+    read_descriptor,
 )
 
 logger = logging.getLogger(__name__)
@@ -104,17 +105,7 @@ class NixlAgent(TransferAgent):
     # -- peers --------------------------------------------------------------------------------
     def load_remote(self, descriptor: bytes) -> str:
         self._check_open()
-        try:
-            desc = msgpack.unpackb(descriptor)
-            kind = desc["kind"]
-        except Exception as exc:
-            raise TransferAgentError(f"not a transfer-agent descriptor: {exc}") from exc
-        if kind != "nixl":
-            raise TransferAgentError(
-                f"descriptor is for a {kind!r} agent, this is the nixl agent; configure one backend on both sides"
-            )
-        if desc.get("version") != _DESCRIPTOR_VERSION:
-            raise TransferAgentError(f"nixl descriptor version {desc.get('version')} != {_DESCRIPTOR_VERSION}")
+        desc = read_descriptor(descriptor, "nixl", _DESCRIPTOR_VERSION)
         name, metadata = desc["name"], desc["metadata"]
         known = self._peers.get(name)
         if known is not None and known[0] == metadata:

@@ -39,6 +39,7 @@ from pdserve.kv_transfer.agents.base import (
     TransferHandle,
     TransferState,
     check_fragments,
+    read_descriptor,
 )
 from pdserve.kv_transfer.agents.memcopy import copy_fragments
 
@@ -191,17 +192,7 @@ class ShmAgent(TransferAgent):
 
     # -- peers --------------------------------------------------------------------------------
     def load_remote(self, descriptor: bytes) -> str:
-        try:
-            desc = msgpack.unpackb(descriptor)
-            kind = desc["kind"]
-        except Exception as exc:
-            raise TransferAgentError(f"not a transfer-agent descriptor: {exc}") from exc
-        if kind != "shm":
-            raise TransferAgentError(
-                f"descriptor is for a {kind!r} agent, this is the shm agent; configure one backend on both sides"
-            )
-        if desc.get("version") != _DESCRIPTOR_VERSION:
-            raise TransferAgentError(f"shm descriptor version {desc.get('version')} != {_DESCRIPTOR_VERSION}")
+        desc = read_descriptor(descriptor, "shm", _DESCRIPTOR_VERSION)
         host = tuple(desc["host"])
         if host != self._host:
             raise TransferAgentError(

@@ -81,6 +81,25 @@ def test_write_outside_registered_memory_is_refused(backend):
     a.shutdown(), b.shutdown()
 
 
+@pytest.mark.parametrize("backend, other", [("fake", "shm"), ("shm", "fake"), ("nixl", "shm")])
+def test_a_descriptor_from_elsewhere_is_refused(backend, other):
+    """Garbage, another backend's agent, another descriptor version: each named, nothing loaded."""
+    agent, peer = make_agent(backend), make_agent(other)
+    try:
+        with pytest.raises(TransferAgentError, match="not a transfer-agent descriptor"):
+            agent.load_remote(b"\x00garbage")
+        with pytest.raises(TransferAgentError, match=rf"'{other}' agent, this is the {backend} agent; configure one "
+                                                     "backend on both sides"):
+            agent.load_remote(peer.local_descriptor())
+        if backend != "fake":  # fake descriptors never leave the process, so they carry no version
+            desc = msgpack.unpackb(agent.local_descriptor())
+            desc["version"] += 1
+            with pytest.raises(TransferAgentError, match=rf"{backend} descriptor version 2 != 1; run one pdserve"):
+                agent.load_remote(msgpack.packb(desc))
+    finally:
+        agent.shutdown(), peer.shutdown()
+
+
 class _Plain:
     def __init__(self, n: int) -> None:
         self.array = np.zeros(n, np.uint8)
