@@ -83,7 +83,8 @@ def pack_for_cpu(model: nn.Module, gemv: bool = False) -> None:
     """Repack every linear weight for oneDNN (see the module docstring); a no-op off CPU, for dtypes
     oneDNN's CPU GEMM does not take, or when torch was built without it. With `gemv`, each linear also
     keeps its plain weight for steps of a few rows (where the native GEMV runs)."""
-    gemv = gemv and cpu_kernels.skinny_linear_runs()
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    gemv = gemv and on_cpu and cpu_kernels.skinny_linear_runs()  # off CPU: no kernel build, no probe
     packing = torch.backends.mkldnn.is_available()
     lookup = getattr(model, "embed_tokens", None)
     kept = 0  # bytes of plain weights kept beside packed ones
