@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
@@ -16,6 +16,8 @@ class Completion:
     text: str
     finish_reason: str | None
     num_cached_tokens: int
+    # With SamplingParams.logprobs: one {"token_id", "logprob", "top": [(id, logprob), ...]} per token.
+    logprobs: list[dict] = field(default_factory=list)
 
 
 class LLM:
@@ -30,14 +32,16 @@ class LLM:
         rids = [self.engine.add_request(p, sp) for p, sp in zip(ids, params_list)]
         tokens = {r: [] for r in rids}
         text = {r: "" for r in rids}
+        logprobs: dict[str, list[dict]] = {r: [] for r in rids}
         done: dict[str, object] = {}
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 tokens[out.request_id] += out.new_token_ids
                 text[out.request_id] += out.new_text
+                logprobs[out.request_id] += out.new_logprobs
                 if out.finished:
                     done[out.request_id] = out
-        return [Completion(p, tokens[r], text[r], done[r].finish_reason, done[r].num_cached_tokens)
+        return [Completion(p, tokens[r], text[r], done[r].finish_reason, done[r].num_cached_tokens, logprobs[r])
                 for p, r in zip(ids, rids)]
 
     def shutdown(self) -> None:

@@ -1,0 +1,73 @@
+"""bf16 and fp16 weights: greedy tokens cannot be compared with transformers' token for token (in
+bf16 the two part ways within a few tokens on near-ties, both being right to the precision they
+have), so the oracle is accuracy. Teacher-forced on the tokens pdserve generated, transformers in fp32
+gives the reference log-probabilities; pdserve's log-probability of each token it chose must be as
+close to that as transformers' own forward in the same dtype is."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.llm import LLM
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.testing import make_tiny_model
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+MAX_NEW = 32
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, logprobs=0)
+
+
+def _errors(model_dir, prompts: list[list[int]], dtype: str, **engine) -> tuple[torch.Tensor, torch.Tensor]:
+    """|log p - fp32 log p| of every token pdserve chose: pdserve's, and transformers' in `dtype`."""
+    with LLM(EngineConfig(model=str(model_dir), dtype=dtype, **engine)) as llm:
+        outs = llm.generate(prompts, GREEDY)
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    exact, low = load(model_dir, torch_dtype=torch.float32), load(model_dir, torch_dtype=getattr(torch, dtype))
+    ours, theirs = [], []
+    for prompt, out in zip(prompts, outs):
+        chosen = torch.tensor(out.token_ids)
+        at = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(chosen))  # the positions that predicted them
+        with torch.inference_mode():
+            seq = torch.tensor([prompt + out.token_ids])
+            ref = torch.log_softmax(exact(seq).logits[0].float(), -1)[at, chosen]
+            same_dtype = torch.log_softmax(low(seq).logits[0].float(), -1)[at, chosen]
+        ours.append((torch.tensor([lp["logprob"] for lp in out.logprobs]) - ref).abs())
+        theirs.append((same_dtype - ref).abs())
+    return torch.cat(ours), torch.cat(theirs)
+
+
+def _assert_as_accurate(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    assert len(ours) == len(theirs) > 0
+    assert ours.mean() <= 1.5 * theirs.mean(), (ours.mean(), theirs.mean())
+    assert ours.max() <= 2.0 * theirs.max(), (ours.max(), theirs.max())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", arch="llama", num_layers=4, num_heads=8,
+                        num_kv_heads=2, head_dim=16)
+    g = torch.Generator().manual_seed(1234)
+    return d, [torch.randint(3, 512, (n,), generator=g).tolist() for n in (3, 17, 40, 64, 9, 33, 75, 1)]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("batch", ["batched", "one at a time"])
+def test_tiny_model_as_accurate_as_transformers(tiny, dtype, batch):
+    d, prompts = tiny
+    seqs = {"max_num_seqs": 1} if batch == "one at a time" else {}  # one sequence: the one-call layer stack
+    _assert_as_accurate(*_errors(d, prompts, dtype, tokens_per_block=8, **seqs))
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_as_accurate_as_transformers(pdserve_cache, smollm2_path):
+    from pdserve.weights.resolve import resolve_model
+
+    d = resolve_model(str(smollm2_path), cache_dir=pdserve_cache)
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "The three primary colors are",
+             "In 1492,", "Water boils at", "The quick brown fox", "To make a cake, you"]
+    _assert_as_accurate(*_errors(d, [tok(t).input_ids for t in texts], "bfloat16", cache_dir=str(pdserve_cache)))
