@@ -63,6 +63,14 @@ def test_tiny_model_as_accurate_as_transformers(tiny, dtype, batch):
 
 
 @pytest.mark.slow
+def test_tiny_model_bf16_tp2_pp2_as_accurate_as_transformers(tiny):
+    """The TP all-reduces and the PP hand-offs carry bf16 activations."""
+    d, prompts = tiny
+    _assert_as_accurate(*_errors(d, prompts, "bfloat16", tokens_per_block=8, tensor_parallel_size=2,
+                                 pipeline_parallel_size=2, num_threads=1))
+
+
+@pytest.mark.slow
 def test_smollm2_bf16_as_accurate_as_transformers(pdserve_cache, smollm2_path):
     from pdserve.weights.resolve import resolve_model
 
