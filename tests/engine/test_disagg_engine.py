@@ -12,6 +12,7 @@ from pdserve.engine.llm_engine import ConflictError, LLMEngine, RequestError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import DisaggInfo, RequestType
 from pdserve.testing import make_tiny_model
+from pdserve.testing.disagg import context_first, step_until
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -33,19 +34,9 @@ def _engine(model, backend, tokens_per_block=8, layout="HND", **transceiver):
                                   cache_transceiver_config=transceiver))
 
 
-def _run_until(engines, done, limit=2000):
-    outs = []
-    for _ in range(limit):
-        for e in engines:
-            outs += e.step()
-        if done(outs):
-            return outs
-    raise AssertionError("engines did not finish")
-
-
 def _assert_everything_freed(ctx, gen):
     """Both engines settle every transfer and hold no KV block afterwards."""
-    _run_until([ctx, gen], lambda _: not ctx.has_unfinished() and not gen.has_unfinished())
+    step_until([ctx, gen], lambda _: not ctx.has_unfinished() and not gen.has_unfinished())
     assert ctx.blocks.num_free_blocks == ctx.blocks.num_blocks
     assert gen.blocks.num_free_blocks == gen.blocks.num_blocks
 
@@ -59,19 +50,7 @@ def test_disaggregated_equals_aggregated(tiny, backend, ctx_tpb, gen_tpb, layout
     ctx = _engine(tiny, backend, ctx_tpb, layout)
     gen = _engine(tiny, backend, gen_tpb, layout)
     try:
-        for i, p in enumerate(prompts):
-            ctx.add_request(p, GREEDY, f"c{i}", RequestType.CONTEXT_ONLY, DisaggInfo(1000 + i))
-        ctx_outs = _run_until([ctx], lambda outs: len(outs) == len(prompts))
-        params = {o.request_id: o.disaggregated_params for o in ctx_outs}
-        for i, p in enumerate(prompts):
-            d = params[f"c{i}"]
-            gen.add_request(p, GREEDY, f"g{i}", RequestType.GENERATION_ONLY,
-                            DisaggInfo(d["disagg_request_id"], d["ctx_info_endpoint"], 0, tuple(d["first_gen_tokens"])))
-        tokens = {f"g{i}": [] for i in range(len(prompts))}
-        outs = _run_until([ctx, gen], lambda outs: sum(o.finished for o in outs) == len(prompts))
-        for o in outs:
-            tokens[o.request_id] += o.new_token_ids
-        assert [tokens[f"g{i}"] for i in range(len(prompts))] == expected
+        assert [g.token_ids for g in context_first(ctx, gen, prompts, GREEDY)] == expected
         _assert_everything_freed(ctx, gen)
     finally:
         ctx.shutdown()
@@ -91,7 +70,7 @@ def test_duplicate_in_flight_id_is_a_conflict_and_dead_context_fails_cleanly(tin
         gen.add_request([5, 6, 7, 8], GREEDY, "g0", RequestType.GENERATION_ONLY, DisaggInfo(77, dead, 0, (9,)))
         with pytest.raises(ConflictError, match="77"):
             gen.add_request([5, 6, 7, 8], GREEDY, "g1", RequestType.GENERATION_ONLY, DisaggInfo(77, dead, 0, (9,)))
-        outs = _run_until([gen], lambda outs: any(o.finished for o in outs), limit=5000)
+        outs = step_until([gen], lambda outs: any(o.finished for o in outs), limit=5000)
         final = [o for o in outs if o.finished][0]
         assert final.finish_reason == "error" and "KV transfer" in final.error
         assert gen.blocks.num_free_blocks == gen.blocks.num_blocks
@@ -107,15 +86,15 @@ def test_first_token_logprobs_travel_with_the_request(tiny):
     prompt = _prompts()[1]
     with LLM(EngineConfig(model=tiny, tokens_per_block=8)) as llm:
         llm.engine.add_request(prompt, params, "agg")
-        agg = [lp for o in _run_until([llm.engine], lambda outs: any(o.finished for o in outs))
+        agg = [lp for o in step_until([llm.engine], lambda outs: any(o.finished for o in outs))
                for lp in o.new_logprobs]
     ctx, gen = _engine(tiny, "shm"), _engine(tiny, "shm")
     try:
         ctx.add_request(prompt, params, "c", RequestType.CONTEXT_ONLY, DisaggInfo(4242))
-        d = _run_until([ctx], lambda outs: len(outs) == 1)[0].disaggregated_params
+        d = step_until([ctx], lambda outs: len(outs) == 1)[0].disaggregated_params
         gen.add_request(prompt, params, "g", RequestType.GENERATION_ONLY,
                         DisaggInfo(4242, d["ctx_info_endpoint"], 0, tuple(d["first_gen_tokens"]), d["opaque_state"]))
-        outs = _run_until([ctx, gen], lambda outs: any(o.finished for o in outs))
+        outs = step_until([ctx, gen], lambda outs: any(o.finished for o in outs))
         split = [lp for o in outs for lp in o.new_logprobs]
         assert [e["token_id"] for e in split] == [e["token_id"] for e in agg]
         assert [e["top"] for e in split][0] == agg[0]["top"]
@@ -139,11 +118,11 @@ def _generation_first(tiny, prompts, params, *, pipelined, ctx_max_tokens=16, ct
         gen.add_request(p, params, f"g{i}", RequestType.GENERATION_ONLY,
                         DisaggInfo(500 + i, ctx.kv_endpoint, schedule_style="generation_first"))
     if step_gen_first:
-        _run_until([gen], lambda _: all(gen.seqs[f"g{i}"].disagg.transfer_started for i in range(len(prompts))))
+        step_until([gen], lambda _: all(gen.seqs[f"g{i}"].disagg.transfer_started for i in range(len(prompts))))
     for i, p in enumerate(prompts):
         ctx.add_request(p, params, f"c{i}", RequestType.CONTEXT_ONLY,
                         DisaggInfo(500 + i, schedule_style="generation_first"))
-    outs = _run_until([ctx, gen], lambda outs: sum(o.finished and o.request_id.startswith("g") for o in outs)
+    outs = step_until([ctx, gen], lambda outs: sum(o.finished and o.request_id.startswith("g") for o in outs)
                       == len(prompts))
     by_id: dict[str, list] = {}
     for o in outs:
@@ -175,7 +154,7 @@ def test_generation_first_first_token_ending_the_request_and_its_logprobs(tiny):
     prompt = _prompts()[2]
     with LLM(EngineConfig(model=tiny, tokens_per_block=8)) as llm:
         llm.engine.add_request(prompt, params, "agg")
-        agg = [o for o in _run_until([llm.engine], lambda outs: any(o.finished for o in outs))]
+        agg = [o for o in step_until([llm.engine], lambda outs: any(o.finished for o in outs))]
     outs, ctx, gen = _generation_first(tiny, [prompt], params, pipelined=True)
     try:
         final = outs["g0"][-1]
@@ -197,7 +176,7 @@ def test_generation_first_prompt_mismatch_fails_loudly(tiny):
                         DisaggInfo(61, ctx.kv_endpoint, schedule_style="generation_first"))
         ctx.add_request(prompt[:-3], GREEDY, "c", RequestType.CONTEXT_ONLY,
                         DisaggInfo(61, schedule_style="generation_first"))
-        outs = _run_until([ctx, gen], lambda outs: any(o.finished and o.request_id == "g" for o in outs))
+        outs = step_until([ctx, gen], lambda outs: any(o.finished and o.request_id == "g" for o in outs))
         final = [o for o in outs if o.request_id == "g" and o.finished][0]
         assert final.finish_reason == "error" and "18 prompt tokens" in final.error and "has 21" in final.error
         _assert_everything_freed(ctx, gen)
@@ -218,12 +197,12 @@ def test_aborting_a_pipelined_prefill_mid_way_frees_both_sides(tiny):
     try:
         gen.add_request(prompt, GREEDY, "g", RequestType.GENERATION_ONLY,
                         DisaggInfo(71, ctx.kv_endpoint, schedule_style="generation_first"))
-        _run_until([gen], lambda _: gen.seqs["g"].disagg.transfer_started)
+        step_until([gen], lambda _: gen.seqs["g"].disagg.transfer_started)
         ctx.add_request(prompt, GREEDY, "c", RequestType.CONTEXT_ONLY, DisaggInfo(71, schedule_style="generation_first"))
-        _run_until([ctx, gen], lambda _: ctx.seqs["c"].num_computed_tokens >= 16)  # 2 of 5 chunks sent
+        step_until([ctx, gen], lambda _: ctx.seqs["c"].num_computed_tokens >= 16)  # 2 of 5 chunks sent
         assert ctx.seqs["c"].disagg.transfer_started
         ctx.abort("c")
-        outs = _run_until([ctx, gen], lambda outs: any(o.finished and o.request_id == "g" for o in outs))
+        outs = step_until([ctx, gen], lambda outs: any(o.finished and o.request_id == "g" for o in outs))
         final = [o for o in outs if o.request_id == "g" and o.finished][0]
         assert final.finish_reason == "error" and "KV transfer" in final.error
         _assert_everything_freed(ctx, gen)

@@ -13,8 +13,8 @@ from pdserve.config import EngineConfig
 from pdserve.engine.llm import LLM
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.sequence import DisaggInfo, RequestType
 from pdserve.testing import make_tiny_model
+from pdserve.testing.disagg import context_first
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -68,24 +68,7 @@ def test_disaggregated_over_nixl_vram(tiny):
 
     ctx, gen = engine(), engine()
     try:
-        for i, p in enumerate(prompts):
-            ctx.add_request(p, GREEDY, f"c{i}", RequestType.CONTEXT_ONLY, DisaggInfo(1000 + i))
-        params = {}
-        while len(params) < len(prompts):
-            params.update({o.request_id: o.disaggregated_params for o in ctx.step()})
-        for i, p in enumerate(prompts):
-            dp = params[f"c{i}"]
-            gen.add_request(p, GREEDY, f"g{i}", RequestType.GENERATION_ONLY,
-                            DisaggInfo(dp["disagg_request_id"], dp["ctx_info_endpoint"], 0,
-                                       tuple(dp["first_gen_tokens"])))
-        tokens = {f"g{i}": [] for i in range(len(prompts))}
-        for _ in range(5000):
-            if not (ctx.has_unfinished() or gen.has_unfinished()):
-                break
-            ctx.step()
-            for o in gen.step():
-                tokens[o.request_id] += o.new_token_ids
-        assert [tokens[f"g{i}"] for i in range(len(prompts))] == ref
+        assert [g.token_ids for g in context_first(ctx, gen, prompts, GREEDY)] == ref
         assert ctx.blocks.num_free_blocks == ctx.blocks.num_blocks
         assert gen.blocks.num_free_blocks == gen.blocks.num_blocks
     finally:

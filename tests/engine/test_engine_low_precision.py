@@ -11,8 +11,10 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.llm import LLM
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.testing import make_tiny_model
+from pdserve.testing.disagg import context_first
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -22,9 +24,13 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, lo
 
 
 def _errors(model_dir, prompts: list[list[int]], dtype: str, **engine) -> tuple[torch.Tensor, torch.Tensor]:
-    """|log p - fp32 log p| of every token pdserve chose: pdserve's, and transformers' in `dtype`."""
     with LLM(EngineConfig(model=str(model_dir), dtype=dtype, **engine)) as llm:
-        outs = llm.generate(prompts, GREEDY)
+        return _errors_of(model_dir, prompts, llm.generate(prompts, GREEDY), dtype)
+
+
+def _errors_of(model_dir, prompts: list[list[int]], outs, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """|log p - fp32 log p| of every token pdserve chose (`outs`: token_ids and logprobs per prompt):
+    pdserve's, and transformers' forward in `dtype`."""
     load = transformers.AutoModelForCausalLM.from_pretrained
     exact, low = load(model_dir, torch_dtype=torch.float32), load(model_dir, torch_dtype=getattr(torch, dtype))
     ours, theirs = [], []
@@ -35,6 +41,7 @@ def _errors(model_dir, prompts: list[list[int]], dtype: str, **engine) -> tuple[
             seq = torch.tensor([prompt + out.token_ids])
             ref = torch.log_softmax(exact(seq).logits[0].float(), -1)[at, chosen]
             same_dtype = torch.log_softmax(low(seq).logits[0].float(), -1)[at, chosen]
+        assert len(out.logprobs) == len(out.token_ids)
         ours.append((torch.tensor([lp["logprob"] for lp in out.logprobs]) - ref).abs())
         theirs.append((same_dtype - ref).abs())
     return torch.cat(ours), torch.cat(theirs)
@@ -60,6 +67,25 @@ def test_tiny_model_as_accurate_as_transformers(tiny, dtype, batch):
     d, prompts = tiny
     seqs = {"max_num_seqs": 1} if batch == "one at a time" else {}  # one sequence: the one-call layer stack
     _assert_as_accurate(*_errors(d, prompts, dtype, tokens_per_block=8, **seqs))
+
+
+def test_fp32_context_bf16_generation_as_accurate_as_transformers_bf16(tiny):
+    """Weight dtypes differ between the instances, the KV dtype is shared: a context instance with fp32
+    weights (fast prefill on CPU) hands bf16 KV to a generation instance with bf16 weights."""
+    d, prompts = tiny
+
+    def engine(dtype):
+        return LLMEngine(EngineConfig(model=str(d), dtype=dtype, kv_cache_dtype="bfloat16", tokens_per_block=8,
+                                      num_kv_blocks=128, cache_transceiver_config={"backend": "shm"}))
+
+    ctx, gen = engine("float32"), engine("bfloat16")
+    try:
+        outs = context_first(ctx, gen, prompts, GREEDY)
+        assert gen.blocks.num_free_blocks == gen.blocks.num_blocks and ctx.blocks.num_free_blocks == ctx.blocks.num_blocks
+    finally:
+        ctx.shutdown()
+        gen.shutdown()
+    _assert_as_accurate(*_errors_of(d, prompts, outs, "bfloat16"))
 
 
 @pytest.mark.slow
