@@ -188,3 +188,12 @@ def test_a_sliding_window_bounds_the_context(tmp_path, arch, hf_greedy):
     with pytest.raises(ValueError, match=rf"longer than this model's sliding window \({window} tokens\).*"
                                          rf"set max_model_len <= {window}"):
         LLM(EngineConfig(model=str(d), max_model_len=window + 1))
+
+
+def test_a_context_longer_than_the_model_is_refused(tmp_path):
+    d = make_tiny_model(tmp_path / "m", num_layers=1, max_position_embeddings=256)
+    with pytest.raises(ValueError, match=r"max_model_len=257 is longer than the model's max_position_embeddings "
+                                         r"\(256\); set max_model_len <= 256"):
+        LLM(EngineConfig(model=str(d), max_model_len=257))
+    with LLM(EngineConfig(model=str(d))) as llm:
+        assert llm.engine.max_model_len == 256
