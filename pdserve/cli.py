@@ -48,14 +48,11 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...
     given on the command line overrides the YAML file; nested sections are YAML only."""
     for name, field in cls.model_fields.items():
         kind = field.annotation
-        options = [a for a in typing.get_args(kind) if a is not type(None)]
-        if name in skip or (typing.get_origin(kind) not in (typing.Literal, types.UnionType, None)):
-            continue
-        if typing.get_origin(kind) is types.UnionType:
-            if len(options) != 1 or options[0] not in (str, int, float):
-                continue
-            kind = options[0]
-        elif kind not in (str, int, float, bool) and typing.get_origin(kind) is not typing.Literal:
+        if typing.get_origin(kind) is types.UnionType:  # `int | None` and the like: the flag takes the int
+            options = [a for a in typing.get_args(kind) if a is not type(None)]
+            kind = options[0] if len(options) == 1 else None
+        choice = typing.get_origin(kind) is typing.Literal
+        if name in skip or not (choice or kind in (str, int, float, bool)):
             continue
         default = "unset" if field.default is None else str(field.default).lower() if kind is bool else field.default
         help_text = field.description or ""
@@ -63,8 +60,8 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...
             help_text += ("; " if help_text else "") + f"default: {default}"
         if kind is bool:
             extra = {"action": argparse.BooleanOptionalAction}
-        elif typing.get_origin(kind) is typing.Literal:
-            extra = {"choices": options}
+        elif choice:
+            extra = {"choices": list(typing.get_args(kind))}
         else:
             extra = {"metavar": {int: "N", float: "X", str: "TEXT"}[kind]}
         parser.add_argument(f"--{name.replace('_', '-')}", *_ALIASES.get(name, []), dest=name,
