@@ -27,14 +27,15 @@ def serve_config(args: argparse.Namespace):
 
 def _serve(args: argparse.Namespace) -> int:
     from pdserve.engine.async_engine import AsyncEngine
-    from pdserve.server.app import run_server
+    from pdserve.server.app import bind_listener, run_server
 
     cfg = serve_config(args)
-    engine = AsyncEngine.from_config(cfg, kv_events_port=cfg.kv_events_port)
-    try:
-        run_server(engine, cfg)
-    finally:
-        engine.shutdown()
+    with bind_listener(cfg.host, cfg.port) as sock:
+        engine = AsyncEngine.from_config(cfg, kv_events_port=cfg.kv_events_port)
+        try:
+            run_server(engine, cfg, sock=sock)
+        finally:
+            engine.shutdown()
     return 0
 
 

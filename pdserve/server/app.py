@@ -11,6 +11,7 @@ import logging
 import re
 import secrets
 import signal
+import socket
 import threading
 from typing import Any, Awaitable
 
@@ -219,24 +220,41 @@ def _chain_step_hook(engine, hook) -> None:
     engine.on_step = both if previous is not None else hook
 
 
-def run_server(engine, cfg: WorkerConfig, *, graceful_shutdown_s: float = 10.0) -> None:
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before the model loads: a port in use is then an error at
+    once, not after the whole start-up."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port or --host") from None
+    return sock
+
+
+def run_server(engine, cfg: WorkerConfig, *, graceful_shutdown_s: float = 10.0,
+               sock: socket.socket | None = None) -> None:
     """Serve until SIGINT/SIGTERM; then stop accepting, give in-flight requests `graceful_shutdown_s`
     to finish, and return normally. The caller owns the engine and shuts it down afterwards (with TP/PP
-    that stops the other ranks' processes, so the signal must not kill this process first)."""
+    that stops the other ranks' processes, so the signal must not kill this process first). `sock`: a
+    socket from `bind_listener` (else uvicorn binds cfg.host:cfg.port itself)."""
     app = build_app(engine, cfg)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="info",
                             timeout_graceful_shutdown=graceful_shutdown_s)
     server = uvicorn.Server(config)
-    log.info("serving %s on http://%s:%d", engine.model_name, cfg.host, cfg.port)
+    sockets = [sock] if sock is not None else None
+    port = sock.getsockname()[1] if sock is not None else cfg.port
+    log.info("serving %s on http://%s:%d", engine.model_name, cfg.host, port)
     if threading.current_thread() is not threading.main_thread():
-        server.run()  # no signals off the main thread; the owner sets server.should_exit
+        server.run(sockets=sockets)  # no signals off the main thread; the owner sets server.should_exit
         return
     # uvicorn handles the signal during run(), then re-raises it into the handlers it found, which by
     # default would kill the process (SIGTERM) or raise KeyboardInterrupt (SIGINT). Ours note it instead.
     received: list[int] = []
     previous = {sig: signal.signal(sig, lambda s, _frame: received.append(s)) for sig in _STOP_SIGNALS}
     try:
-        server.run()
+        server.run(sockets=sockets)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

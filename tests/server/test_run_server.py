@@ -4,6 +4,7 @@ SIGTERM, then exits 0."""
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 
@@ -39,3 +40,15 @@ def test_pdserve_serve_answers_and_shuts_down_gracefully(tiny_model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_a_port_in_use_is_an_error_before_the_model_loads(tiny_model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", str(tiny_model_dir), "--port", str(port)],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port} (Address already in use); choose another --port" in done.stderr
+    assert "loading weights" not in done.stderr  # refused before any start-up work
