@@ -285,7 +285,8 @@ def page_table_for_block_major_pool(
         raise ValueError(f"global_layer_ids has {len(layers)} ids but num_layers={num_layers}")
     buffer_bytes = kv_heads * tokens_per_block * head_dim * element_bytes
     slot_bytes = num_layers * 2 * buffer_bytes
-    entries = tuple(BufferEntry(l, (2 * l + kv) * buffer_bytes, buffer_bytes) for l in range(num_layers) for kv in (0, 1))
+    entries = tuple(BufferEntry(layer, (2 * layer + kv) * buffer_bytes, buffer_bytes)
+                    for layer in range(num_layers) for kv in (0, 1))
     pool = PhysicalPool(base, slot_bytes, num_blocks, slot_stride=slot_bytes, layer_stride=0)
     group = LayerGroup(group_id, layers, sliding_window, (PoolView(0, role, entries),))
     return PageTable((pool,), (group,), layout, tokens_per_block)
@@ -313,7 +314,7 @@ def page_table_for_layer_major_pools(
     if len(layers) != num_layers:
         raise ValueError(f"global_layer_ids has {len(layers)} ids but num_layers={num_layers}")
     buffer_bytes = kv_heads * tokens_per_block * head_dim * element_bytes
-    entries = tuple(BufferEntry(l, 0, buffer_bytes) for l in range(num_layers))
+    entries = tuple(BufferEntry(layer, 0, buffer_bytes) for layer in range(num_layers))
     pools = (PhysicalPool(k_base, buffer_bytes, num_blocks), PhysicalPool(v_base, buffer_bytes, num_blocks))
     views = (PoolView(0, frozenset({"k"}), entries), PoolView(1, frozenset({"v"}), entries))
     return PageTable(pools, (LayerGroup(group_id, layers, sliding_window, views),), layout, tokens_per_block)

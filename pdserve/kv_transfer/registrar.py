@@ -169,7 +169,7 @@ def _buffer_offsets(group: LayerGroup, view: PoolView, pool: PhysicalPool, layer
     local = {g: i for i, g in enumerate(group.global_layer_ids)}
     stride = pool.effective_layer_stride
     entries = [(local[g], e) for g in layers for e in by_layer[local[g]]]
-    offsets = np.array([l * stride + e.offset for l, e in entries], dtype=np.uint64)
+    offsets = np.array([layer * stride + e.offset for layer, e in entries], dtype=np.uint64)
     return offsets, np.array([e.size for _, e in entries], dtype=np.uint64)
 
 

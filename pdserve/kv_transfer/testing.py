@@ -99,7 +99,8 @@ def _rank_layout(topo: Topology, model: ModelShape, rank: int) -> tuple[list[tup
     stages = topo.stages(model.num_layers)
     lo = sum(stages[:pp])
     layers = range(lo, lo + stages[pp])
-    groups = [(g, [l for l in layers if l % model.num_layer_groups == g]) for g in range(model.num_layer_groups)]
+    groups = [(g, [layer for layer in layers if layer % model.num_layer_groups == g])
+              for g in range(model.num_layer_groups)]
     tp_per_dp = topo.tp // topo.dp
     return [(g, ls) for g, ls in groups if ls], max(1, model.total_kv_heads // tp_per_dp)
 

@@ -82,7 +82,7 @@ def test_nonstreaming_disconnect_aborts_and_frees_kv(server, engine, http):
 @pytest.mark.parametrize("path,body", STREAMS)
 def test_stream_whose_client_is_gone_before_the_first_byte_aborts_and_frees_kv(server, engine, http, path, body):
     """The SSE generator never starts, so only the response's own cleanup can abort the request."""
-    before = wait_kv_baseline(http)
+    wait_kv_baseline(http)  # start from an idle server
     app = ClientGoneBeforeFirstByte(build_app(engine, WorkerConfig(model=engine.engine.ecfg.model)))
     with EngineHold(engine) as hold, ServerThread(app) as gone_server, \
             httpx.Client(base_url=gone_server.url, timeout=10) as gone_http:

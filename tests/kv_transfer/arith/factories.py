@@ -30,7 +30,7 @@ def replicated_instance(name: str, tp: int, dp: int = 1, layers: int = 2, tpb: i
     out = []
     for r in range(tp):
         pool = PhysicalPool((1 + r) * GiB, tpb * row, 8)
-        view = PoolView(0, frozenset({"index"}), tuple(BufferEntry(l, 0, tpb * row) for l in range(layers)))
+        view = PoolView(0, frozenset({"index"}), tuple(BufferEntry(layer, 0, tpb * row) for layer in range(layers)))
         table = PageTable((pool,), (LayerGroup(0, tuple(range(layers)), None, (view,)),), MapperKind.REPLICATED, tpb)
         out.append(RankInfo(
             instance_name=name, rank=r, tp_size=tp, tp_rank=r, pp_size=1, pp_rank=0, cp_size=1, cp_rank=0,

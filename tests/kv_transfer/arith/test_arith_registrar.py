@@ -101,7 +101,7 @@ def _two_groups(ri):
     by = v.entries_by_layer()
     groups = tuple(
         LayerGroup(g, (g, g + 2), None, (PoolView(0, v.role, tuple(BufferEntry(i, e.offset, e.size)
-                                                                       for i, l in enumerate((g, g + 2)) for e in by[l])),))
+                                                                       for i, layer in enumerate((g, g + 2)) for e in by[layer])),))
         for g in (0, 1)
     )
     return with_table(ri, replace(ri.page_table, layer_groups=groups))
