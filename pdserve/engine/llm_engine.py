@@ -68,19 +68,11 @@ class LLMEngine:
         self.kv = KVExchange(self)
 
     def _max_model_len(self) -> int:
-        """The context window: the configured one, never past what the model computes exactly."""
-        cfg, asked = self.model_cfg, self.ecfg.max_model_len
-        limit = cfg.context_limit
-        slides = limit < cfg.max_position_embeddings  # a sliding window shorter than the positions
+        """The context window: the configured one, never past the model's positions."""
+        asked, limit = self.ecfg.max_model_len, self.model_cfg.max_position_embeddings
         if asked and asked > limit:
-            why = (f"this model's sliding window ({limit} tokens): its layers attend to the last {limit} positions "
-                   "only, which pdserve does not implement" if slides else
-                   f"the model's max_position_embeddings ({limit})")
-            raise ValueError(f"max_model_len={asked} is longer than {why}; set max_model_len <= {limit}")
-        if slides and not asked:
-            log.warning("the context window is %d tokens, the model's sliding window (max_position_embeddings is "
-                        "%d): pdserve's attention is full, which equals the model's only that far", limit,
-                        cfg.max_position_embeddings)
+            raise ValueError(f"max_model_len={asked} is longer than the model's max_position_embeddings ({limit}); "
+                             f"set max_model_len <= {limit}")
         return asked or limit
 
     def _start_ranks(self, pool_allocator) -> ModelRunner:

@@ -166,14 +166,19 @@ class PagedKVCache:
         return k, v
 
 
-def _sdpa_decode(q: torch.Tensor, layer: int, cache: PagedKVCache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+def _sdpa_decode(q: torch.Tensor, layer: int, cache: PagedKVCache, md: AttentionMetadata, scale: float,
+                 window: int) -> torch.Tensor:
     """PyTorch decode attention, q: [b, heads, d] one query per decode sequence -> [b, kv_heads, group, d].
     The query heads of a KV group are folded into the "query length" axis so a single batched SDPA covers
-    every sequence without repeating K/V."""
+    every sequence without repeating K/V. A sliding window masks all but each sequence's last keys."""
     kd, vd = cache.gather(layer, md.decode_blocks)  # [b, kv_heads, L, d]
     b, heads, d = q.shape
     qd = q.view(b, kd.shape[1], heads // kd.shape[1], d)
-    return F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=md.decode_mask, scale=scale)
+    mask = md.decode_mask
+    if window:
+        keys = torch.arange(mask.shape[-1], device=mask.device)
+        mask = mask & (keys.unsqueeze(0) >= (md.decode_lens - window).unsqueeze(1))[:, None, None, :]
+    return F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=mask, scale=scale)
 
 
 def rotate_and_cache(qkv: torch.Tensor, heads: int, rope_table: tuple[torch.Tensor, torch.Tensor], layer: int,
@@ -191,9 +196,10 @@ def rotate_and_cache(qkv: torch.Tensor, heads: int, rope_table: tuple[torch.Tens
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: PagedKVCache,
-                    md: AttentionMetadata, scale: float) -> torch.Tensor:
+                    md: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
     """q: [n, heads, d]; k, v: [n, kv_heads, d] for the new tokens, already in the cache
-    (rotate_and_cache). Returns [n, heads * d]."""
+    (rotate_and_cache). Returns [n, heads * d]. With a sliding `window` (> 0) the query at position P
+    attends to positions P - window + 1 .. P only."""
     n, heads, d = q.shape
     out = None if md.decode_only else torch.empty(n, heads, d, dtype=q.dtype, device=q.device)
     # SDPA gets 4-D [1, heads, len, d] inputs: with 3-D ones PyTorch's CPU backend falls back to the
@@ -208,19 +214,21 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         else:
             ks, vs = cache.gather(layer, s.block_ids, s.ctx_len)  # [kv_heads, ctx_len, d]
             ks, vs = ks.to(q.dtype), vs.to(q.dtype)
-        if cpu_kernels.flash_prefill(q[rows], ks, vs, scale, out=out[rows]) is not None:
+        if cpu_kernels.flash_prefill(q[rows], ks, vs, scale, out=out[rows], window=window) is not None:
             continue  # written into out; None off CPU or without the native kernels
-        if _use_tiled(q, s.q_len):
+        if _use_tiled(q, s.q_len) and not window:
             out[rows] = _tiled_causal_attention(q[rows], ks, vs, scale)
             continue
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]
-        if s.q_len == s.ctx_len:
+        if s.q_len == s.ctx_len and not window:
             o = F.scaled_dot_product_attention(qs, ks.unsqueeze(0), vs.unsqueeze(0), is_causal=True, scale=scale,
                                                enable_gqa=True)
         else:
-            # Query i sits at absolute position ctx_len - q_len + i and sees keys up to it.
+            # Query i sits at absolute position ctx_len - q_len + i and sees keys up to it (and within
+            # the window).
             qpos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=q.device).unsqueeze(1)
-            mask = torch.arange(s.ctx_len, device=q.device).unsqueeze(0) <= qpos
+            kpos = torch.arange(s.ctx_len, device=q.device).unsqueeze(0)
+            mask = (kpos <= qpos) & (kpos > qpos - window) if window else kpos <= qpos
             o = F.scaled_dot_product_attention(qs, ks.unsqueeze(0), vs.unsqueeze(0), attn_mask=mask, scale=scale,
                                                enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
@@ -228,9 +236,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         # One query per sequence: the native kernel reads the pool directly; else SDPA over a gather.
         qd = q if md.decode_only else q[md.decode_rows]  # [b, heads, d]
         o = cpu_kernels.paged_decode_attention(qd, cache.pool, cache.layout, layer, md.decode_blocks,
-                                               md.decode_lens, scale)
+                                               md.decode_lens, scale, window)
         if o is None:
-            o = _sdpa_decode(qd, layer, cache, md, scale)
+            o = _sdpa_decode(qd, layer, cache, md, scale, window)
         if md.decode_only:
             return o.reshape(n, heads * d)
         out[md.decode_rows] = o.reshape(-1, heads, d)

@@ -38,17 +38,14 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool  # Qwen2: q/k/v projections carry a bias
     rope_scaling: RopeScaling | None = None
-    # Some layers attend to only the last `sliding_window` positions (Mistral v0.1, Qwen2 with
-    # use_sliding_window). pdserve's attention is full, which is the same thing while a sequence is no
-    # longer than the window: `context_limit` keeps it there.
+    # Layers that attend to only the last `sliding_window` positions (Mistral v0.1: all of them; Qwen2
+    # with use_sliding_window: from max_window_layers on). Empty: every layer attends to everything.
     sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
 
-    @property
-    def context_limit(self) -> int:
-        """The longest sequence pdserve computes exactly as the model defines it."""
-        if self.sliding_window is None:
-            return self.max_position_embeddings
-        return min(self.max_position_embeddings, self.sliding_window)
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s (global index) sliding window in positions; 0 for full attention."""
+        return self.sliding_window if self.sliding_window and layer in self.sliding_layers else 0
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -96,17 +93,22 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", default_bias)),
             rope_scaling=scaling,
-            sliding_window=_sliding_window(cfg, arch),
+            **_sliding_window(cfg, arch),
         )
 
 
-def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
-    """The window of the layers that slide, as transformers reads config.json: Mistral slides whenever
-    `sliding_window` is set, Qwen2 only with `use_sliding_window`; a `layer_types` list without a
-    sliding layer means none slides."""
-    window = cfg.get("sliding_window")
-    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
-        return None
-    if "layer_types" in cfg and "sliding_attention" not in (cfg["layer_types"] or []):
-        return None
-    return int(window) if window else None
+def _sliding_window(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The window and the layers that slide, as transformers reads config.json: a `layer_types` list
+    names them; else Mistral slides in every layer whenever `sliding_window` is set, and Qwen2 only with
+    `use_sliding_window`, in the layers from `max_window_layers` on."""
+    window, layers = cfg.get("sliding_window"), int(cfg["num_hidden_layers"])
+    if not window:
+        return {}
+    if cfg.get("layer_types"):
+        sliding = [i for i, kind in enumerate(cfg["layer_types"]) if kind == "sliding_attention"]
+    elif arch == "Qwen2ForCausalLM":
+        first = int(cfg.get("max_window_layers", 0))
+        sliding = list(range(first, layers)) if cfg.get("use_sliding_window", False) else []
+    else:
+        sliding = list(range(layers))
+    return {"sliding_window": int(window), "sliding_layers": tuple(sliding)} if sliding else {}

@@ -25,7 +25,8 @@ class _LayerArgs(ctypes.Structure):
     """Mirror of `layer_args` in csrc/decode_layers.c; field order and types must match."""
 
     _fields_ = [("cache", cpu_kernels._PoolView)] + [
-        (name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down")]
+        (name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down")] + [
+        ("window", ctypes.c_int64)]
 
 
 class _StepArgs(ctypes.Structure):
@@ -77,7 +78,7 @@ class StageDecoder:
                                      layer.post_attention_layernorm.weight.data_ptr(),
                                      attn.qkv_proj.gemv_weight.data_ptr(), None if bias is None else bias.data_ptr(),
                                      attn.o_proj.gemv_weight.data_ptr(), mlp.gate_up_proj.gemv_weight.data_ptr(),
-                                     mlp.down_proj.gemv_weight.data_ptr())
+                                     mlp.down_proj.gemv_weight.data_ptr(), attn.window)
             self._args, self._pool = args, cache.pool
         return self._args
 

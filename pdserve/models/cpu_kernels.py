@@ -103,6 +103,7 @@ class _DecodeArgs(ctypes.Structure):
         ("q_seq_stride", ctypes.c_int64),
         ("out", ctypes.c_void_p),
         ("io_dtype", ctypes.c_int64),
+        ("window", ctypes.c_int64),
     ]
 
 
@@ -112,7 +113,7 @@ class _FlashArgs(ctypes.Structure):
     _fields_ = [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("out", ctypes.c_void_p)] + [
         (name, ctypes.c_int64) for name in ("n", "ctx", "heads", "kv_heads", "head_dim", "q_seq_stride",
                                             "k_head_stride", "k_token_stride", "v_head_stride",
-                                            "v_token_stride")] + [
+                                            "v_token_stride", "window")] + [
         ("scale", ctypes.c_float)]
 
 
@@ -224,8 +225,9 @@ def load() -> ctypes.CDLL | None:
 
 
 def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layout: str, layer: int, block_table: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """Attention of one query per sequence against its paged K/V.
+                           context_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor | None:
+    """Attention of one query per sequence against its paged K/V (its last `window` keys only, when a
+    sliding window is given).
 
     q: [b, heads, d] (heads and d contiguous, any stride between sequences); pool: the rank's KV pool
     (attention.PagedKVCache's layout); block_table: [b, max_blocks] int64, padded; context_lens: [b]
@@ -248,7 +250,7 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layout: str, lay
     lens = context_lens.contiguous()
     out = torch.empty(b, heads, d, dtype=q_in.dtype)
     args = _DecodeArgs(_layer_view(pool, layout, layer), table.data_ptr(), table.shape[1], lens.data_ptr(), b, heads,
-                       scale, q_in.data_ptr(), q_in.stride(0), out.data_ptr(), _FLOAT_DTYPES[q_in.dtype])
+                       scale, q_in.data_ptr(), q_in.stride(0), out.data_ptr(), _FLOAT_DTYPES[q_in.dtype], window)
     status = lib.paged_decode_attention(ctypes.byref(args), _KV_DTYPES[pool.dtype], torch.get_num_threads())
     if status == -2:
         raise IndexError(f"paged decode attention: a context length or block id is outside the block table "
@@ -259,13 +261,14 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layout: str, lay
 
 
 def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  out: torch.Tensor | None = None) -> torch.Tensor | None:
+                  out: torch.Tensor | None = None, window: int = 0) -> torch.Tensor | None:
     """Causal attention of a prefill chunk, in one pass over the keys (online softmax).
 
     q: [n, heads, d] fp32 or bf16 for the last n positions (any stride over positions: a view of the
     rotated q and k side by side needs no copy); k, v: [kv_heads, ctx, d] in q's dtype (any strides over
     heads and positions) for positions 0..ctx-1, so query i sits at position ctx - n + i. Returns
-    [n, heads, d] in q's dtype, written into `out` when given (contiguous).
+    [n, heads, d] in q's dtype, written into `out` when given (contiguous). With a sliding `window`,
+    the query at position P sees keys P - window + 1 .. P only.
     Scores and softmax are fp32; for bf16 on a CPU with AVX512-BF16 the two products take bf16
     inputs (the probabilities rounded to bf16), else they are fp32. None where the kernel does not
     apply (no library, not on CPU, another dtype, head_dim not a multiple of 16).
@@ -285,7 +288,7 @@ def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     elif not out.is_contiguous() or out.shape != q.shape or out.dtype != q.dtype:
         raise ValueError(f"flash prefill attention: out must be a contiguous {tuple(q.shape)} {q.dtype} tensor")
     args = _FlashArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, ctx, heads, kv_heads, d,
-                      q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale)
+                      q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), window, scale)
     pairs = q.dtype == torch.bfloat16 and lib.flash_prefill_bf16_pairs() == 1
     mode = _FLASH_BF16_PAIRS if pairs else _FLOAT_DTYPES[q.dtype]
     status = lib.flash_prefill(ctypes.byref(args), mode, torch.get_num_threads())

@@ -26,13 +26,14 @@ from pdserve.models.layers import (
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ps: ParallelState, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, dtype: torch.dtype, window: int = 0):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
                                           cfg.attention_bias, ps, dtype)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, ps, dtype)
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
+        self.window = window  # > 0: a sliding window, each query sees its last `window` positions
 
     def forward(self, x, rope_table, layer: int, cache: PagedKVCache, md: AttentionMetadata, rows=None):
         """Every row's K and V go to the cache and every row attends; o_proj, and so the output, covers
@@ -41,7 +42,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(n, heads + 2 * kv_heads, self.head_dim)
         qk = rotate_and_cache(qkv, heads, rope_table, layer, cache, md)  # RoPE on q and k; K, V into the cache
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
-        attn = paged_attention(q, k, v, layer, cache, md, self.scale)
+        attn = paged_attention(q, k, v, layer, cache, md, self.scale, self.window)
         return self.o_proj(attn if rows is None else attn[rows])
 
 
@@ -57,10 +58,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ps: ParallelState, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, dtype: torch.dtype, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, ps, dtype)
+        self.self_attn = Attention(cfg, ps, dtype, cfg.window(index))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, ps, dtype)
 
@@ -89,7 +90,8 @@ class LlamaForCausalLM(nn.Module):
         self.first_layer = sum(counts[: ps.pp_rank])
         self.num_local_layers = counts[ps.pp_rank]
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ps, dtype) if ps.is_first_stage else None
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ps, dtype) for _ in range(self.num_local_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ps, dtype, self.first_layer + i)
+                                    for i in range(self.num_local_layers))
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.stage_decoder = None  # cpu_decode.StageDecoder, set by the model runner where it applies
         if ps.is_last_stage:

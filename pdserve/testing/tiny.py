@@ -169,9 +169,9 @@ def tiny_config(
         cfg.update(attention_bias=False, mlp_bias=False)
     elif arch == "mistral":
         cfg.update(sliding_window=sliding_window)
-    else:  # qwen2: with a window, every layer slides (layers from max_window_layers on do)
+    else:  # qwen2: with a window, the second half of the layers slides (those from max_window_layers on)
         cfg.update(use_sliding_window=sliding_window is not None, sliding_window=sliding_window,
-                   max_window_layers=0 if sliding_window else num_layers)
+                   max_window_layers=num_layers // 2 if sliding_window else num_layers)
     return cfg
 
 
@@ -253,8 +253,8 @@ def make_tiny_model(
 
     hidden_size defaults to num_heads * head_dim. rope_scaling takes a llama3 dict
     ({"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    "original_max_position_embeddings"}). sliding_window (mistral, qwen2) makes every layer attend to
-    only that many last positions.
+    "original_max_position_embeddings"}). sliding_window: layers attend to only that many last
+    positions (mistral: every layer; qwen2: the second half of them).
     """
     if arch not in _ARCH_CLASSES:
         raise ValueError(f"arch={arch!r} unknown; choose one of {sorted(_ARCH_CLASSES)}")

@@ -171,23 +171,32 @@ def test_llama3_rope_scaling(tmp_path, hf_greedy):
     assert _run(d, prompts) == hf_greedy(model, prompts, MAX_NEW)
 
 
-@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
-def test_a_sliding_window_bounds_the_context(tmp_path, arch, hf_greedy):
-    """pdserve's attention is full; a model whose layers slide is computed exactly up to its window,
-    so the window is the context: within it the tokens are transformers', past it a clear error."""
-    window = 48
-    d = make_tiny_model(tmp_path / arch, arch=arch, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                        sliding_window=window)
+@pytest.fixture(scope="module", params=["mistral", "qwen2"])
+def sliding(request, tmp_path_factory, hf_greedy):
+    """A window of 16 positions, far shorter than the prompts: mistral slides in every layer, qwen2 in
+    the second half of them."""
+    d = make_tiny_model(tmp_path_factory.mktemp(request.param) / "m", arch=request.param, num_layers=4,
+                        num_heads=4, num_kv_heads=2, head_dim=16, sliding_window=16)
     model = transformers.AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32)
-    prompts = [p[:window - MAX_NEW] for p in _prompts(model.config.vocab_size, 4)]
-    with LLM(EngineConfig(model=str(d), tokens_per_block=8)) as llm:
-        assert llm.engine.max_model_len == window
-        assert [c.token_ids for c in llm.generate(prompts, GREEDY)] == hf_greedy(model, prompts, MAX_NEW)
-        with pytest.raises(ValueError, match=f"maximum context length is {window} tokens"):
-            llm.generate([prompts[0] + [5] * window], GREEDY)
-    with pytest.raises(ValueError, match=rf"longer than this model's sliding window \({window} tokens\).*"
-                                         rf"set max_model_len <= {window}"):
-        LLM(EngineConfig(model=str(d), max_model_len=window + 1))
+    prompts = _prompts(model.config.vocab_size)
+    return d, prompts, hf_greedy(model, prompts, MAX_NEW)
+
+
+@pytest.mark.parametrize("case", ["batched", "NHD", "chunked", "one at a time", "PyTorch paths"])
+def test_sliding_window_attention_matches_transformers(sliding, case, monkeypatch):
+    d, prompts, ref = sliding
+    if case == "PyTorch paths":
+        for name in _NATIVE:
+            monkeypatch.setattr(cpu_kernels, name, lambda *args, **kwargs: None)
+    cfg = {"NHD": {"kv_layout": "NHD"}, "chunked": {"max_num_tokens": 16},
+           "one at a time": {"max_num_seqs": 1}}.get(case, {})
+    assert _run(d, prompts, **cfg) == ref
+
+
+@pytest.mark.slow
+def test_sliding_window_attention_tp2_pp2(sliding):
+    d, prompts, ref = sliding
+    assert _run(d, prompts, tensor_parallel_size=2, pipeline_parallel_size=2, num_threads=1) == ref
 
 
 def test_a_context_longer_than_the_model_is_refused(tmp_path):

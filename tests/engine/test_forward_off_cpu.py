@@ -31,8 +31,9 @@ STEPS = {
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    """Its second layer attends through a sliding window, so the windowed masks run too."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", arch="qwen2", num_layers=2, num_heads=4,
-                           num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
+                           num_kv_heads=2, head_dim=16, tie_word_embeddings=True, sliding_window=8)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

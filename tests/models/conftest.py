@@ -7,10 +7,13 @@ import torch
 import torch.nn.functional as F
 
 
-def _causal_attention_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [n, heads, d]; k, v: [kv_heads, ctx, d]; query i at position ctx - n + i. SDPA in float64."""
+def _causal_attention_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                              window: int = 0) -> torch.Tensor:
+    """q: [n, heads, d]; k, v: [kv_heads, ctx, d]; query i at position ctx - n + i, seeing the keys up to
+    it (the last `window` of them with a sliding window). SDPA in float64."""
     n, ctx = q.shape[0], k.shape[1]
-    mask = torch.arange(ctx).unsqueeze(0) <= torch.arange(ctx - n, ctx).unsqueeze(1)
+    keys, queries = torch.arange(ctx).unsqueeze(0), torch.arange(ctx - n, ctx).unsqueeze(1)
+    mask = (keys <= queries) & ((keys > queries - window) if window else True)
     o = F.scaled_dot_product_attention(q.double().transpose(0, 1)[None], k.double()[None], v.double()[None],
                                        attn_mask=mask, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)

@@ -30,11 +30,14 @@ def _pool(layout, num_blocks, layers, kv_heads, T, d, dtype, g):
     return torch.randn(shape, generator=g).to(dtype)
 
 
-def _reference(q, cache, layer, table, lens, scale):
-    """float64 softmax attention of q [b, heads, d] over each sequence's first lens[i] tokens."""
+def _reference(q, cache, layer, table, lens, scale, window=0):
+    """float64 softmax attention of q [b, heads, d] over each sequence's first lens[i] tokens (the last
+    `window` of them with a sliding window)."""
     out = []
     for i in range(q.shape[0]):
         k, v = cache.gather(layer, table[i], int(lens[i]))  # [kv_heads, len, d]
+        if window:
+            k, v = k[:, -window:], v[:, -window:]
         group = q.shape[1] // k.shape[0]
         k, v = k.double().repeat_interleave(group, 0), v.double().repeat_interleave(group, 0)
         p = (torch.einsum("hd,hld->hl", q[i].double(), k) * scale).softmax(-1)
@@ -68,6 +71,17 @@ def test_matches_float64_attention(layout, dtype, heads, kv_heads, d, T, lens):
     out = cpu_kernels.paged_decode_attention(q, pool, layout, 1, table, ctx, scale)
     assert out is not None and out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out.double(), _reference(q, cache, 1, table, ctx, scale), atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("window", [1, 20, 64, 500])
+def test_sliding_window_matches_float64(layout, window):
+    """The window starts mid-block, on a block boundary, or covers everything (500)."""
+    lens = [1, 19, 20, 21, 64, 65, 200, 333]
+    q, pool, cache, table, ctx = _case(layout, torch.float32, 9, 3, 64, 32, lens, seed=window)
+    out = cpu_kernels.paged_decode_attention(q, pool, layout, 1, table, ctx, 0.125, window)
+    torch.testing.assert_close(out.double(), _reference(q, cache, 1, table, ctx, 0.125, window), atol=2e-6,
+                               rtol=2e-5)
 
 
 def test_bf16_queries_come_back_in_bf16():

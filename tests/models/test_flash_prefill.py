@@ -47,6 +47,29 @@ def test_fp32_matches_float64(n, past, heads, kv_heads, d, attention_float64):
     torch.testing.assert_close(out.double(), attention_float64(q, k, v, d ** -0.5), atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("n,past,window", [
+    (200, 0, 16),  # a window inside one key block
+    (300, 0, 100),  # a window across key blocks; whole blocks before it skipped
+    (90, 250, 64),  # a cached prefix, most of it outside the window
+    (50, 10, 1000),  # a window longer than the context: plain causal attention
+])
+def test_sliding_window_matches_float64(n, past, window, attention_float64):
+    q, k, v = _inputs(n, past + n, 6, 2, 64, seed=window)
+    out = cpu_kernels.flash_prefill(q, k, v, 0.125, window=window)
+    torch.testing.assert_close(out.double(), attention_float64(q, k, v, 0.125, window), atol=2e-6, rtol=1e-5)
+
+
+def test_sliding_window_bf16_is_as_accurate_as_pytorchs(bf16_form, attention_float64, as_accurate_as):
+    n, past, window = 150, 60, 40
+    q, k, v = _inputs(n, past + n, 6, 2, 64, dtype=torch.bfloat16, seed=3)
+    keys, queries = torch.arange(past + n).unsqueeze(0), torch.arange(past, past + n).unsqueeze(1)
+    mask = (keys <= queries) & (keys > queries - window)
+    torch_bf16 = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
+                                                scale=0.125, enable_gqa=True)[0].transpose(0, 1)
+    out = cpu_kernels.flash_prefill(q, k, v, 0.125, window=window)
+    as_accurate_as(out, torch_bf16, attention_float64(q, k, v, 0.125, window), max_ratio=2)
+
+
 def test_running_max_that_keeps_growing_and_large_scores(attention_float64, as_accurate_as):
     """Scores that rise along the keys by far more than the lazy-rescale margin, and scores in the
     hundreds: the running max moves many times, nothing overflows, and the error stays that of

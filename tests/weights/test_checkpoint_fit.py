@@ -1,6 +1,6 @@
 """A checkpoint pdserve would compute differently from its definition is refused, not served: an
-activation or bias the decoder does not have, tensors it has no place for, a sliding window read
-from config.json the way transformers reads it."""
+activation or bias the decoder does not have, tensors it has no place for. And the sliding window is
+read from config.json the way transformers reads it."""
 
 from __future__ import annotations
 
@@ -29,18 +29,20 @@ def test_what_the_mlp_lacks_is_refused(llama, change, message):
         ModelConfig.from_hf(read_config(llama) | change)
 
 
-@pytest.mark.parametrize("arch, change, window", [
-    ("MistralForCausalLM", {"sliding_window": 4096}, 4096),
-    ("MistralForCausalLM", {"sliding_window": None}, None),
-    ("Qwen2ForCausalLM", {"sliding_window": 131072, "use_sliding_window": False}, None),
-    ("Qwen2ForCausalLM", {"sliding_window": 4096, "use_sliding_window": True}, 4096),
-    ("MistralForCausalLM", {"sliding_window": 4096, "layer_types": ["full_attention"] * 2}, None),
-    ("LlamaForCausalLM", {}, None),
+@pytest.mark.parametrize("arch, change, window, layers", [
+    ("MistralForCausalLM", {"sliding_window": 4096}, 4096, (0, 1)),
+    ("MistralForCausalLM", {"sliding_window": None}, None, ()),
+    ("Qwen2ForCausalLM", {"sliding_window": 131072, "use_sliding_window": False}, None, ()),
+    ("Qwen2ForCausalLM", {"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 1}, 4096, (1,)),
+    ("MistralForCausalLM", {"sliding_window": 4096, "layer_types": ["sliding_attention", "full_attention"]},
+     4096, (0,)),
+    ("MistralForCausalLM", {"sliding_window": 4096, "layer_types": ["full_attention"] * 2}, None, ()),
+    ("LlamaForCausalLM", {}, None, ()),
 ])
-def test_sliding_window_is_read_as_transformers_reads_it(llama, arch, change, window):
+def test_sliding_window_is_read_as_transformers_reads_it(llama, arch, change, window, layers):
     cfg = ModelConfig.from_hf(read_config(llama) | {"architectures": [arch]} | change)
-    assert cfg.sliding_window == window
-    assert cfg.context_limit == min(cfg.max_position_embeddings, window or cfg.max_position_embeddings)
+    assert (cfg.sliding_window, cfg.sliding_layers) == (window, layers)
+    assert [cfg.window(i) for i in range(2)] == [window if i in layers else 0 for i in range(2)]
 
 
 def _with_tensors(src, dst, extra: dict[str, torch.Tensor]):

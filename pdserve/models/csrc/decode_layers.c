@@ -36,6 +36,7 @@ typedef struct {
     const void *o;                      /* [hidden, heads d] */
     const void *gate_up;                /* [2 intermediate, hidden]: gate rows, then up rows */
     const void *down;                   /* [hidden, intermediate] */
+    int64_t window;                     /* attention's sliding window, 0 for none (decode_args) */
 } layer_args;
 
 /* What every layer of the step shares. */
@@ -107,7 +108,7 @@ int decode_layers(const layer_args *layers, int64_t num_layers, const step_args 
                                       s->slot_offset, qk};
         CHECK(rope_cache_write(&rope, dtype, kv_dtype, num_threads));
         const decode_args att = {L->cache, s->block_table, s->max_blocks, s->context_len, 1, s->heads, s->scale,
-                                 qk, (s->heads + kv) * d, attn, dtype};
+                                 qk, (s->heads + kv) * d, attn, dtype, L->window};
         CHECK(paged_decode_attention(&att, kv_dtype, num_threads));
         CHECK(skinny_linear(attn, L->o, NULL, o, 1, H, s->heads * d, s->heads * d, H, dtype, num_threads));
         CHECK(rms_norm(o, h_out, h2, L->post_norm, x, 1, H, s->eps, dtype, num_threads)); /* h2 = h + o */

@@ -34,6 +34,9 @@
  * k, v: in q's dtype, key t of KV head h at h * head_stride + t * token_stride (elements), each key's
  *    d values contiguous.
  * out: [n, heads, d] in q's dtype (bf16 rounded to nearest even), contiguous.
+ * window: with a sliding window, query P sees keys P - window + 1 .. P only: key blocks wholly before
+ *    a work item's window are not visited, and the keys of a block a row may not see are masked like
+ *    those past its diagonal.
  */
 #include <float.h>
 #include <math.h>
@@ -63,6 +66,7 @@ struct flash_args {
     void *out;
     int64_t n, ctx, heads, kv_heads, head_dim, q_seq_stride;
     int64_t k_head_stride, k_token_stride, v_head_stride, v_token_stride;
+    int64_t window; /* > 0: position P sees keys (P - window, P] only (a sliding window); 0: keys [0, P] */
     float scale;
 };
 
@@ -245,18 +249,22 @@ static inline __m512 exp_bounded(__m512 x) {
     return _mm512_scalef_ps(e, n);
 }
 
-/* The online softmax of row r over one key block whose first `vis` scores it may see: the
+/* The online softmax of row r over one key block whose scores [from, vis) it may see: the
  * probabilities (relative to the running max m) replace the scores, and go to p as bf16 when p is not
- * NULL; zero past vis. The running sum l (LANES partial sums) moves on; when m moves, the row's
+ * NULL; zero outside [from, vis). The running sum l (LANES partial sums) moves on; when m moves, the row's
  * accumulator and sums are rescaled to it. Only then is the block's maximum reduced to one value:
  * whether any of its lanes passes m + LAZY_MAX is a mask test. */
-static void softmax_step(float *s, int64_t vis, float scale, float *m, float *l, float *o, int64_t d, uint16_t *p) {
+static inline __mmask16 lanes_below(int64_t k) {
+    return k >= LANES ? 0xffff : k <= 0 ? 0 : (__mmask16)((1u << k) - 1);
+}
+
+static void softmax_step(float *s, int64_t from, int64_t vis, float scale, float *m, float *l, float *o, int64_t d,
+                         uint16_t *p) {
     __m512 x[BK / LANES];
     __mmask16 keep[BK / LANES];
     __m512 vmax = _mm512_set1_ps(-FLT_MAX);
     for (int j = 0; j < BK / LANES; j++) {
-        const int64_t left = vis - j * LANES;
-        keep[j] = left >= LANES ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+        keep[j] = lanes_below(vis - j * LANES) & (__mmask16)~lanes_below(from - j * LANES);
         x[j] = _mm512_mul_ps(_mm512_loadu_ps(s + j * LANES), _mm512_set1_ps(scale));
         vmax = _mm512_mask_max_ps(vmax, keep[j], vmax, x[j]);
     }
@@ -284,22 +292,24 @@ static void softmax_step(float *s, int64_t vis, float scale, float *m, float *l,
 }
 #else
 /* softmax_step above, in plain C. */
-static void softmax_step(float *s, int64_t vis, float scale, float *m, float *l, float *o, int64_t d, uint16_t *p) {
+static void softmax_step(float *s, int64_t from, int64_t vis, float scale, float *m, float *l, float *o, int64_t d,
+                         uint16_t *p) {
     float mx = -FLT_MAX;
-    for (int64_t j = 0; j < vis; j++) {
+    for (int64_t j = from; j < vis; j++) {
         s[j] *= scale;
         mx = s[j] > mx ? s[j] : mx;
     }
     float corr = 1.0f;
     if (*m == -FLT_MAX) corr = 0.0f;
-    else if (vis == 0 || mx <= *m + LAZY_MAX) mx = *m;
+    else if (from >= vis || mx <= *m + LAZY_MAX) mx = *m;
     else corr = expf(*m - mx);
     float sum = 0.0f;
-    for (int64_t j = 0; j < vis; j++) {
+    for (int64_t j = from; j < vis; j++) {
         s[j] = expf(s[j] - mx);
         sum += s[j];
     }
-    for (int64_t j = vis; j < BK; j++) s[j] = 0.0f;
+    for (int64_t j = 0; j < BK; j++)
+        if (j < from || j >= vis) s[j] = 0.0f;
     if (p)
         for (int64_t j = 0; j < BK; j++) p[j] = bf16_out(s[j]);
     l[0] = l[0] * corr + sum;  /* one of the LANES partial sums */
@@ -317,7 +327,9 @@ static void work_item(const struct flash_args *a, int mode, const struct packed 
     load_rows(a, mode, kvh, q0, real, rows, w);
     const int64_t head_elems = d * kv->ld;  /* K and V of one KV head, in elements of either form */
     const int64_t key_end = past + q1;  /* the last query of the item sees keys [0, key_end) */
-    for (int64_t kb = 0; kb < key_end; kb += BK) {
+    /* With a sliding window the item's first query sees keys from key_start on; later ones fewer. */
+    const int64_t key_start = a->window > 0 && past + q0 + 1 > a->window ? past + q0 + 1 - a->window : 0;
+    for (int64_t kb = key_start / BK * BK; kb < key_end; kb += BK) {
         const int64_t kn = key_end - kb < BK ? key_end - kb : BK;
         for (int64_t r = 0; r < rows; r += MR) {
 #ifdef __AVX512BF16__
@@ -331,9 +343,11 @@ static void work_item(const struct flash_args *a, int mode, const struct packed 
         }
         for (int64_t r = 0; r < rows; r++) {
             const int64_t i = q0 + (r < real ? r : real - 1) / group;
-            int64_t vis = past + i + 1 - kb;  /* keys of this block row r sees */
+            int64_t vis = past + i + 1 - kb;  /* keys of this block row r sees: [from, vis) */
             vis = vis < 0 ? 0 : vis > kn ? kn : vis;
-            softmax_step(w->s + r * BK, vis, a->scale, w->m + r, w->l + r * LANES, w->o + r * d, d,
+            int64_t from = a->window > 0 ? past + i + 1 - a->window - kb : 0;
+            from = from < 0 ? 0 : from > kn ? kn : from;
+            softmax_step(w->s + r * BK, from, vis, a->scale, w->m + r, w->l + r * LANES, w->o + r * d, d,
                          mode == FLASH_BF16_PAIRS ? w->p + r * BK : NULL);
         }
         for (int64_t r = 0; r < rows; r += MR) {

@@ -19,6 +19,7 @@ typedef struct {
     int64_t q_seq_stride;
     void *out;
     int64_t io_dtype; /* IO_F32 or IO_BF16, for q and out */
+    int64_t window;   /* > 0: the query sees only the last `window` keys (a sliding window); 0: all */
 } decode_args;
 
 enum { IO_F32 = 0, IO_BF16 = 1 };

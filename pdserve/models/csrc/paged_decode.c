@@ -12,7 +12,8 @@
  * Query heads [h * group, (h + 1) * group) share KV head h. q is [b, heads, d] with heads and d
  * contiguous and sequences q_seq_stride elements apart (a view into the step's q/k buffer), out is
  * contiguous [b, heads, d]; both fp32 or both bf16 (io_dtype), the arithmetic fp32. Compiled with -ffast-math so that the dot products vectorise (reassociated sums) and
- * expf vectorises through glibc's libmvec.
+ * expf vectorises through glibc's libmvec. With a sliding window (window > 0) a sequence reads only
+ * its last `window` keys, starting mid-block where the window does.
  */
 #include <float.h>
 #include <math.h>
@@ -68,15 +69,17 @@ static inline __attribute__((always_inline)) void decode_task(const decode_args 
     memset(acc, 0, sizeof(acc));
     const char *pool = (const char *)a->cache.base;
     const int64_t *table = a->block_table + seq * a->max_blocks;
-    for (int64_t start = 0, j = 0; start < ctx; start += T, j++) {
-        const int64_t n = ctx - start < T ? ctx - start : T;
+    /* A sliding window starts the walk at the block of key ctx - window, and within it at that key. */
+    const int64_t first = a->window > 0 && ctx > a->window ? ctx - a->window : 0;
+    for (int64_t start = first / T * T, j = first / T; start < ctx; start += T, j++) {
+        const int64_t n = ctx - start < T ? ctx - start : T, t0 = first > start ? first - start : 0;
         const int64_t base = table[j] * a->cache.block_stride + a->cache.layer_offset;
         /* Blocks sit anywhere in the pool, where the hardware prefetcher cannot follow: each K or V row
          * read here asks for the same row of the next block, so those loads overlap this block's
          * arithmetic (asking for the whole next block at once stalls on the core's miss buffers). */
         const int64_t next = start + T < ctx ? table[j + 1] * a->cache.block_stride + a->cache.layer_offset : -1;
         for (int64_t h = h0; h < h1; h++)
-            for (int64_t t = 0; t < n; t++) {
+            for (int64_t t = t0; t < n; t++) {
                 const int64_t offset = h * a->cache.head_stride + t * a->cache.token_stride;
                 if (next >= 0) prefetch_row(pool, next + offset, elem_bytes(dtype), d);
                 const float *k = row_as_float(pool, base + offset, dtype, row, d);
@@ -88,10 +91,10 @@ static inline __attribute__((always_inline)) void decode_task(const decode_args 
             }
         for (int64_t r = 0; r < nq; r++) {
             float *sc = scores + r * T, m = running_max[r];
-            for (int64_t t = 0; t < n; t++) m = sc[t] > m ? sc[t] : m;
+            for (int64_t t = t0; t < n; t++) m = sc[t] > m ? sc[t] : m;
             const float rescale = expf(running_max[r] - m);
             float sum = 0.0f;
-            for (int64_t t = 0; t < n; t++) {
+            for (int64_t t = t0; t < n; t++) {
                 sc[t] = expf(sc[t] - m);
                 sum += sc[t];
             }
@@ -101,7 +104,7 @@ static inline __attribute__((always_inline)) void decode_task(const decode_args 
                 for (int64_t i = 0; i < d; i++) acc[r * d + i] *= rescale;
         }
         for (int64_t h = h0; h < h1; h++)
-            for (int64_t t = 0; t < n; t++) {
+            for (int64_t t = t0; t < n; t++) {
                 const int64_t offset = a->cache.kv_stride + h * a->cache.head_stride + t * a->cache.token_stride;
                 if (next >= 0) prefetch_row(pool, next + offset, elem_bytes(dtype), d);
                 const float *v = row_as_float(pool, base + offset, dtype, row, d);
