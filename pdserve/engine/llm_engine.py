@@ -121,6 +121,8 @@ class LLMEngine:
             raise RequestError("the prompt is empty")
         if any(not 0 <= t < self.model_cfg.vocab_size for t in prompt_token_ids):
             raise RequestError(f"prompt token ids must be in [0, {self.model_cfg.vocab_size})")
+        if any(t >= self.model_cfg.vocab_size for t in params.logit_bias):
+            raise RequestError(f"logit_bias token ids must be in [0, {self.model_cfg.vocab_size})")
         if n + params.max_tokens > self.max_model_len:
             raise RequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
@@ -208,10 +210,14 @@ class LLMEngine:
             sample = None
             if s.samples:
                 p = seq.params
+                counted = p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
                 sample = dict(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
                               repetition_penalty=p.repetition_penalty, seed=p.seed, step=len(seq.output_token_ids),
                               logprobs=p.logprobs,
-                              history=seq.all_token_ids if p.repetition_penalty != 1.0 else None)
+                              history=seq.all_token_ids if p.repetition_penalty != 1.0 else None,
+                              presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                              output=seq.output_token_ids if counted else None,
+                              logit_bias=list(p.logit_bias.items()) or None)
             steps.append(SeqStep(seq.all_token_ids[start:start + s.num_new_tokens], start, seq.block_ids, sample))
         return StepSpec(steps)
 

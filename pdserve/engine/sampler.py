@@ -1,4 +1,6 @@
-"""Turn last-position logits into tokens: penalties, temperature, top-k/top-p/min-p, seeded draws."""
+"""Turn last-position logits into tokens: penalties and biases, temperature, top-k/top-p/min-p, seeded
+draws. The logit adjustments apply in this order: repetition penalty, presence and frequency penalties,
+logit bias; logprobs are those of the model's own logits, before any of them."""
 
 from __future__ import annotations
 
@@ -20,6 +22,10 @@ class SampleSpec:
     step: int  # tokens generated so far; with `seed` it makes each draw reproducible
     logprobs: int | None
     history: list[int] | None  # prompt + output ids, only sent when repetition_penalty != 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    output: list[int] | None = None  # output ids so far, only sent with a presence or frequency penalty
+    logit_bias: list[tuple[int, float]] | None = None  # (token id, added to its logit)
 
 
 @dataclass
@@ -33,8 +39,9 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> SampleResult:
     """logits: [n, vocab] float32, one row per sampling sequence."""
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.logprobs is not None for s in specs) else None
-    penalized = [s.repetition_penalty != 1.0 and bool(s.history) for s in specs]
-    # Greedy rows without a penalty share one batched argmax (one op instead of one per sequence).
+    penalized = [(s.repetition_penalty != 1.0 and bool(s.history)) or bool(s.output) or bool(s.logit_bias)
+                 for s in specs]
+    # Greedy rows without a penalty or bias share one batched argmax (one op instead of one per sequence).
     plain_greedy = [s.temperature == 0.0 and not p for s, p in zip(specs, penalized)]
     argmax = logits.argmax(dim=-1).tolist() if any(plain_greedy) else None
     tokens: list[int] = []
@@ -42,12 +49,7 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> SampleResult:
         if plain_greedy[i]:
             tokens.append(argmax[i])
             continue
-        row = logits[i]
-        if penalized[i]:
-            seen = torch.tensor(sorted(set(s.history)), dtype=torch.long, device=row.device)
-            vals = row[seen]
-            row = row.clone()
-            row[seen] = torch.where(vals > 0, vals / s.repetition_penalty, vals * s.repetition_penalty)
+        row = _adjust(logits[i], s) if penalized[i] else logits[i]
         if s.temperature == 0.0:
             tokens.append(int(row.argmax()))
             continue
@@ -64,6 +66,22 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> SampleResult:
             else:
                 result.top_logprobs[i] = []
     return result
+
+
+def _adjust(row: torch.Tensor, s: SampleSpec) -> torch.Tensor:
+    """A copy of `row` with the sequence's penalties and logit bias applied."""
+    row = row.clone()
+    if s.repetition_penalty != 1.0 and s.history:
+        seen = torch.tensor(sorted(set(s.history)), dtype=torch.long, device=row.device)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / s.repetition_penalty, vals * s.repetition_penalty)
+    if s.output:
+        ids, counts = torch.tensor(s.output, dtype=torch.long, device=row.device).unique(return_counts=True)
+        row[ids] -= s.presence_penalty + s.frequency_penalty * counts.to(row.dtype)
+    if s.logit_bias:
+        ids = torch.tensor([t for t, _ in s.logit_bias], dtype=torch.long, device=row.device)
+        row[ids] += torch.tensor([b for _, b in s.logit_bias], dtype=row.dtype, device=row.device)
+    return row
 
 
 def _filter(row: torch.Tensor, s: SampleSpec) -> torch.Tensor:

@@ -18,7 +18,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # -1: all tokens
     min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = 1.0  # > 1 discourages every token of the prompt and the output so far
+    presence_penalty: float = 0.0  # OpenAI's: subtracted from the logit of every token the output holds
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time the output holds the token
+    logit_bias: dict[int, float] = field(default_factory=dict, hash=False)  # token id -> added to its logit
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -42,6 +45,14 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0.0 < self.repetition_penalty <= 10.0:
             raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        object.__setattr__(self, "logit_bias", {int(t): float(b) for t, b in self.logit_bias.items()})
+        if any(t < 0 for t in self.logit_bias):
+            raise ValueError("logit_bias token ids must be >= 0")
+        if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -2,7 +2,7 @@
 
 Requests are validated strictly: `"max_tokens": "5"` or `true` is a type error (400), not a silent
 coercion. Unknown fields are ignored, as vLLM does, so clients that send newer OpenAI fields keep
-working; fields we know but cannot honour (n > 1, echo, logit_bias, tools, ...) are refused with a
+working; fields we know but cannot honour (n > 1, echo, tools, ...) are refused with a
 400 that names them. Value ranges of sampling parameters are checked once, by `SamplingParams`.
 
 Extensions beyond the OpenAI API (accepted as vLLM accepts them, e.g. through the openai client's

@@ -205,11 +205,8 @@ class OpenAIServing:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
         if req.n != 1:
             raise bad_request(f"n must be 1 (one choice per request), got {req.n}", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name) not in (None, 0.0):
-                raise bad_request(f"{name} is not supported; use repetition_penalty (extension) instead", name)
-        if req.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
+        if req.logit_bias and not all(k.strip().isdigit() for k in req.logit_bias):
+            raise bad_request("logit_bias keys must be token ids (non-negative integers as strings)", "logit_bias")
 
     def _completion_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -266,7 +263,9 @@ class OpenAIServing:
                               "context_length_exceeded")
         stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
         fields = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                      repetition_penalty=req.repetition_penalty)
+                      repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+                      frequency_penalty=req.frequency_penalty,
+                      logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None)
         try:
             return SamplingParams(max_tokens=max_tokens, seed=req.seed, stop=tuple(stop),
                                   stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,

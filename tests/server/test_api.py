@@ -159,6 +159,29 @@ def test_seed_reproducible_and_sampling_extensions(client):
     assert a == b
 
 
+def test_logit_bias_and_openai_penalties_reach_the_sampler(client, engine):
+    """A +100 bias makes greedy decoding pick one token every time, a -100 bias on greedy's first token
+    moves it, and the openai client gets what the engine gives for the same SamplingParams, penalties
+    included."""
+    kw = dict(model="tiny", prompt=PROMPTS[0], max_tokens=24, logprobs=0, **GREEDY)
+    ids = engine.engine.tokenizer.encode(PROMPTS[0])
+
+    def engine_side(**params):
+        return engine_run(engine, ids, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, **params))
+
+    plain_ids, _ = engine_side()
+    forced_ids, forced_text = engine_side(logit_bias={42: 100.0})
+    assert forced_ids == [42] * 24
+    assert client.completions.create(**kw, logit_bias={"42": 100}).choices[0].text == forced_text
+    banned_ids, banned_text = engine_side(logit_bias={plain_ids[0]: -100.0})
+    assert banned_ids[0] != plain_ids[0]
+    assert client.completions.create(**kw, logit_bias={str(plain_ids[0]): -100}).choices[0].text == banned_text
+    penalised_ids, penalised_text = engine_side(presence_penalty=2.0, frequency_penalty=1.0)
+    assert penalised_ids != plain_ids  # the penalties change this output, so dropping them would show
+    penalised = client.completions.create(**kw, presence_penalty=2.0, frequency_penalty=1.0).choices[0]
+    assert penalised.text == penalised_text
+
+
 def test_concurrent_streams_match_sequential(client):
     kw = dict(model="tiny", max_tokens=16, **GREEDY)
     sequential = [client.completions.create(prompt=p, **kw).choices[0].text for p in PROMPTS]

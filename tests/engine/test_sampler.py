@@ -1,0 +1,52 @@
+"""The sampler's logit adjustments against values worked out by hand: repetition, presence and
+frequency penalties and logit bias, in that order; logprobs stay the model's own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.sampler import SampleSpec, _adjust, sample
+from pdserve.engine.sampling_params import SamplingParams
+
+LOGITS = torch.tensor([[2.0, 1.9, -1.0, 0.5, 1.0]])
+
+
+def _spec(**kw) -> SampleSpec:
+    base = dict(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0, seed=None, step=0,
+                logprobs=None, history=None)
+    return SampleSpec(**(base | kw))
+
+
+def test_adjustments_worked_by_hand():
+    spec = _spec(repetition_penalty=2.0, history=[0, 2, 0], presence_penalty=0.5, frequency_penalty=0.25,
+                 output=[1, 3, 1], logit_bias=[(4, 3.0), (0, -1.0)])
+    # repetition (tokens 0 and 2 seen): 2.0 / 2 = 1.0, -1.0 * 2 = -2.0
+    # presence and frequency (output: token 1 twice, token 3 once): 1.9 - 0.5 - 2 * 0.25 = 0.9, 0.5 - 0.5 - 0.25
+    # logit bias: 1.0 - 1.0 = 0.0 for token 0, 1.0 + 3.0 for token 4
+    expected = torch.tensor([0.0, 0.9, -2.0, -0.25, 4.0])
+    torch.testing.assert_close(_adjust(LOGITS[0], spec), expected)
+    assert sample(LOGITS, [spec]).token_ids == [4]
+
+
+def test_adjusted_and_plain_rows_in_one_batch():
+    logits = LOGITS.repeat(3, 1)
+    specs = [_spec(), _spec(logit_bias=[(2, 10.0)]), _spec(presence_penalty=1.0, output=[0])]
+    assert sample(logits, specs).token_ids == [0, 2, 1]  # 2.0 - 1.0 = 1.0 < 1.9
+
+
+def test_logprobs_are_the_models_own():
+    out = sample(LOGITS, [_spec(logit_bias=[(2, 100.0)], logprobs=1)])
+    raw = torch.log_softmax(LOGITS[0], -1)
+    assert out.token_ids == [2] and out.logprobs[0] == pytest.approx(float(raw[2]))
+    assert out.top_logprobs[0] == [(0, pytest.approx(float(raw[0])))]
+
+
+def test_sampling_params_check_the_new_fields():
+    assert SamplingParams(logit_bias={"5": 1}).logit_bias == {5: 1.0}
+    for kw, message in [({"presence_penalty": 2.5}, "presence_penalty must be in"),
+                        ({"frequency_penalty": -2.1}, "frequency_penalty must be in"),
+                        ({"logit_bias": {-1: 1.0}}, "token ids must be >= 0"),
+                        ({"logit_bias": {3: 101.0}}, "values must be in")]:
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(**kw)
