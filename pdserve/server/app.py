@@ -27,6 +27,8 @@ from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -107,6 +109,10 @@ def build_app(engine, cfg: WorkerConfig) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         return serving.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return serving.detokenize(body)
 
     @app.get("/health")
     async def health():

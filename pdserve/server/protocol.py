@@ -239,6 +239,14 @@ class TokenizeResponse(BaseModel):
     max_model_len: int
 
 
+class DetokenizeRequest(_Request):
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str

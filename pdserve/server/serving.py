@@ -38,6 +38,8 @@ from pdserve.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     PromptTokensDetails,
     SamplingFields,
     TokenizeRequest,
@@ -194,6 +196,12 @@ class OpenAIServing:
         else:
             ids = self._chat_prompt(ChatCompletionRequest(model=self.engine.model_name, messages=req.messages))
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.engine.max_model_len)
+
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        vocab = self.engine.engine.model_cfg.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise bad_request(f"token ids must be in [0, {vocab})", "tokens")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens, skip_special_tokens=False))
 
     # -- shared steps -----------------------------------------------------------------------------
 

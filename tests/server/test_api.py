@@ -182,6 +182,13 @@ def test_logit_bias_and_openai_penalties_reach_the_sampler(client, engine):
     assert penalised.text == penalised_text
 
 
+def test_tokenize_and_detokenize_round_trip(http):
+    tokens = http.post("/tokenize", json={"prompt": PROMPTS[3]}).json()["tokens"]
+    assert http.post("/detokenize", json={"tokens": tokens}).json()["prompt"].endswith(PROMPTS[3])
+    bad = http.post("/detokenize", json={"tokens": [1, 10**6]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
 def test_concurrent_streams_match_sequential(client):
     kw = dict(model="tiny", max_tokens=16, **GREEDY)
     sequential = [client.completions.create(prompt=p, **kw).choices[0].text for p in PROMPTS]
