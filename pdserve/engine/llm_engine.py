@@ -217,7 +217,8 @@ class LLMEngine:
                               history=seq.all_token_ids if p.repetition_penalty != 1.0 else None,
                               presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                               output=seq.output_token_ids if counted else None,
-                              logit_bias=list(p.logit_bias.items()) or None)
+                              logit_bias=list(p.logit_bias.items()) or None,
+                              banned=self._banned(p) if len(seq.output_token_ids) < p.min_tokens else None)
             steps.append(SeqStep(seq.all_token_ids[start:start + s.num_new_tokens], start, seq.block_ids, sample))
         return StepSpec(steps)
 
@@ -261,11 +262,17 @@ class LLMEngine:
         }
         return out
 
+    def _banned(self, p: SamplingParams) -> list[int] | None:
+        """Tokens that would end the output, which min_tokens keeps from being sampled."""
+        ending = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+        return sorted(t for t in ending if 0 <= t < self.model_cfg.vocab_size) or None
+
     def check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
         is_eos = token in self.eos_token_ids and not p.ignore_eos
         is_stop_id = token in p.stop_token_ids
-        self.trackers[seq.request_id].on_token(token, is_eos or is_stop_id)
+        self.trackers[seq.request_id].on_token(token, is_eos or is_stop_id,
+                                               stop_strings=len(seq.output_token_ids) >= p.min_tokens)
         if seq.is_finished:  # a stop string matched
             return
         if is_eos:

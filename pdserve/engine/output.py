@@ -40,12 +40,13 @@ class OutputTracker:
         stops = seq.params.stop
         self.holdback = max((len(s) for s in stops), default=1) - 1
 
-    def on_token(self, token_id: int, is_stop_token: bool) -> None:
+    def on_token(self, token_id: int, is_stop_token: bool, stop_strings: bool = True) -> None:
+        """`stop_strings`: whether a stop string may end the output yet (not before min_tokens)."""
         if self.detok is None or is_stop_token:
             return
         self.text += self.detok.step(token_id)
         seq = self.seq
-        if not seq.params.stop:
+        if not seq.params.stop or not stop_strings:
             return
         # Only the tail can hold a new match: search from where the last token could begin one.
         window_start = max(0, self.sent - self.holdback - 1)

@@ -1,6 +1,7 @@
 """Turn last-position logits into tokens: penalties and biases, temperature, top-k/top-p/min-p, seeded
 draws. The logit adjustments apply in this order: repetition penalty, presence and frequency penalties,
-logit bias; logprobs are those of the model's own logits, before any of them."""
+logit bias, then the tokens min_tokens bans; logprobs are those of the model's own logits, before any
+of them."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class SampleSpec:
     frequency_penalty: float = 0.0
     output: list[int] | None = None  # output ids so far, only sent with a presence or frequency penalty
     logit_bias: list[tuple[int, float]] | None = None  # (token id, added to its logit)
+    banned: list[int] | None = None  # tokens that may not be sampled this step (min_tokens not yet reached)
 
 
 @dataclass
@@ -40,7 +42,7 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> SampleResult:
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.logprobs is not None for s in specs) else None
     penalized = [(s.repetition_penalty != 1.0 and bool(s.history)) or bool(s.output) or bool(s.logit_bias)
-                 for s in specs]
+                 or bool(s.banned) for s in specs]
     # Greedy rows without a penalty or bias share one batched argmax (one op instead of one per sequence).
     plain_greedy = [s.temperature == 0.0 and not p for s, p in zip(specs, penalized)]
     argmax = logits.argmax(dim=-1).tolist() if any(plain_greedy) else None
@@ -69,7 +71,7 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> SampleResult:
 
 
 def _adjust(row: torch.Tensor, s: SampleSpec) -> torch.Tensor:
-    """A copy of `row` with the sequence's penalties and logit bias applied."""
+    """A copy of `row` with the sequence's penalties, logit bias and banned tokens applied."""
     row = row.clone()
     if s.repetition_penalty != 1.0 and s.history:
         seen = torch.tensor(sorted(set(s.history)), dtype=torch.long, device=row.device)
@@ -81,6 +83,8 @@ def _adjust(row: torch.Tensor, s: SampleSpec) -> torch.Tensor:
     if s.logit_bias:
         ids = torch.tensor([t for t, _ in s.logit_bias], dtype=torch.long, device=row.device)
         row[ids] += torch.tensor([b for _, b in s.logit_bias], dtype=row.dtype, device=row.device)
+    if s.banned:
+        row[torch.tensor(s.banned, dtype=torch.long, device=row.device)] = float("-inf")
     return row
 
 

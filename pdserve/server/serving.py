@@ -272,7 +272,7 @@ class OpenAIServing:
         stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
         fields = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                       repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-                      frequency_penalty=req.frequency_penalty,
+                      frequency_penalty=req.frequency_penalty, min_tokens=req.min_tokens,
                       logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None)
         try:
             return SamplingParams(max_tokens=max_tokens, seed=req.seed, stop=tuple(stop),

@@ -206,3 +206,21 @@ def test_a_context_longer_than_the_model_is_refused(tmp_path):
         LLM(EngineConfig(model=str(d), max_model_len=257))
     with LLM(EngineConfig(model=str(d))) as llm:
         assert llm.engine.max_model_len == 256
+
+
+def test_min_tokens_holds_back_stop_tokens_and_strings(tiny):
+    d, prompts, ref = tiny
+    stop_id = ref[0][1]  # greedy's second token
+    with LLM(EngineConfig(model=str(d), tokens_per_block=8)) as llm:
+        def run(**kw):
+            params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, stop_token_ids=(stop_id,), **kw)
+            return llm.generate([prompts[0]], params)[0]
+
+        assert run().token_ids == ref[0][:2]  # stopped by the stop token at once
+        held = run(min_tokens=6)
+        assert len(held.token_ids) >= 7 and stop_id not in held.token_ids[:6]
+        assert held.token_ids[:1] == ref[0][:1]  # the first token was never a stop candidate
+        text = llm.tokenizer.decode(ref[0][:1])
+        stopped = llm.generate([prompts[0]], SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True,
+                                                            stop=[text], min_tokens=3))[0]
+        assert len(stopped.token_ids) >= 3

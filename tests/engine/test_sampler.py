@@ -50,3 +50,11 @@ def test_sampling_params_check_the_new_fields():
                         ({"logit_bias": {3: 101.0}}, "values must be in")]:
         with pytest.raises(ValueError, match=message):
             SamplingParams(**kw)
+
+
+def test_banned_tokens_are_never_drawn():
+    spec = _spec(banned=[0, 1])
+    torch.testing.assert_close(_adjust(LOGITS[0], spec)[:2], torch.full((2,), float("-inf")))
+    assert sample(LOGITS, [spec]).token_ids == [4]
+    drawn = {sample(LOGITS, [_spec(temperature=5.0, seed=i, banned=[0, 1, 4])]).token_ids[0] for i in range(40)}
+    assert drawn == {2, 3}

@@ -72,6 +72,8 @@ CASES = [
      ["only allowed with stream=true"], "stream_options"),
     ("best-of-two", COMPLETIONS, completion(best_of=2), 400, ["best_of must be 1"], "best_of"),
     ("echo", COMPLETIONS, completion(echo=True), 400, ["echo=true is not supported"], "echo"),
+    ("min-tokens-over-max-tokens", COMPLETIONS, completion(max_tokens=4, min_tokens=5), 400,
+     ["min_tokens must be an integer in [0, max_tokens=4]"], "min_tokens"),
     ("presence-penalty-too-large", CHAT, chat(presence_penalty=2.5), 400, ["presence_penalty must be in [-2, 2]"],
      "presence_penalty"),
     ("frequency-penalty-too-small", COMPLETIONS, completion(frequency_penalty=-3), 400,
