@@ -249,15 +249,16 @@ static inline __m512 exp_bounded(__m512 x) {
     return _mm512_scalef_ps(e, n);
 }
 
-/* The online softmax of row r over one key block whose scores [from, vis) it may see: the
- * probabilities (relative to the running max m) replace the scores, and go to p as bf16 when p is not
- * NULL; zero outside [from, vis). The running sum l (LANES partial sums) moves on; when m moves, the row's
- * accumulator and sums are rescaled to it. Only then is the block's maximum reduced to one value:
- * whether any of its lanes passes m + LAZY_MAX is a mask test. */
+/* The first k of a vector's LANES lanes, as a mask (none for k <= 0, all for k >= LANES). */
 static inline __mmask16 lanes_below(int64_t k) {
     return k >= LANES ? 0xffff : k <= 0 ? 0 : (__mmask16)((1u << k) - 1);
 }
 
+/* The online softmax of row r over one key block whose scores [from, vis) it may see: the
+ * probabilities (relative to the running max m) replace the scores, and go to p as bf16 when p is not
+ * NULL; zero outside [from, vis). The running sum l (LANES partial sums) moves on; when m moves, the
+ * row's accumulator and sums are rescaled to it. Only then is the block's maximum reduced to one value:
+ * whether any of its lanes passes m + LAZY_MAX is a mask test. */
 static void softmax_step(float *s, int64_t from, int64_t vis, float scale, float *m, float *l, float *o, int64_t d,
                          uint16_t *p) {
     __m512 x[BK / LANES];
