@@ -15,6 +15,7 @@ from pdserve.models.llama import LlamaForCausalLM
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Tensors some checkpoints carry that are computed from the config anyway (RoPE's inverse frequencies).
 _DERIVED = ("rotary_emb.inv_freq",)
+_TOP_LEVEL = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")  # outside the layers
 
 
 def _checkpoint_files(model_dir: Path) -> list[Path]:
@@ -34,16 +35,28 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path, show_progress: bool =
     lo, hi = model.first_layer, model.first_layer + model.num_local_layers
     need_embed = model.embed_tokens is not None or (model.ps.is_last_stage and model.cfg.tie_word_embeddings)
     files = _checkpoint_files(model_dir)
+    foreign = []  # outside the layers and not ours: every stage refuses them
     for path in tqdm(files, desc="loading weights", disable=not show_progress):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 m = _LAYER.match(name)
+                if m is None and name not in _TOP_LEVEL and not name.endswith(_DERIVED):
+                    foreign.append(name)
                 keep = (lo <= int(m.group(1)) < hi) if m else (
                     name == "model.embed_tokens.weight" and need_embed
                     or name in ("model.norm.weight", "lm_head.weight") and model.ps.is_last_stage)
                 if keep:
                     wanted[name] = f.get_tensor(name)
+    _refuse_unused(foreign)
     _assign(model, wanted)
+
+
+def _refuse_unused(names: list[str]) -> None:
+    if names:
+        names = sorted(names)
+        raise ValueError(f"checkpoint holds {len(names)} tensors pdserve's decoder has no place for "
+                         f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): pdserve does not "
+                         "implement what they compute, and without them the model would compute something else")
 
 
 def _assign(model: LlamaForCausalLM, w: dict[str, torch.Tensor]) -> None:
@@ -76,8 +89,4 @@ def _assign(model: LlamaForCausalLM, w: dict[str, torch.Tensor]) -> None:
             layer.post_attention_layernorm.load(take(p + "post_attention_layernorm.weight"))
     w.pop("model.embed_tokens.weight", None)
     w.pop("lm_head.weight", None)  # tied: the embedding serves as the head
-    unused = sorted(n for n in w if not n.endswith(_DERIVED))
-    if unused:
-        raise ValueError(f"checkpoint holds {len(unused)} tensors pdserve's decoder has no place for "
-                         f"({', '.join(unused[:4])}{', ...' if len(unused) > 4 else ''}): pdserve does not "
-                         "implement what they compute, and without them the model would compute something else")
+    _refuse_unused([n for n in w if not n.endswith(_DERIVED)])

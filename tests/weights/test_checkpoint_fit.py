@@ -61,6 +61,13 @@ def test_tensors_without_a_place_are_refused(llama, tmp_path):
         LLMEngine(EngineConfig(model=str(d), num_kv_blocks=8))
 
 
+def test_tensors_outside_the_layers_without_a_place_are_refused(llama, tmp_path):
+    hidden = json.loads((llama / "config.json").read_text())["hidden_size"]
+    d = _with_tensors(llama, tmp_path / "norm_bias", {"model.norm.bias": torch.zeros(hidden)})
+    with pytest.raises(ValueError, match=r"1 tensors .* no place for \(model\.norm\.bias\)"):
+        LLMEngine(EngineConfig(model=str(d), num_kv_blocks=8))
+
+
 def test_rope_frequencies_in_the_checkpoint_are_ignored(llama, tmp_path):
     d = _with_tensors(llama, tmp_path / "inv_freq", {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)})
     LLMEngine(EngineConfig(model=str(d), num_kv_blocks=8)).shutdown()
