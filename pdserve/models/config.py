@@ -45,7 +45,7 @@ class ModelConfig:
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s (global index) sliding window in positions; 0 for full attention."""
-        return self.sliding_window if self.sliding_window and layer in self.sliding_layers else 0
+        return self.sliding_window if layer in self.sliding_layers else 0
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":

@@ -40,11 +40,14 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path, show_progress: bool =
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 m = _LAYER.match(name)
-                if m is None and name not in _TOP_LEVEL and not name.endswith(_DERIVED):
-                    foreign.append(name)
-                keep = (lo <= int(m.group(1)) < hi) if m else (
-                    name == "model.embed_tokens.weight" and need_embed
-                    or name in ("model.norm.weight", "lm_head.weight") and model.ps.is_last_stage)
+                if m:
+                    keep = lo <= int(m.group(1)) < hi
+                elif name in _TOP_LEVEL:
+                    keep = need_embed if name == "model.embed_tokens.weight" else model.ps.is_last_stage
+                else:
+                    keep = False
+                    if not name.endswith(_DERIVED):
+                        foreign.append(name)
                 if keep:
                     wanted[name] = f.get_tensor(name)
     _refuse_unused(foreign)
