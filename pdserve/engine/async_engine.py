@@ -144,7 +144,9 @@ class AsyncEngine:
                 if self.engine.has_unfinished():
                     self._dispatch(self.engine.step())
                 self.stats = self.engine.stats()
-        except Exception as e:  # the forward pass failed: fail every request, report unhealthy
+        except Exception as e:
+            # A failure that one request's outcome cannot contain (ranks out of step, or a scheduler
+            # bug): fail every request and report unhealthy, so routers stop sending work here.
             log.exception("engine step loop died")
             self.error = f"{type(e).__name__}: {e}"
             for rid, sink in list(self._sinks.items()):
@@ -169,7 +171,10 @@ class AsyncEngine:
         except queue.Empty:
             return
         while cmd is not None:
-            self._apply(cmd)
+            try:
+                self._apply(cmd)
+            except Exception:  # a bug in one command's handling is that caller's problem, not the loop's
+                log.exception("engine command %s failed", type(cmd).__name__)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
@@ -185,7 +190,9 @@ class AsyncEngine:
             try:
                 rid = self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.request_type,
                                               cmd.disagg)
-            except RequestError as e:
+            except Exception as e:  # RequestError is a 400; anything else a 500 for this request alone
+                if not isinstance(e, RequestError):
+                    log.exception("adding a request failed")
                 cmd.done.set_exception(e)
                 return
             self._sinks[rid] = cmd.sink

@@ -25,6 +25,7 @@ from pdserve.distributed import free_port, init_parallel
 from pdserve.engine.block_manager import BlockManager, KVEvent
 from pdserve.engine.model_runner import ModelRunner, SeqStep, StepSpec
 from pdserve.engine.output import OutputTracker, RequestOutput
+from pdserve.engine.sampler import SampleResult
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler
 from pdserve.engine.kv_exchange import KVExchange
@@ -195,12 +196,42 @@ class LLMEngine:
         spec = self._spec(batch)
         spec.kv = kv
         result = self.runner.step(spec)
-        outputs += self._postprocess(batch, result.sampled) if batch else []
-        if result.kv_reports is not None:
-            outputs += self.kv.settle(result.kv_reports)
+        reports = [result.kv_reports]
+        sampled = result.sampled
+        if result.failure is not None:
+            batch, sampled, reports[1:] = self._isolate_failure(batch, spec.seqs, result.failure, outputs)
+        if batch:
+            outputs += self._postprocess(batch, sampled)
+        for report in reports:
+            if report is not None:
+                outputs += self.kv.settle(report)
         if not batch:
             time.sleep(0.001)  # only transfers in flight: poll, don't spin
         return outputs
+
+    def _isolate_failure(self, batch: list[ScheduledSeq], steps: list[SeqStep], failure: str,
+                         outputs: list[RequestOutput]) -> tuple[list[ScheduledSeq], SampleResult, list]:
+        """The forward step failed (one process: nothing was committed). Run each sequence's part of it
+        alone, so a request that makes the model fail takes down itself, not its batch. Returns the
+        sequences that went through, their samples, and the KV reports of the extra steps."""
+        kept: list[ScheduledSeq] = []
+        sampled = SampleResult([], [], [], [])
+        reports = []
+        for s, step in zip(batch, steps):
+            result = self.runner.step(StepSpec([step])) if len(batch) > 1 else None
+            if result is not None:
+                reports.append(result.kv_reports)
+            if result is None or result.failure is not None:
+                outputs += self._fail_all([s], f"the forward step failed: {result.failure if result else failure}")
+                continue
+            kept.append(s)
+            if s.samples:
+                one = result.sampled
+                sampled.token_ids += one.token_ids
+                sampled.logprobs += one.logprobs
+                sampled.top_logprobs += one.top_logprobs
+                sampled.errors.append(one.error(0))
+        return kept, sampled, reports
 
     def _spec(self, batch: list[ScheduledSeq]) -> StepSpec:
         steps = []
@@ -228,25 +259,54 @@ class LLMEngine:
         self.scheduler.commit(batch)
         outputs = []
         for i, s in enumerate(sampling):
-            seq = s.seq
-            token = result.token_ids[i]
-            seq.output_token_ids.append(token)
-            if result.logprobs[i] is not None:
-                seq.output_logprobs.append({"token_id": token, "logprob": result.logprobs[i],
-                                            "top": result.top_logprobs[i] or []})
-            self.check_stop(seq, token)
-            # generation_first: the generation side waits for this prompt's KV even when the first
-            # token already ends the request, so it is sent all the same.
-            awaited = seq.request_type is RequestType.CONTEXT_ONLY and seq.disagg.generation_first
-            if seq.is_finished and not awaited:
-                self.retire(seq)
-                outputs.append(self.trackers.pop(seq.request_id).flush())
-            elif seq.request_type is RequestType.CONTEXT_ONLY:
-                self.scheduler.park(seq)
-                outputs.append(self._context_done(seq))
-            else:
-                outputs.append(self.trackers[seq.request_id].flush())
+            error = result.error(i)
+            try:
+                if error is None:
+                    outputs.append(self._take_token(s.seq, result.token_ids[i], result.logprobs[i],
+                                                    result.top_logprobs[i]))
+            except Exception as e:  # one request's bookkeeping (detokenizing, say) must not stop the loop
+                log.exception("request %s: handling its token failed", s.seq.request_id)
+                error = f"{type(e).__name__}: {e}"
+            if error is not None:
+                outputs += self._fail_all([s], error)
         self.kv.offer(batch, starts, [s in sampling for s in batch])
+        return outputs
+
+    def _take_token(self, seq: Sequence, token: int, logprob: float | None, top: list | None) -> RequestOutput:
+        seq.output_token_ids.append(token)
+        if logprob is not None:
+            seq.output_logprobs.append({"token_id": token, "logprob": logprob, "top": top or []})
+        self.check_stop(seq, token)
+        # generation_first: the generation side waits for this prompt's KV even when the first
+        # token already ends the request, so it is sent all the same.
+        awaited = seq.request_type is RequestType.CONTEXT_ONLY and seq.disagg.generation_first
+        if seq.is_finished and not awaited:
+            self.retire(seq)
+            return self.trackers.pop(seq.request_id).flush()
+        if seq.request_type is RequestType.CONTEXT_ONLY:
+            self.scheduler.park(seq)
+            return self._context_done(seq)
+        return self.trackers[seq.request_id].flush()
+
+    def _fail_all(self, batch: list[ScheduledSeq], reason: str) -> list[RequestOutput]:
+        """End each request of `batch` with an error the client sees (HTTP 500 naming `reason`). Blocks
+        are freed now, or once every rank confirms that no transfer can still touch them."""
+        outputs = []
+        for s in batch:
+            seq = s.seq
+            if seq.request_id not in self.seqs:  # already retired
+                continue
+            log.error("request %s failed: %s", seq.request_id, reason)
+            seq.error = reason
+            seq.finish(FinishReason.ERROR)
+            tracker = self.trackers.pop(seq.request_id, None)
+            if seq.disagg is not None and seq.disagg.transfer_started:
+                self.scheduler.hold(seq)
+                self.kv.cancel(seq)
+            else:
+                self.retire(seq)
+            if tracker is not None:
+                outputs.append(tracker.flush())
         return outputs
 
     def _context_done(self, seq: Sequence) -> RequestOutput:

@@ -60,6 +60,12 @@ class StepSpec:
 class StepResult:
     sampled: SampleResult | None
     kv_reports: list[RankReport] | None  # one per rank when the instance has a KV connector
+    failure: str | None = None  # the forward pass raised: no token was sampled for any sequence of the step
+
+
+class RanksOutOfStep(RuntimeError):
+    """A rank's forward pass failed while the others may be inside a collective with it: the instance
+    can no longer step, and only a restart recovers it."""
 
 
 def kv_block_bytes(cfg: ModelConfig, num_layers: int, tp_size: int, tokens_per_block: int, dtype: torch.dtype) -> int:
@@ -156,15 +162,24 @@ class ModelRunner:
         """Every rank: KV exchange commands and polls, then the forward step. Only rank 0's return
         value carries anything; the other ranks send theirs to it."""
         report = self.connector.apply(spec.kv) if self.connector is not None else None
-        sampled = self._forward(spec) if spec.seqs else None
+        sampled, failure = None, None
+        if spec.seqs:
+            try:
+                sampled = self._forward(spec)
+            except Exception as e:
+                if self.ps.world_size > 1:
+                    raise RanksOutOfStep(f"rank {self.ps.rank}'s forward step failed: {type(e).__name__}: {e}") from e
+                # One process: nothing else is mid-step, so only this step's requests are lost.
+                log.exception("the forward step failed; its requests fail, the engine goes on")
+                failure = f"{type(e).__name__}: {e}"
         if report is None:
-            return StepResult(sampled, None)
+            return StepResult(sampled, None, failure)
         if self.ps.rank != 0:
             send_bytes(msgpack.packb(report.to_wire()), dst=0, group=self.ps.cpu_group)
             return StepResult(None, None)
         reports = [report] + [RankReport.from_wire(msgpack.unpackb(recv_bytes(r, group=self.ps.cpu_group)))
                              for r in range(1, self.ps.world_size)]
-        return StepResult(sampled, reports)
+        return StepResult(sampled, reports, failure)
 
     @torch.inference_mode()
     def _forward(self, spec: StepSpec) -> SampleResult | None:
@@ -196,13 +211,13 @@ class ModelRunner:
         if self.ps.rank == 0:
             return result
         if self.ps.rank == self.ps.last_stage_leader:
-            send_bytes(msgpack.packb([result.token_ids, result.logprobs, result.top_logprobs]), dst=0,
-                       group=self.ps.cpu_group)
+            wire = [result.token_ids, result.logprobs, result.top_logprobs, result.errors]
+            send_bytes(msgpack.packb(wire), dst=0, group=self.ps.cpu_group)
         return None
 
     def _result_from_last_stage(self) -> SampleResult:
-        tokens, lps, tops = msgpack.unpackb(recv_bytes(self.ps.last_stage_leader, group=self.ps.cpu_group))
-        return SampleResult(tokens, lps, [[tuple(p) for p in t] if t is not None else None for t in tops])
+        tokens, lps, tops, errors = msgpack.unpackb(recv_bytes(self.ps.last_stage_leader, group=self.ps.cpu_group))
+        return SampleResult(tokens, lps, [[tuple(p) for p in t] if t is not None else None for t in tops], errors)
 
     def _prepare(self, spec: StepSpec):
         T = self.tokens_per_block

@@ -1,13 +1,20 @@
 """Turn last-position logits into tokens: penalties and biases, temperature, top-k/top-p/min-p, seeded
 draws. The logit adjustments apply in this order: repetition penalty, presence and frequency penalties,
 logit bias, then the tokens min_tokens bans; logprobs are those of the model's own logits, before any
-of them."""
+of them.
+
+Each row is sampled on its own: legal but degenerate values (a temperature of 1e-300, a top_p that
+rounds to 0 in float32, a repetition penalty whose division overflows) are handled numerically, and a
+row that still cannot be sampled (the model's logits hold a NaN, every token is excluded) fails that
+request alone, through `SampleResult.errors`, never the batch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from pdserve.engine.sampling_params import GREEDY_BELOW
 
 
 @dataclass
@@ -35,31 +42,41 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]] | None]
+    errors: list[str | None] | None = None  # per row: why it could not be sampled (its token is then -1)
+
+    def error(self, i: int) -> str | None:
+        return self.errors[i] if self.errors else None
 
 
 def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> SampleResult:
     """logits: [n, vocab] float32, one row per sampling sequence."""
     logits = logits.float()
+    # A NaN logit makes argmax and softmax meaningless: such a row fails rather than emit a made-up token.
+    broken = torch.isnan(logits).any(dim=-1).tolist()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.logprobs is not None for s in specs) else None
     penalized = [(s.repetition_penalty != 1.0 and bool(s.history)) or bool(s.output) or bool(s.logit_bias)
                  or bool(s.banned) for s in specs]
     # Greedy rows without a penalty or bias share one batched argmax (one op instead of one per sequence).
-    plain_greedy = [s.temperature == 0.0 and not p for s, p in zip(specs, penalized)]
+    plain_greedy = [s.temperature < GREEDY_BELOW and not p for s, p in zip(specs, penalized)]
     argmax = logits.argmax(dim=-1).tolist() if any(plain_greedy) else None
     tokens: list[int] = []
+    errors: list[str | None] = [None] * len(specs)
     for i, s in enumerate(specs):
-        if plain_greedy[i]:
+        if broken[i]:
+            errors[i] = "the model's logits for this position contain NaN (a numeric overflow in the forward pass)"
+            tokens.append(-1)
+        elif plain_greedy[i]:
             tokens.append(argmax[i])
-            continue
-        row = _adjust(logits[i], s) if penalized[i] else logits[i]
-        if s.temperature == 0.0:
-            tokens.append(int(row.argmax()))
-            continue
-        tokens.append(_draw(_filter(row / s.temperature, s), s))
-    result = SampleResult(tokens, [None] * len(specs), [None] * len(specs))
+        else:
+            try:
+                tokens.append(_sample_row(logits[i], s, penalized[i]))
+            except (RuntimeError, ValueError) as e:  # this request's numbers, not the batch's
+                errors[i] = f"sampling failed: {e}"
+                tokens.append(-1)
+    result = SampleResult(tokens, [None] * len(specs), [None] * len(specs), errors if any(errors) else None)
     if raw_logprobs is not None:
         for i, s in enumerate(specs):
-            if s.logprobs is None:
+            if s.logprobs is None or errors[i] is not None:
                 continue
             result.logprobs[i] = float(raw_logprobs[i, tokens[i]])
             if s.logprobs > 0:
@@ -68,6 +85,25 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> SampleResult:
             else:
                 result.top_logprobs[i] = []
     return result
+
+
+def _sample_row(row: torch.Tensor, s: SampleSpec, penalized: bool) -> int:
+    if penalized:
+        row = _finite(_adjust(row, s))
+    if s.temperature < GREEDY_BELOW:  # dividing by a tinier temperature overflows; its limit is greedy
+        return int(row.argmax())
+    return _draw(_filter(_finite(row / s.temperature), s), s)
+
+
+def _finite(row: torch.Tensor) -> torch.Tensor:
+    """`row` without NaN or +inf, keeping what they mean: a NaN logit (inf * 0 in a penalty) is never
+    drawn, and tokens pushed to +inf (a penalty's division overflowing) share all the mass."""
+    if bool(torch.isfinite(row).all()):
+        return row
+    row = row.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    if bool(torch.isposinf(row).any()):
+        row = torch.where(torch.isposinf(row), 0.0, float("-inf"))
+    return row
 
 
 def _adjust(row: torch.Tensor, s: SampleSpec) -> torch.Tensor:
@@ -100,12 +136,16 @@ def _filter(row: torch.Tensor, s: SampleSpec) -> torch.Tensor:
         sorted_probs, order = probs.sort(descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).
         drop = sorted_probs.cumsum(0) - sorted_probs >= s.top_p
+        drop[0] = False  # the likeliest token stays, however small top_p (1e-300 is 0.0 in float32)
         row = row.clone()
         row[order[drop]] = float("-inf")
     return row
 
 
 def _draw(row: torch.Tensor, s: SampleSpec) -> int:
+    if bool(torch.isneginf(row).all()):
+        raise ValueError("no token is left to sample: every token was excluded by the request's penalties, "
+                         "biases or filters")
     probs = torch.softmax(row, dim=-1)
     gen = None
     if s.seed is not None:

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Temperatures below this sample greedily (vLLM's threshold): logits divided by 1e-300 overflow to inf,
+# and the distribution they approach is the argmax anyway.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    temperature == 0 means greedy. Every invalid value raises ValueError naming the field, so the
-    HTTP layer can turn it into a 400 without knowing the rules.
+    temperature == 0 (or below GREEDY_BELOW) means greedy. Every invalid value raises ValueError naming the
+    field, so the HTTP layer can turn it into a 400 without knowing the rules.
     """
 
     max_tokens: int = 16
@@ -65,4 +69,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW

@@ -101,6 +101,26 @@ def test_chat_equals_aggregated_streaming_and_not(pair):
             expected.choices[0].message.content
 
 
+@pytest.mark.parametrize("schedule_style", ["context_first", "generation_first"])
+def test_degenerate_sampling_values_keep_the_cluster_serving(pair, schedule_style):
+    """temperature/top_p/repetition_penalty of 1e-300 once stopped the context worker's engine (and with
+    it the cluster): each is now a normal answer, streamed or not, and greedy output is unchanged."""
+    ctx, gen = pair
+    expected = client(gen.url).completions.create(model=MODEL_NAME, prompt=PROMPT_IDS, **GREEDY).choices[0].text
+    with AppThread(build_app(cfg_for([ctx.url], [gen.url], schedule_style=schedule_style))) as orch:
+        wait_healthy(orch.url)
+        c = client(orch.url)
+        for kw in ({"temperature": 1e-300}, {"temperature": 1e-45}, {"top_p": 1e-300},
+                   {"extra_body": {"repetition_penalty": 1e-300, "ignore_eos": True}}):
+            kw = {"max_tokens": 6, "extra_body": {"ignore_eos": True}} | kw
+            assert c.completions.create(model=MODEL_NAME, prompt=PROMPT_IDS, **kw).usage.completion_tokens == 6
+            chunks = list(c.completions.create(model=MODEL_NAME, prompt=PROMPT_IDS, stream=True, **kw))
+            assert chunks[-1].choices[0].finish_reason == "length"
+        assert c.completions.create(model=MODEL_NAME, prompt=PROMPT_IDS, **GREEDY).choices[0].text == expected
+    for w in (ctx, gen):
+        assert httpx.get(w.url + "/health", timeout=5).status_code == 200
+
+
 def test_first_token_that_finishes_is_answered_by_the_context_worker(pair):
     ctx, gen = pair
     gen_before = gen.metric("pdserve_request_success_total")

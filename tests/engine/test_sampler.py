@@ -58,3 +58,41 @@ def test_banned_tokens_are_never_drawn():
     assert sample(LOGITS, [spec]).token_ids == [4]
     drawn = {sample(LOGITS, [_spec(temperature=5.0, seed=i, banned=[0, 1, 4])]).token_ids[0] for i in range(40)}
     assert drawn == {2, 3}
+
+
+# Legal but degenerate values: each once made torch.multinomial raise and stopped the engine's step loop.
+ROW = torch.tensor([[3.0, 2.5, -1.0, 0.5, 1.0, 2.9]])
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1e-300), dict(temperature=1e-45), dict(temperature=1e-6),
+                                dict(temperature=1.0, top_p=1e-300), dict(temperature=100.0, top_p=1e-300)],
+                         ids=["temp-1e-300", "temp-1e-45", "temp-1e-6", "top-p-1e-300", "hot-top-p-1e-300"])
+def test_degenerate_values_sample_their_limit(kw):
+    """A temperature under GREEDY_BELOW is greedy, and a top_p that rounds to 0 keeps the likeliest token."""
+    for seed in (None, 7):
+        out = sample(ROW, [_spec(seed=seed, **kw)])
+        assert out.token_ids == [0] and out.errors is None
+
+
+def test_a_repetition_penalty_that_overflows_keeps_its_meaning():
+    # 1e-300 divides the positive seen logits to +inf: they share the mass; negative seen ones go to -0.
+    for seed in range(8):
+        out = sample(ROW, [_spec(temperature=1.0, seed=seed, repetition_penalty=1e-300, history=[1, 4, 2])])
+        assert out.token_ids[0] in (1, 4) and out.errors is None
+    assert sample(ROW, [_spec(repetition_penalty=1e-300, history=[1, 4, 2])]).token_ids[0] in (1, 4)
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone():
+    logits = ROW.repeat(3, 1)
+    logits[1, 2] = float("nan")
+    specs = [_spec(temperature=1.0, seed=1, logprobs=1), _spec(logprobs=1),
+             _spec(temperature=1.0, banned=list(range(ROW.shape[1])))]
+    out = sample(logits, specs)
+    assert out.token_ids[1:] == [-1, -1] and 0 <= out.token_ids[0] < ROW.shape[1]
+    assert out.errors[0] is None and out.logprobs[0] is not None
+    assert "NaN" in out.errors[1] and out.logprobs[1] is None
+    assert "no token is left to sample" in out.errors[2]
+
+
+def test_greedy_below_the_threshold_is_greedy():
+    assert SamplingParams(temperature=1e-300).greedy and not SamplingParams(temperature=1e-4).greedy
