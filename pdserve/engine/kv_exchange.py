@@ -79,6 +79,18 @@ class KVExchange:
         self._failed_outputs.append(self.engine.trackers.pop(seq.request_id).flush())
         self.engine.retire(seq)
 
+    @staticmethod
+    def stage(seq: Sequence) -> str:
+        """Where a request's transfer stands, in words, for a log line about it."""
+        d = seq.disagg
+        if seq.request_type is RequestType.GENERATION_ONLY:
+            if seq.state is SeqState.GEN_AWAITING_KV:
+                return f"waiting for its KV from {d.ctx_info_endpoint}"
+            return "decoding (its KV had arrived)"
+        if seq.state is SeqState.RUNNING:
+            return "prefilling, its KV leaving chunk by chunk"
+        return "prefilled, its KV waiting for the generation instance to pull it"
+
     def cancel(self, seq: Sequence) -> None:
         """Stop a transfer; the blocks are freed once every rank confirms no write can land."""
         if not seq.disagg.cancelling:
@@ -126,12 +138,15 @@ class KVExchange:
             delivered, state = self._tally.tokens.pop(rid, None), self._tally.states.pop(rid, None)
             if seq is None:
                 continue
+            seq.disagg.transfer_settled = True
             if seq.state is SeqState.GEN_AWAITING_KV and failure is None:
                 failure = self._kv_arrived(seq, delivered, state, outputs)
                 if failure is None:
                     continue
-            if failure is not None:
-                log.warning("KV transfer of request %d failed: %s", rid, failure)
+            if failure is not None and seq.disagg.cancelled_while is not None:
+                log.info("request %d (%s) was cancelled while %s", rid, seq.request_id, seq.disagg.cancelled_while)
+            elif failure is not None:
+                log.warning("KV transfer of request %d failed while %s: %s", rid, self.stage(seq), failure)
                 if seq.disagg.ctx_info_endpoint:  # it may have restarted: ask again next time
                     self._peers.forget(seq.disagg.ctx_info_endpoint)
                     self._forget.add(seq.disagg.ctx_info_endpoint)

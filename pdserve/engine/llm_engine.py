@@ -174,9 +174,32 @@ class LLMEngine:
         seq = self.seqs.get(request_id)
         if seq is None or seq.is_finished:
             return
-        seq.finish(FinishReason.ABORT)
-        if seq.disagg is not None and seq.disagg.transfer_started:
-            # A write may still land in these blocks: free them only once every rank confirms.
+        self._end(seq, FinishReason.ABORT)
+
+    def release_kv(self, disagg_request_id: int) -> bool:
+        """An answered context_only request whose KV nobody will pull (the orchestrator's client went
+        away, or the generation side failed): free it now, not after kv_transfer_timeout_ms. False when
+        this instance holds no such request (already pulled, never here, or its answer is still due:
+        closing that HTTP request aborts it)."""
+        seq = self.by_disagg_id.get(disagg_request_id)
+        if seq is None or seq.request_type is not RequestType.CONTEXT_ONLY or seq.request_id in self.trackers:
+            return False
+        if seq.disagg.cancelling:
+            return True
+        self._end(seq, FinishReason.ABORT)
+        return True
+
+    def _end(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        """Finish `seq` before its time. Its blocks are freed now, or, while a transfer may still write
+        them, once every rank confirms the cancel."""
+        d = seq.disagg
+        cancel = d is not None and d.may_still_write
+        if cancel:
+            d.cancelled_while = self.kv.stage(seq)
+        if not seq.is_finished or error is not None:
+            seq.error = error
+            seq.finish(reason)
+        if cancel:
             self.scheduler.hold(seq)
             self.kv.cancel(seq)
         else:
@@ -297,14 +320,8 @@ class LLMEngine:
             if seq.request_id not in self.seqs:  # already retired
                 continue
             log.error("request %s failed: %s", seq.request_id, reason)
-            seq.error = reason
-            seq.finish(FinishReason.ERROR)
+            self._end(seq, FinishReason.ERROR, reason)
             tracker = self.trackers.pop(seq.request_id, None)
-            if seq.disagg is not None and seq.disagg.transfer_started:
-                self.scheduler.hold(seq)
-                self.kv.cancel(seq)
-            else:
-                self.retire(seq)
             if tracker is not None:
                 outputs.append(tracker.flush())
         return outputs

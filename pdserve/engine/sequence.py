@@ -57,7 +57,13 @@ class DisaggInfo:
     schedule_style: str = "context_first"  # generation_first: the receiver asks before prefill ends
     pipelined: bool = False  # context side: offer each prefill chunk as it is computed
     transfer_started: bool = False
+    transfer_settled: bool = False  # every rank reported the transfer done: no write can land any more
     cancelling: bool = False  # abort requested while a transfer may still write
+    cancelled_while: str | None = None  # the transfer stage a cancel hit, for the log
+
+    @property
+    def may_still_write(self) -> bool:
+        return self.transfer_started and not self.transfer_settled
 
     @property
     def generation_first(self) -> bool:

@@ -209,3 +209,65 @@ def test_aborting_a_pipelined_prefill_mid_way_frees_both_sides(tiny):
     finally:
         ctx.shutdown()
         gen.shutdown()
+
+
+def test_released_context_kv_is_freed_at_once_and_a_late_pull_fails_cleanly(tiny):
+    """The orchestrator's client went away after the context answer: release_kv frees the context's
+    blocks within a few steps instead of after kv_transfer_timeout_ms (5 s here)."""
+    prompt = _prompts()[2]
+    ctx, gen = _engine(tiny, "shm"), _engine(tiny, "shm")
+    try:
+        ctx.add_request(prompt, GREEDY, "c", RequestType.CONTEXT_ONLY, DisaggInfo(81))
+        answer = [o for o in step_until([ctx], lambda outs: any(o.finished for o in outs)) if o.finished][0]
+        assert ctx.blocks.num_free_blocks < ctx.blocks.num_blocks  # the KV waits for its pull
+        assert not ctx.release_kv(999)  # nothing held under another id
+        assert ctx.release_kv(81) and ctx.release_kv(81)  # idempotent while the cancel settles
+        step_until([ctx], lambda _: not ctx.has_unfinished(), limit=50)
+        assert ctx.blocks.num_free_blocks == ctx.blocks.num_blocks
+        assert not ctx.release_kv(81)
+        d = answer.disaggregated_params
+        gen.add_request(prompt, GREEDY, "g", RequestType.GENERATION_ONLY,
+                        DisaggInfo(81, d["ctx_info_endpoint"], 0, tuple(d["first_gen_tokens"])))
+        outs = step_until([ctx, gen], lambda outs: any(o.finished for o in outs))
+        assert outs[-1].finish_reason == "error" and "KV transfer" in outs[-1].error
+        _assert_everything_freed(ctx, gen)
+    finally:
+        ctx.shutdown()
+        gen.shutdown()
+
+
+def test_an_answer_still_due_is_not_released(tiny):
+    ctx = _engine(tiny, "shm")
+    try:
+        ctx.add_request(_prompts()[1], GREEDY, "c", RequestType.CONTEXT_ONLY, DisaggInfo(82))
+        assert not ctx.release_kv(82)  # its HTTP request is open: closing that aborts it
+        ctx.abort("c")
+        step_until([ctx], lambda _: not ctx.has_unfinished(), limit=50)
+        assert ctx.blocks.num_free_blocks == ctx.blocks.num_blocks
+    finally:
+        ctx.shutdown()
+
+
+def test_aborting_a_decode_whose_kv_arrived_is_no_transfer_failure(tiny, caplog):
+    """Once the KV is in, a client cancel ends a decode like any other: blocks freed at once, no
+    'KV transfer failed: cancelled' warning, and the context instance's RankInfo stays cached."""
+    prompt = _prompts()[1]
+    ctx, gen = _engine(tiny, "shm"), _engine(tiny, "shm")
+    try:
+        long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+        ctx.add_request(prompt, long, "c", RequestType.CONTEXT_ONLY, DisaggInfo(83))
+        d = [o for o in step_until([ctx], lambda outs: any(o.finished for o in outs)) if o.finished][0] \
+            .disaggregated_params
+        gen.add_request(prompt, long, "g", RequestType.GENERATION_ONLY,
+                        DisaggInfo(83, d["ctx_info_endpoint"], 0, tuple(d["first_gen_tokens"])))
+        step_until([ctx, gen], lambda outs: sum(len(o.new_token_ids) for o in outs if o.request_id == "g") > 3)
+        with caplog.at_level("INFO", logger="pdserve.engine.kv_exchange"):
+            gen.abort("g")
+            assert gen.blocks.num_free_blocks == gen.blocks.num_blocks and not gen.has_unfinished()
+            step_until([ctx, gen], lambda _: not ctx.has_unfinished(), limit=200)
+        assert not [r for r in caplog.records if "failed" in r.getMessage()]
+        assert gen.kv._peers.lookup(d["ctx_info_endpoint"]) is not None  # still known
+        _assert_everything_freed(ctx, gen)
+    finally:
+        ctx.shutdown()
+        gen.shutdown()
