@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -26,6 +25,7 @@ from pdserve.disagg.metrics import OrchestratorMetrics
 from pdserve.disagg.orchestrator import CHAT, COMPLETIONS, Orchestrator
 from pdserve.disagg.request_id import RequestIdGenerator
 from pdserve.disagg.upstream import make_client
+from pdserve.server.json_body import MalformedBody, parse_json_object
 from pdserve.server.streaming import ClosingStreamingResponse
 
 log = logging.getLogger(__name__)
@@ -101,11 +101,9 @@ def build_app(cfg: DisaggConfig, *, process_id: int = 0, cluster=None) -> FastAP
 
     async def proxy(api: str, request: Request):
         try:
-            body = json.loads(await request.body())
-        except ValueError as e:
-            raise OrchestratorError(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
-        if not isinstance(body, dict):
-            raise OrchestratorError(400, "the request body must be a JSON object", "invalid_body")
+            body = parse_json_object(await request.body())
+        except MalformedBody as e:
+            raise OrchestratorError(400, e.message, e.code, e.param) from None
         if not isinstance(body.get("stream", False), bool):
             raise OrchestratorError(400, f"invalid value for 'stream': expected a boolean, got {body['stream']!r}",
                                     "invalid_value", "stream")

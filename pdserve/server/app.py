@@ -19,10 +19,12 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.config import WorkerConfig
 from pdserve.server.errors import APIError
+from pdserve.server.json_body import MalformedBody, parse_json_object
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import (
     ChatCompletionRequest,
@@ -48,6 +50,7 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 def build_app(engine, cfg: WorkerConfig) -> FastAPI:
     """An app over a running `AsyncEngine`. The app never shuts the engine down; its owner does."""
     app = FastAPI(title="pdserve", summary="OpenAI-compatible LLM server")
+    app.router.route_class = StrictJSONRoute
     metrics = ServerMetrics(engine)
     serving = OpenAIServing(engine, metrics)
     app.state.metrics = metrics
@@ -55,11 +58,15 @@ def build_app(engine, cfg: WorkerConfig) -> FastAPI:
 
     if cfg.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=cfg.api_key)
-    v1 = APIRouter(prefix="/v1")
+    v1 = APIRouter(prefix="/v1", route_class=StrictJSONRoute)
 
     @app.exception_handler(APIError)
     async def on_api_error(_: Request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(MalformedBody)
+    async def on_malformed_body(_: Request, e: MalformedBody):
+        return JSONResponse(APIError(400, e.message, e.param, e.code).body(), status_code=400)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(_: Request, e: RequestValidationError):
@@ -126,6 +133,30 @@ def build_app(engine, cfg: WorkerConfig) -> FastAPI:
         return Response(data, media_type=content_type)
 
     return app
+
+
+class StrictJSONRoute(APIRoute):
+    """A route whose JSON body is parsed by `parse_json_object` (json_body.py) before FastAPI reads it,
+    so NaN, lone surrogates or deep nesting are a 400 naming the field, whatever the content type."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+        if self.body_field is None:
+            return handler
+
+        async def parse_first(request: Request):
+            request = _ParsedRequest(request.scope, request.receive)
+            request.parsed = parse_json_object(await request.body())
+            return await handler(request)
+
+        return parse_first
+
+
+class _ParsedRequest(Request):
+    parsed: dict[str, Any]
+
+    async def json(self) -> dict[str, Any]:
+        return self.parsed
 
 
 class ApiKeyMiddleware:

@@ -13,6 +13,7 @@ before the first chunk and the SSE generator never started.
 from __future__ import annotations
 
 import json
+import re
 import time
 from contextlib import aclosing
 from typing import AsyncIterator
@@ -51,6 +52,8 @@ from pdserve.server.protocol import (
 from pdserve.server.streaming import OwnedStream
 
 SSE_DONE = "data: [DONE]\n\n"
+# A logit_bias key: ASCII digits, few enough for int() (str.isdigit also passes '²', which int() refuses).
+_TOKEN_ID = re.compile(r"[0-9]{1,18}")
 
 
 def sse(payload) -> str:
@@ -213,7 +216,7 @@ class OpenAIServing:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
         if req.n != 1:
             raise bad_request(f"n must be 1 (one choice per request), got {req.n}", "n")
-        if req.logit_bias and not all(k.strip().isdigit() for k in req.logit_bias):
+        if req.logit_bias and not all(_TOKEN_ID.fullmatch(k.strip()) for k in req.logit_bias):
             raise bad_request("logit_bias keys must be token ids (non-negative integers as strings)", "logit_bias")
 
     def _completion_prompt(self, prompt) -> list[int]:

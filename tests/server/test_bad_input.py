@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 from server_harness import MAX_MODEL_LEN, NUM_KV_BLOCKS, wait_kv_baseline
 
+from pdserve.server.json_body import MAX_DEPTH
+
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 OK_COMPLETION = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0,
                  "ignore_eos": True}
@@ -94,6 +96,39 @@ CASES = [
      "tools"),
     ("unknown-model", COMPLETIONS, completion(model="gpt-9"), 404, ["'gpt-9' does not exist", "'tiny'"], "model"),
     ("unknown-model-chat", CHAT, chat(model="gpt-9"), 404, ["'gpt-9' does not exist"], "model"),
+    # Python's json takes what JSON does not: each used to reach the engine or the tokenizer (a 500).
+    ("logit-bias-superscript-digit", COMPLETIONS, completion(logit_bias={"\u00b2": 1}), 400,
+     ["logit_bias keys must be token ids"], "logit_bias"),
+    ("logit-bias-more-digits-than-int-takes", CHAT, chat(logit_bias={"9" * 5000: 1}), 400,
+     ["logit_bias keys must be token ids"], "logit_bias"),
+    *[(f"non-finite-{name}", path, body, 400, [f"'{param}'", "must be a finite number", literal], param)
+      for name, path, body, param, literal in [
+          ("nan", COMPLETIONS, b'{"model": "tiny", "prompt": "hi", "temperature": NaN}', "temperature", "NaN"),
+          ("infinity", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}',
+           "top_p", "Infinity"),
+          ("minus-infinity", COMPLETIONS, b'{"model": "tiny", "prompt": "hi", "presence_penalty": -Infinity}',
+           "presence_penalty", "-Infinity"),
+          ("overflow", COMPLETIONS, b'{"model": "tiny", "prompt": "hi", "temperature": 1e400}', "temperature", "1e400"),
+          ("in-logit-bias", CHAT, (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
+                                   b'"logit_bias": {"5": NaN}}'), "logit_bias.5", "NaN"),
+          ("in-unknown-field", COMPLETIONS, b'{"model": "tiny", "prompt": "hi", "extra": [1, NaN]}', "extra.1", "NaN"),
+      ]],
+    *[(f"lone-surrogate-{name}", path, body, 400, [f"'{param}'", "not valid Unicode", "lone surrogate"], param)
+      for name, path, body, param in [
+          ("prompt", COMPLETIONS, b'{"model": "tiny", "prompt": "\\ud800"}', "prompt"),
+          ("prompt-utf8-encoded", COMPLETIONS, b'{"model": "tiny", "prompt": "\xed\xa0\x80"}', "prompt"),
+          ("model", COMPLETIONS, b'{"model": "ti\\udfffny", "prompt": "hi"}', "model"),
+          ("stop", COMPLETIONS, b'{"model": "tiny", "prompt": "hi", "stop": ["a", "\\udc00"]}', "stop.1"),
+          ("message", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "x\\ud800"}]}',
+           "messages.0.content"),
+          ("message-part", CHAT, (b'{"model": "tiny", "messages": [{"role": "user", "content": '
+                                  b'[{"type": "text", "text": "\\udbff"}]}]}'), "messages.0.content.0.text"),
+          ("tokenize", "/tokenize", b'{"prompt": "\\ud800"}', "prompt"),
+      ]],
+    ("nested-too-deeply", COMPLETIONS, b"[" * 100_000 + b"]" * 100_000, 400, ["nests too deeply", f"{MAX_DEPTH} levels"], None),
+    ("nested-too-deeply-in-a-field", CHAT, b'{"model": "tiny", "x": ' + b"[" * 100_000 + b"}", 400,
+     ["nests too deeply"], None),
+    ("empty-body", COMPLETIONS, b"", 400, ["the request body is empty"], None),
 ]
 
 

@@ -1,0 +1,129 @@
+"""The strict JSON request-body parser shared by `pdserve serve` and the orchestrator.
+
+Python's json module takes more than JSON: NaN, Infinity and -Infinity, numbers that overflow to inf
+(1e400), lone UTF-16 surrogates ("\\ud800", which no UTF-8 encoder or tokenizer accepts), and any
+nesting depth until its recursion fails. `parse_json_object` refuses each of them as a
+`MalformedBody`, which both apps answer with a 400 naming the field the way pydantic names it
+("temperature", "messages.0.content"), before anything else reads the body.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any
+
+MAX_DEPTH = 64  # nested arrays and objects; an OpenAI request needs about 5
+
+# A JSON string, escapes included: the brackets inside one do not nest. An unterminated one runs to the
+# end, so that every match succeeds at once (a failing match would be retried from each later quote).
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}  # depth change per bracket
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_FINE = (int, float, type(None))  # values that need no look: the parser made every float finite (bool is an int)
+
+
+@dataclass
+class MalformedBody(Exception):
+    """A body that is not a JSON object a request may carry; always a 400."""
+
+    message: str
+    param: str | None = None
+    code: str = "invalid_body"
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class _NonFinite:
+    """What the parser makes of NaN, Infinity, -Infinity and an overflowing number: refused once the
+    walk knows which field holds it."""
+
+    __slots__ = ("literal",)
+
+    def __init__(self, literal: str):
+        self.literal = literal
+
+
+def _parse_float(text: str) -> float | _NonFinite:
+    value = float(text)
+    return value if math.isfinite(value) else _NonFinite(text)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a dict, or MalformedBody saying what is wrong and where."""
+    if not raw.strip():
+        raise MalformedBody("the request body is empty; send a JSON object")
+    _check_depth(raw)
+    try:
+        body = json.loads(raw, parse_constant=_NonFinite, parse_float=_parse_float)
+    except json.JSONDecodeError as e:
+        raise MalformedBody(f"the request body is not valid JSON: {e.msg} at character {e.pos}",
+                            code="invalid_json") from None
+    except ValueError as e:  # bytes that are not UTF-8 (nor -16, -32), an integer of over 4300 digits
+        raise MalformedBody(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    _check_values(body, ())
+    if not isinstance(body, dict):
+        raise MalformedBody(f"the request body must be a JSON object, got {_json_type(body)}")
+    return body
+
+
+def _check_depth(raw: bytes) -> None:
+    """Refuse nesting past MAX_DEPTH before json.loads, whose recursion would end in a RecursionError."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+        return  # too few brackets to nest that deep: most bodies, without a scan
+    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    if max(accumulate(map(_STEP.__getitem__, brackets)), default=0) > MAX_DEPTH:
+        raise MalformedBody(f"the request body nests too deeply: more than {MAX_DEPTH} levels of arrays and objects")
+
+
+def _check_values(value: Any, path: tuple) -> None:
+    """Every string valid Unicode, every number finite; `path` is where `value` sits in the body."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            bad = _surrogate(key)
+            if bad:
+                raise MalformedBody(f"a field name in {_where(path)} is not valid Unicode (lone surrogate {bad})",
+                                    _param(path), "invalid_value")
+            if not isinstance(item, _FINE):
+                _check_values(item, (*path, key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if not isinstance(item, _FINE):
+                _check_values(item, (*path, i))
+    elif isinstance(value, _NonFinite):
+        raise MalformedBody(f"invalid value for {_where(path)}: must be a finite number, got {value.literal}",
+                            _param(path), "invalid_value")
+    elif isinstance(value, str):
+        bad = _surrogate(value)
+        if bad:
+            raise MalformedBody(f"invalid value for {_where(path)}: not valid Unicode (lone surrogate {bad})",
+                                _param(path), "invalid_value")
+
+
+def _surrogate(text: str) -> str | None:
+    """The first lone surrogate in `text`, spelled as a JSON escape; None when there is none."""
+    if text.isascii():
+        return None
+    match = _SURROGATE.search(text)
+    return f"\\u{ord(match.group()):04x}" if match else None
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {list: "an array", str: "a string"}.get(type(value), "a number")
+
+
+def _param(path: tuple) -> str | None:
+    return ".".join(str(p) for p in path) or None
+
+
+def _where(path: tuple) -> str:
+    return f"'{_param(path)}'" if path else "the request body"
