@@ -1,8 +1,9 @@
 """The orchestrator's HTTP surface (FastAPI) and `run_orchestrator`.
 
-Public (API key when configured): POST /v1/completions, POST /v1/chat/completions, GET /v1/models.
 Open: GET /health (200 once each role has a ready instance, else 503 naming what is missing).
-Internal (cluster token when configured): GET /cluster_info, GET /metrics.
+Internal (the cluster token when one is set): GET /cluster_info; GET /metrics, else open.
+Everything else (the API key when one is set): POST /v1/completions, POST /v1/chat/completions,
+GET /v1/models, and /cluster_info when no cluster token is set.
 """
 
 from __future__ import annotations
@@ -32,36 +33,44 @@ log = logging.getLogger(__name__)
 
 CLUSTER_TOKEN_HEADER = "x-cluster-token"
 INTERNAL_PATHS = ("/cluster_info", "/metrics")
+OPEN_PATHS = ("/health", "/metrics")  # /metrics: open unless a cluster token is set, as on the workers
 CLIENT_CLOSED = 499
 
 
 class AuthMiddleware:
-    """Pure ASGI: /v1/* needs 'Authorization: Bearer <api_key>', internal paths need X-Cluster-Token;
-    checked before the body is read, so a 401 wins over every other error."""
+    """Pure ASGI, checked before the body is read, so a 401 wins over every other error:
+    - an internal path needs X-Cluster-Token when a cluster token is set (the API key is then not enough:
+      it is the clients' key, and /cluster_info lists every worker and KV endpoint);
+    - else an open path needs nothing;
+    - else, when an API key is set, the path needs 'Authorization: Bearer <api_key>'."""
 
-    def __init__(self, app, api_key: str | None, cluster_token: str | None, internal_paths=INTERNAL_PATHS):
-        self.app, self.internal_paths = app, internal_paths
+    def __init__(self, app, api_key: str | None, cluster_token: str | None, internal_paths=INTERNAL_PATHS,
+                 open_paths=OPEN_PATHS):
+        self.app, self.internal_paths, self.open_paths = app, internal_paths, open_paths
         self.api_key = api_key.encode() if api_key else None
         self.cluster_token = cluster_token.encode() if cluster_token else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
-            headers = dict(scope["headers"])
-            path = scope["path"]
-            if self.api_key is not None and path.startswith("/v1/"):
-                scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-                if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.api_key):
-                    err = OrchestratorError(401, "missing or incorrect API key: send the header "
-                                                 "'Authorization: Bearer <key>'", "invalid_api_key")
-                    await JSONResponse(err.body(), status_code=401)(scope, receive, send)
-                    return
-            if self.cluster_token is not None and path in self.internal_paths:
-                if not secrets.compare_digest(headers.get(CLUSTER_TOKEN_HEADER.encode(), b""), self.cluster_token):
-                    err = OrchestratorError(401, "missing or incorrect cluster token: send the header "
-                                                 "'X-Cluster-Token: <cluster_token>'", "invalid_cluster_token")
-                    await JSONResponse(err.body(), status_code=401)(scope, receive, send)
-                    return
+            err = self._refusal(scope["path"], dict(scope["headers"]))
+            if err is not None:
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
         await self.app(scope, receive, send)
+
+    def _refusal(self, path: str, headers: dict[bytes, bytes]) -> OrchestratorError | None:
+        if self.cluster_token is not None and path in self.internal_paths:
+            if secrets.compare_digest(headers.get(CLUSTER_TOKEN_HEADER.encode(), b""), self.cluster_token):
+                return None
+            return OrchestratorError(401, "missing or incorrect cluster token: send the header "
+                                          "'X-Cluster-Token: <cluster_token>'", "invalid_cluster_token")
+        if self.api_key is None or path in self.open_paths:
+            return None
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key):
+            return None
+        return OrchestratorError(401, "missing or incorrect API key: send the header 'Authorization: Bearer <key>'",
+                                 "invalid_api_key")
 
 
 def build_app(cfg: DisaggConfig, *, process_id: int = 0, cluster=None) -> FastAPI:

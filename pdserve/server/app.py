@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 # nobody receives it, it only shows in the access log).
 CLIENT_CLOSED = 499
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Open even with an API key: load balancers probe /health, Prometheus scrapes /metrics (as vLLM leaves
+# it open). Everything else, /tokenize and /detokenize included, needs the key.
+OPEN_PATHS = ("/health", "/metrics")
 
 
 def build_app(engine, cfg: WorkerConfig) -> FastAPI:
@@ -160,15 +163,15 @@ class _ParsedRequest(Request):
 
 
 class ApiKeyMiddleware:
-    """Pure ASGI (it never touches the body or the stream): /v1/* needs 'Authorization: Bearer <key>',
-    checked before the body is parsed, so a 401 wins over every other error."""
+    """Pure ASGI (it never touches the body or the stream): every path but OPEN_PATHS needs
+    'Authorization: Bearer <key>', checked before the body is parsed, so a 401 wins over every other error."""
 
     def __init__(self, app, api_key: str):
         self.app = app
         self.key = api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             auth = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
             if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key):

@@ -133,6 +133,23 @@ def test_api_key_and_cluster_token(workers):
         assert httpx.get(orch.url + "/cluster_info").status_code == 401
         assert httpx.get(orch.url + "/metrics").status_code == 401
         assert httpx.get(orch.url + "/cluster_info", headers={"X-Cluster-Token": "inside"}).status_code == 200
+        # The cluster token guards the internal pages: the clients' key is not enough for them.
+        assert httpx.get(orch.url + "/cluster_info", headers={"Authorization": "Bearer sekret"}).status_code == 401
+
+
+def test_api_key_alone_guards_every_page_but_health_and_metrics(workers):
+    """Without a cluster token, /cluster_info (every worker url and KV endpoint) needs the API key."""
+    cfg = make_cfg([workers[0].url], [workers[1].url], conditional_disagg={"max_local_prefill_length": 64},
+                   api_key="sekret")
+    key = {"Authorization": "Bearer sekret"}
+    with orchestrator(cfg) as orch:
+        wait_healthy(orch.url)
+        for path in ("/cluster_info", "/openapi.json", "/docs", "/no-such-page"):
+            r = httpx.get(orch.url + path)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+        info = httpx.get(orch.url + "/cluster_info", headers=key)
+        assert info.status_code == 200 and workers[0].url in info.text
+        assert httpx.get(orch.url + "/metrics").status_code == 200  # open, as on the workers and in vLLM
 
 
 def test_dead_worker_gives_clear_error_and_orchestrator_keeps_serving(workers):

@@ -12,7 +12,7 @@ from pdserve.server.app import build_app
 BODY = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0}
 
 
-def test_api_key_required_on_v1_only(engine):
+def test_api_key_required_everywhere_but_health_and_metrics(engine):
     openai = pytest.importorskip("openai")
     with ServerThread(build_app(engine, WorkerConfig(api_key="sekret"))) as srv, \
             httpx.Client(base_url=srv.url, timeout=30) as http:
@@ -23,6 +23,15 @@ def test_api_key_required_on_v1_only(engine):
             assert err["code"] == "invalid_api_key" and "Authorization: Bearer" in err["message"]
         assert http.get("/v1/models").status_code == 401
         assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
+        # The tokenizer, the API description and unknown paths are closed too; with the key they answer.
+        key = {"Authorization": "Bearer sekret"}
+        for method, path, body in (("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [5]}),
+                                   ("GET", "/openapi.json", None), ("GET", "/docs", None)):
+            r = http.request(method, path, json=body)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+            assert http.request(method, path, json=body, headers=key).status_code == 200, path
+        assert http.get("/no-such-page").status_code == 401
+        assert http.get("/no-such-page", headers=key).status_code == 404
         # a 401 wins over a malformed body: nothing about the request leaks to an unauthenticated client
         assert http.post("/v1/completions", content=b"{", headers={"content-type": "application/json"}).status_code == 401
 
