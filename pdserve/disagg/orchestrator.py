@@ -22,6 +22,7 @@ forwarded as they are: they validate the request.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import AsyncIterable, AsyncIterator, Awaitable, Callable, TypeVar
@@ -37,6 +38,8 @@ from pdserve.disagg.routers import Route, RouteRequest, session_key
 from pdserve.disagg.upstream import get_json, iter_stream, open_stream, post_json
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+RELEASE_TIMEOUT_S = 5.0
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
@@ -49,6 +52,7 @@ class _Request:
     request_id: int
     arrival: float
     dispatched: bool = False
+    ctx_url: str | None = None  # the context instance holding this request's KV, once it answered
 
     @property
     def stream(self) -> bool:
@@ -68,6 +72,7 @@ class Orchestrator:
         self.needs_tokens = cfg.conditional_disagg is not None or any(cluster.needs_tokens(r) for r in
                                                                       ("context", "generation"))
         self._kv_endpoints: dict[str, str] = {}  # context url -> its KV control endpoint (generation_first)
+        self._releases: set[asyncio.Task] = set()  # fire-and-forget release_kv calls (kept from the GC)
 
     async def serve(self, api: str, body: dict, conversation_id: str | None = None) -> dict | AsyncIterable[bytes]:
         """A JSON answer, or the SSE bytes of a streaming one."""
@@ -99,7 +104,11 @@ class Orchestrator:
             self.metrics.requests.labels("disaggregated").inc()
             route, gen_route = gen_route, None
             cached = ((answer.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
-            return await self._generate(req, params, route, cached)
+            try:
+                return await self._generate(req, params, route, cached)
+            except BaseException:  # client gone, or no generation instance took it: nobody pulls the KV
+                self._release_kv(req)
+                raise
         finally:
             if gen_route is not None:  # reserved but never handed to _generate
                 await self.cluster.finish("generation", gen_route.url, req.route_req)
@@ -202,6 +211,7 @@ class Orchestrator:
         route, answer = await self._call("context", req, lambda url: post_json(
             self.http, "context", url, req.api, body, self.cfg.request_timeout))
         await self.cluster.finish("context", route.url, req.route_req)
+        req.ctx_url = route.url
         self.metrics.context.observe(time.monotonic() - start)
         if not req.stream:  # a streaming client's first token is the generation worker's first chunk
             self.metrics.ttft.observe(time.monotonic() - req.arrival)
@@ -229,10 +239,12 @@ class Orchestrator:
             await asyncio.wait({ctx, gen}, return_when=asyncio.FIRST_EXCEPTION)
         except BaseException:  # the client went away: neither side may keep KV waiting for the other
             await _cancel_both(ctx, gen)
+            self._release_kv(req)
             raise
         for task in (ctx, gen):  # the context side's reason first: it is the one a client can act on
             if task.done() and task.exception() is not None:
                 await _cancel_both(ctx, gen)
+                self._release_kv(req)
                 raise task.exception()
         return gen.result()
 
@@ -253,11 +265,29 @@ class Orchestrator:
             self._kv_endpoints[url] = endpoint
         return self._kv_endpoints[url]
 
+    def _release_kv(self, req: _Request) -> None:
+        """The context instance answered but its KV will not be pulled: tell it to free the KV now, not
+        after its kv_transfer_timeout_ms. In the background: a client that left must not wait for it."""
+        if req.ctx_url is None:
+            return  # its context_only request never answered: closing that request aborted it
+        url, body = req.ctx_url, {"disagg_request_id": req.request_id}
+        call = post_json(self.http, "context", url, "/v1/disagg/release", body, RELEASE_TIMEOUT_S)
+        task = asyncio.get_running_loop().create_task(call)
+        self._releases.add(task)
+        task.add_done_callback(self._release_done)
+
+    def _release_done(self, task: asyncio.Task) -> None:
+        self._releases.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("could not release a request's KV on its context instance (it frees it after its "
+                        "kv_transfer_timeout_ms): %s", task.exception())
+
     async def _context_part(self, req: _Request, route: Route) -> None:
         """generation_first: the context_only request, whose answer matters only when it fails."""
         start = time.monotonic()
         try:
             await post_json(self.http, "context", route.url, req.api, self._context_body(req), self.cfg.request_timeout)
+            req.ctx_url = route.url
         except OrchestratorError as e:
             self.metrics.worker_errors.labels("context", str(e.status)).inc()
             self._kv_endpoints.pop(route.url, None)  # it may have restarted with another endpoint

@@ -33,6 +33,7 @@ from pdserve.server.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    ReleaseKVRequest,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -106,6 +107,14 @@ def build_app(engine, cfg: WorkerConfig) -> FastAPI:
                 "backend": ecfg.cache_transceiver_config.backend,
                 "tensor_parallel_size": ecfg.tensor_parallel_size,
                 "pipeline_parallel_size": ecfg.pipeline_parallel_size, "max_model_len": engine.max_model_len}
+
+    @v1.post("/disagg/release")
+    async def release_kv(body: ReleaseKVRequest):
+        """Free an answered context_only request's KV now rather than after kv_transfer_timeout_ms: its
+        client went away or its generation half failed. Idempotent; released is false when this worker
+        holds nothing for the id (already pulled, never here, or its context_only answer is still due)."""
+        released = await engine.call(lambda e: e.release_kv(body.disagg_request_id))
+        return {"disagg_request_id": body.disagg_request_id, "released": released}
 
     @v1.get("/kv_blocks")
     async def kv_blocks():

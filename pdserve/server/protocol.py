@@ -228,6 +228,12 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class ReleaseKVRequest(_Request):
+    """The orchestrator will not hand this request's KV on: free it (docs/disaggregation.md)."""
+
+    disagg_request_id: int = Field(gt=0, lt=1 << 63)
+
+
 class TokenizeRequest(_Request):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None

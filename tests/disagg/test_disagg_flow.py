@@ -6,6 +6,9 @@ the contract exists they skip with that reason."""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import openai
 import pytest
@@ -190,3 +193,39 @@ def _wait_cached(orch_url: str, holder_url: str, timeout: float = 10.0) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"the orchestrator never saw KV events from {holder_url}")
+
+
+def test_a_client_gone_between_the_halves_frees_the_context_kv_at_once(pair, tiny_model_dir, tmp_path_factory):
+    """The context instance answered, the generation instance has not pulled the KV yet (it is busy:
+    max_num_seqs 1 and a queue of long requests), and the client goes away: the orchestrator tells the
+    context instance to free the KV, which it does within a second, not after kv_transfer_timeout_ms
+    (30 s)."""
+    ctx = pair[0]
+    busy = start_workers(tiny_model_dir, tmp_path_factory.mktemp("busy"), 1,
+                         {"cache_transceiver_config": {"backend": "shm"}, "max_num_seqs": 1,
+                          "kv_events_port": free_port()})[0]
+    total = ctx.metric("pdserve_kv_cache_blocks_total")
+    # ~0.15 s each on this machine: 32 of them keep the only slot busy for seconds.
+    hog = {"model": MODEL_NAME, "prompt": PROMPT_IDS, "max_tokens": 210, "temperature": 0, "ignore_eos": True}
+    pool = ThreadPoolExecutor(32)
+    try:
+        hogs = [pool.submit(httpx.post, busy.url + "/v1/completions", json=hog, timeout=120) for _ in range(32)]
+        deadline = time.monotonic() + 10
+        while busy.metric("pdserve_num_requests_waiting") < 16 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with AppThread(build_app(cfg_for([ctx.url], [busy.url]))) as orch:
+            wait_healthy(orch.url)
+            for stream in (False, True):
+                body = {"model": MODEL_NAME, "prompt": PROMPT_IDS[:30], "max_tokens": 8, "stream": stream}
+                with pytest.raises(httpx.ReadTimeout):
+                    with httpx.stream("POST", orch.url + "/v1/completions", json=body, timeout=0.5) as r:
+                        r.read()
+                gone = time.monotonic()
+                while ctx.metric("pdserve_kv_cache_blocks_free") < total and time.monotonic() - gone < 5:
+                    time.sleep(0.05)
+                assert ctx.metric("pdserve_kv_cache_blocks_free") == total
+                assert time.monotonic() - gone < 1.0
+        assert all(h.result(timeout=120).status_code == 200 for h in hogs)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        busy.stop()
