@@ -104,6 +104,8 @@ class DisaggConfig(BaseModel):
     max_retries: int = Field(1, ge=0, description="other instances tried when one cannot be reached")
     api_key: str | None = Field(None, description="when set, /v1/* requires 'Authorization: Bearer <key>'")
     cluster_token: str | None = Field(None, description="when set, internal endpoints require 'X-Cluster-Token'")
+    worker_api_key: str | None = Field(None, description="sent to every worker as 'Authorization: Bearer <key>' "
+                                                         "(the workers' own api_key)")
 
     @model_validator(mode="after")
     def _check(self) -> "DisaggConfig":

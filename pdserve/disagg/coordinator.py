@@ -44,7 +44,7 @@ def build_coordinator_app(cfg: DisaggConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        http = make_client(cfg.request_timeout)
+        http = make_client(cfg.request_timeout, worker_api_key=cfg.worker_api_key)
         cluster = LocalCluster(cfg)
         await cluster.start(http)
         state["cluster"] = cluster

@@ -13,10 +13,13 @@ from pdserve.disagg.errors import OrchestratorError, WorkerUnreachable
 CONNECT_TIMEOUT_S = 5.0
 
 
-def make_client(request_timeout: float, max_connections: int = 1024) -> httpx.AsyncClient:
+def make_client(request_timeout: float, max_connections: int = 1024,
+                worker_api_key: str | None = None) -> httpx.AsyncClient:
+    """`worker_api_key`: the workers' own api_key, sent with every call to them."""
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections // 4)
+    headers = {"Authorization": f"Bearer {worker_api_key}"} if worker_api_key else None
     return httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=CONNECT_TIMEOUT_S), limits=limits,
-                             trust_env=False)
+                             trust_env=False, headers=headers)
 
 
 def _transport_error(role: str, url: str, e: Exception, timeout: float) -> OrchestratorError:

@@ -229,3 +229,28 @@ def test_a_client_gone_between_the_halves_frees_the_context_kv_at_once(pair, tin
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
         busy.stop()
+
+
+def test_workers_with_their_own_api_key(tiny_model_dir, tmp_path_factory):
+    """Keyed workers become ready, and serve both halves, only behind an orchestrator given their key."""
+    keyed = {"cache_transceiver_config": {"backend": "shm"}, "api_key": "worker-secret"}
+    ws = []
+    try:
+        for _ in range(2):
+            ws += start_workers(tiny_model_dir, tmp_path_factory.mktemp("keyed"), 1,
+                                {**keyed, "kv_events_port": free_port()})
+        ctx, gen = ws
+        with AppThread(build_app(cfg_for([ctx.url], [gen.url], health_check_interval=0.2))) as orch:
+            time.sleep(1.0)
+            assert httpx.get(orch.url + "/health", timeout=5).status_code == 503  # 401s: never ready
+        cfg = cfg_for([ctx.url], [gen.url], worker_api_key="worker-secret", api_key="client-secret")
+        with AppThread(build_app(cfg)) as orch:
+            wait_healthy(orch.url)
+            out = openai.OpenAI(base_url=orch.url + "/v1", api_key="client-secret", max_retries=0).completions \
+                .create(model=MODEL_NAME, prompt=PROMPT_IDS, **GREEDY)
+            assert out.usage.completion_tokens == 8
+            metrics = httpx.get(orch.url + "/metrics").text
+        assert 'pdserve_orchestrator_requests_total{path="disaggregated"} 1.0' in metrics
+    finally:
+        for w in ws:
+            w.stop()
