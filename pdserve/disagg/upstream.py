@@ -28,7 +28,11 @@ def _transport_error(role: str, url: str, e: Exception, timeout: float) -> Orche
         return WorkerUnreachable(502, f"{what} is unreachable ({type(e).__name__}: {e or 'connection failed'})",
                                  "worker_unreachable")
     if isinstance(e, httpx.TimeoutException):
-        return OrchestratorError(504, f"{what} did not answer within request_timeout={timeout:g} s", "worker_timeout")
+        return OrchestratorError(
+            504, f"{what} sent nothing for request_timeout={timeout:g} s, so the request was cancelled. A "
+                 "non-streaming answer must arrive whole within it; for long generations use stream: true (the "
+                 "timeout then bounds the wait for each chunk) or raise the orchestrator's request_timeout",
+            "worker_timeout")
     return OrchestratorError(502, f"{what} failed mid-request ({type(e).__name__}: {e or 'connection lost'})",
                              "worker_failed")
 
