@@ -72,6 +72,10 @@ class EngineConfig(BaseModel):
     dist_timeout_s: float = Field(300.0, gt=0, description="rank start-up and collective timeout")
     cache_dir: str | None = Field(None, description="where converted GGUF models are cached; default ~/.cache/pdserve")
     seed: int = 0
+    generation_config: Literal["auto", "none"] = Field(
+        "auto", description="auto: a request that leaves temperature, top_p, top_k, min_p, repetition_penalty or "
+                            "max_tokens out gets the value the checkpoint's generation_config.json recommends "
+                            "(as vLLM does); none: OpenAI's defaults")
     instance_name: str | None = Field(None, description="this instance's name towards KV peers; default: random")
     cache_transceiver_config: CacheTransceiverConfig = CacheTransceiverConfig()
 

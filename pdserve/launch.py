@@ -228,7 +228,8 @@ def launch(path: str | None) -> int:
         print(f"\nready: OpenAI API at {url}/v1 (Ctrl-C stops everything)\n\n"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               f"    -d '{{\"model\": \"{_model_name(cfg)}\", \"messages\": [{{\"role\": \"user\", "
-              f"\"content\": \"What is the capital of France?\"}}]}}'\n", flush=True)
+              f"\"content\": \"What is the capital of France?\"}}], \"temperature\": 0, \"max_tokens\": 64}}'\n",
+              flush=True)
         dead = cluster.watch(lambda: stop["now"])
         if dead is not None:
             print(f"pdserve launch: {dead.name} exited with code {dead.proc.returncode}; stopping the cluster.\n"

@@ -61,6 +61,7 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
+        self.sampling_defaults = engine.sampling_defaults
         self.kv_endpoint = engine.kv_endpoint
         self._commands: queue.Queue = queue.Queue()
         self._sinks: dict[str, Callable[[RequestOutput], bool]] = {}

@@ -26,6 +26,7 @@ from pdserve.engine.block_manager import BlockManager, KVEvent
 from pdserve.engine.model_runner import ModelRunner, SeqStep, StepSpec
 from pdserve.engine.output import OutputTracker, RequestOutput
 from pdserve.engine.sampler import SampleResult
+from pdserve.engine.sampling_defaults import describe, read_sampling_defaults
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler
 from pdserve.engine.kv_exchange import KVExchange
@@ -57,6 +58,8 @@ class LLMEngine:
         self.model_name = ecfg.served_model_name or _default_name(ecfg.model, self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+        self.sampling_defaults = read_sampling_defaults(self.model_dir, ecfg.generation_config)
+        log.info(describe(self.sampling_defaults))
         self.instance_name = ecfg.instance_name or f"pdserve-{uuid.uuid4().hex[:8]}"
         self._procs: list[mp.Process] = []
         self.runner = self._start_ranks(pool_allocator)

@@ -265,16 +265,19 @@ class OpenAIServing:
             raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt has "
                               f"{n} tokens, which leaves no room for a completion. Please shorten the prompt.",
                               prompt_param, "context_length_exceeded")
+        defaults = self.engine.sampling_defaults  # the checkpoint's recommendations (sampling_defaults.py)
         if max_tokens is None:
-            max_tokens = limit - n
+            max_tokens = min(limit - n, defaults.get("max_tokens", limit))
         elif max_tokens >= 1 and n + max_tokens > limit:
             raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
                               f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "
                               f"Please reduce the prompt or {max_tokens_param}.", max_tokens_param,
                               "context_length_exceeded")
         stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-        fields = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                      repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+        recommended = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                           repetition_penalty=req.repetition_penalty)
+        fields = dict(**{k: defaults.get(k) if v is None else v for k, v in recommended.items()},
+                      presence_penalty=req.presence_penalty,
                       frequency_penalty=req.frequency_penalty, min_tokens=req.min_tokens,
                       logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None)
         try:
