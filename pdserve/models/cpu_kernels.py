@@ -36,6 +36,7 @@ import logging
 import os
 import platform
 import subprocess
+import tempfile
 import threading
 import uuid
 import weakref
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))  # with the headers beside them (*.h)
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 LIBS = ["-lm"]  # libm, which pulls in libmvec for the vectorised expf
+LINK_FLAGS = ["-shared", "-fopenmp"]
 ENABLE_ENV = "PDSERVE_CPU_KERNELS"
 CACHE_ENV = "PDSERVE_KERNEL_CACHE"
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -167,21 +169,29 @@ def build(sources: list[Path] = SOURCES, cache_dir: Path | None = None, flags: l
         raise KernelBuildError(f"no working C compiler {compiler!r} ({exc}); set CC or install gcc") from exc
     headers = sorted({h for src in sources for h in src.parent.glob("*.h")})
     texts = [f"{f.name}\0{f.read_text()}" for f in [*sources, *headers]]
-    key = hashlib.sha256("\0".join([*texts, *flags, *LIBS, version, _cpu_signature()]).encode()).hexdigest()
+    parts = [*texts, *flags, *LINK_FLAGS, *LIBS, version, _cpu_signature()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     cache_dir = cache_dir or _cache_dir()
     target = cache_dir / f"pdserve_kernels-{key[:16]}.so"
     if target.exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = cache_dir / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
-    cmd = [compiler, *flags, "-o", str(tmp), *map(str, sources), *LIBS]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            raise KernelBuildError(f"`{' '.join(cmd)}` failed:\n{done.stderr.strip()}")
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".objs-") as objs_dir:
+        objs = [str(Path(objs_dir) / f"{i}-{src.stem}.o") for i, src in enumerate(sources)]
+        compile_flags = [f for f in flags if f != "-shared"]
+        # Linked apart and without -ffast-math: linked with it, gcc adds crtfastmath.o, whose constructor
+        # turns on flush-to-zero and denormals-are-zero for the whole process that loads the library.
+        cmds = [[compiler, *compile_flags, "-c", str(src), "-o", obj] for src, obj in zip(sources, objs)]
+        cmds.append([compiler, *LINK_FLAGS, "-o", str(tmp), *objs, *LIBS])
+        try:
+            for cmd in cmds:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+                if done.returncode != 0:
+                    raise KernelBuildError(f"`{' '.join(cmd)}` failed:\n{done.stderr.strip()}")
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
     return target
 
 

@@ -191,6 +191,20 @@ def test_build_is_cached_and_a_compiler_error_is_reported(tmp_path):
         cpu_kernels.build([broken], cache_dir=tmp_path)
 
 
+def test_loading_the_kernels_keeps_the_processs_floating_point_environment(tmp_path):
+    """Linked with -ffast-math, the library's crtfastmath.o turned on flush-to-zero and denormals-are-
+    zero for whoever loaded it: every subnormal in the process became 0 (hypothesis refused to run)."""
+    probe = (
+        "import sys, ctypes\n"
+        "from pdserve.models import cpu_kernels\n"
+        f"ctypes.CDLL(str(cpu_kernels.build(cache_dir=__import__('pathlib').Path({str(tmp_path)!r}))))\n"
+        "tiny = sys.float_info.min / 4\n"
+        "print(tiny * 1.0 > 0.0, float(__import__('torch').tensor([1e-40]) * 1) > 0.0)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True"]
+
+
 def test_the_kernel_shares_pytorchs_openmp_runtime():
     """Two OpenMP runtimes in one process would each keep spinning threads on the same two cores."""
     cpu_kernels.load()
