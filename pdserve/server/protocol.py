@@ -236,7 +236,7 @@ class ReleaseKVRequest(_Request):
 
 class TokenizeRequest(_Request):
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
 
 
