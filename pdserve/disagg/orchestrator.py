@@ -94,26 +94,53 @@ class Orchestrator:
                 self.metrics.requests.labels("disaggregated").inc()
                 route, gen_route = gen_route, None
                 return await self._generation_first(req, route)
-            answer = await self._context(req)
-            params = answer.get("disaggregated_params")
-            if params is None:
-                self.metrics.requests.labels("context_finished").inc()
-                answer.pop("disaggregated_params", None)
-                return self._finished(req, answer)
-            params = {**params, "request_type": "generation_only", "schedule_style": self.cfg.schedule_style}
-            self.metrics.requests.labels("disaggregated").inc()
             route, gen_route = gen_route, None
-            cached = ((answer.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
-            try:
-                return await self._generate(req, params, route, cached)
-            except BaseException:  # client gone, or no generation instance took it: nobody pulls the KV
-                self._release_kv(req)
-                raise
+            return await self._context_first(req, route)
         finally:
             if gen_route is not None:  # reserved but never handed to _generate
                 await self.cluster.finish("generation", gen_route.url, req.route_req)
 
     # -- steps ---------------------------------------------------------------------------------------
+
+    async def _context_first(self, req: _Request, gen_route: Route | None) -> dict | AsyncIterable[bytes]:
+        """Prefill on a context instance, then decode on a generation instance. When the instance holding
+        the KV is lost before the generation side pulled it (killed, restarted), nothing has reached the
+        client yet: the prefill runs again on another context instance (at most max_retries times)."""
+        for attempt in range(self.cfg.max_retries + 1):
+            try:
+                answer = await self._context(req)
+            except BaseException:
+                await self._unreserve(req, gen_route)
+                raise
+            params = answer.get("disaggregated_params")
+            if params is None:
+                await self._unreserve(req, gen_route)
+                self.metrics.requests.labels("context_finished").inc()
+                answer.pop("disaggregated_params", None)
+                return self._finished(req, answer)
+            params = {**params, "request_type": "generation_only", "schedule_style": self.cfg.schedule_style}
+            if attempt == 0:
+                self.metrics.requests.labels("disaggregated").inc()
+            cached = ((answer.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+            try:
+                return await self._generate(req, params, gen_route, cached)
+            except OrchestratorError as e:
+                self._release_kv(req)  # nobody pulls this KV now, should its instance still be alive
+                if e.code != "kv_transfer_failed" or attempt == self.cfg.max_retries:
+                    raise
+                await self.cluster.unreachable("context", req.ctx_url, e.message)
+                self.metrics.retries.labels("context").inc()
+                # A fresh id: the old one may still be in flight on the old instance.
+                req.request_id, req.ctx_url, gen_route = self.ids.next_id(), None, None
+            except BaseException:  # client gone: nobody pulls the KV
+                self._release_kv(req)
+                raise
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def _unreserve(self, req: _Request, gen_route: Route | None) -> None:
+        """A generation instance chosen up front (conditional disaggregation) that will not be used."""
+        if gen_route is not None:
+            await self.cluster.finish("generation", gen_route.url, req.route_req)
 
     def _request_id(self, body: dict) -> int:
         given = body.get("disaggregated_params")
@@ -189,7 +216,10 @@ class Orchestrator:
             except OrchestratorError as e:
                 self.metrics.worker_errors.labels(role, str(e.status)).inc()
                 await self.cluster.finish(role, route.url, req.route_req)
-                if not isinstance(e, WorkerUnreachable):
+                # A context instance lost mid-request (connection dropped) answered nothing the client
+                # saw, and a dropped connection aborts the request on the worker: another may prefill.
+                lost = role == "context" and e.code == "worker_failed"
+                if not (isinstance(e, WorkerUnreachable) or lost):
                     raise
                 await self.cluster.unreachable(role, route.url, e.message)
                 if retries >= self.cfg.max_retries:

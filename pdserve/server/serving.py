@@ -351,14 +351,19 @@ class OpenAIServing:
 
     def _raise_if_failed(self, last: RequestOutput) -> None:
         if last.finish_reason == "error":
-            raise APIError(self._error_status(last), f"generation failed: {last.error}")
+            raise self._failure(last)
 
     def _error_body(self, out: RequestOutput) -> str:
-        return json.dumps(APIError(self._error_status(out), f"generation failed: {out.error}").body())
+        return json.dumps(self._failure(out).body())
 
-    def _error_status(self, out: RequestOutput) -> int:
-        # The step loop died, or the KV this request waited for never came: the service is unavailable.
-        return 503 if self.engine.error or (out.error or "").startswith("KV transfer") else 500
+    def _failure(self, out: RequestOutput) -> APIError:
+        """The step loop died, or the KV this request waited for never came: the service is unavailable
+        (503; code kv_transfer_failed tells an orchestrator that another context instance may do). Any
+        other failure is this request's own (500)."""
+        message = f"generation failed: {out.error}"
+        if (out.error or "").startswith("KV transfer"):
+            return APIError(503, message, code="kv_transfer_failed")
+        return APIError(503 if self.engine.error else 500, message)
 
     # -- logprobs ---------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -106,3 +107,30 @@ def worker_config_has_transceiver() -> bool:
     from pdserve.config import WorkerConfig
 
     return "cache_transceiver_config" in WorkerConfig.model_fields
+
+
+class Occupied:
+    """Keeps a worker started with max_num_seqs 1 busy for seconds: a queue of `n` long greedy requests
+    (about 0.15 s each on this machine). A request sent to it meanwhile waits its turn, unscheduled."""
+
+    def __init__(self, worker: Worker, n: int = 48, prompt: list[int] | None = None):
+        self.worker, self.n = worker, n
+        self.body = {"model": MODEL_NAME, "prompt": prompt or list(range(30, 70)), "max_tokens": 210,
+                     "temperature": 0, "ignore_eos": True}
+        self.pool = ThreadPoolExecutor(n)
+        self.futures = []
+
+    def __enter__(self) -> "Occupied":
+        url = self.worker.url + "/v1/completions"
+        self.futures = [self.pool.submit(httpx.post, url, json=self.body, timeout=120) for _ in range(self.n)]
+        deadline = time.monotonic() + 10
+        while self.worker.metric("pdserve_num_requests_waiting") < self.n // 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self
+
+    def statuses(self) -> list[int]:
+        return [f.result(timeout=120).status_code for f in self.futures]
+
+    def __exit__(self, *exc) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
