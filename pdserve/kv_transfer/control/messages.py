@@ -27,6 +27,7 @@ import msgpack
 import numpy as np
 
 from pdserve.kv_transfer.errors import KVTransferError
+from pdserve.kv_transfer.rank_info import RankInfo
 
 PROTOCOL_VERSION = 2  # 2: TRANSFER_DONE carries the chunk index, last flag, token span and state
 
@@ -161,6 +162,13 @@ def _block_ids(v) -> dict[int, np.ndarray]:
     return out
 
 
+def _rank_info(v) -> bytes:
+    """RankInfo bytes, parsed once here so that a broken one is refused by the listener (a warning)
+    instead of failing later on the executor thread."""
+    RankInfo.from_bytes(_bytes(v))
+    return v
+
+
 def _list_of_bytes(v) -> list[bytes]:
     if not isinstance(v, list):
         raise ProtocolError("expected a list of byte strings")
@@ -258,7 +266,7 @@ def _bool(v) -> bool:
 _DECODERS = {
     RankInfoRequest: {"sender": _peer},
     RankInfoReply: {"rank_infos": _list_of_bytes},
-    RegisterPeer: {"rank_info": _bytes},
+    RegisterPeer: {"rank_info": _rank_info},
     RequestData: {"request_id": _int, "sender": _peer, "block_ids": _block_ids, "token_range": _token_range,
                   "num_requesters": _int, "bounce": _optional_map},
     TransferDone: {"request_id": _int, "sender": _peer, "num_bytes": _int, "bounced": _bool, "chunk": _int,
