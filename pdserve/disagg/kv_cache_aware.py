@@ -10,6 +10,9 @@ in seq (a dropped message, or a publisher that restarted) means the set may be w
 snapshot instead of guessing. Hashes are `pdserve.engine.block_manager.block_hashes`, the same chain
 the engine computes, so `matched blocks` is exactly the prefix the instance would reuse.
 
+A frame over MAX_EVENT_BYTES makes libzmq drop the connection before buffering it; the subscriber
+then follows on a fresh socket (libzmq would not reconnect the old one) and resyncs.
+
 score(instance) = matched leading blocks - load_weight * in-flight requests; ties go to the instance
 with fewer in-flight requests, then to the one selected less often.
 """
@@ -31,6 +34,9 @@ log = logging.getLogger(__name__)
 
 Snapshot = Callable[[], Awaitable[tuple[int, list[int]]]]
 _RESYNC_BACKOFF_S = 0.2
+# One message lists one event's block hashes (a msgpack uint64, <= 9 bytes each): a 1M-token prompt
+# at one token per block is ~9.4 MB, a 128K-token prompt at 32 tokens per block ~37 KB.
+MAX_EVENT_BYTES = 16 << 20
 
 
 class KvBlockIndex:
@@ -77,13 +83,27 @@ class KvEventSubscriber:
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, index: KvBlockIndex, snapshot: Snapshot):
         self.endpoint, self.index, self.snapshot = endpoint, index, snapshot
-        self.sock = ctx.socket(zmq.SUB)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-        self.sock.subscribe(b"")
+        self._ctx = ctx
+        self.sock, self._dropped = self._open()
         self.resyncs = 0
+        self.reopens = 0
         self.task: asyncio.Task | None = None
         self._resync_requested = asyncio.Event()
+
+    def _open(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
+        """A SUB socket following the endpoint, and a monitor that reports its connection dropping."""
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_EVENT_BYTES)
+        dropped = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(self.endpoint)
+        sock.subscribe(b"")
+        return sock, dropped
+
+    def _close_socket(self) -> None:
+        self.sock.disable_monitor()  # frees the monitor's inproc address for a later socket
+        self._dropped.close()
+        self.sock.close()
 
     def start(self) -> None:
         self.task = asyncio.ensure_future(self._run())
@@ -106,10 +126,25 @@ class KvEventSubscriber:
     async def _run(self) -> None:
         await self._resync()
         recv = asyncio.ensure_future(self.sock.recv_multipart())
+        dropped = asyncio.ensure_future(self._dropped.recv_multipart())
         try:
             while True:
                 wanted = asyncio.ensure_future(self._resync_requested.wait())
-                await asyncio.wait({recv, wanted}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({recv, wanted, dropped}, return_when=asyncio.FIRST_COMPLETED)
+                if dropped.done():
+                    # libzmq does not reconnect after a protocol error (a frame over MAX_EVENT_BYTES):
+                    # follow on a fresh socket, and resync over whatever was missed meanwhile.
+                    wanted.cancel()
+                    recv.cancel()
+                    log.info("KV events from %s: connection dropped; reconnecting", self.endpoint)
+                    self._close_socket()
+                    self.sock, self._dropped = self._open()
+                    self.reopens += 1
+                    self._resync_requested.clear()
+                    await self._resync()
+                    recv = asyncio.ensure_future(self.sock.recv_multipart())
+                    dropped = asyncio.ensure_future(self._dropped.recv_multipart())
+                    continue
                 if wanted.done():
                     self._resync_requested.clear()
                     await self._resync()
@@ -129,12 +164,13 @@ class KvEventSubscriber:
                     await self._resync()
         finally:
             recv.cancel()
+            dropped.cancel()
 
     async def close(self) -> None:
         if self.task is not None:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
-        self.sock.close()
+        self._close_socket()
 
 
 async def fetch_kv_blocks(http, url: str) -> tuple[int, list[int]]:

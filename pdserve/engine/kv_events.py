@@ -3,6 +3,9 @@
 A ZeroMQ PUB socket sends msgpack frames `[seq, [[kind, [block_hash, ...], parent_hash], ...]]` with
 `kind` in "stored" | "removed". A subscriber that joins late takes `snapshot()` once (exposed by the
 server as GET /v1/kv_blocks) and applies events with a larger `seq` on top of it.
+
+The socket only ever receives subscriptions (a few bytes), so a peer sending a frame over
+`MAX_INBOUND_BYTES` is disconnected by libzmq before the frame is buffered.
 """
 
 from __future__ import annotations
@@ -14,12 +17,15 @@ import zmq
 
 from pdserve.engine.block_manager import KVEvent
 
+MAX_INBOUND_BYTES = 64 << 10
+
 
 class KVEventPublisher:
     def __init__(self, host: str, port: int):
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND_BYTES)
         if port:
             self._sock.bind(f"tcp://{host}:{port}")
             self.endpoint = f"tcp://{host}:{port}"
