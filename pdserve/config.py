@@ -36,6 +36,11 @@ class CacheTransceiverConfig(BaseModel):
     kv_transfer_timeout_ms: int = Field(30_000, ge=1, description="a transfer older than this fails and frees its KV")
     rank_info_timeout_s: float = Field(5.0, gt=0, description="first contact with a context instance")
     host: str = Field("127.0.0.1", description="address the KV control endpoints bind to and advertise")
+    cluster_token: str | None = Field(
+        None, min_length=1, repr=False,
+        description="when set, the KV control plane requires it (ZeroMQ CURVE); the same on every instance")
+    max_control_message_mb: int = Field(
+        16, ge=1, description="a KV control peer sending a larger message is disconnected, MiB")
     bounce: BounceSettings = BounceSettings()
     pipelined_transfer: bool = Field(
         False, description="context side: offer each prefill chunk's finished blocks as soon as it is computed "

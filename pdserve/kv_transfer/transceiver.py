@@ -30,7 +30,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -50,7 +50,7 @@ from pdserve.kv_transfer.control.messages import (
     TransferError,
     decode,
 )
-from pdserve.kv_transfer.control.messenger import Messenger
+from pdserve.kv_transfer.control.messenger import DEFAULT_MAX_MESSAGE_BYTES, Messenger
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.rank_info import RankInfo
 from pdserve.kv_transfer.registrar import plan_write, writers_for
@@ -80,6 +80,8 @@ class TransceiverConfig:
     kv_transfer_timeout_ms: int = 30_000  # a session older than this errors out and releases everything
     rank_info_timeout_s: float = 10.0  # the first contact with a context instance
     bounce: BounceConfig | None = None  # None = direct writes only (the default)
+    max_control_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # a peer sending a bigger frame is disconnected
+    cluster_token: str | None = field(default=None, repr=False)  # set: CURVE on the control plane (messenger.py)
 
     def __post_init__(self) -> None:
         if self.kv_transfer_timeout_ms <= 0:
@@ -114,7 +116,9 @@ class KVTransceiver:
         self.stage_seconds = dict.fromkeys(("plan", "gather", "submit", "scatter"), 0.0)
         # Registered before local_descriptor() is taken, so peers can write into it.
         self._staging = StagingBuffer(agent, self.config.bounce.staging_bytes) if self.config.bounce else None
-        self._messenger = Messenger(self._on_message, host=host, name="kv")
+        self._messenger = Messenger(self._on_message, host=host, name="kv",
+                                    max_message_bytes=self.config.max_control_message_bytes,
+                                    cluster_token=self.config.cluster_token)
 
     # -- setup --------------------------------------------------------------------------------
     @property

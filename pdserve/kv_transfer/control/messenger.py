@@ -6,40 +6,151 @@ Threads:
   the handler returns a message, sends it back to the asker. A malformed frame or a handler
   exception is logged and dropped; the listener keeps running.
 * any thread may `send` (one DEALER per peer endpoint, guarded by a lock) or `request` (a one-off
-  DEALER that waits for the single reply, used for the cached RankInfo exchange).
+  DEALER that waits for the single reply, used for the cached RankInfo exchange). `send` never
+  blocks: a DEALER whose connection dropped, or that cannot queue another message, is replaced.
+  libzmq does not reconnect a connecting socket after a protocol error (a frame over MAXMSGSIZE, a
+  refused handshake); the old socket would swallow or block on every later message.
+
+Every socket is made by `_socket`, which sets, before it binds or connects:
+* MAXMSGSIZE = `max_message_bytes`. libzmq reads a frame's length first and disconnects a peer that
+  announces more, so an oversized frame is never buffered. Our own messages over the bound fail at
+  the sender, naming the key to raise.
+* with a `cluster_token`, CURVE: every member derives the same keypair from the token
+  (`CurveKeys.from_token`). The ROUTER is a CURVE server whose ZAP handler accepts only that public
+  key; every DEALER is a CURVE client of it. A peer without the token never completes the
+  handshake, so none of its frames reach the handler; the listener logs that a peer failed
+  authentication (at most once per `_AUTH_LOG_INTERVAL_S`: a refused peer reconnects every 100 ms).
+  Without a token the sockets keep ZeroMQ's NULL mechanism.
 
 KV bytes never travel here.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import threading
+import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
+from zmq.utils.monitor import recv_monitor_message
 
 from pdserve.kv_transfer.control.messages import Message, ProtocolError, decode
+from pdserve.kv_transfer.errors import KVTransferError
 
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[Message], "Message | None"]
 
+# The largest legitimate messages are a RankInfoReply (every rank's RankInfo: ~8.5 MB for 128 ranks
+# with 64 KiB agent descriptors) and a REQUEST_DATA (8 bytes per block: ~8.4 MB for a 1M-token
+# prompt at one token per block). Typical ones are a few KB (the tests' largest: ~1.2 KB).
+DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
+
 _POLL_MS = 50
+_AUTH_LOG_INTERVAL_S = 10.0
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_KEY_DOMAIN = b"pdserve kv control plane curve key v1\0"
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """The one CURVE keypair (z85) of a cluster: server key and every client key alike, so holding
+    the token is holding the key."""
+
+    public: bytes
+    secret: bytes = field(repr=False)
+
+    @classmethod
+    def from_token(cls, token: str) -> CurveKeys:
+        if not token:
+            raise ValueError("cache_transceiver_config.cluster_token must not be empty")
+        if not zmq.has("curve"):
+            raise ValueError("cache_transceiver_config.cluster_token needs libzmq with CURVE, and this one has none "
+                             "(zmq.has('curve') is False): install pyzmq's wheel, which bundles it")
+        secret = z85.encode(hashlib.sha256(_KEY_DOMAIN + token.encode()).digest())
+        return cls(zmq.curve_public(secret), secret)
+
+
+class _OnlyClusterKey:
+    """ZAP credentials provider: a CURVE client is let in only with the cluster's public key."""
+
+    def __init__(self, public: bytes) -> None:
+        self.public = public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return hmac.compare_digest(key, self.public)
+
+
+def _handshake_failure(event: dict, secured: bool) -> str | None:
+    """Why a peer failed the handshake, said from this side; None when that says nothing about
+    tokens (without one, a port scan or an HTTP probe also breaks off the ZMTP handshake)."""
+    kind, value = event["event"], event["value"]
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return f"its CURVE key is not the cluster_token's (ZAP status {int(value)})"
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        return "it has no cluster_token" if secured else "it has a cluster_token and this side has none"
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+        return "its cluster_token is not this side's"
+    if not secured:
+        return None
+    return (f"it broke off the handshake ({zmq.Event(kind).name}, {int(value)}): "
+            "it has no or another cluster_token, or is no pdserve peer")
+
+
+def _dropped(monitor: zmq.Socket) -> bool:
+    """Whether the monitored socket lost a connection since the last look (drains the events)."""
+    dropped = False
+    while monitor.poll(0):
+        monitor.recv_multipart()
+        dropped = True
+    return dropped
+
+
+def _close_monitored(sock: zmq.Socket, monitor: zmq.Socket) -> None:
+    sock.disable_monitor()  # frees the monitor's inproc address, which a later socket may reuse
+    monitor.close()
+    sock.close()
 
 
 class Messenger:
-    def __init__(self, handler: Handler, host: str = "127.0.0.1", port: int = 0, name: str = "kv") -> None:
+    def __init__(self, handler: Handler, host: str = "127.0.0.1", port: int = 0, name: str = "kv", *,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, cluster_token: str | None = None) -> None:
+        if max_message_bytes < 1:
+            raise ValueError(f"max_message_bytes must be > 0, got {max_message_bytes}")
+        self.max_message_bytes = max_message_bytes
+        self._keys = CurveKeys.from_token(cluster_token) if cluster_token is not None else None
         self._handler = handler
         self._ctx = zmq.Context()
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.bind(f"tcp://{host}:{port if port else '*'}")
+        self._auth: ThreadAuthenticator | None = None
+        if self._keys is not None:  # the ZAP handler must be up before the first handshake
+            self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger(__name__ + ".zap"))
+            self._auth.start()
+            self._auth.configure_curve_callback("*", _OnlyClusterKey(self._keys.public))
+        self._router = self._socket(zmq.ROUTER)
+        self._monitor = self._router.get_monitor_socket(_HANDSHAKE_FAILED)
+        try:
+            self._router.bind(f"tcp://{host}:{port if port else '*'}")
+        except zmq.ZMQError:
+            _close_monitored(self._router, self._monitor)
+            if self._auth is not None:
+                self._auth.stop()
+            self._ctx.term()
+            raise
         self.endpoint: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._dealers: dict[str, zmq.Socket] = {}
+        self._dealers: dict[str, tuple[zmq.Socket, zmq.Socket]] = {}  # endpoint -> (DEALER, its monitor)
         self._send_lock = threading.Lock()
         self._stop = threading.Event()
         self.dropped_messages = 0
+        self.auth_failures = 0
+        self._auth_unreported = 0
+        self._auth_log_after = 0.0
         self._thread = threading.Thread(target=self._listen, name=f"{name}-control", daemon=True)
         self._thread.start()
 
@@ -49,47 +160,113 @@ class Messenger:
 
     def send(self, endpoint: str, message: Message) -> None:
         """Queue `message` to the peer listening at `endpoint` (fire-and-forget, ordered per endpoint)."""
-        data = message.to_bytes()
+        data = self._checked(message)
         with self._send_lock:
-            sock = self._dealers.get(endpoint)
-            if sock is None:
-                sock = self._ctx.socket(zmq.DEALER)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.connect(endpoint)
-                self._dealers[endpoint] = sock
-            sock.send(data)
+            dealer = self._dealers.get(endpoint)
+            if dealer is None or _dropped(dealer[1]):
+                dealer = self._open_dealer(endpoint)
+            try:
+                dealer[0].send(data, zmq.NOBLOCK)
+            except zmq.Again:  # no connection left, or SNDHWM messages queued that the peer never took
+                logger.warning("control messages to %s are not being taken; reconnecting", endpoint)
+                self._open_dealer(endpoint)[0].send(data, zmq.NOBLOCK)
+
+    def _open_dealer(self, endpoint: str) -> tuple[zmq.Socket, zmq.Socket]:
+        """A fresh DEALER towards `endpoint` (closing the old one): never blocks, its queue is empty."""
+        old = self._dealers.pop(endpoint, None)
+        if old is not None:
+            _close_monitored(*old)
+        sock = self._socket(zmq.DEALER)
+        dealer = self._dealers[endpoint] = (sock, sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
+        sock.connect(endpoint)
+        return dealer
 
     def request(self, endpoint: str, message: Message, timeout_s: float) -> Message:
-        """Send `message` and wait for the single reply; raises TimeoutError naming the endpoint."""
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        """Send `message` and wait for the single reply. Raises TimeoutError naming the endpoint, or
+        ConnectionRefusedError when the peer refuses the handshake (cluster_token mismatch)."""
+        data = self._checked(message)
+        sock = self._socket(zmq.DEALER)
+        monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
         try:
             sock.connect(endpoint)
-            sock.send(message.to_bytes())
-            if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-                raise TimeoutError(f"no reply to {message.TYPE.name} from {endpoint} within {timeout_s} s")
-            return decode(sock.recv())
+            sock.send(data)
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
+            deadline = time.monotonic() + timeout_s
+            while (left := deadline - time.monotonic()) > 0:
+                ready = dict(poller.poll(max(1, int(left * 1000))))
+                if sock in ready:
+                    return decode(sock.recv())
+                if monitor in ready:
+                    reason = (_handshake_failure(recv_monitor_message(monitor), self._keys is not None)
+                              or "it broke off the handshake: has it a cluster_token and this side none?")
+                    raise ConnectionRefusedError(
+                        f"control handshake with {endpoint} failed, {reason}; every instance needs the same "
+                        "cache_transceiver_config.cluster_token")
+            raise TimeoutError(f"no reply to {message.TYPE.name} from {endpoint} within {timeout_s} s")
         finally:
-            sock.close()
+            _close_monitored(sock, monitor)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
         with self._send_lock:
-            for sock in self._dealers.values():
-                sock.close()
+            for dealer in self._dealers.values():
+                _close_monitored(*dealer)
             self._dealers.clear()
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
 
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        if self._keys is not None:
+            sock.curve_secretkey = self._keys.secret
+            sock.curve_publickey = self._keys.public
+            if kind == zmq.ROUTER:
+                sock.curve_server = True
+            else:
+                sock.curve_serverkey = self._keys.public
+        return sock
+
+    def _checked(self, message: Message) -> bytes:
+        data = message.to_bytes()
+        if len(data) > self.max_message_bytes:
+            raise KVTransferError(
+                f"{message.TYPE.name} is {len(data)} bytes, over the control plane's bound of "
+                f"{self.max_message_bytes}: raise cache_transceiver_config.max_control_message_mb on every instance")
+        return data
+
     def _listen(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not self._router.poll(_POLL_MS, zmq.POLLIN):
-                    continue
-                frames = self._router.recv_multipart()
-                self._dispatch(frames)
+                ready = dict(poller.poll(_POLL_MS))
+                if self._monitor in ready:
+                    reason = _handshake_failure(recv_monitor_message(self._monitor), self._keys is not None)
+                    if reason is not None:
+                        self._on_auth_failure(reason)
+                if self._router in ready:
+                    self._dispatch(self._router.recv_multipart())
         finally:
-            self._router.close()
+            _close_monitored(self._router, self._monitor)
+
+    def _on_auth_failure(self, reason: str) -> None:
+        self.auth_failures += 1
+        self._auth_unreported += 1
+        now = time.monotonic()
+        if now < self._auth_log_after:
+            return
+        logger.warning("control listener %s: a peer failed authentication and is refused, %s%s", self.endpoint,
+                       reason, f" ({self._auth_unreported} failures since the last report)"
+                       if self._auth_unreported > 1 else "")
+        self._auth_unreported = 0
+        self._auth_log_after = now + _AUTH_LOG_INTERVAL_S
 
     def _dispatch(self, frames: list[bytes]) -> None:
         if len(frames) != 2:
@@ -109,5 +286,10 @@ class Messenger:
             self.dropped_messages += 1
             logger.exception("control listener %s: handler failed on %s", self.endpoint, message.TYPE.name)
             return
-        if reply is not None:
-            self._router.send_multipart([identity, reply.to_bytes()])
+        if reply is None:
+            return
+        try:
+            self._router.send_multipart([identity, self._checked(reply)])
+        except KVTransferError as exc:
+            self.dropped_messages += 1
+            logger.error("control listener %s cannot answer %s: %s", self.endpoint, message.TYPE.name, exc)

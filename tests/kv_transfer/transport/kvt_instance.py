@@ -50,7 +50,8 @@ class Rank:
         return self.pool.numpy(np.int32).reshape(-1, hi - lo, 2, *inner)
 
 
-def build_instance(topo: Topology, backend: str, timeout_ms: int = 20_000, bounce=None) -> list[Rank]:
+def build_instance(topo: Topology, backend: str, timeout_ms: int = 20_000, bounce=None,
+                   cluster_token: str | None = None) -> list[Rank]:
     ranks = []
     per_stage = [topo.layers // topo.pp + (1 if s < topo.layers % topo.pp else 0) for s in range(topo.pp)]
     kv_per_rank = max(1, topo.heads // topo.tp)
@@ -63,7 +64,8 @@ def build_instance(topo: Topology, backend: str, timeout_ms: int = 20_000, bounc
             pool = allocate_shared(topo.num_blocks * slot)
             agent = make_agent(backend, f"{topo.name}-{rank}-{backend}-{time.monotonic_ns()}")
             agent.register_memory(MemoryRegion(pool.ptr, pool.nbytes))
-            tx = KVTransceiver(agent, TransceiverConfig(kv_transfer_timeout_ms=timeout_ms, bounce=bounce))
+            tx = KVTransceiver(agent, TransceiverConfig(kv_transfer_timeout_ms=timeout_ms, bounce=bounce,
+                                                        cluster_token=cluster_token))
             table = page_table_for_block_major_pool(
                 pool.ptr, topo.num_blocks, per_stage[pp_rank], kv_per_rank, topo.tokens_per_block, topo.head_dim,
                 ELT, kind, range(lo, lo + per_stage[pp_rank]))
