@@ -20,6 +20,7 @@ with fewer in-flight requests, then to the one selected less often.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from typing import Awaitable, Callable
 
@@ -37,6 +38,7 @@ _RESYNC_BACKOFF_S = 0.2
 # One message lists one event's block hashes (a msgpack uint64, <= 9 bytes each): a 1M-token prompt
 # at one token per block is ~9.4 MB, a 128K-token prompt at 32 tokens per block ~37 KB.
 MAX_EVENT_BYTES = 16 << 20
+_monitor_ids = itertools.count()
 
 
 class KvBlockIndex:
@@ -95,7 +97,10 @@ class KvEventSubscriber:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_EVENT_BYTES)
-        dropped = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # pyzmq's default monitor address is named after the socket's fd, which the closed socket
+        # this one replaces may have held, its monitor's address not yet free.
+        dropped = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED,
+                                          addr=f"inproc://pdserve-kv-events-{next(_monitor_ids)}")
         sock.connect(self.endpoint)
         sock.subscribe(b"")
         return sock, dropped

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import logging
 import threading
 import time
@@ -104,6 +105,15 @@ def _handshake_failure(event: dict, secured: bool) -> str | None:
             "it has no or another cluster_token, or is no pdserve peer")
 
 
+_monitor_ids = itertools.count()
+
+
+def _monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """A socket monitor on an address of its own: pyzmq's default names it after the socket's file
+    descriptor, which a closed socket may hand to a new one before its monitor's address is free."""
+    return sock.get_monitor_socket(events, addr=f"inproc://pdserve-kv-monitor-{next(_monitor_ids)}")
+
+
 def _dropped(monitor: zmq.Socket) -> bool:
     """Whether the monitored socket lost a connection since the last look (drains the events)."""
     dropped = False
@@ -133,15 +143,12 @@ class Messenger:
             self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger(__name__ + ".zap"))
             self._auth.start()
             self._auth.configure_curve_callback("*", _OnlyClusterKey(self._keys.public))
-        self._router = self._socket(zmq.ROUTER)
-        self._monitor = self._router.get_monitor_socket(_HANDSHAKE_FAILED)
         try:
+            self._router = self._socket(zmq.ROUTER)
+            self._monitor = _monitor(self._router, _HANDSHAKE_FAILED)
             self._router.bind(f"tcp://{host}:{port if port else '*'}")
         except zmq.ZMQError:
-            _close_monitored(self._router, self._monitor)
-            if self._auth is not None:
-                self._auth.stop()
-            self._ctx.term()
+            self._release_context()
             raise
         self.endpoint: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._dealers: dict[str, tuple[zmq.Socket, zmq.Socket]] = {}  # endpoint -> (DEALER, its monitor)
@@ -176,8 +183,8 @@ class Messenger:
         old = self._dealers.pop(endpoint, None)
         if old is not None:
             _close_monitored(*old)
-        sock = self._socket(zmq.DEALER)
-        dealer = self._dealers[endpoint] = (sock, sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
+        sock = self._socket(zmq.DEALER)  # on any error below, close() still closes it with the context
+        dealer = self._dealers[endpoint] = (sock, _monitor(sock, zmq.EVENT_DISCONNECTED))
         sock.connect(endpoint)
         return dealer
 
@@ -186,7 +193,11 @@ class Messenger:
         ConnectionRefusedError when the peer refuses the handshake (cluster_token mismatch)."""
         data = self._checked(message)
         sock = self._socket(zmq.DEALER)
-        monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        try:
+            monitor = _monitor(sock, _HANDSHAKE_FAILED)
+        except zmq.ZMQError:
+            sock.close()
+            raise
         try:
             sock.connect(endpoint)
             sock.send(data)
@@ -215,9 +226,12 @@ class Messenger:
             for dealer in self._dealers.values():
                 _close_monitored(*dealer)
             self._dealers.clear()
+        self._release_context()
+
+    def _release_context(self) -> None:
         if self._auth is not None:
             self._auth.stop()
-        self._ctx.term()
+        self._ctx.destroy(linger=0)  # closes any socket an error left open, so this never waits on one
 
     def _socket(self, kind: int) -> zmq.Socket:
         sock = self._ctx.socket(kind)

@@ -75,7 +75,8 @@ def test_peers_without_the_token_are_refused_and_logged(caplog):
             for client in (wrong, none):
                 with pytest.raises(ConnectionRefusedError, match="cluster_token"):
                     client.request(server.endpoint, RankInfoRequest(("x", 0)), timeout_s=5)
-            assert legit.request(server.endpoint, RankInfoRequest(("legit", 0)), timeout_s=5) == RankInfoReply([b"info"])
+            reply = legit.request(server.endpoint, RankInfoRequest(("legit", 0)), timeout_s=5)
+            assert reply == RankInfoReply([b"info"])
             assert seen.get(timeout=5) == RankInfoRequest(("legit", 0))
             legit.send(server.endpoint, Cancel(99, ("legit", 0)))
             assert seen.get(timeout=5) == Cancel(99, ("legit", 0))
