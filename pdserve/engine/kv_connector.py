@@ -10,7 +10,7 @@ Commands (msgpack-friendly lists):
                                                            context side: offer this request's KV, or
                                                            one prefill chunk of it (blocks outside the
                                                            chunk are -1; see kv_transfer/chunking.py)
-    ["recv", disagg_id, ctx_endpoint, block_ids, dp_rank, ctx_rank_infos]
+    ["recv", disagg_id, ctx_endpoint, block_ids, dp_rank, ctx_rank_infos, ms_left_of_the_timeout]
                                                            generation side: pull it into block_ids
     ["cancel", disagg_id]                                   stop; confirmed once no write can land
     ["forget", 0, ctx_endpoint]                             drop a context instance's cached RankInfos
@@ -125,7 +125,7 @@ class KVConnector:
                 elif kind == "recv":
                     self.tx.add_instance(cmd[2], cmd[5])
                     self.tx.request_and_receive_async(rid, cmd[2], {LAYER_GROUP: np.asarray(cmd[3], dtype=np.int64)},
-                                                      ctx_dp_rank=int(cmd[4]))
+                                                      ctx_dp_rank=int(cmd[4]), timeout_ms=cmd[6])
                 elif kind == "cancel":
                     self._cancelling.add(rid)
                 elif kind == "forget":
@@ -139,6 +139,8 @@ class KVConnector:
             r = self.tx.check_context_transfer_status()
             report.done += r.completed
             report.failed.update(r.failed)
+        elif self.tx.control_pending:  # REQUEST_DATA ahead of our prefill, CANCELs: read and expire them
+            self.tx.poll_control()
         if self.tx.recv_sessions:
             r = self.tx.check_gen_transfer_status()
             report.done += r.completed

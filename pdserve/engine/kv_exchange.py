@@ -14,6 +14,7 @@ to a request when every rank has reported on its transfer.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import msgpack
@@ -29,6 +30,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# An instance with nothing to step still reads its KV control plane this often: REQUEST_DATA that
+# came before (or instead of) its prefill must expire, and CANCELs must be read.
+IDLE_POLL_S = 0.2
+
 
 class KVExchange:
     def __init__(self, engine: "LLMEngine"):
@@ -40,6 +45,17 @@ class KVExchange:
         self._sends: list[list] = []  # context side: sends decided while post-processing a step
         self._forget: set[str] = set()  # context endpoints every rank must re-learn
         self._failed_outputs: list[RequestOutput] = []  # requests that failed outside a step's batch
+        self._last_poll = time.monotonic()
+
+    def poll_due(self) -> bool:
+        """Whether an otherwise idle instance should step its ranks' KV connectors now."""
+        connector = self.engine.runner.connector
+        if connector is None:
+            return False
+        return connector.tx.control_pending or time.monotonic() - self._last_poll > IDLE_POLL_S
+
+    def polled(self) -> None:
+        self._last_poll = time.monotonic()
 
     def take_failed_outputs(self) -> list[RequestOutput]:
         out, self._failed_outputs = self._failed_outputs, []
@@ -58,10 +74,14 @@ class KVExchange:
         self._sends = []
         self._cancels.clear()
         peers: dict[str, list[bytes] | Exception | None] = {}
+        timeout_ms = self.engine.ecfg.cache_transceiver_config.kv_transfer_timeout_ms
+        now = time.monotonic()
         for seq in list(self.engine.scheduler.parked.values()):
             d = seq.disagg
             if d is None or d.transfer_started or seq.state is not SeqState.GEN_AWAITING_KV:
                 continue
+            # Every wait of the transfer, first contact included, counts from the request's admission.
+            d.kv_deadline = d.kv_deadline or now + timeout_ms / 1000
             if d.ctx_info_endpoint not in peers:
                 peers[d.ctx_info_endpoint] = self._peers.lookup(d.ctx_info_endpoint)
             infos = peers[d.ctx_info_endpoint]
@@ -69,7 +89,12 @@ class KVExchange:
                 self._fail_unstarted(seq, f"context instance at {d.ctx_info_endpoint} did not answer: {infos}")
             elif infos is not None:
                 d.transfer_started = True
-                cmds.append(["recv", d.disagg_request_id, d.ctx_info_endpoint, seq.block_ids, d.ctx_dp_rank, infos])
+                left_ms = max(1, int((d.kv_deadline - now) * 1000))
+                cmds.append(["recv", d.disagg_request_id, d.ctx_info_endpoint, seq.block_ids, d.ctx_dp_rank, infos,
+                             left_ms])
+            elif now > d.kv_deadline:
+                self._fail_unstarted(seq, f"timed out at first contact: the context instance at {d.ctx_info_endpoint} "
+                                          f"sent no RankInfo within kv_transfer_timeout_ms={timeout_ms}")
         return cmds
 
     def _fail_unstarted(self, seq: Sequence, reason: str) -> None:

@@ -209,7 +209,7 @@ class LLMEngine:
             self.retire(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self.scheduler.parked)
+        return self.scheduler.has_work() or bool(self.scheduler.parked) or self.kv.poll_due()
 
     # -- the step ---------------------------------------------------------------------------------
 
@@ -217,11 +217,12 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         kv = self.kv.commands()
         outputs = self.kv.take_failed_outputs()
-        if not batch and not kv and not self.scheduler.parked:
+        if not batch and not kv and not self.scheduler.parked and not self.kv.poll_due():
             return outputs
         spec = self._spec(batch)
         spec.kv = kv
         result = self.runner.step(spec)
+        self.kv.polled()
         reports = [result.kv_reports]
         sampled = result.sampled
         if result.failure is not None:

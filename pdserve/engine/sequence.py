@@ -57,6 +57,7 @@ class DisaggInfo:
     schedule_style: str = "context_first"  # generation_first: the receiver asks before prefill ends
     pipelined: bool = False  # context side: offer each prefill chunk as it is computed
     transfer_started: bool = False
+    kv_deadline: float | None = None  # generation_only: monotonic time by which the KV must have arrived
     transfer_settled: bool = False  # every rank reported the transfer done: no write can land any more
     cancelling: bool = False  # abort requested while a transfer may still write
     cancelled_while: str | None = None  # the transfer stage a cancel hit, for the log

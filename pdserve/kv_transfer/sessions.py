@@ -151,8 +151,12 @@ class RecvSession:
             return TransferStatus.DONE
         if time.monotonic() > self.deadline:
             missing = sorted(set(self.writers) - self.done)
+            if any(self.chunks_seen.get(k) for k in missing):
+                stage = "its writes stopped part way"
+            else:
+                stage = "no write arrived: the context side took the request but never wrote"
             self.errors.setdefault(("timeout", -1), "timed out waiting for context ranks "
-                                   + ", ".join(f"{k[0]} rank {k[1]}" for k in missing))
+                                   + ", ".join(f"{k[0]} rank {k[1]}" for k in missing) + f" ({stage})")
             return TransferStatus.FAILED
         return TransferStatus.IN_PROGRESS
 

@@ -107,7 +107,8 @@ class KVTransceiver:
         self._loaded_agents: dict[PeerKey, str] = {}
         self.send_sessions: dict[int, SendSession] = {}
         self.recv_sessions: dict[int, RecvSession] = {}
-        self._early: dict[int, list[RequestData]] = {}
+        self._early: dict[int, list[RequestData]] = {}  # REQUEST_DATA before our offer, by request id
+        self._early_deadline: dict[int, float] = {}  # ... refused once kv_transfer_timeout_ms passed
         self._cancelled_early: OrderedDict[int, str] = OrderedDict()  # CANCEL before our offer
         self._closed_sends: OrderedDict[int, None] = OrderedDict()
         self.stats = {"direct_writes": 0, "bounced_writes": 0, "fragments_written": 0, "bytes_written": 0}
@@ -172,6 +173,7 @@ class KVTransceiver:
             session = self.send_sessions[request_id] = SendSession(
                 request_id, self._deadline(), error=self._cancelled_early.pop(request_id, None))
             early = self._early.pop(request_id, [])
+            self._early_deadline.pop(request_id, None)
         session.deadline = self._deadline()  # a long pipelined prefill is not a stalled transfer
         ids = {int(g): np.asarray(b, dtype=np.int64) for g, b in block_ids.items()}
         session.chunks.append(SendChunk(ids, (int(token_range[0]), int(token_range[1])), bool(last), bytes(state)))
@@ -188,10 +190,11 @@ class KVTransceiver:
     # -- generation side ----------------------------------------------------------------------
     def request_and_receive_async(self, request_id: int, ctx_endpoint: str,
                                   block_ids: Mapping[int, np.ndarray], token_range: tuple[int, int] = (0, 0),
-                                  ctx_dp_rank: int = 0) -> None:
+                                  ctx_dp_rank: int = 0, timeout_ms: float | None = None) -> None:
         """Ask the context instance at `ctx_endpoint` (rank 0's control endpoint) to write
         `request_id`'s KV into our blocks (layer-group id -> dst block ids, -1 = skip).
-        `ctx_dp_rank`: the context DP group that holds the request (0 without attention DP)."""
+        `ctx_dp_rank`: the context DP group that holds the request (0 without attention DP).
+        `timeout_ms`: what is left of the request's transfer timeout (default: all of it)."""
         own = self._require_started()
         if request_id in self.recv_sessions:
             raise KVTransferError(f"request {request_id} is already being received by {own.key}")
@@ -210,7 +213,7 @@ class KVTransceiver:
             request_id,
             writers={by_rank[w].key: by_rank[w].control_endpoint for w in writers},
             all_ctx={r.key: r.control_endpoint for r in ctx_ranks},
-            deadline=self._deadline(),
+            deadline=self._deadline() if timeout_ms is None else time.monotonic() + timeout_ms / 1000.0,
         )
         ids = {int(g): np.asarray(b, dtype=np.int64) for g, b in block_ids.items()}
         offer = self._bounce_offer(session, ids)
@@ -252,6 +255,7 @@ class KVTransceiver:
         recv = self.recv_sessions.get(request_id)
         if recv is None:
             self._early.pop(request_id, None)
+            self._early_deadline.pop(request_id, None)
             self._remember_closed(request_id)
             return True
         if len(recv.done) == len(recv.writers):
@@ -343,12 +347,23 @@ class KVTransceiver:
             except ProtocolError as exc:
                 logger.warning("dropped a malformed transfer notification from %s: %s", sender, exc)
                 continue
-            session = self.recv_sessions.get(getattr(done, "request_id", None))
-            if isinstance(done, TransferDone) and session is not None:
-                if done.bounced and not self._unbounce(session, done):
-                    continue
-                session.on_chunk(done.sender, done.chunk, done.last, done.token_range, done.state)
-                session.deadline = self._deadline()  # chunks still arriving: not stalled
+            if not isinstance(done, TransferDone):
+                logger.warning("dropped a %s sent as a transfer notification by %s", done.TYPE.name, sender)
+                continue
+            session = self.recv_sessions.get(done.request_id)
+            if session is None:  # normal after a cancel or timeout: its writes were already in flight
+                logger.info("%s: dropped the notification of a write for request %d from %s, which has no "
+                            "receive session here (cancelled, timed out or done)", self._own.key, done.request_id,
+                            done.sender)
+                continue
+            if done.sender not in session.writers:
+                logger.warning("%s: dropped a notification for request %d from %s, which is not one of its "
+                               "writers", self._own.key, done.request_id, done.sender)
+                continue
+            if done.bounced and not self._unbounce(session, done):
+                continue
+            session.on_chunk(done.sender, done.chunk, done.last, done.token_range, done.state)
+            session.deadline = self._deadline()  # chunks still arriving: not stalled
 
     def _apply(self, message: Message) -> None:
         if isinstance(message, RegisterPeer):
@@ -361,6 +376,7 @@ class KVTransceiver:
                 self._refuse(message.sender, message.request_id, "the context side cancelled this request")
             else:
                 self._early.setdefault(message.request_id, []).append(message)
+                self._early_deadline.setdefault(message.request_id, self._deadline())
         elif isinstance(message, Cancel):
             self._on_cancel(message)
         elif isinstance(message, TransferError):
@@ -375,6 +391,7 @@ class KVTransceiver:
         self._early[message.request_id] = [r for r in early if r.sender != message.sender]
         if not self._early[message.request_id]:
             del self._early[message.request_id]
+            self._early_deadline.pop(message.request_id, None)
         session = self.send_sessions.get(message.request_id)
         if session is None:
             # The generation side gave up before we offered the KV: fail the offer as soon as it comes.
@@ -491,8 +508,29 @@ class KVTransceiver:
             if peer in session.refuse_after_writes and not session.writing_to(peer):
                 self._refuse(peer, session.request_id, session.refuse_after_writes.pop(peer))
 
+    def poll_control(self) -> None:
+        """Context side with no send session: apply what peers sent meanwhile (REQUEST_DATA that came
+        before our offer, CANCELs), and refuse parked requests that waited kv_transfer_timeout_ms."""
+        self._drain()
+        self._expire_early()
+
+    @property
+    def control_pending(self) -> bool:
+        """Whether `poll_control` has anything to do."""
+        return not self._events.empty() or bool(self._early)
+
+    def _expire_early(self) -> None:
+        now = time.monotonic()
+        for rid in [r for r, t in self._early_deadline.items() if now > t]:
+            del self._early_deadline[rid]
+            for request in self._early.pop(rid, []):
+                self._refuse(request.sender, rid, f"the context instance got no request {rid} within "
+                                                  f"kv_transfer_timeout_ms={self.config.kv_transfer_timeout_ms} (its "
+                                                  "prefill failed, was cancelled or never arrived)")
+
     def _step_send(self) -> TransferResults:
         self._drain()
+        self._expire_early()
         ids = sorted(self.send_sessions)
         for rid in ids:
             self._poll_writes(self.send_sessions[rid])

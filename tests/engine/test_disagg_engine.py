@@ -3,10 +3,13 @@ agents and ZeroMQ control plane); the multi-process, multi-rank pairs live in te
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.distributed import free_port
 from pdserve.engine.llm import LLM
 from pdserve.engine.llm_engine import ConflictError, LLMEngine, RequestError
 from pdserve.engine.sampling_params import SamplingParams
@@ -270,4 +273,41 @@ def test_aborting_a_decode_whose_kv_arrived_is_no_transfer_failure(tiny, caplog)
         _assert_everything_freed(ctx, gen)
     finally:
         ctx.shutdown()
+        gen.shutdown()
+
+
+def test_a_context_instance_that_takes_the_request_and_never_writes(tiny, caplog):
+    """Every wait of a transfer is bounded by kv_transfer_timeout_ms from the generation side's
+    admission, and the timeout says what it waited for. The context instance here never got the
+    prefill, so it parks the REQUEST_DATA; it refuses it at its own timeout instead of keeping it."""
+    prompt = _prompts()[1]
+    ctx, gen = _engine(tiny, "shm", kv_transfer_timeout_ms=1500), _engine(tiny, "shm", kv_transfer_timeout_ms=1500)
+    try:
+        gen.add_request(prompt, GREEDY, "g", RequestType.GENERATION_ONLY, DisaggInfo(91, ctx.kv_endpoint, 0, (5,)))
+        start = time.monotonic()
+        outs = step_until([ctx, gen], lambda outs: any(o.finished for o in outs), limit=100_000)
+        waited = time.monotonic() - start
+        assert 1.4 < waited < 3.0
+        assert "no write arrived" in outs[-1].error and outs[-1].finish_reason == "error"
+        tx = ctx.runner.connector.tx
+        step_until([ctx], lambda _: not tx._early and not tx.control_pending, limit=100_000)
+        _assert_everything_freed(ctx, gen)
+    finally:
+        ctx.shutdown()
+        gen.shutdown()
+
+
+def test_first_contact_counts_against_the_transfer_timeout(tiny):
+    """A context endpoint that never answers: with rank_info_timeout_s far above kv_transfer_timeout_ms
+    the request still fails at the transfer timeout, naming first contact."""
+    gen = _engine(tiny, "shm", kv_transfer_timeout_ms=1000, rank_info_timeout_s=30)
+    try:
+        silent = f"tcp://127.0.0.1:{free_port()}"
+        gen.add_request(_prompts()[0], GREEDY, "g", RequestType.GENERATION_ONLY, DisaggInfo(92, silent, 0, (5,)))
+        start = time.monotonic()
+        outs = step_until([gen], lambda outs: any(o.finished for o in outs), limit=100_000)
+        assert time.monotonic() - start < 2.5
+        assert "first contact" in outs[-1].error and silent in outs[-1].error
+        assert gen.blocks.num_free_blocks == gen.blocks.num_blocks
+    finally:
         gen.shutdown()
