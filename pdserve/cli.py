@@ -116,6 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # `pdserve --log-level X disaggregated ...`: the global flag goes to the subcommand that owns its list.
+    lead: list[str] = []
+    if argv[:1] == ["--log-level"] and len(argv) > 2:
+        lead, argv = argv[:2], argv[2:]
+    elif argv[:1] and argv[0].startswith("--log-level=") and len(argv) > 1:
+        lead, argv = argv[:1], argv[1:]
+    if argv[:1] not in (["bench"], ["disaggregated"]):
+        argv = lead + argv
     if argv[:1] == ["bench"]:  # these own their argument lists
         from pdserve.bench.cli import main_bench
 
@@ -123,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["disaggregated"]:
         from pdserve.disagg.cli import main_disaggregated
 
-        return main_disaggregated(argv[1:])
+        return main_disaggregated(argv[1:] + lead)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -54,3 +54,14 @@ def test_a_value_outside_the_choices_is_refused_by_the_parser(capsys):
         build_parser().parse_args(["serve", "--dtype", "float8"])
     assert e.value.code == 2
     assert "invalid choice: 'float8'" in capsys.readouterr().err
+
+
+def test_the_global_log_level_flag_before_disaggregated(capsys):
+    """`pdserve --log-level WARNING disaggregated -c f.yaml` used to be refused ('unrecognized arguments')."""
+    from pdserve.cli import main
+
+    for argv in (["--log-level", "WARNING", "disaggregated", "--help"], ["--log-level=INFO", "disaggregated", "--help"]):
+        with pytest.raises(SystemExit) as done:
+            main(argv)
+        assert done.value.code == 0
+        assert "usage: pdserve disaggregated" in capsys.readouterr().out
