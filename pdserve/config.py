@@ -13,6 +13,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pdserve.kv_transfer.agents.faults import FaultPlan
+
 
 class BounceSettings(BaseModel):
     """Gather many small KV fragments into one staging write. Both sides must use equal values."""
@@ -45,6 +47,9 @@ class CacheTransceiverConfig(BaseModel):
     pipelined_transfer: bool = Field(
         False, description="context side: offer each prefill chunk's finished blocks as soon as it is computed "
                            "(generation_first requests; takes effect with chunked prefill)")
+    fault_injection: FaultPlan | None = Field(
+        None, description="testing only: make this instance's writes fail or start late, and lose some of the "
+                          "notifications it receives (kv_transfer/agents/faults.py)")
 
 
 class EngineConfig(BaseModel):

@@ -40,6 +40,7 @@ from pdserve.disagg.upstream import get_json, iter_stream, open_stream, post_jso
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 RELEASE_TIMEOUT_S = 5.0
+ALIVE_TIMEOUT_S = 1.0  # a context instance that lost a transfer: is it gone, or was the failure transient?
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
@@ -104,8 +105,9 @@ class Orchestrator:
 
     async def _context_first(self, req: _Request, gen_route: Route | None) -> dict | AsyncIterable[bytes]:
         """Prefill on a context instance, then decode on a generation instance. When the instance holding
-        the KV is lost before the generation side pulled it (killed, restarted), nothing has reached the
-        client yet: the prefill runs again on another context instance (at most max_retries times)."""
+        the KV is lost before the generation side pulled it (killed, restarted), or the transfer failed,
+        nothing has reached the client yet: the prefill runs again (at most max_retries times), on another
+        context instance when that one does not answer /health."""
         for attempt in range(self.cfg.max_retries + 1):
             try:
                 answer = await self._context(req)
@@ -128,7 +130,8 @@ class Orchestrator:
                 self._release_kv(req)  # nobody pulls this KV now, should its instance still be alive
                 if e.code != "kv_transfer_failed" or attempt == self.cfg.max_retries:
                     raise
-                await self.cluster.unreachable("context", req.ctx_url, e.message)
+                if not await self._alive(req.ctx_url):  # a transient failure keeps it in routing
+                    await self.cluster.unreachable("context", req.ctx_url, e.message)
                 self.metrics.retries.labels("context").inc()
                 # A fresh id: the old one may still be in flight on the old instance.
                 req.request_id, req.ctx_url, gen_route = self.ids.next_id(), None, None
@@ -136,6 +139,12 @@ class Orchestrator:
                 self._release_kv(req)
                 raise
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def _alive(self, url: str) -> bool:
+        try:
+            return (await self.http.get(url + "/health", timeout=ALIVE_TIMEOUT_S)).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     async def _unreserve(self, req: _Request, gen_route: Route | None) -> None:
         """A generation instance chosen up front (conditional disaggregation) that will not be used."""

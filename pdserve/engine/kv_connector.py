@@ -31,6 +31,7 @@ import torch
 from pdserve.config import CacheTransceiverConfig
 from pdserve.distributed import ParallelState
 from pdserve.kv_transfer.agents import MemoryRegion, make_agent
+from pdserve.kv_transfer.agents.faults import FaultyAgent
 from pdserve.kv_transfer.bounce import BounceConfig
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.page_table import MapperKind, page_table_for_block_major_pool
@@ -85,6 +86,8 @@ class KVConnector:
                  total_kv_heads: int, kv_heads_per_rank: int, head_dim: int, tokens_per_block: int):
         self.ps = ps
         self.agent = make_agent(cfg.backend, name=f"{instance_name}-rank{ps.rank}")
+        if cfg.fault_injection is not None and cfg.fault_injection.active:
+            self.agent = FaultyAgent(self.agent, cfg.fault_injection)
         self.region = MemoryRegion.of_tensor(pool)
         self.agent.register_memory(self.region)
         bounce = None

@@ -154,7 +154,7 @@ class RecvSession:
             if any(self.chunks_seen.get(k) for k in missing):
                 stage = "its writes stopped part way"
             else:
-                stage = "no write arrived: the context side took the request but never wrote"
+                stage = "no write was reported: the context side never wrote, or its notification was lost"
             self.errors.setdefault(("timeout", -1), "timed out waiting for context ranks "
                                    + ", ".join(f"{k[0]} rank {k[1]}" for k in missing) + f" ({stage})")
             return TransferStatus.FAILED
