@@ -59,7 +59,7 @@ CASES = [
     ("temperature-negative", COMPLETIONS, completion(temperature=-1), 400, ["temperature must be in [0, 100]"],
      "temperature"),
     ("top-p-zero", CHAT, chat(top_p=0), 400, ["top_p must be in (0, 1]"], "top_p"),
-    # Found by schemathesis (test_schema_fuzz.py): an empty message list reached the chat template, a 500.
+    # Found by schemathesis (test_serve_schema_fuzz.py): an empty message list reached the chat template, a 500.
     ("tokenize-empty-messages", "/tokenize", {"messages": []}, 400, ["'messages'", "at least 1"], "messages"),
     ("top-k-zero", COMPLETIONS, completion(top_k=0), 400, ["top_k must be -1"], "top_k"),
     ("min-p-above-one", COMPLETIONS, completion(min_p=2.0), 400, ["min_p must be in [0, 1]"], "min_p"),
