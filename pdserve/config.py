@@ -106,6 +106,9 @@ class WorkerConfig(EngineConfig):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     api_key: str | None = Field(None, description="when set, /v1/* requires 'Authorization: Bearer <key>'")
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM/SIGINT: refuse new requests, let running ones "
+                                                           "and their KV transfers finish for up to this long, "
+                                                           "then exit (0: at once; a second signal: at once)")
     kv_events_port: int | None = Field(None, ge=0, le=65535,
                                        description="publish KV cache events on a ZeroMQ PUB socket (0 = free port)")
 

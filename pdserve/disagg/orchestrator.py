@@ -228,7 +228,8 @@ class Orchestrator:
                 # A context instance lost mid-request (connection dropped) answered nothing the client
                 # saw, and a dropped connection aborts the request on the worker: another may prefill.
                 lost = role == "context" and e.code == "worker_failed"
-                if not (isinstance(e, WorkerUnreachable) or lost):
+                # A draining instance refused the request before doing anything with it.
+                if not (isinstance(e, WorkerUnreachable) or lost or e.code == "draining"):
                     raise
                 await self.cluster.unreachable(role, route.url, e.message)
                 if retries >= self.cfg.max_retries:

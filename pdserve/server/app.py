@@ -13,6 +13,7 @@ import secrets
 import signal
 import socket
 import threading
+import time
 from typing import Any, Awaitable
 
 import uvicorn
@@ -58,6 +59,7 @@ def build_app(engine, cfg: WorkerConfig) -> FastAPI:
     metrics = ServerMetrics(engine)
     serving = OpenAIServing(engine, metrics)
     app.state.metrics = metrics
+    app.state.serving = serving
     _chain_step_hook(engine, metrics.on_step)
 
     if cfg.api_key:
@@ -137,6 +139,9 @@ def build_app(engine, cfg: WorkerConfig) -> FastAPI:
     async def health():
         if engine.error:
             return JSONResponse(APIError(503, f"engine is not running: {engine.error}").body(), status_code=503)
+        if serving.draining:
+            body = APIError(503, "draining: finishing its requests before it shuts down", code="draining").body()
+            return JSONResponse(body, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -282,6 +287,42 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
+class DrainingServer(uvicorn.Server):
+    """The first SIGTERM or SIGINT drains: /health and new requests answer 503 `draining` (an
+    orchestrator routes elsewhere at once), while running requests, and the KV transfers they started,
+    finish, for at most `drain_timeout_s`. Then uvicorn shuts down as usual. A second signal, or a
+    drain_timeout_s of 0, stops at once."""
+
+    def __init__(self, config: uvicorn.Config, serving, engine, drain_timeout_s: float):
+        super().__init__(config)
+        self.serving, self.engine, self.drain_timeout_s = serving, engine, drain_timeout_s
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.serving.draining or self.drain_timeout_s <= 0:
+            super().handle_exit(sig, frame)
+            return
+        self.serving.draining = True
+        self._captured_signals.append(sig)  # re-raised after run(), as uvicorn does for its own
+        threading.Thread(target=self.drain, name="pdserve-drain", daemon=True).start()
+
+    def drain(self) -> None:
+        start = time.monotonic()
+        log.info("draining: no new requests; waiting up to %g s for running requests and KV transfers",
+                 self.drain_timeout_s)
+        while time.monotonic() - start < self.drain_timeout_s and _busy(self.engine.stats):
+            time.sleep(0.05)
+        left = self.engine.stats
+        if _busy(left):
+            log.warning("drain timed out after %g s with %s; shutting down anyway", self.drain_timeout_s, left)
+        else:
+            log.info("drained in %.2f s", time.monotonic() - start)
+        self.should_exit = True
+
+
+def _busy(stats: dict) -> bool:
+    return bool(stats.get("running") or stats.get("waiting") or stats.get("parked"))
+
+
 def run_server(engine, cfg: WorkerConfig, *, graceful_shutdown_s: float = 10.0,
                sock: socket.socket | None = None) -> None:
     """Serve until SIGINT/SIGTERM; then stop accepting, give in-flight requests `graceful_shutdown_s`
@@ -291,7 +332,7 @@ def run_server(engine, cfg: WorkerConfig, *, graceful_shutdown_s: float = 10.0,
     app = build_app(engine, cfg)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="info",
                             timeout_graceful_shutdown=graceful_shutdown_s)
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, app.state.serving, engine, cfg.drain_timeout_s)
     sockets = [sock] if sock is not None else None
     port = sock.getsockname()[1] if sock is not None else cfg.port
     log.info("serving %s on http://%s:%d", engine.model_name, cfg.host, port)

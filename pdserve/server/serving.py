@@ -79,6 +79,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
         self._token_strs: dict[int, str] = {}
+        self.draining = False  # shutting down: new requests are refused (503 draining), running ones finish
 
     # -- /v1/completions --------------------------------------------------------------------------
 
@@ -295,6 +296,9 @@ class OpenAIServing:
 
     async def _start(self, rid: str, ids: list[int], params: SamplingParams, req: SamplingFields):
         """Submit to the engine and wait for the first output, turning a refusal into an APIError."""
+        if self.draining:
+            raise APIError(503, "this instance is draining (shutting down): send the request to another instance",
+                           code="draining")
         request_type, disagg = self._disagg(req)
         outputs = self._outputs(rid, ids, params, request_type, disagg)
         try:
