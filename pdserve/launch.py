@@ -3,8 +3,10 @@
 Starts every context and generation instance (`pdserve serve`) and the orchestrator
 (`pdserve disaggregated`), each in its own process group with its log file, waits until all answer
 /health, prints where everything is, and on Ctrl-C or SIGTERM stops them all (SIGTERM, then SIGKILL
-after a grace period), so no process outlives the command. If any of them dies, the rest are stopped
-and the command exits non-zero, naming the one that died and the end of its log.
+after a grace period), so no process outlives the command. A member that dies is restarted, after a
+backoff that doubles each time (restart_backoff_s, 2x, ...), at most max_restarts times; the
+orchestrator routes to it again once it answers /health. One that dies once more than that stops the
+cluster, and the command exits non-zero, naming it and the end of its log.
 
 Without a file it starts one context and one generation instance of the embedded SmolLM2, KV over
 shared memory, and the orchestrator on 127.0.0.1:8000.
@@ -49,6 +51,8 @@ class ClusterConfig(BaseModel):
     context: list[InstanceSpec] = Field(default_factory=lambda: [InstanceSpec()], min_length=1)
     generation: list[InstanceSpec] = Field(default_factory=lambda: [InstanceSpec()], min_length=1)
     orchestrator: dict[str, Any] = Field(default_factory=dict, description="extra disagg.yaml keys (routers, ...)")
+    max_restarts: int = Field(3, ge=0, description="restarts of one member that died before the cluster stops")
+    restart_backoff_s: float = Field(1.0, ge=0, description="wait before a member's first restart; doubles each time")
 
     @model_validator(mode="after")
     def _ports(self) -> "ClusterConfig":
@@ -67,11 +71,24 @@ class Member:
 
     def __init__(self, name: str, cmd: list[str], log_path: Path, health_url: str, cpus: list[int] | None):
         self.name, self.log_path, self.health_url = name, log_path, health_url
-        log = open(log_path, "wb")
+        self.cmd, self.cpus = cmd, cpus
+        self.restarts = 0
+        self.proc = self._spawn("wb")
+
+    def _spawn(self, mode: str) -> subprocess.Popen:
+        log = open(self.log_path, mode)
+        cpus = self.cpus
         pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, preexec_fn=pin)
-        log.close()
+        try:
+            return subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, preexec_fn=pin)
+        finally:
+            log.close()
+
+    def restart(self) -> None:
+        """Start the member again; its log goes on in the same file."""
+        self.restarts += 1
+        self.proc = self._spawn("ab")
 
     def healthy(self) -> bool:
         try:
@@ -146,11 +163,25 @@ class Cluster:
             time.sleep(0.5)
 
     def watch(self, stop_requested) -> Member | None:
-        """Block until a stop is requested (returns None) or a member dies (returns it)."""
+        """Block until a stop is requested (returns None) or a member dies past its restarts (returns it).
+        A member that dies with restarts left is started again after its backoff."""
         while not stop_requested():
             for m in self.members:
-                if m.proc.poll() is not None:
+                if m.proc.poll() is None:
+                    continue
+                if m.restarts >= self.cfg.max_restarts:
                     return m
+                wait = self.cfg.restart_backoff_s * 2 ** m.restarts
+                print(f"pdserve launch: {m.name} exited with code {m.proc.returncode}; restarting it in {wait:g} s "
+                      f"(restart {m.restarts + 1} of {self.cfg.max_restarts}). End of {m.log_path}:\n"
+                      f"{m.log_tail()}", file=sys.stderr, flush=True)
+                deadline = time.monotonic() + wait
+                while time.monotonic() < deadline and not stop_requested():
+                    time.sleep(0.1)
+                if stop_requested():
+                    return None
+                m.restart()
+                print(f"pdserve launch: {m.name} restarted (pid {m.proc.pid})", flush=True)
             time.sleep(0.5)
         return None
 
@@ -232,8 +263,8 @@ def launch(path: str | None) -> int:
               flush=True)
         dead = cluster.watch(lambda: stop["now"])
         if dead is not None:
-            print(f"pdserve launch: {dead.name} exited with code {dead.proc.returncode}; stopping the cluster.\n"
-                  f"end of {dead.log_path}:\n{dead.log_tail()}", file=sys.stderr)
+            print(f"pdserve launch: {dead.name} exited with code {dead.proc.returncode} after {dead.restarts} "
+                  f"restart(s); stopping the cluster.\nend of {dead.log_path}:\n{dead.log_tail()}", file=sys.stderr)
             return 1
         return 0
     except (RuntimeError, TimeoutError, ValueError) as e:

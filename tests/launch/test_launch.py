@@ -92,3 +92,41 @@ def test_context_instances_keep_one_copy_of_their_weights():
     ctx0, ctx1, gen0 = worker_configs(cfg)
     assert ctx0["cpu_decode_gemv"] is False and ctx1["cpu_decode_gemv"] is True
     assert "cpu_decode_gemv" not in gen0
+
+
+@pytest.mark.faults
+def test_launch_restarts_a_member_that_dies(tmp_path, tiny):
+    """kill -9 of the context instance: launch says so, restarts it after its backoff, and the cluster
+    serves through the same orchestrator again, instead of stopping."""
+    port, ctx_port = free_port(), free_port()
+    cluster = {"model": tiny, "port": port, "log_dir": str(tmp_path / "logs"), "backend": "shm",
+               "restart_backoff_s": 0.5, "orchestrator": {"health_check_interval": 0.5},
+               "context": [{"port": ctx_port, "config": {"tokens_per_block": 8}}],
+               "generation": [{"port": free_port(), "config": {"tokens_per_block": 8}}]}
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(cluster))
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "launch", str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _wait_for_line(proc, "ready: OpenAI API", timeout=180)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
+        ask = dict(model="m", prompt=list(range(5, 60)), max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+        before = client.completions.create(**ask).choices[0].text
+        ctx = next(c for c in psutil.Process(proc.pid).children(recursive=True)
+                   if any(str(ctx_port) in a or "ctx0.yaml" in a for a in c.cmdline()))
+        killed = time.monotonic()
+        os.killpg(ctx.pid, signal.SIGKILL)
+        _wait_for_line(proc, "ctx0 restarted", timeout=30)
+        answer = None
+        while answer is None and time.monotonic() - killed < 90:
+            try:
+                answer = client.completions.create(**ask).choices[0].text
+            except Exception:  # 503/502 until the restarted instance is ready and routed to again
+                time.sleep(0.5)
+        assert answer == before
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
