@@ -35,6 +35,14 @@ def _wait_for_line(proc: subprocess.Popen, needle: str, timeout: float) -> str:
     raise AssertionError(f"no {needle!r} from pdserve launch:\n{''.join(seen)}")
 
 
+def _launch(tmp_path, cluster: dict) -> subprocess.Popen:
+    """`pdserve launch` over `cluster` written as cluster.yaml, its stdout and stderr in one text pipe."""
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(cluster))
+    return subprocess.Popen([sys.executable, "-m", "pdserve.cli", "launch", str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
 @pytest.fixture
 def tiny(tmp_path):
     return str(make_tiny_model(tmp_path / "m", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16))
@@ -45,10 +53,7 @@ def test_launch_serves_disaggregated_and_stops_cleanly(tmp_path, tiny):
     cluster = {"model": tiny, "port": port, "log_dir": str(tmp_path / "logs"), "backend": "shm",
                "context": [{"port": free_port(), "config": {"tokens_per_block": 8}}],
                "generation": [{"port": free_port(), "config": {"tokens_per_block": 8}}]}
-    path = tmp_path / "cluster.yaml"
-    path.write_text(yaml.safe_dump(cluster))
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "launch", str(path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = _launch(tmp_path, cluster)
     try:
         banner = _wait_for_line(proc, "ready: OpenAI API", timeout=180)
         assert "ctx0" in banner and "gen0" in banner and "orchestrator" in banner
@@ -103,10 +108,7 @@ def test_launch_restarts_a_member_that_dies(tmp_path, tiny):
                "restart_backoff_s": 0.5, "orchestrator": {"health_check_interval": 0.5},
                "context": [{"port": ctx_port, "config": {"tokens_per_block": 8}}],
                "generation": [{"port": free_port(), "config": {"tokens_per_block": 8}}]}
-    path = tmp_path / "cluster.yaml"
-    path.write_text(yaml.safe_dump(cluster))
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "launch", str(path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = _launch(tmp_path, cluster)
     try:
         _wait_for_line(proc, "ready: OpenAI API", timeout=180)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
