@@ -2,7 +2,7 @@
 
     python benchmarks/bench_kv_transfer.py [--tokens 512 2048 8192] [--dtypes fp32 bf16]
         [--backend nixl|shm] [--reps 5] [--contiguous-reps 21] [--case-timeout 240]
-        [--tables contiguous nhd]
+        [--tables contiguous nhd checksum]
 
 KV of SmolLM2-135M's shape (30 layers, 3 KV heads, head_dim 64, 16 tokens per block). Every case
 runs in two fresh spawned processes: a context instance (tp1) and a generation instance, started and
@@ -25,6 +25,9 @@ Table 1 (tp1 -> tp1, HND, one block-major pool per rank: one fragment for the wh
         spread between reps of one write can exceed 3x, hence the many reps of this table.
 Table 2 (tp1 -> tp3, NHD: one fragment per layer, K/V and token per gen rank), direct vs bounce,
   with the per-request CPU stages of the transceiver (plan, gather, submit on ctx; scatter on gen).
+Table 3 (tp1 -> tp1, HND contiguous, and tp1 -> tp3 NHD), checksum off vs on (integrity.py): the
+  same transfer with a CRC32 per block digested on ctx and checked on gen, reps alternating off / on;
+  the checksum stage seconds are summed over both sides.
 The load average is printed with each table: absolute figures on a shared machine are noisy.
 """
 
@@ -50,7 +53,7 @@ from pdserve.kv_transfer.transceiver import POLL_INTERVAL_S, KVTransceiver, Tran
 
 LAYERS, HEADS, HEAD_DIM, TPB = 30, 3, 64, 16
 DTYPES = {"fp32": 4, "bf16": 2}
-STAGES = ("plan", "gather", "submit", "scatter")
+STAGES = ("plan", "gather", "submit", "scatter", "checksum")
 _STEP_S = 60.0  # longest wait for one queue message inside a case; the case timeout bounds the total
 
 
@@ -62,7 +65,7 @@ def load() -> str:
     return "load %.1f %.1f %.1f" % os.getloadavg()
 
 
-def build(name: str, tp: int, blocks: int, elt: int, layout: str, backend: str, bounce) -> list:
+def build(name: str, tp: int, blocks: int, elt: int, layout: str, backend: str, bounce, checksum: bool = False) -> list:
     """One instance in this process: [(transceiver, pool)] per TP rank, pools pre-touched."""
     ranks, infos = [], []
     heads = max(1, HEADS // tp)
@@ -71,7 +74,7 @@ def build(name: str, tp: int, blocks: int, elt: int, layout: str, backend: str, 
         pool.numpy()[:] = 0  # fault the pages in now, not inside the first timed write
         agent = make_agent(backend, f"bench-{name}-{tp_rank}-{os.getpid()}")
         agent.register_memory(pool.region)
-        tx = KVTransceiver(agent, TransceiverConfig(kv_transfer_timeout_ms=600_000, bounce=bounce))
+        tx = KVTransceiver(agent, TransceiverConfig(kv_transfer_timeout_ms=600_000, bounce=bounce, checksum=checksum))
         table = page_table_for_block_major_pool(pool.ptr, blocks, LAYERS, heads, TPB, HEAD_DIM, elt,
                                                 MapperKind[layout], range(LAYERS))
         infos.append(RankInfo(name, tp_rank, tp, tp_rank, 1, 0, 1, 0, 1, 0, (LAYERS,), HEADS, heads, HEAD_DIM, elt,
@@ -86,7 +89,8 @@ def ctx_main(case: dict, inbox, outbox) -> None:
     """Context instance (tp1). Commands: ("offer", rid, n_blocks) -> serve it, answer ("served", rid,
     stage seconds); ("raw", gen RankInfo bytes list) -> ("raw", seconds); None -> exit."""
     blocks = -(-case["tokens"] // TPB)
-    ranks, infos = build("ctx", 1, blocks, case["elt"], case["layout"], case["backend"], case["bounce"])
+    ranks, infos = build("ctx", 1, blocks, case["elt"], case["layout"], case["backend"], case["bounce"],
+                         case.get("checksum", False))
     tx, pool = ranks[0]
     pool.numpy()[:] = np.random.default_rng(0).integers(0, 255, pool.nbytes, dtype=np.uint8)
     outbox.put(tx.endpoint)
@@ -132,9 +136,10 @@ def gen_main(case: dict, results) -> None:
     results.put(("pid", ctx.pid))
     try:
         blocks = -(-case["tokens"] // TPB)
-        gen, infos = build("gen", case["gen_tp"], blocks, case["elt"], case["layout"], case["backend"], case["bounce"])
+        gen, infos = build("gen", case["gen_tp"], blocks, case["elt"], case["layout"], case["backend"], case["bounce"],
+                           case.get("checksum", False))
         endpoint = outbox.get(timeout=_STEP_S)
-        scattered = [0.0]  # gen-side scatter seconds already attributed to earlier requests
+        seen = {"scatter": 0.0, "checksum": 0.0}  # gen-side stage seconds attributed to earlier requests
 
         def ours(rid: int, n: int) -> tuple[float, dict, dict]:
             inbox.put(("offer", rid, n))
@@ -149,8 +154,10 @@ def gen_main(case: dict, results) -> None:
                     raise RuntimeError(f"gen: transfer of {rid} failed: {res}")
             elapsed = time.perf_counter() - t0
             _, stages, stats = outbox.get(timeout=_STEP_S)
-            total = sum(tx.stage_seconds["scatter"] for tx, _ in gen)
-            stages["scatter"], scattered[0] = total - scattered[0], total
+            for stage in seen:  # add the gen side's share of these stages
+                total = sum(tx.stage_seconds[stage] for tx, _ in gen)
+                stages[stage] += total - seen[stage]
+                seen[stage] = total
             return elapsed, stages, stats
 
         def raw() -> tuple[float, int]:
@@ -290,7 +297,7 @@ def nhd_table(args) -> None:
     print(f"\ntp1 -> tp3 (NHD head mismatch: one fragment per layer, K/V and token per gen rank)   [{load()}]")
     print("stages: per request, summed over the 3 gen ranks (plan/gather/submit on ctx, scatter on gen)")
     print(f"{'dtype':>5} {'tokens':>6} {'MiB':>7} {'frags/rank':>10} {'mode':>6} {'reps':>4} {'total ms':>9} "
-          + " ".join(f"{s + ' ms':>10}" for s in STAGES) + f" {'speedup':>7}  status")
+          + " ".join(f"{s + ' ms':>10}" for s in STAGES[:4]) + f" {'speedup':>7}  status")
     for dtype in args.dtypes:
         for tokens in args.tokens:
             nbytes = kv_bytes(tokens, DTYPES[dtype])
@@ -308,10 +315,33 @@ def nhd_table(args) -> None:
                 if mode == "bounce" and stats and not stats.get("bounced_writes"):
                     mode = "gated"  # the bounce gates sent it direct
                 speed = direct / bounced if mode == "bounce" and direct and bounced else None
-                stages = " ".join(_fmt(_median([s[k] for s in r["stages"]]), 1e3, 10, 1) for k in STAGES)
+                stages = " ".join(_fmt(_median([s[k] for s in r["stages"]]), 1e3, 10, 1) for k in STAGES[:4])
                 print(f"{dtype:>5} {tokens:>6} {nbytes / 2**20:>7.1f} {frags:>10} {mode:>6} {len(r['ours']):>4} "
                       f"{_fmt(_median(r['ours']), 1e3, 9, 1)} {stages} {_fmt(speed, width=7)}  {r['status']}",
                       flush=True)
+
+
+def checksum_table(args) -> None:
+    print(f"\nchecksum off vs on (CRC32 per block; stage = digest on ctx + check on gen)   [{load()}]")
+    print(f"{'dtype':>5} {'tokens':>6} {'MiB':>7} {'pair':>9} {'reps':>4} {'off ms':>8} {'on ms':>8} {'on/off':>7} "
+          f"{'crc ms':>8} {'crc GB/s':>8}  status")
+    for dtype in args.dtypes:
+        for tokens in args.tokens:
+            nbytes = kv_bytes(tokens, DTYPES[dtype])
+            for pair, layout, gen_tp in (("tp1->tp1", "HND", 1), ("tp1->tp3", "NHD", 3)):
+                rows = {}
+                for checksum in (False, True):
+                    case = {"tokens": tokens, "elt": DTYPES[dtype], "layout": layout, "gen_tp": gen_tp,
+                            "backend": args.backend, "bounce": None, "reps": args.reps, "raw": False,
+                            "warm_full": False, "checksum": checksum}
+                    rows[checksum] = run_case(case, args.case_timeout)
+                off, on = _median(rows[False]["ours"]), _median(rows[True]["ours"])
+                crc = _median([st["checksum"] for st in rows[True]["stages"]])
+                status = rows[False]["status"] if rows[False]["status"] != "ok" else rows[True]["status"]
+                print(f"{dtype:>5} {tokens:>6} {nbytes / 2**20:>7.1f} {pair:>9} {len(rows[True]['ours']):>4} "
+                      f"{_fmt(off, 1e3, 8, 1)} {_fmt(on, 1e3, 8, 1)} "
+                      f"{_fmt(None if not off or on is None else on / off, width=7)} {_fmt(crc, 1e3, 8, 1)} "
+                      f"{_fmt(None if not crc else 2 * nbytes / crc / 1e9, width=8)}  {status}", flush=True)
 
 
 def main() -> None:
@@ -323,7 +353,7 @@ def main() -> None:
     parser.add_argument("--contiguous-reps", type=int, default=21, help="raw/ours rep pairs of the contiguous cases")
     parser.add_argument("--case-timeout", type=float, default=240.0,
                         help="seconds per case (processes started, warm-up, reps); past half of it no new rep starts")
-    parser.add_argument("--tables", nargs="+", default=["contiguous", "nhd"], choices=["contiguous", "nhd"])
+    parser.add_argument("--tables", nargs="+", default=["contiguous", "nhd"], choices=["contiguous", "nhd", "checksum"])
     args = parser.parse_args()
     print(f"backend={args.backend}  SmolLM2 KV: {LAYERS} layers x {HEADS} KV heads x head_dim {HEAD_DIM}, "
           f"{TPB} tokens/block, medians, {os.cpu_count()} CPUs\n")
@@ -331,6 +361,8 @@ def main() -> None:
         contiguous_table(args)
     if "nhd" in args.tables:
         nhd_table(args)
+    if "checksum" in args.tables:
+        checksum_table(args)
     print(f"\n[{load()}]")
 
 

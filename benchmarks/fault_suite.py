@@ -2,12 +2,15 @@
 purpose, then a table of what came back.
 
     python benchmarks/fault_suite.py [--requests 1000] [--concurrency 8] [--write-failure-rate 0.05]
-                                     [--drop-rate 0.0] [--kill-context-at N]
+                                     [--drop-rate 0.0] [--corrupt-rate 0.0] [--no-checksum]
+                                     [--kill-context-at N]
 
 It starts `pdserve serve` processes over a tiny random-weight model (two context instances and one
 generation instance, shm transfers), and the orchestrator (`pdserve disaggregated`). The context
 instances fail that share of their KV writes and the generation instance loses that share of its
-write notifications (cache_transceiver_config.fault_injection). Each answer is sorted as right (equal
+write notifications (cache_transceiver_config.fault_injection); `--corrupt-rate` makes that share of
+the context writes land with one byte inverted, which the generation instance's KV checksums
+(cache_transceiver_config.checksum, on unless --no-checksum) must catch. Each answer is sorted as right (equal
 to the generation instance's own aggregated greedy output), wrong (a 200 with other text), a clear
 error (an OpenAI error body), or a hang (no answer within the client's timeout). Afterwards every
 instance must hold no KV block. `--kill-context-at N` kills one context instance with SIGKILL once N
@@ -56,11 +59,13 @@ class Proc:
         self._log.close()
 
 
-def start_worker(model_dir: Path, workdir: Path, faults: dict | None, timeout_ms: int) -> tuple[Proc, str]:
+def start_worker(model_dir: Path, workdir: Path, faults: dict | None, timeout_ms: int,
+                 checksum: bool = False) -> tuple[Proc, str]:
     port = free_port()
     cfg = {**WORKER, "kv_events_port": free_port(),
            "cache_transceiver_config": {"backend": "shm", "kv_transfer_timeout_ms": timeout_ms,
-                                        "rank_info_timeout_s": 2.0, "fault_injection": faults}}
+                                        "rank_info_timeout_s": 2.0, "fault_injection": faults,
+                                        "checksum": checksum}}
     path = workdir / f"worker-{port}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return Proc(["serve", str(model_dir), "--port", str(port), "--config", str(path)],
@@ -94,14 +99,16 @@ async def run(args) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="pdserve-faults-"))
     model_dir = make_tiny_model(workdir / "tiny", num_layers=2, num_heads=4, num_kv_heads=2,
                                 max_position_embeddings=512)
-    write_faults = {"write_failure_rate": args.write_failure_rate, "seed": args.seed}
     procs, ctx_urls = [], []
     for k in range(2):
-        proc, url = start_worker(model_dir, workdir, {**write_faults, "seed": args.seed + k}, args.timeout_ms)
+        faults = {"write_failure_rate": args.write_failure_rate, "corrupt_rate": args.corrupt_rate,
+                  "seed": args.seed + k}
+        proc, url = start_worker(model_dir, workdir, faults, args.timeout_ms)
         procs.append(proc)
         ctx_urls.append(url)
     gen_proc, gen_url = start_worker(model_dir, workdir, {"drop_notification_rate": args.drop_rate,
-                                                         "seed": args.seed + 7}, args.timeout_ms)
+                                                         "seed": args.seed + 7}, args.timeout_ms,
+                                         checksum=args.checksum)
     procs.append(gen_proc)
     orch_port = free_port()
     orch_cfg = workdir / "disagg.yaml"
@@ -158,15 +165,18 @@ async def run(args) -> None:
     injected = {}
     for p in procs:
         for m in re.finditer(r"injected (\{.*?\})", p.log_path.read_text()):
-            for k, v in eval_counts(m.group(1)).items():
+            for k, v in parse_counts(m.group(1)).items():
                 injected[k] = injected.get(k, 0) + v
     count = {k: sum(1 for o in outcomes if o[0] == k) for k in ("right", "wrong", "error", "unclear", "hang")}
     errors = [o[1] for o in outcomes if o[0] == "error"]
     rows = [("requests", args.requests), ("concurrency", args.concurrency),
             ("write failure rate (context)", args.write_failure_rate),
             ("notification drop rate (generation)", args.drop_rate),
+            ("corrupt write rate (context)", args.corrupt_rate),
+            ("KV checksums (generation)", "on" if args.checksum else "off"),
             ("injected: failed writes", injected.get("failed_writes", "n/a")),
             ("injected: dropped notifications", injected.get("dropped_notifications", "n/a")),
+            ("injected: corrupted writes", injected.get("corrupted_writes", "n/a")),
             ("right (equal to aggregated greedy)", count["right"]), ("wrong (200, other text)", count["wrong"]),
             ("clear errors", count["error"]), ("unclear failures", count["unclear"]), ("hangs", count["hang"]),
             ("KV blocks held afterwards", int(sum(held.values()))),
@@ -187,7 +197,7 @@ async def run(args) -> None:
     print(f"\nlogs: {workdir}")
 
 
-def eval_counts(text: str) -> dict[str, int]:
+def parse_counts(text: str) -> dict[str, int]:
     """The counts a FaultyAgent logs at shutdown, e.g. {'failed_writes': 3, ...}."""
     return {k: int(v) for k, v in re.findall(r"'(\w+)': (\d+)", text)}
 
@@ -199,6 +209,9 @@ def main() -> None:
     ap.add_argument("--distinct-prompts", type=int, default=50)
     ap.add_argument("--write-failure-rate", type=float, default=0.05)
     ap.add_argument("--drop-rate", type=float, default=0.0)
+    ap.add_argument("--corrupt-rate", type=float, default=0.0)
+    ap.add_argument("--no-checksum", dest="checksum", action="store_false",
+                    help="the generation instance does not check KV checksums (a corrupted byte then goes unseen)")
     ap.add_argument("--timeout-ms", type=int, default=2000, help="kv_transfer_timeout_ms of every instance")
     ap.add_argument("--client-timeout", type=float, default=60.0)
     ap.add_argument("--kill-context-at", type=int, default=None)

@@ -47,6 +47,10 @@ class CacheTransceiverConfig(BaseModel):
     pipelined_transfer: bool = Field(
         False, description="context side: offer each prefill chunk's finished blocks as soon as it is computed "
                            "(generation_first requests; takes effect with chunked prefill)")
+    checksum: bool = Field(
+        False, description="a CRC32 per KV block, computed by the context side and checked by the generation side; "
+                           "a mismatch fails the transfer (the orchestrator retries it). Either side turns it on; "
+                           "host memory only")
     fault_injection: FaultPlan | None = Field(
         None, description="testing only: make this instance's writes fail or start late, and lose some of the "
                           "notifications it receives (kv_transfer/agents/faults.py)")

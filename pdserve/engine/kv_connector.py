@@ -97,7 +97,8 @@ class KVConnector:
                                   min_fragments=b.min_fragments, max_avg_fragment_bytes=b.max_mean_fragment_kb << 10)
         self.tx = KVTransceiver(self.agent, TransceiverConfig(
             cfg.kv_transfer_timeout_ms, cfg.rank_info_timeout_s, bounce,
-            max_control_message_bytes=cfg.max_control_message_mb << 20, cluster_token=cfg.cluster_token), host=cfg.host)
+            max_control_message_bytes=cfg.max_control_message_mb << 20, cluster_token=cfg.cluster_token,
+            checksum=cfg.checksum), host=cfg.host)
         num_local = pool.shape[1]
         table = page_table_for_block_major_pool(
             base=pool.data_ptr(), num_blocks=pool.shape[0], num_layers=num_local, kv_heads=kv_heads_per_rank,

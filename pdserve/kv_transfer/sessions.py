@@ -29,6 +29,7 @@ import numpy as np
 
 from pdserve.kv_transfer.agents.base import TransferHandle
 from pdserve.kv_transfer.control.messages import PeerKey, RequestData
+from pdserve.kv_transfer.rank_info import RankInfo
 
 
 class TransferStatus(enum.IntEnum):
@@ -128,6 +129,10 @@ class RecvSession:
     staging: object | None = None  # bounce Lease on our staging buffer, released with the session
     bounce_slot: int = 0  # bytes of staging per writer; writer i writes at staging.ptr + i * slot
     bounce_writers: tuple[int, ...] = ()  # ctx ranks in segment order
+    writer_infos: dict[PeerKey, RankInfo] = field(default_factory=dict)  # to re-plan a write for its checksum
+    block_ids: dict[int, np.ndarray] = field(default_factory=dict)  # our destination ids per layer group
+    checksum: bool = False  # we asked every writer for KV checksums
+    corrupted: dict[PeerKey, str] = field(default_factory=dict)  # failed checksums, an error once the writer is done
 
     def on_chunk(self, sender: PeerKey, chunk: int, last: bool, token_range: tuple[int, int], state: bytes) -> None:
         """One write of `sender` landed; the writer is done once all its chunks have."""
@@ -138,6 +143,8 @@ class RecvSession:
         self.tokens = max(self.tokens, token_range[1])
         if self.chunks_seen[sender] == self.chunks_total.get(sender):
             self.done.add(sender)
+            if sender in self.corrupted:  # only now: until its last write landed, our blocks are not free
+                self.errors.setdefault(sender, self.corrupted[sender])
 
     @property
     def settled(self) -> bool:

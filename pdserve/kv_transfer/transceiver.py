@@ -52,6 +52,7 @@ from pdserve.kv_transfer.control.messages import (
 )
 from pdserve.kv_transfer.control.messenger import DEFAULT_MAX_MESSAGE_BYTES, Messenger
 from pdserve.kv_transfer.errors import KVTransferError
+from pdserve.kv_transfer.integrity import block_digests, first_mismatch, to_wire
 from pdserve.kv_transfer.rank_info import RankInfo
 from pdserve.kv_transfer.registrar import plan_write, writers_for
 from pdserve.kv_transfer.sessions import RecvSession, SendChunk, SendSession, TransferResults, TransferStatus
@@ -82,6 +83,7 @@ class TransceiverConfig:
     bounce: BounceConfig | None = None  # None = direct writes only (the default)
     max_control_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # a peer sending a bigger frame is disconnected
     cluster_token: str | None = field(default=None, repr=False)  # set: CURVE on the control plane (messenger.py)
+    checksum: bool = False  # ask for (and send) a CRC32 per block with every write (integrity.py)
 
     def __post_init__(self) -> None:
         if self.kv_transfer_timeout_ms <= 0:
@@ -114,7 +116,10 @@ class KVTransceiver:
         self.stats = {"direct_writes": 0, "bounced_writes": 0, "fragments_written": 0, "bytes_written": 0}
         # Cumulative seconds of this rank's CPU stages (benchmarks diff them per request): plan =
         # plan_write, gather / scatter = bounce copies, submit = the agent's submit_write call.
-        self.stage_seconds = dict.fromkeys(("plan", "gather", "submit", "scatter"), 0.0)
+        self.stage_seconds = dict.fromkeys(("plan", "gather", "submit", "scatter", "checksum"), 0.0)
+        if self.config.checksum and any(r.is_device for r in agent.registered_regions):
+            raise KVTransferError("checksum needs the KV cache in host memory; this rank registered device memory "
+                                  "(turn cache_transceiver_config.checksum off)")
         # Registered before local_descriptor() is taken, so peers can write into it.
         self._staging = StagingBuffer(agent, self.config.bounce.staging_bytes) if self.config.bounce else None
         self._messenger = Messenger(self._on_message, host=host, name="kv",
@@ -214,8 +219,10 @@ class KVTransceiver:
             writers={by_rank[w].key: by_rank[w].control_endpoint for w in writers},
             all_ctx={r.key: r.control_endpoint for r in ctx_ranks},
             deadline=self._deadline() if timeout_ms is None else time.monotonic() + timeout_ms / 1000.0,
+            writer_infos={by_rank[w].key: by_rank[w] for w in writers},
+            checksum=self.config.checksum,
         )
-        ids = {int(g): np.asarray(b, dtype=np.int64) for g, b in block_ids.items()}
+        ids = session.block_ids = {int(g): np.asarray(b, dtype=np.int64) for g, b in block_ids.items()}
         offer = self._bounce_offer(session, ids)
         # Every rank of our DP group asks every ctx rank, so each ctx rank knows when it served all.
         requesters = sum(1 for r in self._instance if r.dp_rank == own.dp_rank)
@@ -224,7 +231,7 @@ class KVTransceiver:
         try:
             for ctx in ctx_ranks:
                 self._messenger.send(ctx.control_endpoint, RequestData(
-                    request_id, own.key, ids, tuple(token_range), requesters, offer))
+                    request_id, own.key, ids, tuple(token_range), requesters, offer, self.config.checksum))
         except Exception:
             self._close_recv(self.recv_sessions.pop(request_id))
             raise
@@ -362,6 +369,11 @@ class KVTransceiver:
                 continue
             if done.bounced and not self._unbounce(session, done):
                 continue
+            if session.checksum or done.digests:
+                problem = self._verify(session, done)
+                if problem is not None:
+                    logger.error("%s: request %d from %s: %s", self._own.key, done.request_id, done.sender, problem)
+                    session.corrupted.setdefault(done.sender, problem)
             session.on_chunk(done.sender, done.chunk, done.last, done.token_range, done.state)
             session.deadline = self._deadline()  # chunks still arriving: not stalled
 
@@ -475,19 +487,47 @@ class KVTransceiver:
             src = dst = sizes = np.zeros(0, np.uint64)
         else:
             src, dst, sizes = plan.src_ptrs, plan.dst_ptrs, plan.sizes
+        src_ids, digests = {}, b""
+        if request.checksum or self.config.checksum:
+            if any(r.is_device for r in self.agent.registered_regions):
+                raise KVTransferError("the receiver asked for KV checksums, which need host memory; this context "
+                                      "rank's KV is in device memory (turn cache_transceiver_config.checksum off)")
+            t0 = time.perf_counter()
+            src_ids, digests = chunk.block_ids, to_wire(block_digests(src, dst, sizes, gen.page_table.pools)[1])
+            self.stage_seconds["checksum"] += time.perf_counter() - t0
         # The receiver's staging segment holds one write per writer: only a one-chunk send bounces.
         bounced = self._bounce(session, request, gen, src, dst, sizes) if index == 0 and chunk.last else None
         if bounced is not None:
             src, dst, sizes = bounced
         note = TransferDone(request.request_id, self._own.key, int(np.sum(sizes, dtype=np.uint64)),
                             bounced is not None, index, chunk.last, chunk.token_range,
-                            chunk.state if chunk.last else b"")
+                            chunk.state if chunk.last else b"", src_ids, digests)
         t0 = time.perf_counter()
         session.writes[(gen.key, index)] = self.agent.submit_write(remote, src, dst, sizes, note.to_bytes())
         self.stage_seconds["submit"] += time.perf_counter() - t0
         self.stats["bounced_writes" if bounced is not None else "direct_writes"] += 1
         self.stats["fragments_written"] += len(sizes)
         self.stats["bytes_written"] += note.num_bytes
+
+    def _verify(self, session: RecvSession, done: TransferDone) -> str | None:
+        """Digest what `done`'s write left in our blocks; None when it matches what the sender sent."""
+        if any(r.is_device for r in self.agent.registered_regions):
+            return (f"write {done.chunk} came with KV checksums, which need host memory; this rank's KV is in "
+                    "device memory (turn cache_transceiver_config.checksum off on the context instance)")
+        t0 = time.perf_counter()
+        try:
+            if not done.src_block_ids:
+                return f"write {done.chunk} came without KV checksums, which this rank asked for"
+            plan = plan_write(session.writer_infos[done.sender], self._own, done.src_block_ids, session.block_ids)
+            if plan is None:
+                return f"write {done.chunk} came from a rank that writes nothing here"
+            keys, ours = block_digests(plan.dst_ptrs, plan.dst_ptrs, plan.sizes, self._own.page_table.pools)
+            problem = first_mismatch(keys, ours, done.digests)
+            return None if problem is None else f"write {done.chunk}: {problem}"
+        except (KVTransferError, ValueError) as exc:
+            return f"write {done.chunk}: cannot check its KV checksums: {exc}"
+        finally:
+            self.stage_seconds["checksum"] += time.perf_counter() - t0
 
     def _poll_writes(self, session: SendSession) -> None:
         for key, handle in list(session.writes.items()):

@@ -16,6 +16,8 @@ from pdserve.engine.sequence import DisaggInfo, RequestType
 class Generated:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
 
 
 def step_until(engines: list[LLMEngine], done, limit: int = 5000) -> list:
@@ -30,7 +32,7 @@ def step_until(engines: list[LLMEngine], done, limit: int = 5000) -> list:
 
 
 def context_first(ctx: LLMEngine, gen: LLMEngine, prompts: list[list[int]], params: SamplingParams,
-                  first_id: int = 1000) -> list[Generated]:
+                  first_id: int = 1000, limit: int = 5000) -> list[Generated]:
     """Each prompt prefilled on `ctx`, decoded on `gen`; what `gen` returned, in prompt order. Both
     engines are stepped until neither holds a request, so every transfer has settled."""
     for i, p in enumerate(prompts):
@@ -43,8 +45,10 @@ def context_first(ctx: LLMEngine, gen: LLMEngine, prompts: list[list[int]], para
                         DisaggInfo(d["disagg_request_id"], d["ctx_info_endpoint"], 0, tuple(d["first_gen_tokens"]),
                                    d["opaque_state"]))  # carries the first token's logprobs
     results = {f"g{i}": Generated() for i in range(len(prompts))}
-    for o in step_until([ctx, gen], lambda _: not ctx.has_unfinished() and not gen.has_unfinished()):
+    for o in step_until([ctx, gen], lambda _: not ctx.has_unfinished() and not gen.has_unfinished(), limit):
         if o.request_id in results:
             results[o.request_id].token_ids += o.new_token_ids
             results[o.request_id].logprobs += o.new_logprobs
+            if o.finished:
+                results[o.request_id].finish_reason, results[o.request_id].error = o.finish_reason, o.error
     return [results[f"g{i}"] for i in range(len(prompts))]

@@ -1,6 +1,6 @@
 """Transfers with injected faults (cache_transceiver_config.fault_injection) between two real engines
-over shm: failed writes, lost notifications and late writes each end as the right output or a clear
-error, never a hang, and no KV block stays allocated on either side.
+over shm: failed writes, lost notifications, late writes and (with checksums on) corrupted bytes each
+end as the right output or a clear error, never a hang, and no KV block stays allocated on either side.
 
 The faults are injected by wrapping the real agent: the fault tolerance of the transceiver and the
 engine around it is under test, not the agent."""
@@ -13,9 +13,8 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.sequence import DisaggInfo, RequestType
 from pdserve.testing import make_tiny_model
-from pdserve.testing.disagg import context_first, step_until
+from pdserve.testing.disagg import Generated, context_first
 
 pytestmark = pytest.mark.faults
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -27,8 +26,9 @@ def tiny(tmp_path_factory):
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", num_layers=2, num_heads=4, num_kv_heads=2))
 
 
-def _engine(model: str, **faults) -> LLMEngine:
-    transceiver = {"backend": "shm", "kv_transfer_timeout_ms": TIMEOUT_MS, "fault_injection": faults or None}
+def _engine(model: str, checksum: bool = False, **faults) -> LLMEngine:
+    transceiver = {"backend": "shm", "kv_transfer_timeout_ms": TIMEOUT_MS, "fault_injection": faults or None,
+                   "checksum": checksum}
     return LLMEngine(EngineConfig(model=model, tokens_per_block=8, num_kv_blocks=96,
                                   cache_transceiver_config=transceiver))
 
@@ -39,26 +39,10 @@ def _prompts(n: int) -> list[list[int]]:
             for _ in range(n)]
 
 
-def _run(ctx: LLMEngine, gen: LLMEngine, prompts: list[list[int]], first_id: int) -> dict[str, object]:
-    """context_only on ctx, then generation_only on gen, for every prompt; each request's final output."""
-    for i, p in enumerate(prompts):
-        ctx.add_request(p, GREEDY, f"c{first_id + i}", RequestType.CONTEXT_ONLY, DisaggInfo(first_id + i))
-    answers = {o.request_id: o for o in step_until([ctx], lambda outs: sum(o.finished for o in outs) == len(prompts))
-               if o.finished}
-    finals = {}
-    for i, p in enumerate(prompts):
-        d = answers[f"c{first_id + i}"].disaggregated_params
-        gen.add_request(p, GREEDY, f"g{first_id + i}", RequestType.GENERATION_ONLY,
-                        DisaggInfo(d["disagg_request_id"], d["ctx_info_endpoint"], 0, tuple(d["first_gen_tokens"])))
-        finals[f"g{first_id + i}"] = []
-    done = {}
-    for o in step_until([ctx, gen], lambda _: not ctx.has_unfinished() and not gen.has_unfinished(), limit=200_000):
-        if o.request_id in finals:
-            finals[o.request_id] += o.new_token_ids
-            if o.finished:
-                done[o.request_id] = o
-    assert set(done) == set(finals), "a request never finished"
-    return {rid: (finals[rid], out) for rid, out in done.items()}
+def _run(ctx: LLMEngine, gen: LLMEngine, prompts: list[list[int]], first_id: int) -> list[Generated]:
+    results = context_first(ctx, gen, prompts, GREEDY, first_id, limit=200_000)
+    assert all(r.finish_reason is not None for r in results), "a request never finished"
+    return results
 
 
 def _assert_freed(*engines: LLMEngine) -> None:
@@ -84,8 +68,7 @@ def test_a_transfer_that_cannot_succeed_is_a_clear_error(tiny, side, faults, err
     ctx = _engine(tiny, **(faults if side == "ctx" else {}))
     gen = _engine(tiny, **(faults if side == "gen" else {}))
     try:
-        results = _run(ctx, gen, _prompts(3), 100)
-        for _, out in results.values():
+        for out in _run(ctx, gen, _prompts(3), 100):
             assert out.finish_reason == "error" and error in out.error and "KV transfer" in out.error
         _assert_freed(ctx, gen)
     finally:
@@ -96,8 +79,7 @@ def test_a_transfer_that_cannot_succeed_is_a_clear_error(tiny, side, faults, err
 def test_late_writes_change_nothing(tiny, expected):
     ctx, gen = _engine(tiny, delay_ms=150), _engine(tiny)
     try:
-        results = _run(ctx, gen, _prompts(4), 200)
-        assert [results[f"g{200 + i}"][0] for i in range(4)] == expected[:4]
+        assert [r.token_ids for r in _run(ctx, gen, _prompts(4), 200)] == expected[:4]
         _assert_freed(ctx, gen)
     finally:
         ctx.shutdown()
@@ -110,20 +92,38 @@ def test_mixed_faults_give_right_answers_or_clear_errors(tiny, expected):
     ctx = _engine(tiny, write_failure_rate=0.2, seed=1)
     gen = _engine(tiny, drop_notification_rate=0.1, seed=2)
     try:
-        results = _run(ctx, gen, _prompts(24), 300)
         right = wrong = failed = 0
-        for i in range(24):
-            tokens, out = results[f"g{300 + i}"]
+        for i, out in enumerate(_run(ctx, gen, _prompts(24), 300)):
             if out.finish_reason == "error":
                 assert "KV transfer" in out.error
                 failed += 1
-            elif tokens == expected[i]:
+            elif out.token_ids == expected[i]:
                 right += 1
             else:
                 wrong += 1
         assert wrong == 0 and failed > 0 and right > 0, (right, wrong, failed)
         injected = ctx.runner.connector.agent.injected, gen.runner.connector.agent.injected
         assert injected[0]["failed_writes"] > 0 and injected[1]["dropped_notifications"] > 0
+        _assert_freed(ctx, gen)
+    finally:
+        ctx.shutdown()
+        gen.shutdown()
+
+
+def test_corrupted_kv_is_a_clear_error_with_checksums(tiny, expected):
+    """Half of the writes land with one byte inverted; the generation side checks KV checksums:
+    a corrupted request fails naming the block, every other one is the fault-free output."""
+    ctx, gen = _engine(tiny, corrupt_rate=0.5, seed=4), _engine(tiny, checksum=True)
+    try:
+        right = failed = 0
+        for i, out in enumerate(_run(ctx, gen, _prompts(12), 400)):
+            if out.finish_reason == "error":
+                assert "KV checksum mismatch" in out.error and "block" in out.error, out.error
+                failed += 1
+            else:
+                assert out.token_ids == expected[i]
+                right += 1
+        assert failed == ctx.runner.connector.agent.injected["corrupted_writes"] > 0 and right > 0
         _assert_freed(ctx, gen)
     finally:
         ctx.shutdown()

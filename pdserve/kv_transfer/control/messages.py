@@ -10,7 +10,9 @@ Conversation (generation rank G, context instance C with ranks C0..Cn; C0 is the
     G  -> Ck  REGISTER_PEER(G's RankInfo)       (once per peer rank)
     G  -> Ck  REQUEST_DATA(request, dst block ids per layer group, token range)   (every Ck)
     Ck => G   one-sided write, whose agent notification is TRANSFER_DONE (data first, then notice);
-              a pipelined send is several writes, one per prefill chunk, the last one flagged
+              a pipelined send is several writes, one per prefill chunk, the last one flagged;
+              with checksums on it also carries the sender's block ids and a CRC32 per
+              destination block (integrity.py)
     Ck -> G   TRANSFER_ERROR                    (control plane, when Ck cannot serve it)
     G  -> Ck  CANCEL                            (G gave up; Ck drops work it has not started)
 
@@ -29,7 +31,7 @@ import numpy as np
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.rank_info import RankInfo
 
-PROTOCOL_VERSION = 2  # 2: TRANSFER_DONE carries the chunk index, last flag, token span and state
+PROTOCOL_VERSION = 3  # 3: optional KV checksums (REQUEST_DATA asks, TRANSFER_DONE carries them)
 
 PeerKey = tuple[str, int]  # (instance name, rank): never a concatenated string
 
@@ -162,6 +164,12 @@ def _block_ids(v) -> dict[int, np.ndarray]:
     return out
 
 
+def _digests(v) -> bytes:
+    if len(_bytes(v)) % 4:
+        raise ProtocolError(f"digests are {len(v)} bytes, not a multiple of 4")
+    return v
+
+
 def _rank_info(v) -> bytes:
     """RankInfo bytes, parsed once here so that a broken one is refused by the listener (a warning)
     instead of failing later on the executor thread."""
@@ -209,7 +217,8 @@ class RequestData(Message):
 
     num_requesters: how many generation ranks send this request to each context rank (its whole
     instance), so the context side knows when it has served everybody. bounce: the receiver's
-    staging offer (see bounce.py) or None for the direct path.
+    staging offer (see bounce.py) or None for the direct path. checksum: the receiver wants a
+    CRC32 per block with every write (integrity.py).
     """
 
     TYPE: ClassVar[MessageType] = MessageType.REQUEST_DATA
@@ -219,6 +228,7 @@ class RequestData(Message):
     token_range: tuple[int, int]
     num_requesters: int
     bounce: dict | None = None
+    checksum: bool = False
 
 
 @dataclass(frozen=True)
@@ -228,7 +238,9 @@ class TransferDone(Message):
     chunk: index of this write among the sender's writes of the request (0, 1, ...); the one with
     `last` set also tells how many there were. token_range: the exact prompt tokens this write
     completes, (0, 0) when the sender did not say. state: small opaque request state that rides
-    with the last write (e.g. the first generated token), b"" for none.
+    with the last write (e.g. the first generated token), b"" for none. src_block_ids and digests:
+    empty unless checksums are on; then the sender's block ids of this write (so the receiver can
+    re-plan it) and little-endian uint32 CRC32s per destination block in plan order.
     """
 
     TYPE: ClassVar[MessageType] = MessageType.TRANSFER_DONE
@@ -240,6 +252,8 @@ class TransferDone(Message):
     last: bool = True
     token_range: tuple[int, int] = (0, 0)
     state: bytes = b""
+    src_block_ids: dict[int, np.ndarray] = field(default_factory=dict, compare=False)
+    digests: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -268,9 +282,10 @@ _DECODERS = {
     RankInfoReply: {"rank_infos": _list_of_bytes},
     RegisterPeer: {"rank_info": _rank_info},
     RequestData: {"request_id": _int, "sender": _peer, "block_ids": _block_ids, "token_range": _token_range,
-                  "num_requesters": _int, "bounce": _optional_map},
+                  "num_requesters": _int, "bounce": _optional_map, "checksum": _bool},
     TransferDone: {"request_id": _int, "sender": _peer, "num_bytes": _int, "bounced": _bool, "chunk": _int,
-                   "last": _bool, "token_range": _token_range, "state": _bytes},
+                   "last": _bool, "token_range": _token_range, "state": _bytes, "src_block_ids": _block_ids,
+                   "digests": _digests},
     TransferError: {"request_id": _int, "sender": _peer, "reason": _str},
     Cancel: {"request_id": _int, "sender": _peer},
 }

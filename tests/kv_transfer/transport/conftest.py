@@ -16,13 +16,15 @@ from kvt_instance import Topology, build_instance, shutdown  # noqa: E402
 
 @pytest.fixture
 def pair():
-    """make(ctx_topo, gen_topo, timeout_ms) -> (ctx ranks, gen ranks): two instances in this process over
-    the in-process fake agent, closed at teardown."""
+    """make(ctx_topo, gen_topo, timeout_ms, ...) -> (ctx ranks, gen ranks): two instances in this process over
+    the in-process fake agent, closed at teardown. ctx_options / gen_options: more build_instance keywords
+    (checksum, faults, ...) for one side."""
     made = []
 
-    def make(ctx_topo=Topology("ctx"), gen_topo=Topology("gen"), timeout_ms=20_000):
-        ctx = build_instance(ctx_topo, "fake", timeout_ms)
-        gen = build_instance(gen_topo, "fake", timeout_ms)
+    def make(ctx_topo=Topology("ctx"), gen_topo=Topology("gen"), timeout_ms=20_000, ctx_options=None,
+             gen_options=None):
+        ctx = build_instance(ctx_topo, "fake", timeout_ms, **(ctx_options or {}))
+        gen = build_instance(gen_topo, "fake", timeout_ms, **(gen_options or {}))
         made.extend(ctx + gen)
         return ctx, gen
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdserve.kv_transfer.agents import MemoryRegion, make_agent
+from pdserve.kv_transfer.agents.faults import FaultPlan, FaultyAgent
 from pdserve.kv_transfer.agents.shm import allocate_shared
 from pdserve.kv_transfer.page_table import MapperKind, page_table_for_block_major_pool
 from pdserve.kv_transfer.rank_info import RankInfo, flat_rank
@@ -51,7 +52,7 @@ class Rank:
 
 
 def build_instance(topo: Topology, backend: str, timeout_ms: int = 20_000, bounce=None,
-                   cluster_token: str | None = None) -> list[Rank]:
+                   cluster_token: str | None = None, checksum: bool = False, faults: FaultPlan | None = None) -> list[Rank]:
     ranks = []
     per_stage = [topo.layers // topo.pp + (1 if s < topo.layers % topo.pp else 0) for s in range(topo.pp)]
     kv_per_rank = max(1, topo.heads // topo.tp)
@@ -63,9 +64,11 @@ def build_instance(topo: Topology, backend: str, timeout_ms: int = 20_000, bounc
             slot = per_stage[pp_rank] * 2 * kv_per_rank * topo.tokens_per_block * topo.head_dim * ELT
             pool = allocate_shared(topo.num_blocks * slot)
             agent = make_agent(backend, f"{topo.name}-{rank}-{backend}-{time.monotonic_ns()}")
+            if faults is not None:
+                agent = FaultyAgent(agent, faults)
             agent.register_memory(MemoryRegion(pool.ptr, pool.nbytes))
             tx = KVTransceiver(agent, TransceiverConfig(kv_transfer_timeout_ms=timeout_ms, bounce=bounce,
-                                                        cluster_token=cluster_token))
+                                                        cluster_token=cluster_token, checksum=checksum))
             table = page_table_for_block_major_pool(
                 pool.ptr, topo.num_blocks, per_stage[pp_rank], kv_per_rank, topo.tokens_per_block, topo.head_dim,
                 ELT, kind, range(lo, lo + per_stage[pp_rank]))

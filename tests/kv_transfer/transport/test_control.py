@@ -39,6 +39,18 @@ def test_round_trip_every_message_type():
     assert {t.name for t in MessageType} >= {"RANK_INFO_REQUEST", "REQUEST_DATA", "TRANSFER_DONE", "CANCEL"}
 
 
+def test_checksum_fields_round_trip_and_are_checked():
+    req = decode(RequestData(1, ("gen", 0), {0: np.array([1], np.int64)}, (0, 4), 1, None, True).to_bytes())
+    assert req.checksum is True
+    done = TransferDone(5, ("ctx", 0), 64, False, 0, True, (0, 4), b"", {0: np.array([2, -1], np.int64)},
+                        b"\x01\x02\x03\x04")
+    back = decode(done.to_bytes())
+    assert back == done and back.src_block_ids[0].tolist() == [2, -1] and back.digests == b"\x01\x02\x03\x04"
+    body = msgpack.unpackb(done.to_bytes(), strict_map_key=False)["b"] | {"digests": b"\x01\x02\x03"}
+    with pytest.raises(ProtocolError, match="not a multiple of 4"):
+        decode(_frame(int(MessageType.TRANSFER_DONE), body))
+
+
 def _frame(t, body, v=PROTOCOL_VERSION):
     return msgpack.packb({"v": v, "t": t, "b": body})
 
@@ -53,10 +65,12 @@ def _frame(t, body, v=PROTOCOL_VERSION):
         (_frame(int(MessageType.CANCEL), {"request_id": 1}), "expected"),
         (_frame(int(MessageType.CANCEL), {"request_id": "1", "sender": ["g", 0]}), "integer"),
         (_frame(int(MessageType.REQUEST_DATA), {"request_id": 1, "sender": ["g", 0], "block_ids": {0: b"abc"},
-                                                "token_range": [0, 1], "num_requesters": 1, "bounce": None}),
+                                                "token_range": [0, 1], "num_requesters": 1, "bounce": None,
+                                                "checksum": False}),
          "multiple of 8"),
         (_frame(int(MessageType.REQUEST_DATA), {"request_id": 1, "sender": ["g", 0], "block_ids": {},
-                                                "token_range": [5, 1], "num_requesters": 1, "bounce": None}),
+                                                "token_range": [5, 1], "num_requesters": 1, "bounce": None,
+                                                "checksum": False}),
          "not ordered"),
         (msgpack.packb({"v": 1, "t": 7, "b": {"request_id": 1, "sender": ["g", 0]}, "x": 1}), "map with keys"),
     ],
