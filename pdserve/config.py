@@ -51,6 +51,10 @@ class CacheTransceiverConfig(BaseModel):
         False, description="a CRC32 per KV block, computed by the context side and checked by the generation side; "
                            "a mismatch fails the transfer (the orchestrator retries it). Either side turns it on; "
                            "host memory only")
+    canary: bool = Field(
+        True, description="first contact with a context instance writes a known pattern through the real mapping "
+                          "into blocks kept for it, and the generation side checks every byte before any request "
+                          "takes KV from that instance (kv_transfer/canary.py); host memory only")
     fault_injection: FaultPlan | None = Field(
         None, description="testing only: make this instance's writes fail or start late, and lose some of the "
                           "notifications it receives (kv_transfer/agents/faults.py)")

@@ -83,7 +83,8 @@ class RankReport:
 class KVConnector:
     def __init__(self, cfg: CacheTransceiverConfig, ps: ParallelState, instance_name: str, pool: torch.Tensor,
                  layout: str, first_layer: int, stage_layers: list[int],
-                 total_kv_heads: int, kv_heads_per_rank: int, head_dim: int, tokens_per_block: int):
+                 total_kv_heads: int, kv_heads_per_rank: int, head_dim: int, tokens_per_block: int,
+                 canary_slots: int = 0):
         self.ps = ps
         self.agent = make_agent(cfg.backend, name=f"{instance_name}-rank{ps.rank}")
         if cfg.fault_injection is not None and cfg.fault_injection.active:
@@ -109,7 +110,7 @@ class KVConnector:
             pp_rank=ps.pp_rank, cp_size=1, cp_rank=0, dp_size=1, dp_rank=0, layers_per_pp_stage=tuple(stage_layers),
             total_kv_heads=total_kv_heads, kv_heads_per_rank=kv_heads_per_rank, head_dim=head_dim,
             element_bytes=pool.element_size(), tokens_per_block=tokens_per_block, page_table=table,
-            agent_descriptor=self.tx.local_descriptor(), control_endpoint=self.tx.endpoint)
+            agent_descriptor=self.tx.local_descriptor(), control_endpoint=self.tx.endpoint, canary_slots=canary_slots)
         self.endpoint: str | None = None  # rank 0's control endpoint: what peers are told
         self._cancelling: set[int] = set()
 

@@ -26,6 +26,7 @@ from pdserve.models.cpu_decode import StageDecoder
 from pdserve.models.llama import LlamaForCausalLM, stage_layers
 from pdserve.models.layers import decode_step, pack_for_cpu
 from pdserve.models.loader import load_weights
+from pdserve.kv_transfer.canary import CANARY_SLOTS
 from pdserve.kv_transfer.rank_info import RankInfo
 
 log = logging.getLogger(__name__)
@@ -103,22 +104,27 @@ class ModelRunner:
         attn = self.model.layers[0].self_attn.qkv_proj if self.model.layers else None
         kv_heads = attn.num_kv_heads if attn else max(1, model_cfg.num_kv_heads // ps.tp_size)
         T, D, L = self.tokens_per_block, model_cfg.head_dim, self.model.num_local_layers
-        shape = [self.num_blocks, L, 2, kv_heads, T, D] if ecfg.kv_layout == "HND" else [self.num_blocks, L, 2, T, kv_heads, D]
-        self._allocator = pool_allocator or shared_pool_allocator(ecfg.cache_transceiver_config.backend)
+        tc = ecfg.cache_transceiver_config
+        # The first-contact canary's blocks sit past the cache manager's: no request ever holds them.
+        canary_slots = CANARY_SLOTS if tc.backend is not None and tc.canary and device.type == "cpu" else 0
+        if tc.backend is not None and tc.canary and not canary_slots and ps.rank == 0:
+            log.info("first-contact canary off: the KV cache is in %s memory (the canary needs host memory)", device)
+        rows = self.num_blocks + canary_slots
+        shape = [rows, L, 2, kv_heads, T, D] if ecfg.kv_layout == "HND" else [rows, L, 2, T, kv_heads, D]
+        self._allocator = pool_allocator or shared_pool_allocator(tc.backend)
         if self._allocator is not None:
-            nbytes = self.num_blocks * L * 2 * kv_heads * T * D * self.kv_dtype.itemsize
+            nbytes = rows * L * 2 * kv_heads * T * D * self.kv_dtype.itemsize
             self.pool = self._allocator(nbytes).view(self.kv_dtype).view(shape)
         else:
             self.pool = torch.zeros(shape, dtype=self.kv_dtype, device=device)
         self.cache = PagedKVCache(self.pool, ecfg.kv_layout)
         self.kv_heads_per_rank = kv_heads
         self.connector: KVConnector | None = None
-        tc = ecfg.cache_transceiver_config
         if tc.backend is not None:
             self.connector = KVConnector(
                 tc, ps, instance_name, self.pool, ecfg.kv_layout, self.model.first_layer,
                 stage_layers(model_cfg.num_layers, ps.pp_size), model_cfg.num_kv_heads, kv_heads,
-                model_cfg.head_dim, self.tokens_per_block)
+                model_cfg.head_dim, self.tokens_per_block, canary_slots)
             self.connector.start([RankInfo.from_bytes(b) for b in self._all_gather_bytes(self.connector.info.to_bytes())])
 
     def _all_gather_bytes(self, data: bytes) -> list[bytes]:

@@ -49,8 +49,9 @@ class RankInfo:
     page_table: PageTable
     agent_descriptor: bytes  # opaque, from the transfer agent
     control_endpoint: str  # "tcp://host:port" of this rank's ZeroMQ listener
+    canary_slots: int = 0  # the last slots of every pool, kept free for the first-contact canary (canary.py)
 
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2  # 2: canary_slots
 
     def __hash__(self) -> int:
         # RankInfos key the registrar's caches on every request; hashing the whole page table
@@ -111,6 +112,10 @@ class RankInfo:
                 f"RankInfo {self.instance_name}: tokens_per_block={self.tokens_per_block} but the page table "
                 f"says {self.page_table.tokens_per_block}"
             )
+        smallest = min(p.num_slots for p in self.page_table.pools)
+        if not 0 <= self.canary_slots < smallest:
+            raise ValueError(f"RankInfo {self.instance_name}: canary_slots={self.canary_slots} must be in "
+                             f"[0, {smallest}) (the smallest pool's slots)")
         lo, hi = self.layer_range
         outside = [layer for layer in self.page_table.global_layer_ids if not lo <= layer < hi]
         if outside:

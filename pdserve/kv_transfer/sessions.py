@@ -12,6 +12,8 @@ Lifecycle of a send session (context rank):
 Lifecycle of a receive session (generation rank):
 
     request_and_receive_async ──> session registered ──> REQUEST_DATA published to every ctx rank
+        (first contact with a context instance: REQUEST_DATA is held until the canary passed;
+        a failed canary refuses the held sessions, which then fail at once)
         ──> DONE when every expected writer's TRANSFER_DONE notifications all arrived (the one
             flagged last says how many chunks to expect)
         (TRANSFER_ERROR / timeout ──> FAILED; cancel ──> CANCEL sent, removed once writers settle)
@@ -133,6 +135,8 @@ class RecvSession:
     block_ids: dict[int, np.ndarray] = field(default_factory=dict)  # our destination ids per layer group
     checksum: bool = False  # we asked every writer for KV checksums
     corrupted: dict[PeerKey, str] = field(default_factory=dict)  # failed checksums, an error once the writer is done
+    held: list[tuple[str, RequestData]] = field(default_factory=list)  # unsent until the first-contact canary passes
+    refused: str | None = None  # nothing will be written (the canary failed): fails at once
 
     def on_chunk(self, sender: PeerKey, chunk: int, last: bool, token_range: tuple[int, int], state: bytes) -> None:
         """One write of `sender` landed; the writer is done once all its chunks have."""
@@ -149,16 +153,18 @@ class RecvSession:
     @property
     def settled(self) -> bool:
         """Every expected writer either delivered or said it will not write."""
-        return all(k in self.done or k in self.errors for k in self.writers)
+        return self.refused is not None or all(k in self.done or k in self.errors for k in self.writers)
 
     def local_status(self) -> TransferStatus:
-        if self.errors and self.settled:
+        if self.refused is not None or (self.errors and self.settled):
             return TransferStatus.FAILED
         if len(self.done) == len(self.writers) and self.settled:
             return TransferStatus.DONE
         if time.monotonic() > self.deadline:
             missing = sorted(set(self.writers) - self.done)
-            if any(self.chunks_seen.get(k) for k in missing):
+            if self.held:
+                stage = "the first-contact canary with the context instance did not finish"
+            elif any(self.chunks_seen.get(k) for k in missing):
                 stage = "its writes stopped part way"
             else:
                 stage = "no write was reported: the context side never wrote, or its notification was lost"
@@ -171,5 +177,6 @@ class RecvSession:
         def who(key: PeerKey) -> str:
             return "" if key[0] == "timeout" else f"{key[0]} rank {key[1]}: "
 
-        return "; ".join(f"{who(k)}{v}" for k, v in sorted(self.errors.items(), key=lambda kv: str(kv[0])))
+        text = "; ".join(f"{who(k)}{v}" for k, v in sorted(self.errors.items(), key=lambda kv: str(kv[0])))
+        return "; ".join(t for t in (self.refused, text) if t)
 

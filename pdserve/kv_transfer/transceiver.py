@@ -35,6 +35,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from pdserve.kv_transfer import canary
 from pdserve.kv_transfer.agents.base import RegionTable, TransferAgent, TransferState
 from pdserve.kv_transfer.bounce import BounceConfig, StagingBuffer, gather, plan_segment_bytes, scatter, segment_bound
 from pdserve.kv_transfer.control.messages import (
@@ -113,7 +114,9 @@ class KVTransceiver:
         self._early_deadline: dict[int, float] = {}  # ... refused once kv_transfer_timeout_ms passed
         self._cancelled_early: OrderedDict[int, str] = OrderedDict()  # CANCEL before our offer
         self._closed_sends: OrderedDict[int, None] = OrderedDict()
+        self._gates: dict[str, canary.Gate] = {}  # ctx endpoint -> first-contact canary (generation side)
         self.stats = {"direct_writes": 0, "bounced_writes": 0, "fragments_written": 0, "bytes_written": 0}
+        self.canary_writes = 0  # first-contact canaries this rank wrote (kept out of the requests' stats)
         # Cumulative seconds of this rank's CPU stages (benchmarks diff them per request): plan =
         # plan_write, gather / scatter = bounce copies, submit = the agent's submit_write call.
         self.stage_seconds = dict.fromkeys(("plan", "gather", "submit", "scatter", "checksum"), 0.0)
@@ -228,10 +231,17 @@ class KVTransceiver:
         requesters = sum(1 for r in self._instance if r.dp_rank == own.dp_rank)
         # Registered before publishing, so a fast writer's notification always finds its session.
         self.recv_sessions[request_id] = session
+        messages = [(ctx.control_endpoint, RequestData(request_id, own.key, ids, tuple(token_range), requesters,
+                                                       offer, self.config.checksum)) for ctx in ctx_ranks]
+        gate = self._gate(ctx_endpoint, ctx_ranks)
+        if gate is not None:  # first contact: asked once the canary passed
+            session.held = messages
+            gate.held.append(request_id)
+            self._start_canary()
+            return
         try:
-            for ctx in ctx_ranks:
-                self._messenger.send(ctx.control_endpoint, RequestData(
-                    request_id, own.key, ids, tuple(token_range), requesters, offer, self.config.checksum))
+            for endpoint, message in messages:
+                self._messenger.send(endpoint, message)
         except Exception:
             self._close_recv(self.recv_sessions.pop(request_id))
             raise
@@ -264,6 +274,11 @@ class KVTransceiver:
             self._early.pop(request_id, None)
             self._early_deadline.pop(request_id, None)
             self._remember_closed(request_id)
+            return True
+        if recv.held:  # never asked for: nothing can be written, but the context side may hold its KV
+            self._close_recv(self.recv_sessions.pop(request_id))
+            for endpoint in recv.all_ctx.values():
+                self._messenger.send(endpoint, Cancel(request_id, self._own.key))
             return True
         if len(recv.done) == len(recv.writers):
             self._close_recv(self.recv_sessions.pop(request_id))
@@ -311,9 +326,13 @@ class KVTransceiver:
             self._ctx_instances[endpoint] = tuple(RankInfo.from_bytes(b) for b in rank_infos)
 
     def forget_instance(self, endpoint: str) -> None:
-        """Drop a cached context instance (e.g. after a failure: it may have restarted)."""
+        """Drop a cached context instance (e.g. after a failure: it may have restarted, so the next
+        contact runs the canary again)."""
         for info in self._ctx_instances.pop(endpoint, ()):
             self._registered_with.discard(info.key)
+        gate = self._gates.get(endpoint)
+        if gate is not None and gate.passed:
+            del self._gates[endpoint]
 
     def _ctx_ranks(self, endpoint: str) -> tuple[RankInfo, ...]:
         cached = self._ctx_instances.get(endpoint)
@@ -326,8 +345,84 @@ class KVTransceiver:
                 self._registered_with.add(ctx.key)
         return cached
 
+    # -- internals: first-contact canary (generation side) ---------------------------------------
+    def _gate(self, endpoint: str, ctx_ranks: tuple[RankInfo, ...]) -> canary.Gate | None:
+        """The canary a request to `endpoint` must wait for, or None once the pair passed (or is not checked)."""
+        gate = self._gates.get(endpoint)
+        if gate is None:
+            tokens = canary.canary_tokens(ctx_ranks[0], self._own)
+            gate = self._gates[endpoint] = canary.Gate(
+                endpoint, canary.canary_request_id(self._own.instance_name, endpoint), tokens, ctx_ranks,
+                passed=tokens == 0)
+            if not tokens:
+                logger.info("%s: KV from %s is not checked by a first-contact canary (a side reserved no canary "
+                            "blocks: device memory or the canary off; or context parallelism)", self._own.key, endpoint)
+        return None if gate.passed else gate
+
+    def _start_canary(self) -> None:
+        """Start the next waiting canary, unless one is running (they share our canary blocks)."""
+        gates = self._gates.values()
+        if any(g.started and not g.passed for g in gates):
+            return
+        gate = next((g for g in gates if not g.started and not g.passed), None)
+        if gate is None:
+            return
+        own, gate.started = self._own, True
+        ids = canary.canary_block_ids(own, gate.num_tokens)
+        canary.zero(own, ids, gate.num_tokens)  # what an earlier canary left must not pass for this one
+        by_rank = {r.rank: r for r in gate.ctx_ranks}
+        self.recv_sessions[gate.request_id] = RecvSession(
+            gate.request_id, writers={by_rank[w].key: by_rank[w].control_endpoint
+                                      for w in writers_for(own, gate.ctx_ranks)},
+            all_ctx={r.key: r.control_endpoint for r in gate.ctx_ranks}, deadline=self._deadline(), block_ids=ids)
+        requesters = sum(1 for r in self._instance if r.dp_rank == own.dp_rank)
+        for ctx in gate.ctx_ranks:
+            self._messenger.send(ctx.control_endpoint, RequestData(
+                gate.request_id, own.key, ids, (0, gate.num_tokens), requesters, canary=True))
+
+    def _settle_canaries(self) -> None:
+        for gate in [g for g in self._gates.values() if g.started and not g.passed]:
+            session = self.recv_sessions[gate.request_id]
+            status = session.local_status()
+            if status == TransferStatus.IN_PROGRESS:
+                continue
+            self._close_recv(self.recv_sessions.pop(gate.request_id))
+            if status == TransferStatus.DONE:
+                problem = canary.check(self._own, session.block_ids, gate.num_tokens)
+            else:
+                problem = session.error_text()
+                for endpoint in session.all_ctx.values():
+                    self._messenger.send(endpoint, Cancel(gate.request_id, self._own.key))
+            self._open_gate(gate, problem)
+        self._start_canary()
+
+    def _open_gate(self, gate: canary.Gate, problem: str | None) -> None:
+        """Send the held requests once the canary passed; refuse them (and forget the peer) if it failed."""
+        held = [s for s in map(self.recv_sessions.get, gate.held) if s is not None and s.held]
+        gate.held = []
+        if problem is None:
+            gate.passed = True
+            logger.info("%s: first-contact canary with %s passed (%d tokens)", self._own.key, gate.endpoint,
+                        gate.num_tokens)
+            for session in held:
+                messages, session.held = session.held, []
+                try:
+                    for endpoint, message in messages:
+                        self._messenger.send(endpoint, message)
+                except KVTransferError as exc:
+                    session.refused = str(exc)
+            return
+        reason = (f"the first-contact canary with the context instance at {gate.endpoint} failed: {problem}. The "
+                  "two instances disagree on where KV bytes go, or the transport moved them wrongly; no KV is taken "
+                  "from it until a new first contact passes")
+        logger.error("%s: %s", self._own.key, reason)
+        for session in held:
+            session.held, session.refused = [], reason
+        del self._gates[gate.endpoint]
+        self.forget_instance(gate.endpoint)
+
     def _check(self, table: dict, at_least: int, step: Callable[[], TransferResults]) -> TransferResults:
-        want = min(max(at_least, 0), len(table))
+        want = min(max(at_least, 0), sum(1 for rid in table if not canary.is_canary(rid)))
         self._wake.clear()  # before the step, which drains the queue: no wake-up is lost
         results = step()
         while len(results) < want:
@@ -382,7 +477,9 @@ class KVTransceiver:
             info = RankInfo.from_bytes(message.rank_info)
             self._gen_peers[info.key] = info
         elif isinstance(message, RequestData):
-            if message.request_id in self.send_sessions:
+            if message.canary:
+                self._serve_canary(message)
+            elif message.request_id in self.send_sessions:
                 self._serve(message)
             elif message.request_id in self._closed_sends:
                 self._refuse(message.sender, message.request_id, "the context side cancelled this request")
@@ -429,6 +526,23 @@ class KVTransceiver:
             logger.warning("%s: cannot refuse request %d of unregistered %s", self._own.key, request_id, requester)
             return
         self._messenger.send(gen.control_endpoint, TransferError(request_id, self._own.key, reason))
+
+    def _serve_canary(self, request: RequestData) -> None:
+        """Fill our canary blocks with the pattern and offer them to the asking generation rank."""
+        rid, tokens = request.request_id, request.token_range[1]
+        if rid not in self.send_sessions:
+            try:
+                if not canary.is_canary(rid):
+                    raise ValueError(f"request id {rid} is not a canary id")
+                ids = canary.canary_block_ids(self._own, tokens)
+            except ValueError as exc:
+                self._refuse(request.sender, rid, f"cannot serve the first-contact canary: {exc}")
+                return
+            self._closed_sends.pop(rid, None)  # an earlier canary of the same pair ended: this is a new one
+            self._cancelled_early.pop(rid, None)
+            canary.fill(self._own, ids, tokens)
+            self.respond_and_send_async(rid, ids, token_range=(0, tokens))
+        self._serve(request)
 
     def _serve(self, request: RequestData) -> None:
         """Take one requester's REQUEST_DATA and write it every chunk offered so far (context side)."""
@@ -505,6 +619,9 @@ class KVTransceiver:
         t0 = time.perf_counter()
         session.writes[(gen.key, index)] = self.agent.submit_write(remote, src, dst, sizes, note.to_bytes())
         self.stage_seconds["submit"] += time.perf_counter() - t0
+        if canary.is_canary(request.request_id):
+            self.canary_writes += 1
+            return
         self.stats["bounced_writes" if bounced is not None else "direct_writes"] += 1
         self.stats["fragments_written"] += len(sizes)
         self.stats["bytes_written"] += note.num_bytes
@@ -578,11 +695,16 @@ class KVTransceiver:
         results = self._finish(self.send_sessions, ids, local, lambda s: s.error)
         for rid in results.failed:
             self._remember_closed(rid)  # late REQUEST_DATA for it is refused, not parked forever
+        # Canary sends are ours alone: the executor never offered them.
+        results.completed = [rid for rid in results.completed if not canary.is_canary(rid)]
+        for rid in [rid for rid in results.failed if canary.is_canary(rid)]:
+            logger.warning("%s: a first-contact canary send failed: %s", self._own.key, results.failed.pop(rid))
         return results
 
     def _step_recv(self) -> TransferResults:
         self._drain()
-        sessions = dict(self.recv_sessions)
+        self._settle_canaries()
+        sessions = {rid: s for rid, s in self.recv_sessions.items() if not canary.is_canary(rid)}
         ids = sorted(sessions)
         local = np.array([sessions[r].local_status() for r in ids], dtype=np.int64)
         results = self._finish(self.recv_sessions, ids, local, lambda s: s.error_text())

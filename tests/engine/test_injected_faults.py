@@ -13,6 +13,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.agents.faults import FaultPlan
 from pdserve.testing import make_tiny_model
 from pdserve.testing.disagg import Generated, context_first
 
@@ -26,9 +27,10 @@ def tiny(tmp_path_factory):
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", num_layers=2, num_heads=4, num_kv_heads=2))
 
 
-def _engine(model: str, checksum: bool = False, **faults) -> LLMEngine:
+def _engine(model: str, checksum: bool = False, canary: bool = False, **faults) -> LLMEngine:
+    """The first-contact canary is off unless asked for: these tests count what faults do to requests."""
     transceiver = {"backend": "shm", "kv_transfer_timeout_ms": TIMEOUT_MS, "fault_injection": faults or None,
-                   "checksum": checksum}
+                   "checksum": checksum, "canary": canary}
     return LLMEngine(EngineConfig(model=model, tokens_per_block=8, num_kv_blocks=96,
                                   cache_transceiver_config=transceiver))
 
@@ -52,7 +54,7 @@ def _assert_freed(*engines: LLMEngine) -> None:
 
 @pytest.fixture(scope="module")
 def expected(tiny):
-    ctx, gen = _engine(tiny), _engine(tiny)
+    ctx, gen = _engine(tiny, canary=True), _engine(tiny, canary=True)
     try:
         return [g.token_ids for g in context_first(ctx, gen, _prompts(24), GREEDY)]
     finally:
@@ -124,6 +126,28 @@ def test_corrupted_kv_is_a_clear_error_with_checksums(tiny, expected):
                 assert out.token_ids == expected[i]
                 right += 1
         assert failed == ctx.runner.connector.agent.injected["corrupted_writes"] > 0 and right > 0
+        _assert_freed(ctx, gen)
+    finally:
+        ctx.shutdown()
+        gen.shutdown()
+
+
+def test_a_corrupted_first_contact_canary_keeps_every_request_off_the_pair(tiny, expected):
+    """The canary's one write lands with a byte inverted: every request held behind it fails naming the
+    canary, none of them was written, and both sides free everything. The next contact checks again
+    and, the fault gone, serves the fault-free output."""
+    ctx, gen = _engine(tiny, canary=True, corrupt_rate=1.0, seed=6), _engine(tiny, canary=True)
+    try:
+        for out in _run(ctx, gen, _prompts(3), 500):
+            assert out.finish_reason == "error" and "KV transfer" in out.error, out.error
+            assert "first-contact canary" in out.error and "canary bytes differ" in out.error, out.error
+        agent = ctx.runner.connector.agent
+        assert agent.injected["corrupted_writes"] == 1 and ctx.runner.connector.tx.canary_writes == 1
+        assert ctx.runner.connector.tx.stats["direct_writes"] == 0  # no request's KV was written
+        _assert_freed(ctx, gen)
+        agent.plan = FaultPlan()
+        assert [r.token_ids for r in _run(ctx, gen, _prompts(3), 600)] == expected[:3]
+        assert ctx.runner.connector.tx.canary_writes == 2
         _assert_freed(ctx, gen)
     finally:
         ctx.shutdown()

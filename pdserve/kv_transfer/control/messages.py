@@ -31,7 +31,7 @@ import numpy as np
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.rank_info import RankInfo
 
-PROTOCOL_VERSION = 3  # 3: optional KV checksums (REQUEST_DATA asks, TRANSFER_DONE carries them)
+PROTOCOL_VERSION = 4  # 3: optional KV checksums; 4: REQUEST_DATA may ask for the first-contact canary
 
 PeerKey = tuple[str, int]  # (instance name, rank): never a concatenated string
 
@@ -218,7 +218,9 @@ class RequestData(Message):
     num_requesters: how many generation ranks send this request to each context rank (its whole
     instance), so the context side knows when it has served everybody. bounce: the receiver's
     staging offer (see bounce.py) or None for the direct path. checksum: the receiver wants a
-    CRC32 per block with every write (integrity.py).
+    CRC32 per block with every write (integrity.py). canary: this is the first-contact canary
+    (canary.py): the context rank fills its own canary blocks with the pattern for tokens
+    [0, token_range[1]) and writes them like any request.
     """
 
     TYPE: ClassVar[MessageType] = MessageType.REQUEST_DATA
@@ -229,6 +231,7 @@ class RequestData(Message):
     num_requesters: int
     bounce: dict | None = None
     checksum: bool = False
+    canary: bool = False
 
 
 @dataclass(frozen=True)
@@ -282,7 +285,8 @@ _DECODERS = {
     RankInfoReply: {"rank_infos": _list_of_bytes},
     RegisterPeer: {"rank_info": _rank_info},
     RequestData: {"request_id": _int, "sender": _peer, "block_ids": _block_ids, "token_range": _token_range,
-                  "num_requesters": _int, "bounce": _optional_map, "checksum": _bool},
+                  "num_requesters": _int, "bounce": _optional_map, "checksum": _bool,
+                  "canary": _bool},
     TransferDone: {"request_id": _int, "sender": _peer, "num_bytes": _int, "bounced": _bool, "chunk": _int,
                    "last": _bool, "token_range": _token_range, "state": _bytes, "src_block_ids": _block_ids,
                    "digests": _digests},

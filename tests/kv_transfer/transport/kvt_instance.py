@@ -52,7 +52,10 @@ class Rank:
 
 
 def build_instance(topo: Topology, backend: str, timeout_ms: int = 20_000, bounce=None,
-                   cluster_token: str | None = None, checksum: bool = False, faults: FaultPlan | None = None) -> list[Rank]:
+                   cluster_token: str | None = None, checksum: bool = False, faults: FaultPlan | None = None,
+                   canary_slots: int = 0) -> list[Rank]:
+    """Every rank of `topo` in this process. canary_slots > 0 adds that many slots past topo.num_blocks,
+    kept for the first-contact canary (canary.py), which then runs when the peer has them too."""
     ranks = []
     per_stage = [topo.layers // topo.pp + (1 if s < topo.layers % topo.pp else 0) for s in range(topo.pp)]
     kv_per_rank = max(1, topo.heads // topo.tp)
@@ -62,7 +65,8 @@ def build_instance(topo: Topology, backend: str, timeout_ms: int = 20_000, bounc
         for tp_rank in range(topo.tp):
             rank = flat_rank(pp_rank, tp_rank, 0, topo.tp, 1)
             slot = per_stage[pp_rank] * 2 * kv_per_rank * topo.tokens_per_block * topo.head_dim * ELT
-            pool = allocate_shared(topo.num_blocks * slot)
+            num_slots = topo.num_blocks + canary_slots
+            pool = allocate_shared(num_slots * slot)
             agent = make_agent(backend, f"{topo.name}-{rank}-{backend}-{time.monotonic_ns()}")
             if faults is not None:
                 agent = FaultyAgent(agent, faults)
@@ -70,11 +74,11 @@ def build_instance(topo: Topology, backend: str, timeout_ms: int = 20_000, bounc
             tx = KVTransceiver(agent, TransceiverConfig(kv_transfer_timeout_ms=timeout_ms, bounce=bounce,
                                                         cluster_token=cluster_token, checksum=checksum))
             table = page_table_for_block_major_pool(
-                pool.ptr, topo.num_blocks, per_stage[pp_rank], kv_per_rank, topo.tokens_per_block, topo.head_dim,
+                pool.ptr, num_slots, per_stage[pp_rank], kv_per_rank, topo.tokens_per_block, topo.head_dim,
                 ELT, kind, range(lo, lo + per_stage[pp_rank]))
             info = RankInfo(topo.name, rank, topo.tp, tp_rank, topo.pp, pp_rank, 1, 0, 1, 0, tuple(per_stage),
                             topo.heads, kv_per_rank, topo.head_dim, ELT, topo.tokens_per_block, table,
-                            tx.local_descriptor(), tx.endpoint)
+                            tx.local_descriptor(), tx.endpoint, canary_slots)
             ranks.append(Rank(info, tx, pool))
     ranks.sort(key=lambda r: r.info.rank)
     infos = [r.info for r in ranks]

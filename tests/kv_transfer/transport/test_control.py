@@ -41,7 +41,9 @@ def test_round_trip_every_message_type():
 
 def test_checksum_fields_round_trip_and_are_checked():
     req = decode(RequestData(1, ("gen", 0), {0: np.array([1], np.int64)}, (0, 4), 1, None, True).to_bytes())
-    assert req.checksum is True
+    assert req.checksum is True and req.canary is False
+    canary = decode(RequestData(1 << 63, ("gen", 0), {0: np.array([1], np.int64)}, (0, 4), 1, canary=True).to_bytes())
+    assert canary.canary is True and canary.request_id == 1 << 63
     done = TransferDone(5, ("ctx", 0), 64, False, 0, True, (0, 4), b"", {0: np.array([2, -1], np.int64)},
                         b"\x01\x02\x03\x04")
     back = decode(done.to_bytes())
@@ -66,11 +68,11 @@ def _frame(t, body, v=PROTOCOL_VERSION):
         (_frame(int(MessageType.CANCEL), {"request_id": "1", "sender": ["g", 0]}), "integer"),
         (_frame(int(MessageType.REQUEST_DATA), {"request_id": 1, "sender": ["g", 0], "block_ids": {0: b"abc"},
                                                 "token_range": [0, 1], "num_requesters": 1, "bounce": None,
-                                                "checksum": False}),
+                                                "checksum": False, "canary": False}),
          "multiple of 8"),
         (_frame(int(MessageType.REQUEST_DATA), {"request_id": 1, "sender": ["g", 0], "block_ids": {},
                                                 "token_range": [5, 1], "num_requesters": 1, "bounce": None,
-                                                "checksum": False}),
+                                                "checksum": False, "canary": False}),
          "not ordered"),
         (msgpack.packb({"v": 1, "t": 7, "b": {"request_id": 1, "sender": ["g", 0]}, "x": 1}), "map with keys"),
     ],

@@ -15,6 +15,7 @@ from pdserve.kv_transfer.integrity import block_digests, first_mismatch, to_wire
 from pdserve.kv_transfer.page_table import PhysicalPool
 from pdserve.kv_transfer.registrar import plan_write
 
+pytestmark = pytest.mark.faults
 CORRUPT_EVERY_WRITE = FaultPlan(corrupt_rate=1.0, seed=3)
 
 
