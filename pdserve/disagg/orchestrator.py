@@ -14,9 +14,12 @@ the prefill ends and receives the first token with it; with pipelined_transfer o
 each prefill chunk's KV moves while the next is computed. The context answer then only matters when
 it is an error, which cancels the generation request.
 
-A worker that cannot be reached is marked not ready and another instance is tried (max_retries);
-every other failure ends the request with an OpenAI-style error (errors.py). Workers' bodies are
-forwarded as they are: they validate the request.
+A worker that cannot be reached is marked not ready and another instance is tried (max_retries). A
+context instance lost while it prefills or holds a request's KV (killed, restarted, draining) or whose
+KV transfer failed costs the client nothing under either schedule style: both halves run again, under
+a fresh id (_prefill_again). Every other failure ends the request with an OpenAI-style error
+(errors.py); mid-stream, an error event and [DONE]. Workers' bodies are forwarded as they are: they
+validate the request.
 """
 
 from __future__ import annotations
@@ -128,17 +131,28 @@ class Orchestrator:
                 return await self._generate(req, params, gen_route, cached)
             except OrchestratorError as e:
                 self._release_kv(req)  # nobody pulls this KV now, should its instance still be alive
-                if e.code != "kv_transfer_failed" or attempt == self.cfg.max_retries:
+                if not await self._prefill_again(req, req.ctx_url, "generation", e, attempt):
                     raise
-                if not await self._alive(req.ctx_url):  # a transient failure keeps it in routing
-                    await self.cluster.unreachable("context", req.ctx_url, e.message)
-                self.metrics.retries.labels("context").inc()
-                # A fresh id: the old one may still be in flight on the old instance.
-                req.request_id, req.ctx_url, gen_route = self.ids.next_id(), None, None
+                gen_route = None
             except BaseException:  # client gone: nobody pulls the KV
                 self._release_kv(req)
                 raise
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def _prefill_again(self, req: _Request, ctx_url: str, role: str, e: BaseException, attempt: int) -> bool:
+        """Whether a request whose half on `role` failed with `e` runs both halves again (the caller has
+        stopped and released this attempt; the client's response has not started). Yes when the context
+        instance at ctx_url was lost or the KV transfer from it failed, and retries are left; that instance
+        leaves routing when it does not answer /health (a transient failure keeps it), and the request
+        gets a fresh id, since the old one may still be in flight there."""
+        if not _context_lost(role, e) or attempt == self.cfg.max_retries:
+            return False
+        if not await self._alive(ctx_url):
+            await self.cluster.unreachable("context", ctx_url, str(e))
+            self._kv_endpoints.pop(ctx_url, None)  # it may come back with another endpoint
+        self.metrics.retries.labels("context").inc()
+        req.request_id, req.ctx_url = self.ids.next_id(), None
+        return True
 
     async def _alive(self, url: str) -> bool:
         try:
@@ -265,28 +279,39 @@ class Orchestrator:
                                          f"lacking first_gen_tokens: {params!r}", "worker_bad_answer")
         return answer
 
-    async def _generation_first(self, req: _Request, gen_route: Route) -> dict | AsyncIterable[bytes]:
-        try:
-            ctx_route, endpoint = await self._call("context", req, self._kv_endpoint)
-        except BaseException:
-            await self.cluster.finish("generation", gen_route.url, req.route_req)
-            raise
-        params = {"request_type": "generation_only", "disagg_request_id": req.request_id, "first_gen_tokens": [],
-                  "ctx_info_endpoint": endpoint, "ctx_dp_rank": 0, "schedule_style": "generation_first"}
-        ctx = asyncio.create_task(self._context_part(req, ctx_route))
-        gen = asyncio.create_task(self._generate(req, params, gen_route))
-        try:
-            await asyncio.wait({ctx, gen}, return_when=asyncio.FIRST_EXCEPTION)
-        except BaseException:  # the client went away: neither side may keep KV waiting for the other
-            await _cancel_both(ctx, gen)
-            self._release_kv(req)
-            raise
-        for task in (ctx, gen):  # the context side's reason first: it is the one a client can act on
-            if task.done() and task.exception() is not None:
+    async def _generation_first(self, req: _Request, gen_route: Route | None) -> dict | AsyncIterable[bytes]:
+        """Both halves at once. When the context instance is lost (its request dropped or refused, or the
+        generation side's pull from it failed), the generation stream has not opened, so nothing has
+        reached the client: both halves run again, as under context_first (_prefill_again)."""
+        for attempt in range(self.cfg.max_retries + 1):
+            try:
+                ctx_route, endpoint = await self._call("context", req, self._kv_endpoint)
+            except BaseException:
+                await self._unreserve(req, gen_route)
+                raise
+            params = {"request_type": "generation_only", "disagg_request_id": req.request_id,
+                      "first_gen_tokens": [], "ctx_info_endpoint": endpoint, "ctx_dp_rank": 0,
+                      "schedule_style": "generation_first"}
+            ctx = asyncio.create_task(self._context_part(req, ctx_route))
+            gen = asyncio.create_task(self._generate(req, params, gen_route))
+            try:
+                await asyncio.wait({ctx, gen}, return_when=asyncio.FIRST_EXCEPTION)
+            except BaseException:  # the client went away: neither side may keep KV waiting for the other
                 await _cancel_both(ctx, gen)
                 self._release_kv(req)
-                raise task.exception()
-        return gen.result()
+                raise
+            # The context side's reason first: it is the one a client can act on.
+            failed = [(role, t.exception()) for role, t in (("context", ctx), ("generation", gen))
+                      if t.done() and t.exception() is not None]
+            if not failed:
+                return gen.result()
+            await _cancel_both(ctx, gen)
+            self._release_kv(req)
+            role, e = failed[0]
+            if not await self._prefill_again(req, ctx_route.url, role, e, attempt):
+                raise e
+            gen_route = None
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def _kv_endpoint(self, url: str) -> str:
         """The context instance's KV control endpoint, which the generation instance asks for the KV."""
@@ -367,10 +392,15 @@ class Orchestrator:
 class _Relay:
     """A generation worker's open SSE stream, relayed to the client.
 
-    Iterating it yields the worker's chunks; `aclose` releases the worker connection and the route
-    exactly once, whether or not the relay ever started. (A plain async generator that was never
+    Iterating it yields the worker's events, whole; `aclose` releases the worker connection and the
+    route exactly once, whether or not the relay ever started. (A plain async generator that was never
     iterated skips its `finally` on close, which leaked both when a generation_first request's
-    context side failed after the generation stream had opened.)"""
+    context side failed after the generation stream had opened.)
+
+    When the worker fails mid-stream (killed, connection lost, silent for request_timeout), the status
+    line is long gone: the client gets an error event, then `data: [DONE]`, as a worker ends a stream
+    that failed. Events are relayed only once their blank line has arrived, so the half of one that a
+    dying worker sent never runs into the error event."""
 
     def __init__(self, orch: Orchestrator, req: _Request, route: Route, response: httpx.Response):
         self.orch, self.req, self.route, self.response = orch, req, route, response
@@ -378,16 +408,22 @@ class _Relay:
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         orch, req = self.orch, self.req
-        first = True
+        first, tail = True, b""
         try:
             async for chunk in iter_stream(self.response, "generation", self.route.url, orch.cfg.request_timeout):
+                events, end, tail = (tail + chunk).rpartition(sse.EVENT_END)
+                if not end:
+                    continue
                 if first:
                     first = False
                     orch.metrics.ttft.observe(time.monotonic() - req.arrival)
-                yield chunk
-        except OrchestratorError as e:  # the status line is gone: tell the client in the stream
+                yield events + end
+            if tail:
+                yield tail
+        except OrchestratorError as e:
             orch.metrics.worker_errors.labels("generation", str(e.status)).inc()
             yield sse.event(e.body())
+            yield sse.DONE
         finally:
             await self.aclose()
 
@@ -400,6 +436,17 @@ class _Relay:
         finally:
             await self.orch.cluster.finish("generation", self.route.url, self.req.route_req)
             self.orch.metrics.e2e.observe(time.monotonic() - self.req.arrival)
+
+
+def _context_lost(role: str, e: BaseException) -> bool:
+    """Whether `e`, from a request's half on `role`, means its context instance (or the KV it holds) was
+    lost: the context request could not be sent, dropped its connection or was refused by a draining
+    instance, or the generation side's KV pull failed."""
+    if not isinstance(e, OrchestratorError):
+        return False
+    if role == "generation":
+        return e.code == "kv_transfer_failed"
+    return isinstance(e, WorkerUnreachable) or e.code in ("worker_failed", "draining")
 
 
 async def _cancel_both(ctx: asyncio.Task, gen: asyncio.Task) -> None:

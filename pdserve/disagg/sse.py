@@ -6,8 +6,11 @@ import json
 from typing import AsyncIterator
 
 
+EVENT_END = b"\n\n"  # the blank line that ends an event (pdserve workers write no \r)
+
+
 def event(data: dict) -> bytes:
-    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + EVENT_END
 
 
 DONE = b"data: [DONE]\n\n"

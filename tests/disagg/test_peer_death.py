@@ -1,10 +1,13 @@
-"""Context instances leaving a cluster under load. Killed with -9 while holding a request's KV: the
-orchestrator prefills again on the surviving instance and the client, whose response had not started,
-gets its answer (200), equal to the aggregated greedy output. Sent SIGTERM: it drains, and no request
-fails."""
+"""Instances leaving a cluster under load. A context instance killed with -9 while it holds a request's
+KV, or before it prefilled it: the orchestrator sends the request again, to the surviving instance, and
+the client, whose response had not started, gets its answer (200), equal to the aggregated greedy
+output, under either schedule style. Sent SIGTERM: it drains, and no request fails. A generation
+instance killed with -9 mid-stream: the client gets an error event and [DONE], and the next request is
+answered by the surviving generation instance."""
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -15,17 +18,41 @@ from harness import MODEL_NAME, AppThread, Occupied, free_port, start_workers, w
 
 from pdserve.disagg.app import build_app
 from pdserve.disagg.config import DisaggConfig
+from pdserve.testing import make_tiny_model
 
 pytestmark = pytest.mark.faults
 PROMPT = list(range(100, 140))
 TRANSCEIVER = {"backend": "shm", "rank_info_timeout_s": 2.0, "kv_transfer_timeout_ms": 4000}
 
 
+# A decode of LONG_TOKENS takes about 2.5 s on the development machine (1 ms a token), so a kill after the
+# first chunks lands mid-stream. The session's tiny model stops at 512 positions (0.5 s of decode).
+LONG_TOKENS = 3000
+LONG_WORKER = {"max_model_len": 4096, "num_kv_blocks": 512, "cache_transceiver_config": TRANSCEIVER}
+
+
+@pytest.fixture(scope="module")
+def long_model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("long-tiny") / "tiny", num_layers=2, num_heads=4, num_kv_heads=2,
+                           max_position_embeddings=4096)
+
+
 def _holds_kv(worker) -> bool:
     return worker.metric("pdserve_kv_cache_blocks_free") < worker.metric("pdserve_kv_cache_blocks_total")
 
 
-def test_a_context_instance_killed_holding_the_kv_is_replaced(tiny_model_dir, tmp_path_factory):
+def _wait(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} within {timeout} s"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("schedule_style", ["context_first", "generation_first"])
+def test_a_context_instance_killed_holding_the_kv_is_replaced(tiny_model_dir, tmp_path_factory, schedule_style):
+    """The busy generation instance pulls the KV seconds after the prefill (generation_first: its
+    request, sent with the context one, waits in its queue), so the doomed instance holds it when it
+    is killed. The pull fails; the orchestrator sends both halves again, to the survivor."""
     workdir = tmp_path_factory.mktemp("death")
     ws = []
     try:
@@ -36,7 +63,8 @@ def test_a_context_instance_killed_holding_the_kv_is_replaced(tiny_model_dir, tm
         body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         expected = httpx.post(gen.url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
         cfg = DisaggConfig(context_servers={"urls": [doomed.url, survivor.url]},
-                           generation_servers={"urls": [gen.url]}, max_retries=1, health_check_interval=60)
+                           generation_servers={"urls": [gen.url]}, max_retries=1, health_check_interval=60,
+                           schedule_style=schedule_style)
         with AppThread(build_app(cfg)) as orch, Occupied(gen, n=16):
             wait_healthy(orch.url)
             with httpx.Client(base_url=orch.url, timeout=60) as client:
@@ -61,7 +89,46 @@ def test_a_context_instance_killed_holding_the_kv_is_replaced(tiny_model_dir, tm
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == expected
         assert not _holds_kv(survivor)
-        print(f"answered {answered:.2f} s after the kill")
+        print(f"{schedule_style}: answered {answered:.2f} s after the kill")
+    finally:
+        for w in ws:
+            w.stop()
+
+
+@pytest.mark.parametrize("schedule_style", ["context_first", "generation_first"])
+def test_a_context_instance_killed_while_prefilling_is_replaced(tiny_model_dir, tmp_path_factory, schedule_style):
+    """The doomed context instance is busy (max_num_seqs 1, a queue of long requests), so the request's
+    context half is still waiting there when it is killed: its connection drops (generation_first: while
+    the generation half waits for the KV). The orchestrator sends the request again, to the survivor."""
+    workdir = tmp_path_factory.mktemp("death-prefill")
+    ws = []
+    try:
+        for extra in ({"max_num_seqs": 1}, {}, {}):  # a busy context instance, another, a generation instance
+            ws += start_workers(tiny_model_dir, workdir, 1, {"cache_transceiver_config": TRANSCEIVER,
+                                                             "kv_events_port": free_port(), **extra})
+        doomed, survivor, gen = ws
+        body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        expected = httpx.post(gen.url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+        cfg = DisaggConfig(context_servers={"urls": [doomed.url, survivor.url]},
+                           generation_servers={"urls": [gen.url]}, max_retries=1, health_check_interval=60,
+                           schedule_style=schedule_style)
+        with AppThread(build_app(cfg)) as orch, Occupied(doomed, n=16), \
+                httpx.Client(base_url=orch.url, timeout=60) as client:
+            wait_healthy(orch.url)
+            response = {}
+            sender = threading.Thread(target=lambda: response.update(r=client.post("/v1/completions", json=body)))
+            sender.start()
+            time.sleep(0.5)  # round robin sent it to the doomed instance first, where it waits behind the queue
+            assert doomed.metric("pdserve_num_requests_waiting") >= 2, "the doomed instance's queue ran dry"
+            killed = time.monotonic()
+            doomed.stop()  # SIGKILL
+            sender.join(60)
+            answered = time.monotonic() - killed
+        r = response["r"]
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == expected
+        _wait(lambda: not _holds_kv(survivor) and not _holds_kv(gen), 5, "both instances free the KV")
+        print(f"{schedule_style}: answered {answered:.2f} s after the kill")
     finally:
         for w in ws:
             w.stop()
@@ -112,6 +179,81 @@ def test_sigterm_drains_a_context_instance_under_load(tiny_model_dir, tmp_path_f
                 t.join(90)
         assert len(results) == 24
         assert [r for r in results if r != (200, "right")] == []
+    finally:
+        for w in ws:
+            w.stop()
+
+
+def test_a_generation_instance_killed_mid_stream(long_model_dir, tmp_path_factory):
+    """kill -9 of the generation instance that is streaming a long answer, after a few chunks: the client
+    gets an OpenAI-style error event naming the generation server, then `data: [DONE]` (what a worker
+    sends after an error, and what clients that read to [DONE] wait for), and the stream closes. The
+    orchestrator stays up, the context instance holds no KV, and the next requests are answered by the
+    other generation instance. The dead one is still in routing (no /health probe ran), so one of the two
+    is sent there first: its refused connection takes it out and the request goes to the survivor. Then
+    the survivor is killed mid-decode of a non-streaming request: a 502 naming it, not a hang or a 500."""
+    workdir = tmp_path_factory.mktemp("gen-death")
+    ws = []
+    try:
+        for _ in range(3):  # one context instance, two generation instances
+            ws += start_workers(long_model_dir, workdir, 1, {**LONG_WORKER, "kv_events_port": free_port()})
+        ctx, gens = ws[0], ws[1:]
+        short = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        expected = httpx.post(gens[0].url + "/v1/completions", json=short, timeout=30).json()["choices"][0]["text"]
+        long = {**short, "max_tokens": LONG_TOKENS}
+        cfg = DisaggConfig(context_servers={"urls": [ctx.url]}, generation_servers={"urls": [g.url for g in gens]},
+                           max_retries=1, health_check_interval=60)
+        with AppThread(build_app(cfg)) as orch, httpx.Client(base_url=orch.url, timeout=30) as client:
+            wait_healthy(orch.url)
+            events: list[str] = []
+            with client.stream("POST", "/v1/completions", json={**long, "stream": True}) as r:
+                assert r.status_code == 200
+                lines = (line[len("data: "):] for line in r.iter_lines() if line.startswith("data: "))
+                events += [next(lines) for _ in range(10)]
+                doomed = next(g for g in gens if _holds_kv(g))  # the one decoding it
+                killed = time.monotonic()
+                doomed.stop()  # SIGKILL
+                for event in lines:  # bounded: the stream has at most LONG_TOKENS + 2 events
+                    if event.startswith('{"error"'):
+                        to_error = time.monotonic() - killed
+                    events.append(event)
+                closed = time.monotonic() - killed
+            assert len(events) < LONG_TOKENS, "the stream ran to its end: the kill was not mid-stream"
+            assert events[-1] == "[DONE]", events[-3:]
+            error = json.loads(events[-2])["error"]
+            assert f"generation server {doomed.url} failed" in error["message"], error
+            assert error["code"] == "worker_failed" and error["type"] == "bad_gateway"
+            assert [e for e in events[:-2] if not e.startswith('{"id"')] == []  # whole token chunks
+            assert closed < 5, f"the stream closed {closed:.2f} s after the kill"
+            _wait(lambda: not _holds_kv(ctx), 5, "the context instance frees its KV")
+            assert client.get("/health").status_code == 200
+
+            answers = []
+            for _ in range(2):
+                answers.append(client.post("/v1/completions", json=short))
+                if len(answers) == 1:
+                    recovered = time.monotonic() - killed
+            assert [(r.status_code, r.json()["choices"][0]["text"]) for r in answers] == [(200, expected)] * 2
+            print(f"generation instance killed mid-stream: error event {to_error:.3f} s after the kill, stream "
+                  f"closed at {closed:.3f} s, first good answer (from the survivor) at {recovered:.3f} s")
+
+            survivor = next(g for g in gens if g is not doomed)
+            answer = {}
+            sender = threading.Thread(target=lambda: answer.update(r=client.post("/v1/completions", json=long)))
+            sender.start()
+            _wait(lambda: _holds_kv(survivor), 10, "the survivor takes the non-streaming request")
+            time.sleep(0.2)  # mid-decode
+            killed = time.monotonic()
+            survivor.stop()
+            sender.join(30)
+            answered = time.monotonic() - killed
+            r = answer["r"]
+            assert r.status_code == 502, r.text
+            error = r.json()["error"]
+            assert error["code"] == "worker_failed" and f"generation server {survivor.url} failed" in error["message"]
+            _wait(lambda: not _holds_kv(ctx), 5, "the context instance frees its KV")
+            assert client.get("/v1/models").status_code == 200  # still up
+            print(f"generation instance killed mid-decode of a non-streaming request: 502 {answered:.3f} s after")
     finally:
         for w in ws:
             w.stop()

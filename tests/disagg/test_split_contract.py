@@ -95,7 +95,9 @@ def test_broken_generation_stream_ends_with_an_error_event():
             lines = [line for line in s.iter_lines() if line]
         assert httpx.get(orch.url + "/health").status_code == 200
     assert '"text": "A"' in lines[0]
-    assert lines[-1].startswith('data: {"error"') and "generation server" in lines[-1]
+    # As the workers and vLLM do: the error event, then [DONE], so a client reading to [DONE] stops.
+    assert lines[-2].startswith('data: {"error"') and "generation server" in lines[-2]
+    assert lines[-1] == "data: [DONE]"
 
 
 def test_slow_worker_is_a_504_naming_the_timeout():
