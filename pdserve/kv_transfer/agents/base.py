@@ -19,18 +19,24 @@ Semantics every backend keeps:
 * The descriptor reflects the regions registered when it was produced; register first, then publish.
 * Addresses are absolute in the owning process (src on the initiator, dst on the target), and a
   fragment must lie inside one registered region; otherwise `TransferAgentError` names it.
+
+The fake and shm agents, whose writes are CPU copies in this process, share `HostCopyAgent`: the
+region table, the shut-down flag and handles the copy marks finished.
 """
 
 from __future__ import annotations
 
 import abc
 import enum
+import logging
 from dataclasses import dataclass
 
 import msgpack
 import numpy as np
 
 from pdserve.kv_transfer.errors import KVTransferError
+
+logger = logging.getLogger(__name__)
 
 
 class TransferAgentError(KVTransferError):
@@ -216,3 +222,77 @@ class TransferAgent(abc.ABC):
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Deregister everything and drop peers; the agent is unusable afterwards."""
+
+
+class CopyHandle(TransferHandle):
+    """A write that a CPU copy in this process carries out (fake and shm agents)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, remote: str, num_bytes: int, num_fragments: int) -> None:
+        super().__init__(remote, num_bytes, num_fragments)
+        self.state = TransferState.IN_PROGRESS
+
+    def run(self, copy, kind: str) -> None:
+        """Do the write (`copy()`, which moves the bytes and then notifies) and record how it ended."""
+        try:
+            copy()
+            self.state = TransferState.DONE
+        except Exception:
+            logger.exception("%s write of %d bytes to %r failed", kind, self.num_bytes, self.remote)
+            self.state = TransferState.FAILED
+
+
+class HostCopyAgent(TransferAgent):
+    """The bookkeeping of agents whose writes are CPU copies of host memory (fake, shm).
+
+    It keeps the registered regions (host memory only), the shut-down flag, and `CopyHandle`s,
+    which the copy marks DONE or FAILED. A backend sets `kind`, registers its extra per-region
+    state around `register_memory`, and implements descriptors, peers, the write itself,
+    notifications and `_close` (what its shutdown frees).
+    """
+
+    kind: str  # the backend's name, as in its descriptor
+
+    def __init__(self) -> None:
+        self._regions = RegionTable()
+        self._closed = False
+
+    def register_memory(self, region: MemoryRegion) -> None:
+        self._check_host(region)
+        self._regions.add(region)
+
+    def deregister_memory(self, region: MemoryRegion) -> None:
+        self._regions.remove(region)
+
+    @property
+    def registered_regions(self) -> tuple[MemoryRegion, ...]:
+        return tuple(self._regions)
+
+    def poll(self, handle: TransferHandle) -> TransferState:
+        assert isinstance(handle, CopyHandle), "a handle from another agent"
+        return handle.state
+
+    def release(self, handle: TransferHandle) -> None:
+        assert isinstance(handle, CopyHandle), "a handle from another agent"
+        if handle.state is TransferState.IN_PROGRESS:
+            raise TransferAgentError("cannot release a write that is still in flight; poll until it finishes")
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._close()
+        self._regions = RegionTable()
+
+    @abc.abstractmethod
+    def _close(self) -> None:
+        """Free what the backend holds (threads, sockets, peers); called once, by `shutdown`."""
+
+    def _check_host(self, region: MemoryRegion) -> None:
+        if region.is_device:
+            raise TransferAgentError(f"the {self.kind} agent moves host memory only; use the nixl agent for VRAM")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferAgentError(f"agent {self.name!r} is shut down")

@@ -9,19 +9,16 @@ is deterministic.
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import weakref
 
 import msgpack
 
 from pdserve.kv_transfer.agents.base import (
-    MemoryRegion,
-    RegionTable,
-    TransferAgent,
+    CopyHandle,
+    HostCopyAgent,
     TransferAgentError,
     TransferHandle,
-    TransferState,
     check_fragments,
     read_descriptor,
 )
@@ -31,50 +28,36 @@ from pdserve.kv_transfer.agents.memcopy import copy_fragments
 _REGISTRY: "weakref.WeakValueDictionary[str, FakeAgent]" = weakref.WeakValueDictionary()
 _REGISTRY_LOCK = threading.Lock()
 _COUNTER = itertools.count()
-logger = logging.getLogger(__name__)
 
 
-class _FakeHandle(TransferHandle):
-    __slots__ = ("state", "job")
+class _FakeHandle(CopyHandle):
+    __slots__ = ("job",)
 
     def __init__(self, remote: str, num_bytes: int, num_fragments: int, job) -> None:
         super().__init__(remote, num_bytes, num_fragments)
-        self.state = TransferState.IN_PROGRESS
-        self.job = job
+        self.job = job  # the copy and the notification, run when not paused
 
 
-class FakeAgent(TransferAgent):
+class FakeAgent(HostCopyAgent):
+    kind = "fake"
+
     def __init__(self, name: str | None = None) -> None:
         self.name = name or f"fake-{next(_COUNTER)}"
         with _REGISTRY_LOCK:
             if self.name in _REGISTRY:
                 raise TransferAgentError(f"a fake agent named {self.name!r} already exists in this process")
             _REGISTRY[self.name] = self
-        self._regions = RegionTable()
+        super().__init__()
         self._peers: set[str] = set()
         self._inbox: list[tuple[str, bytes]] = []
         self._inbox_lock = threading.Lock()
         self._paused = False
         self._pending: list[_FakeHandle] = []
-        self._closed = False
 
-    # -- memory -------------------------------------------------------------------------------
-    def register_memory(self, region: MemoryRegion) -> None:
-        if region.is_device:
-            raise TransferAgentError("the fake agent moves host memory only; use the nixl agent for VRAM")
-        self._regions.add(region)
-
-    def deregister_memory(self, region: MemoryRegion) -> None:
-        self._regions.remove(region)
-
-    @property
-    def registered_regions(self) -> tuple[MemoryRegion, ...]:
-        return tuple(self._regions)
-
+    # -- peers --------------------------------------------------------------------------------
     def local_descriptor(self) -> bytes:
         return msgpack.packb({"kind": "fake", "name": self.name})
 
-    # -- peers --------------------------------------------------------------------------------
     def load_remote(self, descriptor: bytes) -> str:
         name = read_descriptor(descriptor, "fake")["name"]
         if name not in _REGISTRY:
@@ -104,26 +87,13 @@ class FakeAgent(TransferAgent):
             self._run(handle)
         return handle
 
-    def poll(self, handle: TransferHandle) -> TransferState:
-        assert isinstance(handle, _FakeHandle)
-        return handle.state
-
-    def release(self, handle: TransferHandle) -> None:
-        assert isinstance(handle, _FakeHandle)
-        if handle.state is TransferState.IN_PROGRESS:
-            raise TransferAgentError("cannot release a write that is still in flight; poll until it finishes")
-
     def get_notifications(self) -> list[tuple[str, bytes]]:
         with self._inbox_lock:
             out, self._inbox = self._inbox, []
         return out
 
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _close(self) -> None:
         self.resume()
-        self._regions = RegionTable()
         self._peers.clear()
         with _REGISTRY_LOCK:
             if _REGISTRY.get(self.name) is self:
@@ -142,8 +112,7 @@ class FakeAgent(TransferAgent):
 
     # -- internals ----------------------------------------------------------------------------
     def _peer(self, remote: str) -> "FakeAgent":
-        if self._closed:
-            raise TransferAgentError(f"agent {self.name!r} is shut down")
+        self._check_open()
         if remote not in self._peers:
             raise TransferAgentError(f"peer {remote!r} was not loaded; call load_remote(descriptor) first")
         peer = _REGISTRY.get(remote)
@@ -152,14 +121,8 @@ class FakeAgent(TransferAgent):
         return peer
 
     def _run(self, handle: _FakeHandle) -> None:
-        try:
-            handle.job()
-            handle.state = TransferState.DONE
-        except Exception:
-            logger.exception("fake write to %r failed", handle.remote)
-            handle.state = TransferState.FAILED
-        finally:
-            handle.job = None
+        job, handle.job = handle.job, None
+        handle.run(job, self.kind)
 
     def _deliver(self, sender: str, message: bytes) -> None:
         with self._inbox_lock:

@@ -32,12 +32,12 @@ import msgpack
 import numpy as np
 
 from pdserve.kv_transfer.agents.base import (
+    CopyHandle,
+    HostCopyAgent,
     MemoryRegion,
     RegionTable,
-    TransferAgent,
     TransferAgentError,
     TransferHandle,
-    TransferState,
     check_fragments,
     read_descriptor,
 )
@@ -141,19 +141,13 @@ class _PeerRegion:
     local_ptr: int  # where this region is mapped in this process
 
 
-class _ShmHandle(TransferHandle):
-    __slots__ = ("state",)
+class ShmAgent(HostCopyAgent):
+    kind = "shm"
 
-    def __init__(self, remote: str, num_bytes: int, num_fragments: int) -> None:
-        super().__init__(remote, num_bytes, num_fragments)
-        self.state = TransferState.IN_PROGRESS
-
-
-class ShmAgent(TransferAgent):
     def __init__(self, name: str | None = None) -> None:
+        super().__init__()
         self.name = name or f"shm-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._host = host_identity()
-        self._regions = RegionTable()
         self._files: dict[MemoryRegion, tuple[str, int, int]] = {}
         self._peers: dict[str, tuple[RegionTable, list[_PeerRegion], str]] = {}
         self._maps: dict[tuple[str, int], tuple[mmap.mmap, np.ndarray]] = {}
@@ -165,23 +159,17 @@ class ShmAgent(TransferAgent):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._worker = threading.Thread(target=self._work, name=f"{self.name}-copy", daemon=True)
         self._worker.start()
-        self._closed = False
 
     # -- memory -------------------------------------------------------------------------------
     def register_memory(self, region: MemoryRegion) -> None:
-        if region.is_device:
-            raise TransferAgentError("the shm agent moves host memory only; use the nixl agent for VRAM")
+        self._check_host(region)  # before the backing-file search, whose error would mislead for VRAM
         backing = _backing_file(region)
-        self._regions.add(region)
+        super().register_memory(region)
         self._files[region] = backing
 
     def deregister_memory(self, region: MemoryRegion) -> None:
-        self._regions.remove(region)
+        super().deregister_memory(region)
         del self._files[region]
-
-    @property
-    def registered_regions(self) -> tuple[MemoryRegion, ...]:
-        return tuple(self._regions)
 
     def local_descriptor(self) -> bytes:
         regions = [[r.ptr, r.nbytes, *self._files[r]] for r in self._regions]
@@ -215,8 +203,7 @@ class ShmAgent(TransferAgent):
 
     # -- writes -------------------------------------------------------------------------------
     def submit_write(self, remote, src_ptrs, dst_ptrs, sizes, notification: bytes) -> TransferHandle:
-        if self._closed:
-            raise TransferAgentError(f"agent {self.name!r} is shut down")
+        self._check_open()
         src, dst, sz = check_fragments(src_ptrs, dst_ptrs, sizes)
         try:
             table, peer_regions, notify = self._peers[remote]
@@ -228,19 +215,10 @@ class ShmAgent(TransferAgent):
             idx = table.locate(dst, sz, f"destination on {remote!r}")
             shift = np.array([r.local_ptr - r.ptr for r in peer_regions], dtype=np.int64)
             local_dst = (dst.astype(np.int64) + shift[idx]).astype(np.uint64)
-        handle = _ShmHandle(remote, int(sz.sum()), len(sz))
+        handle = CopyHandle(remote, int(sz.sum()), len(sz))
         message = msgpack.packb([self.name, bytes(notification)])
         self._jobs.put((handle, local_dst, src, sz, notify, message))
         return handle
-
-    def poll(self, handle: TransferHandle) -> TransferState:
-        assert isinstance(handle, _ShmHandle)
-        return handle.state
-
-    def release(self, handle: TransferHandle) -> None:
-        assert isinstance(handle, _ShmHandle)
-        if handle.state is TransferState.IN_PROGRESS:
-            raise TransferAgentError("cannot release a write that is still in flight; poll until it finishes")
 
     def get_notifications(self) -> list[tuple[str, bytes]]:
         out = []
@@ -255,15 +233,11 @@ class ShmAgent(TransferAgent):
             except Exception:
                 logger.warning("shm agent %s dropped a malformed notification (%d bytes)", self.name, len(data))
 
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _close(self) -> None:
         self._jobs.put(None)
         self._worker.join(timeout=30)
         self._inbox.close()
         self._outbox.close()
-        self._regions = RegionTable()
         self._files.clear()
         self._peers.clear()
         self._maps.clear()  # mmaps close when their last view is dropped
@@ -294,10 +268,9 @@ class ShmAgent(TransferAgent):
             if job is None:
                 return
             handle, dst, src, sz, notify, message = job
-            try:
+
+            def copy() -> None:
                 copy_fragments(dst, src, sz)
                 self._outbox.sendto(message, notify)
-                handle.state = TransferState.DONE
-            except Exception:
-                logger.exception("shm write of %d bytes to %r failed", handle.num_bytes, handle.remote)
-                handle.state = TransferState.FAILED
+
+            handle.run(copy, self.kind)
