@@ -39,10 +39,10 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench.arrivals import parse_rate
-from pdserve.bench.cli import add_workload_arguments, endpoint_of, load_tokenizer, run_once, workload_of
 from pdserve.bench.metrics import SLO, RequestRecord, summarize
 from pdserve.bench.report import load_json, rate_json, write_json
 from pdserve.bench.runner import BenchmarkError
+from pdserve.bench.single_run import add_workload_arguments, endpoint_of, load_tokenizer, run_once, workload_of
 
 SCHEMA = "pdserve.bench.sweep/1"
 

@@ -28,7 +28,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from pdserve.disagg.routers import Route, RouteRequest, Router
+from pdserve.disagg.router_base import Route, RouteRequest, Router
 from pdserve.engine.block_manager import block_hashes
 
 log = logging.getLogger(__name__)

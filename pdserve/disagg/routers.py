@@ -8,7 +8,8 @@ synchronous and owned by one event loop: the orchestrator's (one process) or the
     kv_cache_aware  most prefix blocks already cached minus load (kv_cache_aware.py)
     conversation    the instance that served this conversation before, else the least loaded
 
-`select` reserves load on the chosen instance; the caller must `finish` it exactly once.
+The interface the policies share (RouteRequest, Route, Router) is in router_base.py; this module
+re-exports it with the policies, so callers import routing from here.
 """
 
 from __future__ import annotations
@@ -16,97 +17,14 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 from pdserve.disagg.config import RouterConfig
+from pdserve.disagg.kv_cache_aware import KvCacheAwareRouter
+from pdserve.disagg.router_base import NoReadyInstance, Route, RouteRequest, Router
 
-
-class NoReadyInstance(Exception):
-    """Every instance of the role is down or still starting."""
-
-
-@dataclass
-class RouteRequest:
-    """What a router may look at. token_ids only when the request was tokenized (kv_cache_aware,
-    conditional disaggregation, or load_balancing by tokens)."""
-
-    num_tokens: int = 0
-    token_ids: list[int] | None = None
-    session_key: str | None = None
-
-    def to_json(self) -> dict:
-        return {"num_tokens": self.num_tokens, "token_ids": self.token_ids, "session_key": self.session_key}
-
-    @classmethod
-    def from_json(cls, data: dict) -> "RouteRequest":
-        return cls(num_tokens=int(data.get("num_tokens") or 0), token_ids=data.get("token_ids"),
-                   session_key=data.get("session_key"))
-
-
-@dataclass
-class Route:
-    url: str
-    matched_blocks: int = 0  # prefix blocks the instance already holds (kv_cache_aware only)
-    tokens_per_block: int | None = None
-
-
-@dataclass
-class _Load:
-    requests: int = 0
-    tokens: int = 0
-
-
-class Router:
-    kind = "base"
-
-    def __init__(self, urls: list[str], config: RouterConfig):
-        self.urls = list(urls)
-        self.config = config
-        self.ready: set[str] = set()
-        self.load: dict[str, _Load] = {u: _Load() for u in self.urls}
-        self.selected: dict[str, int] = {u: 0 for u in self.urls}
-
-    def set_ready(self, url: str, ready: bool) -> None:
-        (self.ready.add if ready else self.ready.discard)(url)
-
-    def _candidates(self) -> list[str]:
-        ready = [u for u in self.urls if u in self.ready]  # config order: ties break deterministically
-        if not ready:
-            raise NoReadyInstance(f"no ready instance among {', '.join(self.urls)}")
-        return ready
-
-    def _pick(self, req: RouteRequest) -> Route:
-        raise NotImplementedError
-
-    def select(self, req: RouteRequest) -> Route:
-        route = self._pick(req)
-        load = self.load[route.url]
-        load.requests += 1
-        load.tokens += req.num_tokens
-        self.selected[route.url] += 1
-        return route
-
-    def finish(self, url: str, req: RouteRequest) -> None:
-        load = self.load[url]
-        assert load.requests > 0, f"finish without select on {url}"
-        load.requests -= 1
-        load.tokens -= req.num_tokens
-
-    def snapshot(self) -> dict[str, Any]:
-        return {"type": self.kind, "instances": [
-            {"url": u, "ready": u in self.ready, "in_flight_requests": self.load[u].requests,
-             "in_flight_tokens": self.load[u].tokens, "selected": self.selected[u]} for u in self.urls]}
-
-    @property
-    def needs_tokens(self) -> bool:
-        return False
-
-    async def start(self, http) -> None:
-        """Start background work (KV event subscriptions); `http` is the process's httpx client."""
-
-    async def close(self) -> None:
-        pass
+__all__ = ["ConversationRouter", "KvCacheAwareRouter", "LoadBalancingRouter", "NoReadyInstance", "RoundRobinRouter",
+           "Route", "RouteRequest", "Router", "make_router", "session_key"]
 
 
 class RoundRobinRouter(Router):
@@ -185,8 +103,6 @@ def session_key(body: dict, conversation_id: str | None, config: RouterConfig) -
 
 
 def make_router(urls: list[str], config: RouterConfig) -> Router:
-    from pdserve.disagg.kv_cache_aware import KvCacheAwareRouter
-
     classes: dict[str, type[Router]] = {"round_robin": RoundRobinRouter, "load_balancing": LoadBalancingRouter,
                                         "kv_cache_aware": KvCacheAwareRouter, "conversation": ConversationRouter}
     return classes[config.type](urls, config)
