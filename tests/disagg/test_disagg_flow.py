@@ -1,8 +1,8 @@
 """The full split against transceiver-enabled workers: context_only on a context instance, then
 generation_only with its disaggregated_params on a generation instance (docs/disaggregation.md).
 
-Every test here needs workers that answer /v1/disagg_info with a backend; until the worker side of
-the contract exists they skip with that reason."""
+Every test here starts workers with cache_transceiver_config; one that does not start, or does not
+answer /v1/disagg_info with a backend, fails the test."""
 
 from __future__ import annotations
 
@@ -23,31 +23,26 @@ GREEDY = {"temperature": 0.0, "max_tokens": 8, "extra_body": {"ignore_eos": True
 
 
 def _transceiver_workers(model_dir, workdir, n: int) -> list:
-    from harness import worker_config_has_transceiver
-
-    if not worker_config_has_transceiver():
-        pytest.skip("pdserve serve has no cache_transceiver_config yet (worker side of disaggregation)")
     ws = []
     try:
         for _ in range(n):  # one at a time: each needs its own kv_events_port
             ws += start_workers(model_dir, workdir, 1, {"cache_transceiver_config": {"backend": "shm"},
                                                         "kv_events_port": free_port()})
-    except RuntimeError as e:
+    except BaseException:  # start_workers stops its own; stop the ones started before it
         for w in ws:
             w.stop()
-        pytest.skip(f"transceiver-enabled worker did not start: {str(e)[-400:]}")
-    if not all(worker_supports_disagg(w.url) for w in ws):
+        raise
+    without = [w.url for w in ws if not worker_supports_disagg(w.url)]
+    if without:
         for w in ws:
             w.stop()
-        pytest.skip("workers do not answer /v1/disagg_info with a backend yet (worker side of disaggregation)")
+        pytest.fail(f"workers {without} run with cache_transceiver_config but do not answer /v1/disagg_info "
+                    "with a backend")
     return ws
 
 
 @pytest.fixture(scope="module")
-def pair(workers, tiny_model_dir, tmp_path_factory):
-    # A plain worker already running tells, for free, whether the endpoint exists at all.
-    if httpx.get(workers[0].url + "/v1/disagg_info", timeout=5).status_code == 404:
-        pytest.skip("workers do not serve /v1/disagg_info yet (worker side of disaggregation)")
+def pair(tiny_model_dir, tmp_path_factory):
     ws = _transceiver_workers(tiny_model_dir, tmp_path_factory.mktemp("pair"), 2)
     yield ws
     for w in ws:
