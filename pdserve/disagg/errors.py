@@ -1,4 +1,5 @@
-"""The orchestrator's one exception, returned to the client as an OpenAI-style error body.
+"""The orchestrator's exceptions: the server's OpenAI-style `APIError` (server/errors.py, which holds
+the status -> type table), raised as `OrchestratorError` so the orchestrator's handlers catch its own.
 
     400 invalid_request_error   the request is not something the orchestrator can split
     401 authentication_error    missing or wrong API key / cluster token
@@ -10,27 +11,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 409: "conflict_error", 500: "internal_error", 502: "bad_gateway",
-          503: "service_unavailable", 504: "gateway_timeout"}
+from pdserve.server.errors import APIError
 
 
-@dataclass
-class OrchestratorError(Exception):
-    status: int
-    message: str
-    code: str | None = None
-    param: str | None = None
-    type: str | None = None  # a worker's own error type, kept when its error is passed through
+class OrchestratorError(APIError):
+    """An `APIError` whose third argument is the code (the orchestrator names a code far more often
+    than a param): OrchestratorError(status, message, code, param, type)."""
 
-    def __str__(self) -> str:
-        return self.message
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type or _TYPES.get(self.status, "invalid_request_error"),
-                          "param": self.param, "code": self.code}}
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
+                 type: str | None = None) -> None:
+        super().__init__(status, message, param, code, type)
 
 
 class WorkerUnreachable(OrchestratorError):
