@@ -146,6 +146,19 @@ def gen_block_ids(topo: Topology, num_tokens: int) -> np.ndarray:
     return np.arange(topo.num_blocks - 1, topo.num_blocks - 1 - n, -1, dtype=np.int64)  # reversed
 
 
+def offer_and_ask(ctx: list[Rank], gen: list[Rank], rid: int, num_tokens: int) -> np.ndarray:
+    """Offer `rid` on every ctx rank (its blocks filled with the oracle) and ask for it on every gen rank;
+    the gen block ids it will land in."""
+    ids_c = ctx_block_ids(Topology("ctx", tokens_per_block=ctx[0].info.tokens_per_block), num_tokens)
+    ids_g = gen_block_ids(Topology("gen", tokens_per_block=gen[0].info.tokens_per_block), num_tokens)
+    for r in ctx:
+        fill(r, ids_c)
+        r.tx.respond_and_send_async(rid, {0: ids_c})
+    for r in gen:
+        r.tx.request_and_receive_async(rid, ctx[0].tx.endpoint, {0: ids_g})
+    return ids_g
+
+
 def pump_until(ranks: list[Rank], side: str, count: int, timeout_s: float, also: list[Rank] = ()) -> dict:
     """Poll every rank until each reported `count` finished sessions; returns per-rank results.
     `also`: ranks of the other side living in this process, polled too so they make progress."""

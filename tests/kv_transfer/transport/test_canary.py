@@ -11,25 +11,14 @@ import time
 import numpy as np
 import pytest
 
-from kvt_instance import Topology, build_instance, ctx_block_ids, fill, gen_block_ids, mismatches, pump_until, shutdown
+from kvt_instance import (Topology, build_instance, ctx_block_ids, fill, mismatches, offer_and_ask, pump_until,
+                          shutdown)
 from pdserve.kv_transfer import canary, transceiver
 from pdserve.kv_transfer.agents.faults import FaultPlan
 from pdserve.kv_transfer.registrar import TransferPlan
 
 pytestmark = pytest.mark.faults
 SLOTS = {"canary_slots": canary.CANARY_SLOTS}
-
-
-def _ask(ctx, gen, rid: int, num_tokens: int):
-    """Offer `rid` on every ctx rank (filled with the oracle), ask for it on every gen rank."""
-    ids_c = ctx_block_ids(Topology("ctx", tokens_per_block=ctx[0].info.tokens_per_block), num_tokens)
-    ids_g = gen_block_ids(Topology("gen", tokens_per_block=gen[0].info.tokens_per_block), num_tokens)
-    for r in ctx:
-        fill(r, ids_c)
-        r.tx.respond_and_send_async(rid, {0: ids_c})
-    for r in gen:
-        r.tx.request_and_receive_async(rid, ctx[0].tx.endpoint, {0: ids_g})
-    return ids_g
 
 
 def _settle(ranks, timeout_s: float = 10) -> None:
@@ -52,7 +41,7 @@ def _settle(ranks, timeout_s: float = 10) -> None:
 def test_the_canary_passes_and_the_held_request_follows_byte_exact(pair, caplog, ctx_topo, gen_topo):
     caplog.set_level(logging.INFO, logger="pdserve.kv_transfer.transceiver")
     ctx, gen = pair(ctx_topo, gen_topo, ctx_options=SLOTS, gen_options=SLOTS)
-    ids_g = _ask(ctx, gen, 1, 21)
+    ids_g = offer_and_ask(ctx, gen, 1, 21)
     results = pump_until(gen, "gen", 1, 10, also=ctx)
     assert all(done == [1] and not failed for done, failed in results.values()), results
     assert [mismatches(r, ids_g, 21) for r in gen] == [0] * len(gen)
@@ -63,7 +52,7 @@ def test_the_canary_passes_and_the_held_request_follows_byte_exact(pair, caplog,
         assert canary.check(r.info, canary.canary_block_ids(r.info, tokens), tokens) is None
     # The second request of the pair is not held: no second canary.
     _settle(ctx + gen)
-    _ask(ctx, gen, 2, 9)
+    offer_and_ask(ctx, gen, 2, 9)
     pump_until(gen, "gen", 1, 10, also=ctx)
     assert len([m for m in caplog.messages if "first-contact canary with" in m]) == len(gen)
     _settle(ctx + gen)
@@ -80,7 +69,7 @@ def _misplacing(real):
 def test_a_mapper_that_misplaces_bytes_fails_first_contact_and_no_kv_is_taken(pair, monkeypatch):
     ctx, gen = pair(Topology("ctx", heads=4), Topology("gen", tp=2, heads=4), ctx_options=SLOTS, gen_options=SLOTS)
     monkeypatch.setattr(transceiver, "plan_write", _misplacing(transceiver.plan_write))
-    ids_g = _ask(ctx, gen, 3, 16)
+    ids_g = offer_and_ask(ctx, gen, 3, 16)
     results = pump_until(gen, "gen", 1, 10, also=ctx)
     for done, failed in results.values():
         assert done == [] and "the first-contact canary with the context instance at" in failed[3], failed
@@ -89,7 +78,7 @@ def test_a_mapper_that_misplaces_bytes_fails_first_contact_and_no_kv_is_taken(pa
         assert not r.kv()[ids_g].any()
     _settle(ctx + gen)  # the context side got a CANCEL: its send session of request 3 ended too
     monkeypatch.undo()  # the mapper fixed (a restarted instance, say): the next contact checks again
-    ids_g = _ask(ctx, gen, 4, 16)
+    ids_g = offer_and_ask(ctx, gen, 4, 16)
     results = pump_until(gen, "gen", 1, 10, also=ctx)
     assert all(done == [4] for done, _ in results.values()), results
     assert [mismatches(r, ids_g, 16) for r in gen] == [0, 0]
@@ -98,13 +87,13 @@ def test_a_mapper_that_misplaces_bytes_fails_first_contact_and_no_kv_is_taken(pa
 
 def test_a_corrupted_canary_fails_first_contact_and_the_next_contact_passes(pair):
     ctx, gen = pair(ctx_options={**SLOTS, "faults": FaultPlan(corrupt_rate=1.0, seed=5)}, gen_options=SLOTS)
-    _ask(ctx, gen, 5, 12)
+    offer_and_ask(ctx, gen, 5, 12)
     results = pump_until(gen, "gen", 1, 10, also=ctx)
     assert "first-contact canary" in results[0][1][5] and "1 of " in results[0][1][5], results
     assert ctx[0].tx.agent.injected["corrupted_writes"] == 1  # only the canary was written
     _settle(ctx + gen)
     ctx[0].tx.agent.plan = FaultPlan()
-    ids_g = _ask(ctx, gen, 6, 12)
+    ids_g = offer_and_ask(ctx, gen, 6, 12)
     assert pump_until(gen, "gen", 1, 10, also=ctx)[0] == ([6], {})
     assert mismatches(gen[0], ids_g, 12) == 0
     _settle(ctx + gen)
@@ -112,7 +101,7 @@ def test_a_corrupted_canary_fails_first_contact_and_the_next_contact_passes(pair
 
 def test_a_request_cancelled_while_held_ends_at_once_on_both_sides(pair):
     ctx, gen = pair(ctx_options=SLOTS, gen_options=SLOTS)
-    _ask(ctx, gen, 7, 12)
+    offer_and_ask(ctx, gen, 7, 12)
     assert gen[0].tx.recv_sessions[7].held  # still behind the canary
     assert gen[0].tx.cancel_request(7) is True
     assert 7 not in gen[0].tx.recv_sessions
@@ -123,7 +112,7 @@ def test_a_request_cancelled_while_held_ends_at_once_on_both_sides(pair):
 
 def test_a_silent_context_instance_times_the_held_request_out_naming_the_canary(pair):
     ctx, gen = pair(timeout_ms=300, ctx_options=SLOTS, gen_options=SLOTS)
-    _ask(ctx, gen, 8, 12)
+    offer_and_ask(ctx, gen, 8, 12)
     results = pump_until(gen, "gen", 1, 10)  # the context side is never polled: nothing is written
     assert "first-contact canary" in results[0][1][8], results
 
@@ -132,7 +121,7 @@ def test_canaries_with_two_context_instances_run_one_at_a_time(pair):
     ctx_a, gen = pair(ctx_options=SLOTS, gen_options=SLOTS)
     ctx_b = build_instance(Topology("ctx-b", tokens_per_block=8), "fake", canary_slots=canary.CANARY_SLOTS)
     try:
-        ids_a = _ask(ctx_a, gen, 9, 12)
+        ids_a = offer_and_ask(ctx_a, gen, 9, 12)
         ids_b = np.array([1, 2], np.int64)  # gen blocks not used by request 9
         fill(ctx_b[0], ctx_block_ids(Topology("ctx-b", tokens_per_block=8), 12))
         ctx_b[0].tx.respond_and_send_async(10, {0: ctx_block_ids(Topology("ctx-b", tokens_per_block=8), 12)})
@@ -150,7 +139,7 @@ def test_canaries_with_two_context_instances_run_one_at_a_time(pair):
 def test_a_pair_without_canary_blocks_is_served_unchecked(pair, caplog):
     caplog.set_level(logging.INFO, logger="pdserve.kv_transfer.transceiver")
     ctx, gen = pair(ctx_options={"canary_slots": 0}, gen_options=SLOTS)  # the context side reserved none
-    ids_g = _ask(ctx, gen, 11, 12)
+    ids_g = offer_and_ask(ctx, gen, 11, 12)
     assert pump_until(gen, "gen", 1, 10, also=ctx)[0] == ([11], {})
     assert mismatches(gen[0], ids_g, 12) == 0
     assert any("not checked by a first-contact canary" in m for m in caplog.messages)

@@ -9,7 +9,7 @@ import zlib
 import numpy as np
 import pytest
 
-from kvt_instance import Topology, ctx_block_ids, fill, gen_block_ids, mismatches, pump_until
+from kvt_instance import Topology, ctx_block_ids, fill, gen_block_ids, mismatches, offer_and_ask, pump_until
 from pdserve.kv_transfer.agents.faults import FaultPlan
 from pdserve.kv_transfer.integrity import block_digests, first_mismatch, to_wire
 from pdserve.kv_transfer.page_table import PhysicalPool
@@ -20,13 +20,7 @@ CORRUPT_EVERY_WRITE = FaultPlan(corrupt_rate=1.0, seed=3)
 
 
 def _transfer(ctx_ranks, gen_ranks, rid: int, num_tokens: int):
-    ids_c = ctx_block_ids(Topology("ctx", tokens_per_block=ctx_ranks[0].info.tokens_per_block), num_tokens)
-    ids_g = gen_block_ids(Topology("gen", tokens_per_block=gen_ranks[0].info.tokens_per_block), num_tokens)
-    for r in ctx_ranks:
-        fill(r, ids_c)
-        r.tx.respond_and_send_async(rid, {0: ids_c})
-    for r in gen_ranks:
-        r.tx.request_and_receive_async(rid, ctx_ranks[0].tx.endpoint, {0: ids_g})
+    ids_g = offer_and_ask(ctx_ranks, gen_ranks, rid, num_tokens)
     results = pump_until(gen_ranks, "gen", 1, 10, also=ctx_ranks)
     deadline = time.monotonic() + 10
     while any(r.tx.send_sessions for r in ctx_ranks) and time.monotonic() < deadline:
