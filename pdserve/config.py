@@ -14,6 +14,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pdserve.kv_transfer.agents.faults import FaultPlan
+from pdserve.kv_transfer.bounce import BounceConfig
+from pdserve.kv_transfer.transceiver import TransceiverConfig
+
+# The KV exchange's defaults live in the library (kv_transfer/); the user-facing keys below take theirs
+# from these, in the units the user writes, and `to_transceiver_config` is the one translation back.
+_TX = TransceiverConfig()
+_BOUNCE = BounceConfig()
 
 
 class BounceSettings(BaseModel):
@@ -22,10 +29,18 @@ class BounceSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = False
-    staging_mb: int = Field(256, ge=1, description="registered staging buffer per rank, MiB")
-    min_kv_blocks: int = Field(96, ge=1)
-    min_fragments: int = Field(1024, ge=1)
-    max_mean_fragment_kb: int = Field(16, ge=1)
+    staging_mb: int = Field(_BOUNCE.staging_bytes >> 20, ge=1, description="registered staging buffer per rank, MiB")
+    min_kv_blocks: int = Field(_BOUNCE.min_kv_blocks, ge=1)
+    min_fragments: int = Field(_BOUNCE.min_fragments, ge=1)
+    max_mean_fragment_kb: int = Field(_BOUNCE.max_avg_fragment_bytes >> 10, ge=1)
+
+    def to_bounce_config(self) -> BounceConfig | None:
+        """The library's BounceConfig, or None when bouncing is off. min_state_bytes keeps the library's
+        default: it gates state payloads, which no supported model has."""
+        if not self.enabled:
+            return None
+        return BounceConfig(staging_bytes=self.staging_mb << 20, min_kv_blocks=self.min_kv_blocks,
+                            min_fragments=self.min_fragments, max_avg_fragment_bytes=self.max_mean_fragment_kb << 10)
 
 
 class CacheTransceiverConfig(BaseModel):
@@ -35,22 +50,26 @@ class CacheTransceiverConfig(BaseModel):
 
     backend: Literal["nixl", "shm"] | None = Field(
         None, description="transfer agent; required for context_only / generation_only requests")
-    kv_transfer_timeout_ms: int = Field(30_000, ge=1, description="a transfer older than this fails and frees its KV")
-    rank_info_timeout_s: float = Field(5.0, gt=0, description="first contact with a context instance")
+    kv_transfer_timeout_ms: int = Field(
+        _TX.kv_transfer_timeout_ms, ge=1, description="a transfer older than this fails and frees its KV")
+    rank_info_timeout_s: float = Field(
+        _TX.rank_info_timeout_s, gt=0, description="first contact with a context instance")
     host: str = Field("127.0.0.1", description="address the KV control endpoints bind to and advertise")
     cluster_token: str | None = Field(
         None, min_length=1, repr=False,
         description="when set, the KV control plane requires it (ZeroMQ CURVE); the same on every instance")
     max_control_message_mb: int = Field(
-        16, ge=1, description="a KV control peer sending a larger message is disconnected, MiB")
+        _TX.max_control_message_bytes >> 20, ge=1,
+        description="a KV control peer sending a larger message is disconnected, MiB")
     bounce: BounceSettings = BounceSettings()
     pipelined_transfer: bool = Field(
         False, description="context side: offer each prefill chunk's finished blocks as soon as it is computed "
                            "(generation_first requests; takes effect with chunked prefill)")
     checksum: bool = Field(
-        False, description="a CRC32 per KV block, computed by the context side and checked by the generation side; "
-                           "a mismatch fails the transfer (the orchestrator retries it). Either side turns it on; "
-                           "host memory only")
+        _TX.checksum,
+        description="a CRC32 per KV block, computed by the context side and checked by the generation side; "
+                    "a mismatch fails the transfer (the orchestrator retries it). Either side turns it on; "
+                    "host memory only")
     canary: bool = Field(
         True, description="first contact with a context instance writes a known pattern through the real mapping "
                           "into blocks kept for it, and the generation side checks every byte before any request "
@@ -58,6 +77,14 @@ class CacheTransceiverConfig(BaseModel):
     fault_injection: FaultPlan | None = Field(
         None, description="testing only: make this instance's writes fail or start late, and lose some of the "
                           "notifications it receives (kv_transfer/agents/faults.py)")
+
+    def to_transceiver_config(self) -> TransceiverConfig:
+        """The library's TransceiverConfig for one rank (host, backend, canary, pipelining and faults are
+        the engine's to apply)."""
+        return TransceiverConfig(
+            kv_transfer_timeout_ms=self.kv_transfer_timeout_ms, rank_info_timeout_s=self.rank_info_timeout_s,
+            bounce=self.bounce.to_bounce_config(), max_control_message_bytes=self.max_control_message_mb << 20,
+            cluster_token=self.cluster_token, checksum=self.checksum)
 
 
 class EngineConfig(BaseModel):

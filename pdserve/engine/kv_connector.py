@@ -32,11 +32,10 @@ from pdserve.config import CacheTransceiverConfig
 from pdserve.distributed import ParallelState
 from pdserve.kv_transfer.agents import MemoryRegion, make_agent
 from pdserve.kv_transfer.agents.faults import FaultyAgent
-from pdserve.kv_transfer.bounce import BounceConfig
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.page_table import MapperKind, page_table_for_block_major_pool
 from pdserve.kv_transfer.rank_info import RankInfo
-from pdserve.kv_transfer.transceiver import KVTransceiver, TransceiverConfig
+from pdserve.kv_transfer.transceiver import KVTransceiver
 
 log = logging.getLogger(__name__)
 
@@ -80,37 +79,47 @@ class RankReport:
                    {int(k): bytes(v) for k, v in w[4]})
 
 
+@dataclass(frozen=True)
+class KVPoolGeometry:
+    """What a rank's KV pool holds, beyond its tensor: the layout, its layers and heads."""
+
+    layout: str  # "HND" or "NHD" (kv_transfer.page_table.MapperKind)
+    first_layer: int  # global id of the pool's first layer
+    stage_layers: tuple[int, ...]  # layers per pipeline stage
+    total_kv_heads: int
+    kv_heads_per_rank: int
+    head_dim: int
+    tokens_per_block: int
+    canary_slots: int = 0  # slots past the cache manager's, kept for the first-contact canary
+
+    def __post_init__(self) -> None:
+        if self.layout not in MapperKind.__members__:
+            raise ValueError(f"KV layout must be HND or NHD, got {self.layout!r}")
+
+
 class KVConnector:
     def __init__(self, cfg: CacheTransceiverConfig, ps: ParallelState, instance_name: str, pool: torch.Tensor,
-                 layout: str, first_layer: int, stage_layers: list[int],
-                 total_kv_heads: int, kv_heads_per_rank: int, head_dim: int, tokens_per_block: int,
-                 canary_slots: int = 0):
+                 geometry: KVPoolGeometry):
         self.ps = ps
         self.agent = make_agent(cfg.backend, name=f"{instance_name}-rank{ps.rank}")
         if cfg.fault_injection is not None and cfg.fault_injection.active:
             self.agent = FaultyAgent(self.agent, cfg.fault_injection)
         self.region = MemoryRegion.of_tensor(pool)
         self.agent.register_memory(self.region)
-        bounce = None
-        if cfg.bounce.enabled:
-            b = cfg.bounce
-            bounce = BounceConfig(staging_bytes=b.staging_mb << 20, min_kv_blocks=b.min_kv_blocks,
-                                  min_fragments=b.min_fragments, max_avg_fragment_bytes=b.max_mean_fragment_kb << 10)
-        self.tx = KVTransceiver(self.agent, TransceiverConfig(
-            cfg.kv_transfer_timeout_ms, cfg.rank_info_timeout_s, bounce,
-            max_control_message_bytes=cfg.max_control_message_mb << 20, cluster_token=cfg.cluster_token,
-            checksum=cfg.checksum), host=cfg.host)
+        self.tx = KVTransceiver(self.agent, cfg.to_transceiver_config(), host=cfg.host)
+        g = geometry
         num_local = pool.shape[1]
         table = page_table_for_block_major_pool(
-            base=pool.data_ptr(), num_blocks=pool.shape[0], num_layers=num_local, kv_heads=kv_heads_per_rank,
-            tokens_per_block=tokens_per_block, head_dim=head_dim, element_bytes=pool.element_size(),
-            layout=MapperKind[layout], global_layer_ids=range(first_layer, first_layer + num_local))
+            base=pool.data_ptr(), num_blocks=pool.shape[0], num_layers=num_local, kv_heads=g.kv_heads_per_rank,
+            tokens_per_block=g.tokens_per_block, head_dim=g.head_dim, element_bytes=pool.element_size(),
+            layout=MapperKind[g.layout], global_layer_ids=range(g.first_layer, g.first_layer + num_local))
         self.info = RankInfo(
             instance_name=instance_name, rank=ps.rank, tp_size=ps.tp_size, tp_rank=ps.tp_rank, pp_size=ps.pp_size,
-            pp_rank=ps.pp_rank, cp_size=1, cp_rank=0, dp_size=1, dp_rank=0, layers_per_pp_stage=tuple(stage_layers),
-            total_kv_heads=total_kv_heads, kv_heads_per_rank=kv_heads_per_rank, head_dim=head_dim,
-            element_bytes=pool.element_size(), tokens_per_block=tokens_per_block, page_table=table,
-            agent_descriptor=self.tx.local_descriptor(), control_endpoint=self.tx.endpoint, canary_slots=canary_slots)
+            pp_rank=ps.pp_rank, cp_size=1, cp_rank=0, dp_size=1, dp_rank=0, layers_per_pp_stage=g.stage_layers,
+            total_kv_heads=g.total_kv_heads, kv_heads_per_rank=g.kv_heads_per_rank, head_dim=g.head_dim,
+            element_bytes=pool.element_size(), tokens_per_block=g.tokens_per_block, page_table=table,
+            agent_descriptor=self.tx.local_descriptor(), control_endpoint=self.tx.endpoint,
+            canary_slots=g.canary_slots)
         self.endpoint: str | None = None  # rank 0's control endpoint: what peers are told
         self._cancelling: set[int] = set()
 

@@ -15,9 +15,10 @@ import msgpack
 import torch
 import torch.distributed as dist
 
+from pdserve.config import EngineConfig
 from pdserve.distributed import ParallelState, broadcast_bytes, recv_bytes, send_bytes
 from pdserve.engine.host_malloc import keep_freed_memory
-from pdserve.engine.kv_connector import KVConnector, RankReport, shared_pool_allocator
+from pdserve.engine.kv_connector import KVConnector, KVPoolGeometry, RankReport, shared_pool_allocator
 from pdserve.engine.sampler import SampleResult, SampleSpec, sample
 from pdserve.models import cpu_kernels
 from pdserve.models.attention import AttentionMetadata, PagedKVCache, SeqSlice
@@ -74,7 +75,7 @@ def kv_block_bytes(cfg: ModelConfig, num_layers: int, tp_size: int, tokens_per_b
     return num_layers * 2 * kv_heads * tokens_per_block * cfg.head_dim * dtype.itemsize
 
 
-def num_kv_blocks(cfg: ModelConfig, ecfg, kv_dtype: torch.dtype) -> int:
+def num_kv_blocks(cfg: ModelConfig, ecfg: EngineConfig, kv_dtype: torch.dtype) -> int:
     """Every rank computes the same count (block ids are global across ranks), sized by the largest stage."""
     if ecfg.num_kv_blocks:
         return ecfg.num_kv_blocks
@@ -84,8 +85,8 @@ def num_kv_blocks(cfg: ModelConfig, ecfg, kv_dtype: torch.dtype) -> int:
 
 
 class ModelRunner:
-    def __init__(self, ecfg, model_cfg: ModelConfig, model_dir: Path, ps: ParallelState, device: torch.device,
-                 max_model_len: int, instance_name: str, pool_allocator=None):
+    def __init__(self, ecfg: EngineConfig, model_cfg: ModelConfig, model_dir: Path, ps: ParallelState,
+                 device: torch.device, max_model_len: int, instance_name: str, pool_allocator=None):
         self.ecfg = ecfg
         self.ps = ps
         self.device = device
@@ -121,10 +122,10 @@ class ModelRunner:
         self.kv_heads_per_rank = kv_heads
         self.connector: KVConnector | None = None
         if tc.backend is not None:
-            self.connector = KVConnector(
-                tc, ps, instance_name, self.pool, ecfg.kv_layout, self.model.first_layer,
-                stage_layers(model_cfg.num_layers, ps.pp_size), model_cfg.num_kv_heads, kv_heads,
-                model_cfg.head_dim, self.tokens_per_block, canary_slots)
+            geometry = KVPoolGeometry(
+                ecfg.kv_layout, self.model.first_layer, tuple(stage_layers(model_cfg.num_layers, ps.pp_size)),
+                model_cfg.num_kv_heads, kv_heads, model_cfg.head_dim, self.tokens_per_block, canary_slots)
+            self.connector = KVConnector(tc, ps, instance_name, self.pool, geometry)
             self.connector.start([RankInfo.from_bytes(b) for b in self._all_gather_bytes(self.connector.info.to_bytes())])
 
     def _all_gather_bytes(self, data: bytes) -> list[bytes]:

@@ -44,7 +44,7 @@ _ALIGN = 64
 
 @dataclass(frozen=True)
 class BounceConfig:
-    staging_bytes: int = 1 << 30  # per rank; holds one segment per concurrent writer/receive
+    staging_bytes: int = 256 << 20  # per rank; holds one segment per concurrent writer/receive
     min_kv_blocks: int = 96
     min_state_bytes: int = 2 << 20
     min_fragments: int = 1024

@@ -80,7 +80,7 @@ def _no_agreement(request_ids: list[int], states: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class TransceiverConfig:
     kv_transfer_timeout_ms: int = 30_000  # a session older than this errors out and releases everything
-    rank_info_timeout_s: float = 10.0  # the first contact with a context instance
+    rank_info_timeout_s: float = 5.0  # the first contact with a context instance
     bounce: BounceConfig | None = None  # None = direct writes only (the default)
     max_control_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # a peer sending a bigger frame is disconnected
     cluster_token: str | None = field(default=None, repr=False)  # set: CURVE on the control plane (messenger.py)
