@@ -1,4 +1,4 @@
-"""Per-request transfer sessions of the transceiver, and the ordered status used to agree on them.
+"""Per-request transfer sessions of the transceiver, and the status each one reports on this rank.
 
 Lifecycle of a send session (context rank):
 
@@ -19,6 +19,8 @@ Lifecycle of a receive session (generation rank):
         (TRANSFER_ERROR / timeout ──> FAILED; cancel ──> CANCEL sent, removed once writers settle)
 
 A session entry exists exactly while the request is in flight: empty tables mean "all done".
+A session's status is this rank's alone; the executor settles a request once every rank of its
+instance reported it (engine/kv_connector.py, TransferTally).
 """
 
 from __future__ import annotations
@@ -35,8 +37,7 @@ from pdserve.kv_transfer.rank_info import RankInfo
 
 
 class TransferStatus(enum.IntEnum):
-    """Ordered so that a MIN across ranks is the most cautious common outcome:
-    anyone still moving bytes -> wait; else anyone failed -> failed; else done."""
+    """One rank's view of a session, from the most cautious: still moving bytes, failed, done."""
 
     IN_PROGRESS = 0
     FAILED = 1

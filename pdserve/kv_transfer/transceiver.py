@@ -60,10 +60,6 @@ from pdserve.kv_transfer.sessions import RecvSession, SendChunk, SendSession, Tr
 
 logger = logging.getLogger(__name__)
 
-# Agree on session outcomes across the ranks of one instance: given the request ids (same order on
-# every rank) and this rank's TransferStatus per id, return the MIN over ranks. Single rank: identity.
-AgreeFn = Callable[[list[int], np.ndarray], np.ndarray]
-
 # Longest wait between two polls of the agent inside `at_least` waits. Control messages wake the wait
 # at once; agent completions and notifications can only be polled. A poll step costs ~20-30 us of
 # CPU: 0.1 ms keeps detection well under a millisecond (a 10 ms write loses <1%) for ~20% of one
@@ -71,10 +67,6 @@ AgreeFn = Callable[[list[int], np.ndarray], np.ndarray]
 # NIXL's UCX progress thread on small machines.
 POLL_INTERVAL_S = 0.0001
 _REMEMBER_CLOSED = 4096
-
-
-def _no_agreement(request_ids: list[int], states: np.ndarray) -> np.ndarray:
-    return states
 
 
 @dataclass(frozen=True)
@@ -94,11 +86,10 @@ class TransceiverConfig:
 
 
 class KVTransceiver:
-    def __init__(self, agent: TransferAgent, config: TransceiverConfig | None = None, host: str = "127.0.0.1",
-                 agree: AgreeFn | None = None) -> None:
+    def __init__(self, agent: TransferAgent, config: TransceiverConfig | None = None,
+                 host: str = "127.0.0.1") -> None:
         self.agent = agent
         self.config = config or TransceiverConfig()
-        self._agree = agree or _no_agreement
         self._events: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._wake = threading.Event()  # set by the listener when it enqueues a message
         self._own: RankInfo | None = None
@@ -719,8 +710,7 @@ class KVTransceiver:
         results = TransferResults()
         if not ids:
             return results
-        agreed = self._agree(ids, local)
-        for rid, state in zip(ids, agreed.tolist()):
+        for rid, state in zip(ids, local.tolist()):
             if state == TransferStatus.DONE:
                 session = table.pop(rid)
                 results.completed.append(rid)
@@ -731,7 +721,7 @@ class KVTransceiver:
                         results.states[rid] = session.state
             elif state == TransferStatus.FAILED:
                 session = table.pop(rid)
-                results.failed[rid] = reason(session) or "failed on another rank of this instance"
+                results.failed[rid] = reason(session)
             if state != TransferStatus.IN_PROGRESS and table is self.recv_sessions:
                 self._close_recv(session)
         return results

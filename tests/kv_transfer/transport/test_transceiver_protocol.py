@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 
 from kvt_instance import Topology, ctx_block_ids, fill, gen_block_ids, mismatches, pump_until
 from pdserve.kv_transfer.errors import KVTransferError
-from pdserve.kv_transfer.sessions import TransferStatus
 
 
 def _eventually(cond, timeout_s=5.0) -> bool:
@@ -105,27 +103,6 @@ def test_full_round_trip_and_duplicate_ids_rejected(pair):
     assert _eventually(lambda: [r.tx.check_context_transfer_status() for r in ctx_ranks]
                        and not any(r.tx.send_sessions for r in ctx_ranks))
     assert not any(r.tx.has_inflight_transfer() for r in ctx_ranks + gen_ranks)
-
-
-def test_agreement_fn_holds_a_session_until_every_rank_agrees(pair):
-    (ctx,), (gen,) = pair()
-    calls = []
-
-    def pessimistic(ids, states):  # another rank is still in progress
-        calls.append((list(ids), states.tolist()))
-        return np.full_like(states, TransferStatus.IN_PROGRESS) if len(calls) < 3 else states
-
-    gen.tx._agree = pessimistic
-    ids_c, ids_g = ctx_block_ids(Topology("ctx"), 8), gen_block_ids(Topology("gen"), 8)
-    fill(ctx, ids_c)
-    ctx.tx.respond_and_send_async(3, {0: ids_c})
-    gen.tx.request_and_receive_async(3, ctx.tx.endpoint, {0: ids_g})
-    res = pump_until([ctx], "ctx", 1, 5)
-    assert res[0][0] == [3]
-    assert gen.tx.check_gen_transfer_status().completed == []  # locally DONE, agreed IN_PROGRESS
-    assert gen.tx.check_gen_transfer_status().completed == []
-    assert gen.tx.check_gen_transfer_status().completed == [3]
-    assert calls[0] == ([3], [TransferStatus.DONE])
 
 
 def test_unknown_context_endpoint_fails_fast_and_registers_nothing(pair):
