@@ -1,8 +1,11 @@
 """The synchronous engine: admit requests, step, report outputs.
 
-One step reads as three calls:
+One step reads as four calls:
 
-    batch = scheduler.schedule(); result = runner.step(spec(batch)); postprocess(batch, result)
+    batch = scheduler.schedule()                  # which sequences, how many tokens each
+    batch, sampled, reports = run(batch, kv.commands())   # every rank's forward step and KV commands
+    scheduler.postprocess(batch, sampled)         # tokens, stops, finishes: the lifecycle (scheduler.py)
+    kv.settle(batch, reports)                     # sends this step made possible; transfers every rank settled
 
 Ranks other than 0 run in their own processes (see `worker.py`) and follow rank 0's steps.
 """
@@ -13,7 +16,6 @@ import base64
 import itertools
 import logging
 import multiprocessing as mp
-import time
 import uuid
 from pathlib import Path
 from typing import Callable
@@ -30,7 +32,7 @@ from pdserve.engine.sampling_defaults import describe, read_sampling_defaults
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler
 from pdserve.engine.kv_exchange import KVExchange
-from pdserve.engine.sequence import DisaggInfo, FinishReason, RequestType, Sequence
+from pdserve.engine.sequence import DisaggInfo, RequestType, Sequence
 from pdserve.engine.worker import pick_device, set_threads, worker_main
 from pdserve.models.config import ModelConfig
 from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -57,19 +59,18 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.model_name = ecfg.served_model_name or _default_name(ecfg.model, self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
-        self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.sampling_defaults = read_sampling_defaults(self.model_dir, ecfg.generation_config)
         log.info(describe(self.sampling_defaults))
         self.instance_name = ecfg.instance_name or f"pdserve-{uuid.uuid4().hex[:8]}"
         self._procs: list[mp.Process] = []
         self.runner = self._start_ranks(pool_allocator)
         self.blocks = BlockManager(self.runner.num_blocks, ecfg.tokens_per_block, ecfg.enable_prefix_caching, on_kv_event)
-        self.scheduler = Scheduler(self.blocks, ecfg.max_num_seqs, ecfg.max_num_tokens, ecfg.enable_chunked_prefill)
-        self.seqs: dict[str, Sequence] = {}
-        self.trackers: dict[str, OutputTracker] = {}
+        self.scheduler = Scheduler(self.blocks, ecfg.max_num_seqs, ecfg.max_num_tokens, ecfg.enable_chunked_prefill,
+                                   self.eos_token_ids, self.max_model_len, self._context_params)
+        self.seqs = self.scheduler.seqs  # every request in flight, by id (read-only here: the scheduler owns it)
         self._ids = itertools.count()
-        self.by_disagg_id: dict[int, Sequence] = {}
-        self.kv = KVExchange(self)
+        self.kv = KVExchange(self.scheduler, self.runner.connector, ecfg)
 
     def _max_model_len(self) -> int:
         """The context window: the configured one, never past the model's positions."""
@@ -148,11 +149,7 @@ class LLMEngine:
                 seq.output_logprobs = unpack_opaque_state(disagg.opaque_state).get("logprobs", [])
             for t in seq.output_token_ids:
                 tracker.on_token(t, False)
-        if disagg is not None:
-            self.by_disagg_id[disagg.disagg_request_id] = seq
-        self.seqs[request_id] = seq
-        self.trackers[request_id] = tracker
-        self.scheduler.add(seq)
+        self.scheduler.add(seq, tracker)
         return request_id
 
     def _check_disagg(self, request_type: RequestType, disagg: DisaggInfo | None) -> None:
@@ -162,7 +159,7 @@ class LLMEngine:
                 "set cache_transceiver_config.backend (nixl or shm) in its config")
         if disagg is None or disagg.disagg_request_id <= 0:
             raise RequestError(f"request_type {request_type.value!r} needs disaggregated_params.disagg_request_id > 0")
-        if disagg.disagg_request_id in self.by_disagg_id:
+        if disagg.disagg_request_id in self.scheduler.by_disagg_id:
             raise ConflictError(f"disagg_request_id {disagg.disagg_request_id} is already in flight on this worker")
         if request_type is RequestType.GENERATION_ONLY:
             if disagg.generation_first and disagg.first_gen_tokens:
@@ -174,39 +171,17 @@ class LLMEngine:
                 raise RequestError("generation_only needs disaggregated_params.ctx_info_endpoint")
 
     def abort(self, request_id: str) -> None:
-        seq = self.seqs.get(request_id)
-        if seq is None or seq.is_finished:
-            return
-        self._end(seq, FinishReason.ABORT)
+        self.scheduler.abort(request_id)
 
     def release_kv(self, disagg_request_id: int) -> bool:
         """An answered context_only request whose KV nobody will pull (the orchestrator's client went
         away, or the generation side failed): free it now, not after kv_transfer_timeout_ms. False when
         this instance holds no such request (already pulled, never here, or its answer is still due:
         closing that HTTP request aborts it)."""
-        seq = self.by_disagg_id.get(disagg_request_id)
-        if seq is None or seq.request_type is not RequestType.CONTEXT_ONLY or seq.request_id in self.trackers:
-            return False
-        if seq.disagg.cancelling:
-            return True
-        self._end(seq, FinishReason.ABORT)
-        return True
+        return self.scheduler.release_kv(disagg_request_id)
 
-    def _end(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
-        """Finish `seq` before its time. Its blocks are freed now, or, while a transfer may still write
-        them, once every rank confirms the cancel."""
-        d = seq.disagg
-        cancel = d is not None and d.may_still_write
-        if cancel:
-            d.cancelled_while = self.kv.stage(seq)
-        if not seq.is_finished or error is not None:
-            seq.error = error
-            seq.finish(reason)
-        if cancel:
-            self.scheduler.hold(seq)
-            self.kv.cancel(seq)
-        else:
-            self.retire(seq)
+    def take_abort_output(self, request_id: str) -> RequestOutput | None:
+        return self.scheduler.take_abort_output(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self.scheduler.parked) or self.kv.poll_due()
@@ -216,28 +191,26 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         kv = self.kv.commands()
-        outputs = self.kv.take_failed_outputs()
-        if not batch and not kv and not self.scheduler.parked and not self.kv.poll_due():
-            return outputs
+        if batch or kv or self.scheduler.parked or self.kv.poll_due():
+            batch, sampled, reports = self._run(batch, kv)
+            self.scheduler.postprocess(batch, sampled)
+            self.kv.settle(batch, reports)
+        return self.scheduler.take_outputs()
+
+    def _run(self, batch: list[ScheduledSeq], kv: list[list]) -> tuple[list[ScheduledSeq], SampleResult | None, list]:
+        """Every rank's forward step of `batch`, with the KV commands. Returns the sequences that went
+        through, their samples, and the ranks' KV reports (one list per runner step taken)."""
         spec = self._spec(batch)
         spec.kv = kv
         result = self.runner.step(spec)
-        self.kv.polled()
         reports = [result.kv_reports]
-        sampled = result.sampled
-        if result.failure is not None:
-            batch, sampled, reports[1:] = self._isolate_failure(batch, spec.seqs, result.failure, outputs)
-        if batch:
-            outputs += self._postprocess(batch, sampled)
-        for report in reports:
-            if report is not None:
-                outputs += self.kv.settle(report)
-        if not batch:
-            time.sleep(0.001)  # only transfers in flight: poll, don't spin
-        return outputs
+        if result.failure is None:
+            return batch, result.sampled, reports
+        batch, sampled, reports[1:] = self._isolate_failure(batch, spec.seqs, result.failure)
+        return batch, sampled, reports
 
-    def _isolate_failure(self, batch: list[ScheduledSeq], steps: list[SeqStep], failure: str,
-                         outputs: list[RequestOutput]) -> tuple[list[ScheduledSeq], SampleResult, list]:
+    def _isolate_failure(self, batch: list[ScheduledSeq], steps: list[SeqStep],
+                         failure: str) -> tuple[list[ScheduledSeq], SampleResult, list]:
         """The forward step failed (one process: nothing was committed). Run each sequence's part of it
         alone, so a request that makes the model fail takes down itself, not its batch. Returns the
         sequences that went through, their samples, and the KV reports of the extra steps."""
@@ -249,7 +222,7 @@ class LLMEngine:
             if result is not None:
                 reports.append(result.kv_reports)
             if result is None or result.failure is not None:
-                outputs += self._fail_all([s], f"the forward step failed: {result.failure if result else failure}")
+                self.scheduler.fail(s.seq, f"the forward step failed: {result.failure if result else failure}")
                 continue
             kept.append(s)
             if s.samples:
@@ -280,100 +253,22 @@ class LLMEngine:
             steps.append(SeqStep(seq.all_token_ids[start:start + s.num_new_tokens], start, seq.block_ids, sample))
         return StepSpec(steps)
 
-    def _postprocess(self, batch: list[ScheduledSeq], result) -> list[RequestOutput]:
-        sampling = [s for s in batch if s.samples]
-        starts = [s.seq.num_computed_tokens for s in batch]  # before commit() advances them
-        self.scheduler.commit(batch)
-        outputs = []
-        for i, s in enumerate(sampling):
-            error = result.error(i)
-            try:
-                if error is None:
-                    outputs.append(self._take_token(s.seq, result.token_ids[i], result.logprobs[i],
-                                                    result.top_logprobs[i]))
-            except Exception as e:  # one request's bookkeeping (detokenizing, say) must not stop the loop
-                log.exception("request %s: handling its token failed", s.seq.request_id)
-                error = f"{type(e).__name__}: {e}"
-            if error is not None:
-                outputs += self._fail_all([s], error)
-        self.kv.offer(batch, starts, [s in sampling for s in batch])
-        return outputs
-
-    def _take_token(self, seq: Sequence, token: int, logprob: float | None, top: list | None) -> RequestOutput:
-        seq.output_token_ids.append(token)
-        if logprob is not None:
-            seq.output_logprobs.append({"token_id": token, "logprob": logprob, "top": top or []})
-        self.check_stop(seq, token)
-        # generation_first: the generation side waits for this prompt's KV even when the first
-        # token already ends the request, so it is sent all the same.
-        awaited = seq.request_type is RequestType.CONTEXT_ONLY and seq.disagg.generation_first
-        if seq.is_finished and not awaited:
-            self.retire(seq)
-            return self.trackers.pop(seq.request_id).flush()
-        if seq.request_type is RequestType.CONTEXT_ONLY:
-            self.scheduler.park(seq)
-            return self._context_done(seq)
-        return self.trackers[seq.request_id].flush()
-
-    def _fail_all(self, batch: list[ScheduledSeq], reason: str) -> list[RequestOutput]:
-        """End each request of `batch` with an error the client sees (HTTP 500 naming `reason`). Blocks
-        are freed now, or once every rank confirms that no transfer can still touch them."""
-        outputs = []
-        for s in batch:
-            seq = s.seq
-            if seq.request_id not in self.seqs:  # already retired
-                continue
-            log.error("request %s failed: %s", seq.request_id, reason)
-            self._end(seq, FinishReason.ERROR, reason)
-            tracker = self.trackers.pop(seq.request_id, None)
-            if tracker is not None:
-                outputs.append(tracker.flush())
-        return outputs
-
-    def _context_done(self, seq: Sequence) -> RequestOutput:
-        """context_only: the client's answer is complete; the KV stays until the transfer settles."""
-        out = self.trackers.pop(seq.request_id).flush()
-        out.finished, out.finish_reason = True, (seq.finish_reason or FinishReason.LENGTH).value
+    def _context_params(self, seq: Sequence) -> dict:
+        """The disaggregated_params of a context_only answer: what the generation instance needs."""
         d = seq.disagg
-        out.disaggregated_params = {
+        return {
             "request_type": RequestType.GENERATION_ONLY.value, "first_gen_tokens": list(seq.output_token_ids),
             "ctx_request_id": d.disagg_request_id, "disagg_request_id": d.disagg_request_id,
             "opaque_state": pack_opaque_state({"logprobs": seq.output_logprobs}) if seq.output_logprobs else None,
             "draft_tokens": None, "ctx_dp_rank": 0, "ctx_info_endpoint": self.kv_endpoint,
         }
-        return out
 
     def _banned(self, p: SamplingParams) -> list[int] | None:
         """Tokens that would end the output, which min_tokens keeps from being sampled."""
         ending = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
         return sorted(t for t in ending if 0 <= t < self.model_cfg.vocab_size) or None
 
-    def check_stop(self, seq: Sequence, token: int) -> None:
-        p = seq.params
-        is_eos = token in self.eos_token_ids and not p.ignore_eos
-        is_stop_id = token in p.stop_token_ids
-        self.trackers[seq.request_id].on_token(token, is_eos or is_stop_id,
-                                               stop_strings=len(seq.output_token_ids) >= p.min_tokens)
-        if seq.is_finished:  # a stop string matched
-            return
-        if is_eos:
-            seq.finish(FinishReason.STOP)
-        elif is_stop_id:
-            seq.finish(FinishReason.STOP, token)
-        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish(FinishReason.LENGTH)
-
-    def retire(self, seq: Sequence) -> None:
-        self.scheduler.release(seq)
-        self.seqs.pop(seq.request_id, None)
-        if seq.disagg is not None:
-            self.by_disagg_id.pop(seq.disagg.disagg_request_id, None)
-
-    def take_abort_output(self, request_id: str) -> RequestOutput | None:
-        tracker = self.trackers.pop(request_id, None)
-        return tracker.flush() if tracker else None
-
-    # -- lifecycle --------------------------------------------------------------------------------
+    # -- shutdown --------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
         self.kv.close()

@@ -1,30 +1,71 @@
-"""Continuous batching with chunked prefill, prefix reuse and preemption.
+"""Continuous batching, and the one owner of a request's lifecycle.
 
-Each step gives every running sequence its next chunk (one token when decoding, a slice of the prompt
-when prefilling), then admits waiting sequences while the token budget and KV blocks last. When blocks
-run out, the newest running sequence is preempted: its blocks are freed and it is requeued at the
-front, to be recomputed later. A pipelined context_only prefill is pinned instead: it reserves its
-whole prompt at admission and is never a victim, since its blocks may be mid-transfer. The scheduler never blocks; it only decides.
+`schedule()` decides a step; `postprocess(batch, result)` applies its tokens (nano-vllm's
+`scheduler.postprocess(batch, out)`). Every state change of a request happens in this module: the
+engine only asks (add, abort, release_kv), and the KV exchange only reports what every rank settled
+(kv_arrived, transfer_ended) or that a transfer never began (fail).
+
+Lifecycle. SeqState is an ordered IntEnum; each arrow names the one call that takes it:
+
+  add()                 schedule(): _admit (prefix matched, blocks allocated)
+    ──> WAITING ───────────────────────────────────────────────> RUNNING ───postprocess(): EOS, stop──> FINISHED
+         │  ^            schedule(): _preempt (blocks freed,         │  ^     id or string, max_tokens,
+         │  └──────────────────────────── recomputed later) ─────────┤  │     context window
+         │ schedule(): _park_for_kv                                  │  │
+         v (generation_only: blocks for the prompt's KV)             │  │ kv_arrived(): decode resumes from
+    GEN_AWAITING_KV ─────────────────────────────────────────────────┼──┘ first_gen_tokens, or (generation_first)
+         │                                                           │    the token that came with the KV
+         │                  postprocess(): a context_only's first    v
+         │                  token is out (the KV is kept) ──> CTX_TRANSMITTING ──transfer_ended()──> FINISHED
+         │                                                                       (done, failed or cancelled)
+         └──transfer_ended() (failed), fail() (first contact failed)──────────────────────────────> FINISHED
+
+  Any state ──end() (abort, release_kv, fail)──> FINISHED. Its blocks are freed at once (_retire), or,
+  while a transfer may still write them, the request is held (_hold: parked, not stepped) and its
+  transfer cancelled, until transfer_ended() reports that every rank confirmed the cancel.
+  A context_only generation_first request whose first token already ends it still parks in
+  CTX_TRANSMITTING: the generation side waits for that KV all the same.
+  (One more arrow lives in output.py: OutputTracker.on_token finishes a request on a stop string.)
+
+Where a request is: `waiting` (no blocks), `running` (blocks, stepped), `parked` (blocks, not stepped:
+GEN_AWAITING_KV, CTX_TRANSMITTING, or held), or retired (gone from every table, blocks freed).
+
+When blocks run out, the newest running sequence is preempted: its blocks are freed and it is
+requeued at the front, to be recomputed later. A pipelined context_only prefill is pinned instead: it
+reserves its whole prompt at admission and is never a victim, since its blocks may be mid-transfer.
+The scheduler never blocks; it only decides and records.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 from pdserve.engine.block_manager import BlockManager, block_hashes
-from pdserve.engine.sequence import RequestType, Sequence, SeqState
+from pdserve.engine.output import OutputTracker, RequestOutput
+from pdserve.engine.sequence import FinishReason, RequestType, Sequence, SeqState
+
+if TYPE_CHECKING:
+    from pdserve.engine.sampler import SampleResult
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class ScheduledSeq:
+    """One sequence's part of a step, fixed when it is scheduled (commit() advances the sequence)."""
+
     seq: Sequence
     num_new_tokens: int
+    start: int = field(init=False)  # the first position this step computes
+    samples: bool = field(init=False)  # this step produces the next token (its last pending one is computed)
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step produces the sequence's next token (its last pending token is computed)."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.start = self.seq.num_computed_tokens
+        self.samples = self.start + self.num_new_tokens == self.seq.num_tokens
 
 
 def _pinned(seq: Sequence) -> bool:
@@ -32,23 +73,57 @@ def _pinned(seq: Sequence) -> bool:
     return seq.disagg is not None and seq.disagg.pipelined and seq.request_type is RequestType.CONTEXT_ONLY
 
 
+def transfer_stage(seq: Sequence) -> str:
+    """Where a request's transfer stands, in words, for a log line about it."""
+    d = seq.disagg
+    if seq.request_type is RequestType.GENERATION_ONLY:
+        if seq.state is SeqState.GEN_AWAITING_KV:
+            return f"waiting for its KV from {d.ctx_info_endpoint}"
+        return "decoding (its KV had arrived)"
+    if seq.state is SeqState.RUNNING:
+        return "prefilling, its KV leaving chunk by chunk"
+    return "prefilled, its KV waiting for the generation instance to pull it"
+
+
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_tokens: int, chunked_prefill: bool):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_tokens: int, chunked_prefill: bool,
+                 eos_token_ids: frozenset[int] = frozenset(), max_model_len: int = sys.maxsize,
+                 context_params: Callable[[Sequence], dict] | None = None):
+        """`context_params(seq)`: the disaggregated_params a finished context_only answer carries."""
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_tokens = max_num_tokens
         self.chunked_prefill = chunked_prefill
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.context_params = context_params
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # Sequences that hold blocks but take no forward steps: KV leaving (context_only) or arriving
-        # (generation_only). Keyed by request id.
+        # (generation_only), or held until a cancelled transfer settles. Keyed by request id.
         self.parked: dict[str, Sequence] = {}
+        self.seqs: dict[str, Sequence] = {}  # every request not yet retired
+        self.trackers: dict[str, OutputTracker] = {}  # requests whose client answer is not complete yet
+        self.by_disagg_id: dict[int, Sequence] = {}
+        self.outputs: list[RequestOutput] = []  # the output sink: what clients are told, drained each step
+        self.cancels: list[int] = []  # disagg ids whose transfer every rank must stop (the KV exchange sends them)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, tracker: OutputTracker | None = None) -> None:
+        """A new request: WAITING. `tracker` defaults to one without a detokenizer (no text)."""
+        if seq.disagg is not None:
+            self.by_disagg_id[seq.disagg.disagg_request_id] = seq
+        self.seqs[seq.request_id] = seq
+        self.trackers[seq.request_id] = tracker or OutputTracker(seq, None)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def take_outputs(self) -> list[RequestOutput]:
+        out, self.outputs = self.outputs, []
+        return out
+
+    # -- schedule(): WAITING -> RUNNING | GEN_AWAITING_KV, RUNNING -> WAITING --------------------------
 
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_tokens
@@ -121,15 +196,6 @@ class Scheduler:
         self.parked[seq.request_id] = seq
         return True
 
-    def kv_arrived(self, request_id: str) -> Sequence:
-        """The prompt's KV is in place: decode resumes from the first generated token."""
-        seq = self.parked.pop(request_id)
-        assert seq.state is SeqState.GEN_AWAITING_KV, f"{request_id} is {seq.state.name}, not awaiting KV"
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        seq.state = SeqState.RUNNING
-        self.running.append(seq)
-        return seq
-
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         extra = self.blocks.blocks_needed(num_tokens) - len(seq.block_ids)
         if extra <= 0:
@@ -147,6 +213,24 @@ class Scheduler:
         seq.state = SeqState.WAITING
         self.waiting.appendleft(seq)
 
+    # -- postprocess(): RUNNING -> RUNNING | CTX_TRANSMITTING | FINISHED -------------------------------
+
+    def postprocess(self, batch: list[ScheduledSeq], result: SampleResult | None) -> None:
+        """After the forward pass: advance computed counts, publish newly full blocks, take each sampled
+        token and apply what it means for its request. `result` holds one row per sampling sequence."""
+        sampling = [s for s in batch if s.samples]
+        self.commit(batch)
+        for i, s in enumerate(sampling):
+            error = result.error(i)
+            try:
+                if error is None:
+                    self._take_token(s.seq, result.token_ids[i], result.logprobs[i], result.top_logprobs[i])
+            except Exception as e:  # one request's bookkeeping (detokenizing, say) must not stop the loop
+                log.exception("request %s: handling its token failed", s.seq.request_id)
+                error = f"{type(e).__name__}: {e}"
+            if error is not None:
+                self.fail(s.seq, error)
+
     def commit(self, batch: list[ScheduledSeq]) -> None:
         """After the forward pass: advance computed counts and publish newly full blocks."""
         tpb = self.blocks.tokens_per_block
@@ -159,8 +243,149 @@ class Scheduler:
                 hashes = block_hashes(seq.all_token_ids[: full * tpb], tpb)
                 self.blocks.commit_full_blocks(seq.block_ids, hashes, before)
 
-    def release(self, seq: Sequence) -> None:
-        """Drop a finished, aborted or transferred sequence and free its blocks."""
+    def _take_token(self, seq: Sequence, token: int, logprob: float | None, top: list | None) -> None:
+        seq.output_token_ids.append(token)
+        if logprob is not None:
+            seq.output_logprobs.append({"token_id": token, "logprob": logprob, "top": top or []})
+        self._check_stop(seq, token)
+        # generation_first: the generation side waits for this prompt's KV even when the first
+        # token already ends the request, so it is sent all the same.
+        awaited = seq.request_type is RequestType.CONTEXT_ONLY and seq.disagg.generation_first
+        if seq.is_finished and not awaited:
+            self._retire(seq)
+            self.outputs.append(self.trackers.pop(seq.request_id).flush())
+        elif seq.request_type is RequestType.CONTEXT_ONLY:
+            self._park(seq)
+            self.outputs.append(self._context_answer(seq))
+        else:
+            self.outputs.append(self.trackers[seq.request_id].flush())
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        is_eos = token in self.eos_token_ids and not p.ignore_eos
+        is_stop_id = token in p.stop_token_ids
+        self.trackers[seq.request_id].on_token(token, is_eos or is_stop_id,
+                                               stop_strings=len(seq.output_token_ids) >= p.min_tokens)
+        if seq.is_finished:  # a stop string matched
+            return
+        if is_eos:
+            seq.finish(FinishReason.STOP)
+        elif is_stop_id:
+            seq.finish(FinishReason.STOP, token)
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish(FinishReason.LENGTH)
+
+    def _park(self, seq: Sequence) -> None:
+        """context_only: the first token is out; keep the KV until the transfer settles."""
+        self.running.remove(seq)
+        seq.state = SeqState.CTX_TRANSMITTING
+        self.parked[seq.request_id] = seq
+
+    def _context_answer(self, seq: Sequence) -> RequestOutput:
+        """context_only: the client's answer is complete; the KV stays until the transfer settles."""
+        out = self.trackers.pop(seq.request_id).flush()
+        out.finished, out.finish_reason = True, (seq.finish_reason or FinishReason.LENGTH).value
+        out.disaggregated_params = self.context_params(seq) if self.context_params is not None else None
+        return out
+
+    # -- what the KV exchange settled: GEN_AWAITING_KV -> RUNNING, CTX_TRANSMITTING -> FINISHED ---------
+
+    def kv_arrived(self, seq: Sequence, first: tuple[int, list] | None = None) -> None:
+        """generation_only: the prompt's KV is in place; decode resumes from the first generated token.
+        generation_first: `first` is (token, logprobs), which came with the KV."""
+        del self.parked[seq.request_id]
+        assert seq.state is SeqState.GEN_AWAITING_KV, f"{seq.request_id} is {seq.state.name}, not awaiting KV"
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.state = SeqState.RUNNING
+        self.running.append(seq)
+        if first is not None:
+            token, logprobs = first
+            seq.output_token_ids.append(token)
+            if seq.params.logprobs is not None:
+                seq.output_logprobs += [{**e, "top": [tuple(t) for t in e["top"]]} for e in logprobs]
+            self._check_stop(seq, token)
+        if seq.is_finished:
+            self._retire(seq)
+            self.outputs.append(self.trackers.pop(seq.request_id).flush())
+        else:
+            self.outputs.append(self.trackers[seq.request_id].flush())
+
+    def transfer_ended(self, seq: Sequence, failure: str | None) -> None:
+        """Every rank settled `seq`'s transfer and its KV did not arrive here (context side: sent,
+        failed or cancelled; generation side: failed or cancelled): the request ends, its blocks freed."""
+        if seq.state is SeqState.GEN_AWAITING_KV:
+            seq.error = f"KV transfer from {seq.disagg.ctx_info_endpoint} failed: {failure}"
+            seq.finish(FinishReason.ERROR)
+        elif seq.state is SeqState.RUNNING:  # a pipelined prefill whose receiver went away
+            seq.error = f"KV transfer to the generation instance failed: {failure}"
+            seq.finish(FinishReason.ERROR)
+        tracker = self.trackers.pop(seq.request_id, None)
+        if tracker is not None and seq.finish_reason is not FinishReason.ABORT:
+            self.outputs.append(tracker.flush())
+        seq.state = SeqState.FINISHED  # CTX_TRANSMITTING: its answer went out when it parked
+        self._retire(seq)
+
+    def cancel_transfer(self, seq: Sequence) -> None:
+        """Ask every rank to stop `seq`'s transfer (the KV exchange sends it with the next step)."""
+        if not seq.disagg.cancelling:
+            seq.disagg.cancelling = True
+            self.cancels.append(seq.disagg.disagg_request_id)
+
+    # -- ending early: any state -> FINISHED ------------------------------------------------------------
+
+    def abort(self, request_id: str) -> None:
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.is_finished:
+            return
+        self.end(seq, FinishReason.ABORT)
+
+    def release_kv(self, disagg_request_id: int) -> bool:
+        """An answered context_only request whose KV nobody will pull: free it now. False when no such
+        request is here (already pulled, never here, or its answer is still due)."""
+        seq = self.by_disagg_id.get(disagg_request_id)
+        if seq is None or seq.request_type is not RequestType.CONTEXT_ONLY or seq.request_id in self.trackers:
+            return False
+        if seq.disagg.cancelling:
+            return True
+        self.end(seq, FinishReason.ABORT)
+        return True
+
+    def fail(self, seq: Sequence, reason: str, quiet: bool = False) -> None:
+        """End `seq` with an error the client sees (HTTP 500 naming `reason`). Blocks are freed now, or
+        once every rank confirms that no transfer can still touch them. `quiet`: the caller logged it."""
+        if seq.request_id not in self.seqs:  # already retired
+            return
+        if not quiet:
+            log.error("request %s failed: %s", seq.request_id, reason)
+        self.end(seq, FinishReason.ERROR, reason)
+        tracker = self.trackers.pop(seq.request_id, None)
+        if tracker is not None:
+            self.outputs.append(tracker.flush())
+
+    def end(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        """Finish `seq` before its time. Its blocks are freed now, or, while a transfer may still write
+        them, once every rank confirms the cancel (transfer_ended)."""
+        d = seq.disagg
+        cancel = d is not None and d.may_still_write
+        if cancel:
+            d.cancelled_while = transfer_stage(seq)
+        if not seq.is_finished or error is not None:
+            seq.error = error
+            seq.finish(reason)
+        if cancel:
+            self._hold(seq)
+            self.cancel_transfer(seq)
+        else:
+            self._retire(seq)
+
+    def take_abort_output(self, request_id: str) -> RequestOutput | None:
+        tracker = self.trackers.pop(request_id, None)
+        return tracker.flush() if tracker else None
+
+    # -- where a request is ------------------------------------------------------------------------
+
+    def _retire(self, seq: Sequence) -> None:
+        """Drop a finished, aborted or transferred sequence from every table and free its blocks."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -169,17 +394,14 @@ class Scheduler:
         if seq.block_ids:
             self.blocks.free(seq.block_ids)
             seq.block_ids = []
+        self.seqs.pop(seq.request_id, None)
+        if seq.disagg is not None:
+            self.by_disagg_id.pop(seq.disagg.disagg_request_id, None)
 
-    def hold(self, seq: Sequence) -> None:
+    def _hold(self, seq: Sequence) -> None:
         """Stop stepping a sequence but keep its blocks (a transfer may still read or write them)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.parked[seq.request_id] = seq
-
-    def park(self, seq: Sequence) -> None:
-        """context_only: the first token is out; keep the KV until the transfer settles."""
-        self.running.remove(seq)
-        seq.state = SeqState.CTX_TRANSMITTING
         self.parked[seq.request_id] = seq

@@ -1,18 +1,9 @@
-"""A request inside the engine and its lifecycle.
+"""A request inside the engine: its prompt, outputs, blocks and lifecycle state.
 
-Lifecycle (an ordered IntEnum: a MIN across ranks gives the most cautious common state):
-
-    WAITING ──schedule──> RUNNING ──last token──> FINISHED
-       ^                     │
-       └──── preempted ──────┘               (blocks freed, recomputed later)
-
-    context_only:    WAITING -> RUNNING (prefill) -> CTX_TRANSMITTING (first token out, KV kept)
-                     -> FINISHED once the KV exchange reports the transfer done, cancelled or failed.
-                     Pipelined (generation_first + pipelined_transfer): each prefill chunk's finished
-                     blocks are offered while RUNNING; such a sequence is never preempted.
-    generation_only: WAITING -> GEN_AWAITING_KV (blocks allocated, KV written from outside)
-                     -> RUNNING (decode from first_gen_tokens, or, generation_first, from the token
-                     that arrives with the KV) -> FINISHED.
+The states and the calls that move a request between them are listed once, in scheduler.py, the
+module that makes every transition. SeqState is ordered from least to most advanced, so that a MIN
+across ranks would give the most cautious common state; no code reduces it today, since only rank 0
+holds request state (the other ranks follow its step specs).
 """
 
 from __future__ import annotations
