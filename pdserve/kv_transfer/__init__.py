@@ -1,7 +1,8 @@
 """KV exchange: move a prompt's KV cache between instances that cut it differently.
 
 Data path: page_table -> registrar (pairing, ownership) -> mappers (bytes) -> agents/ (writes),
-with control/ (ZeroMQ) beside it. This package has no HTTP in it.
+with control/ (ZeroMQ) beside it and transceiver/ (the API an executor drives) over them all. This
+package has no HTTP in it.
 """
 
 from pdserve.kv_transfer.errors import AlignmentError, KVTransferError, SchemaError

@@ -13,9 +13,10 @@ import pytest
 
 from kvt_instance import (Topology, build_instance, ctx_block_ids, fill, mismatches, offer_and_ask, pump_until,
                           shutdown)
-from pdserve.kv_transfer import canary, transceiver
+from pdserve.kv_transfer import canary
 from pdserve.kv_transfer.agents.faults import FaultPlan
 from pdserve.kv_transfer.registrar import TransferPlan
+from pdserve.kv_transfer.transceiver import sender as transceiver
 
 pytestmark = pytest.mark.faults
 SLOTS = {"canary_slots": canary.CANARY_SLOTS}

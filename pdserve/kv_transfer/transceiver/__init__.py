@@ -1,0 +1,218 @@
+"""KVTransceiver: the API an engine executor drives to move a request's KV between instances.
+
+One transceiver per rank. Setup (every rank of both instances)::
+
+    agent = make_agent(config.backend); agent.register_memory(MemoryRegion.of_tensor(kv_pool))
+    tx = KVTransceiver(agent, TransceiverConfig(...), host=advertised_host)
+    info = RankInfo(..., agent_descriptor=tx.local_descriptor(), control_endpoint=tx.endpoint)
+    tx.start(info, instance_ranks)          # instance_ranks: all RankInfos of this instance (allgather)
+
+Context side: `respond_and_send_async(rid, block_ids)` then poll `check_context_transfer_status()`;
+free the KV of requests it reports. Pipelined: call it once per prefill chunk with that chunk's
+blocks (`chunking.chunk_blocks`) and `last=False` until the final chunk; each chunk is written to
+every requester as soon as both the chunk and its REQUEST_DATA are here.
+
+Generation side: `request_and_receive_async(rid, ctx_endpoint, block_ids)` then poll
+`check_gen_transfer_status()`; resume decoding of requests it reports.
+`cancel_request(rid)` is False while a write may still land (retry next step) and True once the
+blocks may be reused. See sessions.py for the lifecycles. Each status is this rank's: the executor
+agrees across its ranks before it changes a request's state.
+
+Threads: the ZeroMQ listener only answers RankInfo requests from immutable state and enqueues
+everything else; all session state and every agent call live on the caller's (executor) thread.
+Address arithmetic happens only on the sender (`registrar.plan_write`); the receiver derives just
+which ctx ranks will write to it (`registrar.writers_for`), and re-runs the sender's plan only to
+check KV checksums (integrity.py).
+
+The parts, one noun each:
+    base.py           TransceiverConfig, and the rank state every part shares
+    sender.py         the context side: send sessions, parked REQUEST_DATA, cancels, the writes
+    receiver.py       the generation side: receive sessions, the first-contact canary gate
+    control_plane.py  the listener's queue, draining it into the two sides, context instances' RankInfos
+    bouncer.py        the staging buffer and the bounce steps of both sides
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from pdserve.kv_transfer import canary
+from pdserve.kv_transfer.agents.base import TransferAgent
+from pdserve.kv_transfer.errors import KVTransferError
+from pdserve.kv_transfer.rank_info import RankInfo
+from pdserve.kv_transfer.sessions import RecvSession, SendSession, TransferResults
+from pdserve.kv_transfer.transceiver.base import Local, TransceiverConfig
+from pdserve.kv_transfer.transceiver.bouncer import Bouncer
+from pdserve.kv_transfer.transceiver.control_plane import ControlPlane
+from pdserve.kv_transfer.transceiver.receiver import Receiver
+from pdserve.kv_transfer.transceiver.sender import Sender
+
+__all__ = ["POLL_INTERVAL_S", "KVTransceiver", "TransceiverConfig"]
+
+# Longest wait between two polls of the agent inside `at_least` waits. Control messages wake the wait
+# at once; agent completions and notifications can only be polled. A poll step costs ~20-30 us of
+# CPU: 0.1 ms keeps detection well under a millisecond (a 10 ms write loses <1%) for ~20% of one
+# core while the executor has nothing else to do. Busy polling is worse, not better: it starves
+# NIXL's UCX progress thread on small machines.
+POLL_INTERVAL_S = 0.0001
+
+
+class KVTransceiver:
+    def __init__(self, agent: TransferAgent, config: TransceiverConfig | None = None,
+                 host: str = "127.0.0.1") -> None:
+        self.agent = agent
+        self.config = config or TransceiverConfig()
+        self._local = Local(agent, self.config)
+        if self.config.checksum and self._local.kv_on_device():
+            raise KVTransferError("checksum needs the KV cache in host memory; this rank registered device memory "
+                                  "(turn cache_transceiver_config.checksum off)")
+        self._bouncer = Bouncer(self._local)
+        self._control = ControlPlane(self._local, host)
+        self._send = Sender(self._local, self._control, self._bouncer)
+        self._recv = Receiver(self._local, self._control, self._bouncer)
+        self._control.connect(self._send, self._recv)
+        # The parts' own tables and counters (one object each, never replaced): empty tables mean "all done".
+        self.send_sessions: dict[int, SendSession] = self._send.sessions
+        self.recv_sessions: dict[int, RecvSession] = self._recv.sessions
+        self.stats: dict[str, int] = self._local.stats
+        # Cumulative seconds of this rank's CPU stages: plan, gather, submit, scatter, checksum.
+        self.stage_seconds: dict[str, float] = self._local.stage_seconds
+
+    # -- setup --------------------------------------------------------------------------------
+    @property
+    def endpoint(self) -> str:
+        return self._control.messenger.endpoint
+
+    def local_descriptor(self) -> bytes:
+        return self.agent.local_descriptor()
+
+    def start(self, own: RankInfo, instance_ranks: Sequence[RankInfo] | None = None) -> None:
+        """Publish this rank (and its instance, answered to RankInfo requests)."""
+        ranks = tuple(sorted(instance_ranks or (own,), key=lambda r: r.rank))
+        if own not in ranks or len({r.instance_name for r in ranks}) != 1:
+            raise ValueError("instance_ranks must hold this rank's RankInfo and only ranks of its instance")
+        if [r.rank for r in ranks] != list(range(len(ranks))):
+            raise ValueError(f"instance_ranks must be ranks 0..n-1, got {[r.rank for r in ranks]}")
+        self._local.own, self._local.instance = own, ranks
+        self._control.publish(ranks)
+
+    def close(self) -> None:
+        """Stop the listener and deregister the staging buffer; the caller still owns the agent."""
+        self._control.close()
+        self._bouncer.close()
+
+    # -- context side -------------------------------------------------------------------------
+    def respond_and_send_async(self, request_id: int, block_ids: Mapping[int, np.ndarray], *,
+                               token_range: tuple[int, int] = (0, 0), last: bool = True, state: bytes = b"") -> None:
+        """Offer this rank's KV of `request_id` (layer-group id -> src block ids, -1 = skip).
+
+        One call with `last=True` offers the whole prompt. A pipelined send calls once per prefill
+        chunk, `last=False` until the final one; every call's ids are positional over the whole
+        prompt (blocks not in this chunk are -1), so the receiver's one slice serves all chunks.
+        `token_range`: the exact prompt tokens the chunk completes (reported to the receiver); a
+        chunk starting after token 0 continues a send, and is dropped if that send already ended.
+        `state`: small bytes delivered with the last chunk (e.g. the first generated token)."""
+        self._send.respond_and_send_async(request_id, block_ids, token_range, last, state)
+
+    def check_context_transfer_status(self, at_least: int = 0) -> TransferResults:
+        """Finished send sessions (their KV may be freed); waits until `at_least` finished, clamped to
+        the sessions in flight so an idle loop never sleeps out a timeout."""
+        return self._check(self.send_sessions, at_least, self._send.step)
+
+    def poll_control(self) -> None:
+        """Context side with no send session: apply what peers sent meanwhile (REQUEST_DATA that came
+        before our offer, CANCELs), and refuse parked requests that waited kv_transfer_timeout_ms."""
+        self._control.drain()
+        self._send.expire_early()
+
+    @property
+    def control_pending(self) -> bool:
+        """Whether `poll_control` has anything to do."""
+        return not self._control.events.empty() or bool(self._send.early)
+
+    # -- generation side ----------------------------------------------------------------------
+    def request_and_receive_async(self, request_id: int, ctx_endpoint: str,
+                                  block_ids: Mapping[int, np.ndarray], token_range: tuple[int, int] = (0, 0),
+                                  ctx_dp_rank: int = 0, timeout_ms: float | None = None) -> None:
+        """Ask the context instance at `ctx_endpoint` (rank 0's control endpoint) to write
+        `request_id`'s KV into our blocks (layer-group id -> dst block ids, -1 = skip).
+        `ctx_dp_rank`: the context DP group that holds the request (0 without attention DP).
+        `timeout_ms`: what is left of the request's transfer timeout (default: all of it)."""
+        self._recv.request_and_receive_async(request_id, ctx_endpoint, block_ids, token_range, ctx_dp_rank,
+                                             timeout_ms)
+
+    def check_gen_transfer_status(self, at_least: int = 0) -> TransferResults:
+        """Finished receive sessions (their KV is in place); `at_least` as for the context side."""
+        return self._check(self.recv_sessions, at_least, self._recv.step)
+
+    def fetch_instance(self, endpoint: str) -> list[bytes]:
+        """The RankInfos (as bytes) of the context instance at `endpoint`, asked over the network.
+        Safe from any thread, so an executor can fetch a new peer without stalling its step loop,
+        then hand the answer to every rank through `add_instance`. Raises TimeoutError when nothing
+        answers within rank_info_timeout_s."""
+        return self._control.fetch_instance(endpoint)
+
+    def add_instance(self, endpoint: str, rank_infos: Sequence[bytes]) -> None:
+        """Cache a context instance's RankInfos (from `fetch_instance`), so no request pays the round trip."""
+        self._control.add_instance(endpoint, rank_infos)
+
+    def forget_instance(self, endpoint: str) -> None:
+        """Drop a cached context instance (e.g. after a failure: it may have restarted, so the next
+        contact runs the canary again)."""
+        self._recv.forget_instance(endpoint)
+
+    # -- both ---------------------------------------------------------------------------------
+    def has_inflight_transfer(self) -> bool:
+        return bool(self.send_sessions or self.recv_sessions)
+
+    def cancel_request(self, request_id: int) -> bool:
+        """False while a write of this request may still land (call again next step); True once its
+        blocks may be freed or reused. Unknown ids are True."""
+        self._control.drain()
+        if request_id in self.send_sessions:
+            return self._send.cancel(request_id)
+        if request_id in self.recv_sessions:
+            return self._recv.cancel(request_id)
+        self._send.forget(request_id)
+        return True
+
+    @property
+    def canary_writes(self) -> int:
+        """First-contact canaries this rank wrote (kept out of `stats`)."""
+        return self._send.canary_writes
+
+    def _check(self, table: dict, at_least: int, step: Callable[[], TransferResults]) -> TransferResults:
+        want = min(max(at_least, 0), sum(1 for rid in table if not canary.is_canary(rid)))
+        wake = self._control.wake
+        wake.clear()  # before the step, which drains the queue: no wake-up is lost
+        self._control.drain()
+        results = step()
+        while len(results) < want:
+            wake.wait(POLL_INTERVAL_S)
+            wake.clear()
+            self._control.drain()
+            results.merge(step())
+        return results
+
+    # -- internals the tests read -------------------------------------------------------------
+    @property
+    def _messenger(self):
+        return self._control.messenger
+
+    @property
+    def _early(self) -> dict:
+        return self._send.early
+
+    @property
+    def _gates(self) -> dict:
+        return self._recv.gates
+
+    @property
+    def _gen_peers(self) -> dict:
+        return self._send.gen_peers
+
+    @property
+    def _staging(self):
+        return self._bouncer.staging

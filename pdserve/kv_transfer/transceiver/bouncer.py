@@ -1,0 +1,118 @@
+"""The transceiver's bounce glue (the segment format and gates are bounce.py's).
+
+    receiver: request_and_receive_async ──> offer: lease one staging segment per writer, sent
+              with REQUEST_DATA (the receiver's BounceConfig, the segment's pointer, its writers)
+    sender:   the write of a one-chunk send ──> gather: when both configs are equal and the plan
+              passes the gates, pack it into our staging and write that into our segment
+    receiver: its TRANSFER_DONE says "bounced" ──> scatter the segment into the KV pool
+    receiver: the session ends ──> its lease is returned, or quarantined while a writer may still write
+
+The receiver never computes an address: it offers room, and checks every destination the sender
+wrote into the segment lies in its own KV regions before it copies (bounce.scatter).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from pdserve.kv_transfer.agents.base import RegionTable
+from pdserve.kv_transfer.bounce import Lease, StagingBuffer, gather, plan_segment_bytes, scatter, segment_bound
+from pdserve.kv_transfer.control.messages import RequestData, TransferDone
+from pdserve.kv_transfer.errors import KVTransferError
+from pdserve.kv_transfer.rank_info import RankInfo
+from pdserve.kv_transfer.sessions import RecvSession, SendSession
+from pdserve.kv_transfer.transceiver.base import Local
+
+logger = logging.getLogger(__name__)
+
+
+class Bouncer:
+    """One rank's staging buffer (None without a BounceConfig) and the three bounce steps over it."""
+
+    def __init__(self, local: Local) -> None:
+        self._local = local
+        cfg = local.config.bounce
+        # Registered before local_descriptor() is taken, so peers can write into it.
+        self.staging = StagingBuffer(local.agent, cfg.staging_bytes) if cfg else None
+
+    def close(self) -> None:
+        if self.staging is not None:
+            self._local.agent.deregister_memory(self.staging.region)
+            self.staging = None
+
+    def release(self, lease: Lease) -> None:
+        self.staging.release(lease)
+
+    # -- receiver -----------------------------------------------------------------------------
+    def offer(self, session: RecvSession, ids: dict[int, np.ndarray]) -> dict | None:
+        """Lease one staging segment per writer when the request is big enough to maybe bounce."""
+        cfg, own = self._local.config.bounce, self._local.own
+        num_blocks = sum(int((b >= 0).sum()) for b in ids.values())
+        if cfg is None or num_blocks < cfg.min_kv_blocks or not session.writers:
+            return None
+        table = own.page_table
+        payload = sum(int((ids.get(g.group_id, np.zeros(0)) >= 0).sum()) * table.pools[v.pool_index].slot_bytes
+                      for g in table.layer_groups for v in g.views)
+        slot = segment_bound(payload)
+        writers = tuple(sorted(k[1] for k in session.writers))
+        lease = self.staging.lease(slot * len(writers))
+        if lease is None:
+            logger.warning("%s: staging buffer full, request %d goes direct", own.key, session.request_id)
+            return None
+        session.staging, session.bounce_slot, session.bounce_writers = lease, slot, writers
+        return {"params": cfg.to_dict(), "ptr": lease.ptr, "slot": slot, "writers": list(writers)}
+
+    def scatter(self, session: RecvSession, done: TransferDone) -> bool:
+        """Unpack a bounced write into our KV; False (the writer's error recorded) when it cannot be."""
+        try:
+            if session.staging is None or done.sender[1] not in session.bounce_writers:
+                raise KVTransferError(f"{done.sender} bounced request {done.request_id} but we offered no segment")
+            index = session.bounce_writers.index(done.sender[1])
+            kv_regions = RegionTable([r for r in self._local.agent.registered_regions if r != self.staging.region])
+            with self._local.timed("scatter"):
+                scatter(session.staging.ptr + index * session.bounce_slot, session.bounce_slot, kv_regions)
+            return True
+        except KVTransferError as exc:
+            session.errors[done.sender] = str(exc)
+            return False
+
+    def close_recv(self, session: RecvSession) -> None:
+        """Return the session's staging lease; quarantine it if a writer may still write into it."""
+        if session.staging is None:
+            return
+        if session.settled:
+            self.staging.release(session.staging)
+        else:
+            logger.warning("%s: request %d ended with writers unsettled; %d staging bytes quarantined",
+                           self._local.key, session.request_id, session.staging.nbytes)
+        session.staging = None
+
+    # -- sender -------------------------------------------------------------------------------
+    def gather(self, session: SendSession, request: RequestData, gen: RankInfo, src: np.ndarray, dst: np.ndarray,
+               sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Gather into our staging and return the single (src, dst, size) write, or None for direct."""
+        offer, cfg, own = request.bounce, self._local.config.bounce, self._local.own
+        if offer is None or len(sizes) == 0:
+            return None
+        if cfg is None or offer.get("params") != cfg.to_dict():
+            logger.warning("%s: bounce parameters differ from %s's (%s vs %s); request %d goes direct",
+                           own.key, gen.key, cfg and cfg.to_dict(), offer.get("params"), request.request_id)
+            return None
+        num_blocks = sum(int((b >= 0).sum()) for b in request.block_ids.values())
+        if not cfg.kv_passes(num_blocks, sizes):
+            return None
+        need = plan_segment_bytes(sizes)
+        if need > offer["slot"] or own.rank not in offer["writers"]:
+            logger.warning("%s: bounce segment of %d bytes does not fit %s's %d; request %d goes direct",
+                           own.key, need, gen.key, offer["slot"], request.request_id)
+            return None
+        lease = self.staging.lease(need)
+        if lease is None:
+            return None
+        with self._local.timed("gather"):
+            total = gather(lease, src, dst, sizes)
+        session.staging[(gen.key, 0)] = lease
+        target = offer["ptr"] + offer["writers"].index(own.rank) * offer["slot"]
+        return (np.array([lease.ptr], np.uint64), np.array([target], np.uint64), np.array([total], np.uint64))
