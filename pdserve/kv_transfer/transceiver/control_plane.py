@@ -83,11 +83,8 @@ class ControlPlane:
     # -- executor thread ----------------------------------------------------------------------
     def drain(self) -> None:
         """Apply queued control messages and agent notifications to the session tables."""
-        while True:
-            try:
-                message = self.events.get_nowait()
-            except queue.Empty:
-                break
+        while not self.events.empty():  # this thread is the queue's only reader: the get never waits
+            message = self.events.get_nowait()
             try:
                 self._apply(message)
             except Exception:
