@@ -7,6 +7,7 @@ answered by the surviving generation instance."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import threading
@@ -41,6 +42,25 @@ def _holds_kv(worker) -> bool:
     return worker.metric("pdserve_kv_cache_blocks_free") < worker.metric("pdserve_kv_cache_blocks_total")
 
 
+@contextlib.contextmanager
+def _workers(model_dir, workdir, *extras: dict, **common):
+    """One worker per entry of `extras` (its own config keys beside `common`), killed on the way out."""
+    ws = []
+    try:
+        for extra in extras:
+            ws += start_workers(model_dir, workdir, 1, {"cache_transceiver_config": TRANSCEIVER,
+                                                        "kv_events_port": free_port(), **common, **extra})
+        yield ws
+    finally:
+        for w in ws:
+            w.stop()
+
+
+def _aggregated(worker, body: dict) -> str:
+    """The worker's own (aggregated) answer: what the cluster must give back."""
+    return httpx.post(worker.url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+
+
 def _wait(condition, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -53,15 +73,11 @@ def test_a_context_instance_killed_holding_the_kv_is_replaced(tiny_model_dir, tm
     """The busy generation instance pulls the KV seconds after the prefill (generation_first: its
     request, sent with the context one, waits in its queue), so the doomed instance holds it when it
     is killed. The pull fails; the orchestrator sends both halves again, to the survivor."""
-    workdir = tmp_path_factory.mktemp("death")
-    ws = []
-    try:
-        for extra in ({}, {}, {"max_num_seqs": 1}):  # two context instances, one busy generation instance
-            ws += start_workers(tiny_model_dir, workdir, 1, {"cache_transceiver_config": TRANSCEIVER,
-                                                             "kv_events_port": free_port(), **extra})
+    # two context instances, one busy generation instance
+    with _workers(tiny_model_dir, tmp_path_factory.mktemp("death"), {}, {}, {"max_num_seqs": 1}) as ws:
         doomed, survivor, gen = ws
         body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-        expected = httpx.post(gen.url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+        expected = _aggregated(gen, body)
         cfg = DisaggConfig(context_servers={"urls": [doomed.url, survivor.url]},
                            generation_servers={"urls": [gen.url]}, max_retries=1, health_check_interval=60,
                            schedule_style=schedule_style)
@@ -90,9 +106,6 @@ def test_a_context_instance_killed_holding_the_kv_is_replaced(tiny_model_dir, tm
         assert r.json()["choices"][0]["text"] == expected
         assert not _holds_kv(survivor)
         print(f"{schedule_style}: answered {answered:.2f} s after the kill")
-    finally:
-        for w in ws:
-            w.stop()
 
 
 @pytest.mark.parametrize("schedule_style", ["context_first", "generation_first"])
@@ -100,15 +113,11 @@ def test_a_context_instance_killed_while_prefilling_is_replaced(tiny_model_dir, 
     """The doomed context instance is busy (max_num_seqs 1, a queue of long requests), so the request's
     context half is still waiting there when it is killed: its connection drops (generation_first: while
     the generation half waits for the KV). The orchestrator sends the request again, to the survivor."""
-    workdir = tmp_path_factory.mktemp("death-prefill")
-    ws = []
-    try:
-        for extra in ({"max_num_seqs": 1}, {}, {}):  # a busy context instance, another, a generation instance
-            ws += start_workers(tiny_model_dir, workdir, 1, {"cache_transceiver_config": TRANSCEIVER,
-                                                             "kv_events_port": free_port(), **extra})
+    # a busy context instance, another, a generation instance
+    with _workers(tiny_model_dir, tmp_path_factory.mktemp("death-prefill"), {"max_num_seqs": 1}, {}, {}) as ws:
         doomed, survivor, gen = ws
         body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-        expected = httpx.post(gen.url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+        expected = _aggregated(gen, body)
         cfg = DisaggConfig(context_servers={"urls": [doomed.url, survivor.url]},
                            generation_servers={"urls": [gen.url]}, max_retries=1, health_check_interval=60,
                            schedule_style=schedule_style)
@@ -129,27 +138,18 @@ def test_a_context_instance_killed_while_prefilling_is_replaced(tiny_model_dir, 
         assert r.json()["choices"][0]["text"] == expected
         _wait(lambda: not _holds_kv(survivor) and not _holds_kv(gen), 5, "both instances free the KV")
         print(f"{schedule_style}: answered {answered:.2f} s after the kill")
-    finally:
-        for w in ws:
-            w.stop()
 
 
 def test_sigterm_drains_a_context_instance_under_load(tiny_model_dir, tmp_path_factory):
     """SIGTERM to one of two context instances while it holds KV the (busy) generation instance has not
     pulled yet, with requests flowing: it answers 503 draining at once (the orchestrator routes
     elsewhere), lets the pulls finish, then exits 0. Not one request fails."""
-    workdir = tmp_path_factory.mktemp("drain")
-    ws = []
-    try:
-        for extra in ({}, {}, {"max_num_seqs": 1}):
-            ws += start_workers(tiny_model_dir, workdir, 1, {"cache_transceiver_config": TRANSCEIVER,
-                                                             "kv_events_port": free_port(), "drain_timeout_s": 30,
-                                                             **extra})
+    with _workers(tiny_model_dir, tmp_path_factory.mktemp("drain"), {}, {}, {"max_num_seqs": 1},
+                  drain_timeout_s=30) as ws:
         draining, other, gen = ws
         prompts = [PROMPT[i:] + PROMPT[:i] for i in range(6)]
         body = {"model": MODEL_NAME, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-        expected = [httpx.post(gen.url + "/v1/completions", json={**body, "prompt": p}, timeout=30)
-                    .json()["choices"][0]["text"] for p in prompts]
+        expected = [_aggregated(gen, {**body, "prompt": p}) for p in prompts]
         cfg = DisaggConfig(context_servers={"urls": [draining.url, other.url]},
                            generation_servers={"urls": [gen.url]}, max_retries=1, health_check_interval=60)
         results: list[tuple[int, str]] = []
@@ -179,9 +179,6 @@ def test_sigterm_drains_a_context_instance_under_load(tiny_model_dir, tmp_path_f
                 t.join(90)
         assert len(results) == 24
         assert [r for r in results if r != (200, "right")] == []
-    finally:
-        for w in ws:
-            w.stop()
 
 
 def test_a_generation_instance_killed_mid_stream(long_model_dir, tmp_path_factory):
@@ -192,14 +189,11 @@ def test_a_generation_instance_killed_mid_stream(long_model_dir, tmp_path_factor
     other generation instance. The dead one is still in routing (no /health probe ran), so one of the two
     is sent there first: its refused connection takes it out and the request goes to the survivor. Then
     the survivor is killed mid-decode of a non-streaming request: a 502 naming it, not a hang or a 500."""
-    workdir = tmp_path_factory.mktemp("gen-death")
-    ws = []
-    try:
-        for _ in range(3):  # one context instance, two generation instances
-            ws += start_workers(long_model_dir, workdir, 1, {**LONG_WORKER, "kv_events_port": free_port()})
+    # one context instance, two generation instances
+    with _workers(long_model_dir, tmp_path_factory.mktemp("gen-death"), {}, {}, {}, **LONG_WORKER) as ws:
         ctx, gens = ws[0], ws[1:]
         short = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-        expected = httpx.post(gens[0].url + "/v1/completions", json=short, timeout=30).json()["choices"][0]["text"]
+        expected = _aggregated(gens[0], short)
         long = {**short, "max_tokens": LONG_TOKENS}
         cfg = DisaggConfig(context_servers={"urls": [ctx.url]}, generation_servers={"urls": [g.url for g in gens]},
                            max_retries=1, health_check_interval=60)
@@ -254,6 +248,3 @@ def test_a_generation_instance_killed_mid_stream(long_model_dir, tmp_path_factor
             _wait(lambda: not _holds_kv(ctx), 5, "the context instance frees its KV")
             assert client.get("/v1/models").status_code == 200  # still up
             print(f"generation instance killed mid-decode of a non-streaming request: 502 {answered:.3f} s after")
-    finally:
-        for w in ws:
-            w.stop()
