@@ -145,7 +145,6 @@ class KVExchange:
             delivered, state = self._tally.tokens.pop(rid, None), self._tally.states.pop(rid, None)
             if seq is None:
                 continue
-            seq.disagg.transfer_settled = True
             if seq.state is SeqState.GEN_AWAITING_KV and failure is None:
                 failure, first = self._arrival(seq, delivered, state)
                 if failure is None:

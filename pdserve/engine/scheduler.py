@@ -5,20 +5,22 @@
 engine only asks (add, abort, release_kv), and the KV exchange only reports what every rank settled
 (kv_arrived, transfer_ended) or that a transfer never began (fail).
 
-Lifecycle. SeqState is an ordered IntEnum; each arrow names the one call that takes it:
+Lifecycle. SeqState is an ordered IntEnum; each arrow names the call that takes it:
 
-  add()                 schedule(): _admit (prefix matched, blocks allocated)
-    ──> WAITING ───────────────────────────────────────────────> RUNNING ───postprocess(): EOS, stop──> FINISHED
-         │  ^            schedule(): _preempt (blocks freed,         │  ^     id or string, max_tokens,
-         │  └──────────────────────────── recomputed later) ─────────┤  │     context window
-         │ schedule(): _park_for_kv                                  │  │
-         v (generation_only: blocks for the prompt's KV)             │  │ kv_arrived(): decode resumes from
-    GEN_AWAITING_KV ─────────────────────────────────────────────────┼──┘ first_gen_tokens, or (generation_first)
-         │                                                           │    the token that came with the KV
-         │                  postprocess(): a context_only's first    v
-         │                  token is out (the KV is kept) ──> CTX_TRANSMITTING ──transfer_ended()──> FINISHED
-         │                                                                       (done, failed or cancelled)
-         └──transfer_ended() (failed), fail() (first contact failed)──────────────────────────────> FINISHED
+  add() ──> WAITING ──schedule(): _admit (prefix matched, blocks allocated)──> RUNNING ──postprocess()──> FINISHED
+              │  ^                                                             │  │  ^   EOS, a stop id or string,
+              │  └──────schedule(): _preempt (blocks freed, recomputed later)──┘  │  │   max_tokens, context window
+              │                                                                   │  │
+              │ schedule(): _park_for_kv                                          │  │ kv_arrived(): decode resumes
+              v (generation_only: blocks for the prompt's KV)                     │  │ from first_gen_tokens, or
+        GEN_AWAITING_KV ──────────────────────────────────────────────────────────┼──┘ from the token that came
+              │                                                                   │    with the KV (generation_first)
+              │                                                                   │ postprocess(): a context_only's
+              │                                                                   v first token is out, KV kept
+              │                                                            CTX_TRANSMITTING
+              │                                                                   │ transfer_ended(): sent,
+              │                                                                   v failed or cancelled
+              └──transfer_ended(): failed; fail(): first contact failed────> FINISHED
 
   Any state ──end() (abort, release_kv, fail)──> FINISHED. Its blocks are freed at once (_retire), or,
   while a transfer may still write them, the request is held (_hold: parked, not stepped) and its
@@ -293,6 +295,7 @@ class Scheduler:
     def kv_arrived(self, seq: Sequence, first: tuple[int, list] | None = None) -> None:
         """generation_only: the prompt's KV is in place; decode resumes from the first generated token.
         generation_first: `first` is (token, logprobs), which came with the KV."""
+        seq.disagg.transfer_settled = True
         del self.parked[seq.request_id]
         assert seq.state is SeqState.GEN_AWAITING_KV, f"{seq.request_id} is {seq.state.name}, not awaiting KV"
         seq.num_computed_tokens = seq.num_prompt_tokens
@@ -313,17 +316,17 @@ class Scheduler:
     def transfer_ended(self, seq: Sequence, failure: str | None) -> None:
         """Every rank settled `seq`'s transfer and its KV did not arrive here (context side: sent,
         failed or cancelled; generation side: failed or cancelled): the request ends, its blocks freed."""
+        seq.disagg.transfer_settled = True
         if seq.state is SeqState.GEN_AWAITING_KV:
-            seq.error = f"KV transfer from {seq.disagg.ctx_info_endpoint} failed: {failure}"
-            seq.finish(FinishReason.ERROR)
+            self.end(seq, FinishReason.ERROR, f"KV transfer from {seq.disagg.ctx_info_endpoint} failed: {failure}")
         elif seq.state is SeqState.RUNNING:  # a pipelined prefill whose receiver went away
-            seq.error = f"KV transfer to the generation instance failed: {failure}"
-            seq.finish(FinishReason.ERROR)
+            self.end(seq, FinishReason.ERROR, f"KV transfer to the generation instance failed: {failure}")
+        else:  # CTX_TRANSMITTING: its answer went out when it parked; FINISHED: held for this to settle
+            seq.state = SeqState.FINISHED
+            self._retire(seq)
         tracker = self.trackers.pop(seq.request_id, None)
         if tracker is not None and seq.finish_reason is not FinishReason.ABORT:
             self.outputs.append(tracker.flush())
-        seq.state = SeqState.FINISHED  # CTX_TRANSMITTING: its answer went out when it parked
-        self._retire(seq)
 
     def cancel_transfer(self, seq: Sequence) -> None:
         """Ask every rank to stop `seq`'s transfer (the KV exchange sends it with the next step)."""
