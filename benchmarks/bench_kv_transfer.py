@@ -289,7 +289,8 @@ def contiguous_table(args) -> None:
             best = None if ours is None or raw is None else min(r["raw"]) / min(r["ours"])
             paired = _median([a / b for a, b in zip(r["raw"], r["ours"])])
             print(f"{dtype:>5} {tokens:>6} {nbytes / 2**20:>7.1f} {descs:>7} {len(r['ours']):>4} {_fmt(ours, 1e3)} "
-                  f"{_fmt(raw, 1e3)} {_fmt(bw(ours))} {_fmt(bw(raw))} {_fmt(bw(copy))} {_fmt(ratio, width=8)} {_fmt(paired, width=6)} {_fmt(best, width=5)}  "
+                  f"{_fmt(raw, 1e3)} {_fmt(bw(ours))} {_fmt(bw(raw))} {_fmt(bw(copy))} {_fmt(ratio, width=8)} "
+                  f"{_fmt(paired, width=6)} {_fmt(best, width=5)}  "
                   f"{r['status']}", flush=True)
 
 

@@ -86,7 +86,8 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="pdserve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     sub = p.add_subparsers(dest="command", required=True)
 

@@ -91,7 +91,8 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str | None = Field(None, description="HF directory or .gguf file; None = embedded SmolLM2-135M-Instruct")
-    served_model_name: str | None = Field(None, description="name clients use in 'model'; default: derived from the path")
+    served_model_name: str | None = Field(
+        None, description="name clients use in 'model'; default: derived from the path")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     kv_layout: Literal["HND", "NHD"] = "HND"
@@ -164,4 +165,5 @@ def load_yaml(path: str | Path | None, cls: type[BaseModel], **overrides) -> Bas
         return cls(**data)
     except ValidationError as e:
         lines = [f"  {'.'.join(map(str, err['loc'])) or '<config>'}: {err['msg']}" for err in e.errors()]
-        raise ValueError(f"invalid {cls.__name__}" + (f" in {path}" if path else "") + ":\n" + "\n".join(lines)) from None
+        raise ValueError(f"invalid {cls.__name__}" + (f" in {path}" if path else "") + ":\n"
+                         + "\n".join(lines)) from None

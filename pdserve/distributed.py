@@ -156,7 +156,8 @@ def _await_workers(store, workers: list, world: int, timeout_s: float) -> None:
 def broadcast_bytes(data: bytes | None, src: int = 0, group=None) -> bytes:
     n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
     dist.broadcast(n, src=src, group=group)
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data is not None else torch.empty(int(n), dtype=torch.uint8)
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data is not None
+           else torch.empty(int(n), dtype=torch.uint8))
     dist.broadcast(buf, src=src, group=group)
     return buf.numpy().tobytes()
 

@@ -283,4 +283,6 @@ def _model_name(cfg: ClusterConfig) -> str:
     if conf.get("served_model_name"):
         return conf["served_model_name"]
     model = conf.get("model", cfg.model)
-    return "SmolLM2-135M-Instruct" if model is None else Path(model).stem if model.endswith(".gguf") else Path(model).name
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    return Path(model).stem if model.endswith(".gguf") else Path(model).name

@@ -205,7 +205,8 @@ async def _run(ep: EndpointConfig, requests: Sequence[WorkloadRequest], offsets:
             if i in started:
                 r.error = f"cancelled: still running when --max-duration {max_duration_s:g} s ran out"
             elif i < len(released):
-                r.error = f"not sent: waited for a --max-concurrency slot until --max-duration {max_duration_s:g} s ran out"
+                r.error = ("not sent: waited for a --max-concurrency slot until "
+                           f"--max-duration {max_duration_s:g} s ran out")
             else:
                 r.error = f"not sent: --max-duration {max_duration_s:g} s ran out before its arrival time"
     return RunResult(records, duration, stopped)

@@ -196,7 +196,8 @@ def format_sweep(doc: dict[str, Any]) -> str:
         for r in sys_["runs"]:
             att = r.get("slo_attainment")
             lines.append(f"{name:<14}{float(r['request_rate']):>7.3g}{'-' if att is None else f'{100 * att:.0f}':>9}"
-                         f"{r['mean_ttft_ms']:>10.0f}{r['mean_tpot_ms']:>9.1f}{r['p99_itl_ms']:>9.0f}{r['completed']:>6}")
+                         f"{r['mean_ttft_ms']:>10.0f}{r['mean_tpot_ms']:>9.1f}{r['p99_itl_ms']:>9.0f}"
+                         f"{r['completed']:>6}")
     lines.append("")
     target = doc["attainment_target"]
     for name, sys_ in doc["systems"].items():

@@ -83,7 +83,8 @@ class ServerGroup(BaseModel):
 class ConditionalDisagg(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_local_prefill_length: int = Field(ge=0, description="uncached prompt tokens a generation instance prefills itself")
+    max_local_prefill_length: int = Field(
+        ge=0, description="uncached prompt tokens a generation instance prefills itself")
 
 
 class DisaggConfig(BaseModel):
@@ -110,11 +111,13 @@ class DisaggConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> "DisaggConfig":
         if self.num_workers > 1 and self.disagg_coordinator_url is None and self.port < 2:
-            raise ValueError("the fleet's coordinator listens on port-1; choose port >= 2 or set disagg_coordinator_url")
+            raise ValueError("the fleet's coordinator listens on port-1; "
+                             "choose port >= 2 or set disagg_coordinator_url")
         if self.disagg_coordinator_url is not None:
             parts = urlsplit(self.disagg_coordinator_url)
             if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
-                raise ValueError(f"disagg_coordinator_url {self.disagg_coordinator_url!r} must look like http://host:port")
+                raise ValueError(f"disagg_coordinator_url {self.disagg_coordinator_url!r} "
+                                 "must look like http://host:port")
         return self
 
     @property

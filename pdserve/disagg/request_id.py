@@ -45,7 +45,8 @@ class RequestIdGenerator:
         if not 0 <= node_id < 1 << NODE_BITS:
             raise ValueError(f"node_id must be in [0, {1 << NODE_BITS}), got {node_id}")
         if not 0 <= process_id < 1 << PROCESS_BITS:
-            raise ValueError(f"process_id must be in [0, {1 << PROCESS_BITS}) (at most 64 fleet workers), got {process_id}")
+            raise ValueError(f"process_id must be in [0, {1 << PROCESS_BITS}) (at most 64 fleet workers), "
+                             f"got {process_id}")
         self.node_id, self.process_id = node_id, process_id
         self._anchor_ms = time.time_ns() // 1_000_000 - EPOCH_MS
         self._anchor_mono = time.monotonic_ns()

@@ -186,7 +186,8 @@ class PageTable:
         for g in self.layer_groups:
             for layer in g.global_layer_ids:
                 if layer in seen:
-                    raise ValueError(f"PageTable: global layer {layer} is in layer groups {seen[layer]} and {g.group_id}")
+                    raise ValueError(f"PageTable: global layer {layer} is in layer groups "
+                                     f"{seen[layer]} and {g.group_id}")
                 seen[layer] = g.group_id
             for v in g.views:
                 if v.pool_index >= len(self.pools):
@@ -244,7 +245,8 @@ class PageTable:
                     kind = None if vd["mapper_kind"] is None else MapperKind(vd["mapper_kind"])
                     entries = tuple(BufferEntry(*e) for e in vd["entries"])
                     views.append(PoolView(vd["pool_index"], frozenset(vd["role"]), entries, kind))
-                groups.append(LayerGroup(gd["group_id"], tuple(gd["global_layer_ids"]), gd["sliding_window"], tuple(views)))
+                groups.append(LayerGroup(gd["group_id"], tuple(gd["global_layer_ids"]), gd["sliding_window"],
+                                         tuple(views)))
             pools = tuple(PhysicalPool(*p) for p in d["pools"])
             return cls(pools, tuple(groups), MapperKind(d["mapper_kind"]), d["tokens_per_block"])
         except (TypeError, ValueError, KeyError) as exc:

@@ -76,7 +76,8 @@ class RankInfo:
         for name, size, rank in (("tp", self.tp_size, self.tp_rank), ("pp", self.pp_size, self.pp_rank),
                                  ("cp", self.cp_size, self.cp_rank), ("dp", self.dp_size, self.dp_rank)):
             if size < 1 or not 0 <= rank < size:
-                raise ValueError(f"RankInfo {self.instance_name}: {name}_rank={rank} out of range for {name}_size={size}")
+                raise ValueError(f"RankInfo {self.instance_name}: {name}_rank={rank} "
+                                 f"out of range for {name}_size={size}")
         expected = flat_rank(self.pp_rank, self.tp_rank, self.cp_rank, self.tp_size, self.cp_size)
         if self.rank != expected:
             raise ValueError(
@@ -84,7 +85,8 @@ class RankInfo:
                 f"pp*(tp*cp)+tp*cp+cp gives {expected} for pp={self.pp_rank} tp={self.tp_rank} cp={self.cp_rank}"
             )
         if self.tp_size % self.dp_size:
-            raise ValueError(f"RankInfo {self.instance_name}: tp_size={self.tp_size} is not a multiple of dp_size={self.dp_size}")
+            raise ValueError(f"RankInfo {self.instance_name}: tp_size={self.tp_size} "
+                             f"is not a multiple of dp_size={self.dp_size}")
         if self.dp_rank != self.tp_rank // self.tp_per_dp:
             raise ValueError(
                 f"RankInfo {self.instance_name}: dp_rank={self.dp_rank} but tp_rank={self.tp_rank} "
@@ -187,7 +189,8 @@ class RankInfo:
             raise SchemaError(
                 f"RankInfo schema mismatch: missing {sorted(names - got)}, unexpected {sorted(got - names)}"
             )
-        d = dict(d, page_table=PageTable.from_dict(d["page_table"]), layers_per_pp_stage=tuple(d["layers_per_pp_stage"]))
+        d = dict(d, page_table=PageTable.from_dict(d["page_table"]),
+                 layers_per_pp_stage=tuple(d["layers_per_pp_stage"]))
         try:
             return cls(**d)
         except (TypeError, ValueError) as exc:

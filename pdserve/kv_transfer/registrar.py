@@ -124,7 +124,8 @@ def _match_views(ctx_table: PageTable, gen_table: PageTable) -> list[tuple[Layer
     gen_group_of = {layer: g for g in gen_table.layer_groups for layer in g.global_layer_ids}
     pairs = []
     for cg in ctx_table.layer_groups:
-        hits = {gen_group_of[layer].group_id: gen_group_of[layer] for layer in cg.global_layer_ids if layer in gen_group_of}
+        hits = {gen_group_of[layer].group_id: gen_group_of[layer]
+                for layer in cg.global_layer_ids if layer in gen_group_of}
         if len(hits) > 1:
             raise AlignmentError(
                 f"ctx layer group {cg.group_id} (layers {list(cg.global_layer_ids)}) hits gen layer groups "
@@ -163,7 +164,8 @@ def _match_views(ctx_table: PageTable, gen_table: PageTable) -> list[tuple[Layer
     return pairs
 
 
-def _buffer_offsets(group: LayerGroup, view: PoolView, pool: PhysicalPool, layers: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+def _buffer_offsets(group: LayerGroup, view: PoolView, pool: PhysicalPool,
+                    layers: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """Per (layer, buffer): bytes from the slot address and registered size; uint64 [L*B]."""
     by_layer = view.entries_by_layer()
     local = {g: i for i, g in enumerate(group.global_layer_ids)}
@@ -221,7 +223,8 @@ def align(ctx: RankInfo, gen: RankInfo) -> tuple[ViewPair, ...]:
 def _slots(pool: PhysicalPool, ids: np.ndarray, side: str, group_id: int) -> np.ndarray:
     bad = ids[ids >= pool.num_slots]
     if bad.size:
-        raise KVTransferError(f"{side} block id {int(bad[0])} of layer group {group_id} is out of range for {pool.num_slots} slots")
+        raise KVTransferError(f"{side} block id {int(bad[0])} of layer group {group_id} is out of range "
+                              f"for {pool.num_slots} slots")
     return np.uint64(pool.base) + ids.astype(np.uint64) * np.uint64(pool.effective_slot_stride)
 
 

@@ -294,7 +294,8 @@ def _check_gen_rank(g, before, plans, kv, rep, ctx_tpb, num_tokens, ids) -> None
     ones_kv = np.ones((kv.shape[0], 2, kv.shape[2], max(covered.values()), kv.shape[4]), np.uint8)
     ones_rep = None if rep is None else np.ones((rep.shape[0], ones_kv.shape[3], rep.shape[2]), np.uint8)
     for gid, n in covered.items():
-        scatter_logical_kv(mask_rank, ones_kv, {k: (v if k == gid else np.full_like(v, -1)) for k, v in ids.items()}, n, ones_rep)
+        scatter_logical_kv(mask_rank, ones_kv, {k: (v if k == gid else np.full_like(v, -1)) for k, v in ids.items()},
+                           n, ones_rep)
     want_rank = SimRank(g.info, [np.zeros_like(p) for p in before])
     scatter_logical_kv(want_rank, kv, ids, num_tokens, rep)
     counts = count_writes(g, plans)
@@ -302,7 +303,8 @@ def _check_gen_rank(g, before, plans, kv, rep, ctx_tpb, num_tokens, ids) -> None
         mask = mask_rank.pools[i].astype(bool)
         bad = np.flatnonzero(counts[i] != mask)
         assert bad.size == 0, (
-            f"gen rank {g.info.rank} pool {i}: byte {bad[0]} written {counts[i][bad[0]]} times, expected {int(mask[bad[0]])}"
+            f"gen rank {g.info.rank} pool {i}: byte {bad[0]} written {counts[i][bad[0]]} times, "
+            f"expected {int(mask[bad[0]])}"
         )
         want = np.where(mask, want_rank.pools[i], old)
         bad = np.flatnonzero(pool != want)

@@ -357,7 +357,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if (x.device.type != "cpu" or x.dtype not in _FLOAT_DTYPES or weight.dtype != x.dtype or not x.is_contiguous()
             or not weight.is_contiguous() or weight.shape != x.shape[-1:]):
         return None  # (a weight of the wrong size then fails in PyTorch, with PyTorch's message)
-    if residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape or not residual.is_contiguous()):
+    if residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape
+                                 or not residual.is_contiguous()):
         return None
     lib = load()
     if lib is None:
@@ -372,7 +373,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rope_cache_write(qkv: torch.Tensor, heads: int, cos: torch.Tensor, signed_sin: torch.Tensor, pool: torch.Tensor,
-                     layout: str, layer: int, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> torch.Tensor | None:
+                     layout: str, layer: int, slot_blocks: torch.Tensor,
+                     slot_offsets: torch.Tensor) -> torch.Tensor | None:
     """RoPE on q and k of qkv [n, heads + 2 * kv_heads, d] (contiguous, fp32 or bf16), K and V written
     to pool (attention.PagedKVCache's layout) at (slot_blocks[i], slot_offsets[i]) for layer `layer`.
     cos, signed_sin: [n, d] fp32 rows of the rotary table. Returns the rotated q and k,

@@ -124,8 +124,10 @@ class ColumnParallelLinear(nn.Module):
         if out_features % ps.tp_size:
             raise ValueError(f"output size {out_features} is not divisible by tensor_parallel_size {ps.tp_size}")
         self.ps = ps
-        self.weight = nn.Parameter(torch.empty(out_features // ps.tp_size, in_features, dtype=dtype), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features // ps.tp_size, dtype=dtype), requires_grad=False) if bias else None
+        self.weight = nn.Parameter(torch.empty(out_features // ps.tp_size, in_features, dtype=dtype),
+                                   requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(out_features // ps.tp_size, dtype=dtype), requires_grad=False)
+                     if bias else None)
         self.gemv_weight: torch.Tensor | None = None  # plain copy for steps of a few rows (pack_for_cpu)
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -197,7 +199,8 @@ class RowParallelLinear(nn.Module):
         if in_features % ps.tp_size:
             raise ValueError(f"input size {in_features} is not divisible by tensor_parallel_size {ps.tp_size}")
         self.ps = ps
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // ps.tp_size, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // ps.tp_size, dtype=dtype),
+                                   requires_grad=False)
         self.gemv_weight: torch.Tensor | None = None  # plain copy for steps of a few rows (pack_for_cpu)
 
     def load(self, weight: torch.Tensor) -> None:
@@ -296,7 +299,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv = _inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
-        self.register_buffer("cos", torch.cat([freqs, freqs], dim=-1).cos(), persistent=False)  # [max_positions, head_dim]
+        # cos: [max_positions, head_dim]
+        self.register_buffer("cos", torch.cat([freqs, freqs], dim=-1).cos(), persistent=False)
         # rotate_half(x) = [-x2, x1]: its minus sign is folded into the first half of sin.
         sin = freqs.sin()
         self.register_buffer("signed_sin", torch.cat([-sin, sin], dim=-1), persistent=False)

@@ -89,7 +89,8 @@ class LlamaForCausalLM(nn.Module):
         counts = stage_layers(cfg.num_layers, ps.pp_size)
         self.first_layer = sum(counts[: ps.pp_rank])
         self.num_local_layers = counts[ps.pp_rank]
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ps, dtype) if ps.is_first_stage else None
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ps, dtype)
+                             if ps.is_first_stage else None)
         self.layers = nn.ModuleList(DecoderLayer(cfg, ps, dtype, self.first_layer + i)
                                     for i in range(self.num_local_layers))
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)

@@ -50,7 +50,8 @@ class _EngineStats:
         s = self.engine.stats
         yield GaugeMetricFamily("pdserve_num_requests_running", "Requests in the running batch.", value=s["running"])
         yield GaugeMetricFamily("pdserve_num_requests_waiting", "Requests waiting for admission.", value=s["waiting"])
-        yield GaugeMetricFamily("pdserve_kv_cache_blocks_total", "KV cache blocks in the pool.", value=s["kv_blocks_total"])
+        yield GaugeMetricFamily("pdserve_kv_cache_blocks_total", "KV cache blocks in the pool.",
+                                value=s["kv_blocks_total"])
         yield GaugeMetricFamily("pdserve_kv_cache_blocks_free", "KV cache blocks free.", value=s["kv_blocks_free"])
         yield GaugeMetricFamily("pdserve_kv_cache_blocks_used", "KV cache blocks in use.",
                                 value=s["kv_blocks_total"] - s["kv_blocks_free"])

@@ -291,8 +291,8 @@ class OpenAIServing:
             field = message.split(" ", 1)[0]
             if field == "max_tokens":  # name the field the client sent
                 field, message = max_tokens_param, message.replace("max_tokens", max_tokens_param, 1)
-            raise bad_request(message, field if field in SamplingParams.__dataclass_fields__ or field == max_tokens_param
-                              else None) from None
+            known = field in SamplingParams.__dataclass_fields__ or field == max_tokens_param
+            raise bad_request(message, field if known else None) from None
 
     async def _start(self, rid: str, ids: list[int], params: SamplingParams, req: SamplingFields):
         """Submit to the engine and wait for the first output, turning a refusal into an APIError."""
@@ -411,6 +411,6 @@ class OpenAIServing:
         for entry in out.new_logprobs:
             tok = self._token_str(entry["token_id"])
             top = [TopLogprob(token=self._token_str(t), logprob=p, bytes=self._token_bytes(t)) for t, p in entry["top"]]
-            content.append(ChatTokenLogprob(token=tok, logprob=entry["logprob"], bytes=self._token_bytes(entry["token_id"]),
-                                            top_logprobs=top))
+            content.append(ChatTokenLogprob(token=tok, logprob=entry["logprob"],
+                                            bytes=self._token_bytes(entry["token_id"]), top_logprobs=top))
         return ChatLogprobs(content=content)

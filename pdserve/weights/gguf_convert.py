@@ -142,7 +142,8 @@ def llama3_rope_scaling(freq_factors: np.ndarray, rope_theta: float, head_dim: i
         "original_max_position_embeddings": int(original_context),
     }
     ratio = original_context / wavelen
-    s_all = np.clip((ratio - scaling["low_freq_factor"]) / (scaling["high_freq_factor"] - scaling["low_freq_factor"]), 0, 1)
+    s_all = np.clip((ratio - scaling["low_freq_factor"])
+                    / (scaling["high_freq_factor"] - scaling["low_freq_factor"]), 0, 1)
     rebuilt = 1.0 / ((1 - s_all) / factor + s_all)
     if not np.allclose(rebuilt, f, rtol=1e-3):
         raise ValueError("rope_freqs does not follow the llama3 formula; this rope scaling is not supported")
@@ -168,7 +169,8 @@ def build_config(meta: Mapping[str, Any], tensors: Mapping[str, ReaderTensor], d
     head_dim = int(_get(meta, f"{arch}.attention.key_length", hidden // heads))
     rotary_dim = int(_get(meta, f"{arch}.rope.dimension_count", head_dim))
     if rotary_dim != head_dim:
-        raise NotImplementedError(f"partial rotary (rope.dimension_count={rotary_dim} < head_dim={head_dim}) is not supported")
+        raise NotImplementedError(f"partial rotary (rope.dimension_count={rotary_dim} < head_dim={head_dim}) "
+                                  "is not supported")
     vocab = int(tensors["token_embd.weight"].shape[-1])  # GGUF dims are [hidden, vocab]
     if int(_get(meta, f"{arch}.vocab_size", vocab)) != vocab:
         raise ValueError(f"GGUF says vocab_size={meta[f'{arch}.vocab_size']} but token_embd has {vocab} rows")
@@ -201,7 +203,8 @@ def build_config(meta: Mapping[str, Any], tensors: Mapping[str, ReaderTensor], d
         factors = dequantize(tensors[_ROPE_FREQS].data, tensors[_ROPE_FREQS].tensor_type).reshape(-1)
         cfg["rope_scaling"] = llama3_rope_scaling(factors, rope_theta, head_dim, original or 8192)
     elif scaling_type in ("linear", "yarn"):
-        cfg["rope_scaling"] = {"rope_type": scaling_type, "factor": _f32(_get(meta, f"{arch}.rope.scaling.factor", 1.0))}
+        cfg["rope_scaling"] = {"rope_type": scaling_type,
+                               "factor": _f32(_get(meta, f"{arch}.rope.scaling.factor", 1.0))}
         if original:
             cfg["rope_scaling"]["original_max_position_embeddings"] = original
     elif scaling_type not in (None, "none"):
@@ -257,7 +260,8 @@ def convert_gguf(
         writer.add(name, w.to(dtype))
     writer.close()
     write_json(out / CONFIG_FILE, cfg)
-    tokenizer, tokenizer_config, generation_config = build_tokenizer_files(meta, context_length=cfg["max_position_embeddings"])
+    tokenizer, tokenizer_config, generation_config = build_tokenizer_files(
+        meta, context_length=cfg["max_position_embeddings"])
     tokenizer.save(str(out / TOKENIZER_FILE))
     write_json(out / TOKENIZER_CONFIG_FILE, tokenizer_config)
     write_json(out / GENERATION_CONFIG_FILE, generation_config)

@@ -90,7 +90,8 @@ def sentencepiece_merges(tokens: list[str], scores: list[float] | None, vocab: d
 
 def _added_tokens(tokens: list[str], types: list[int]) -> tuple[list[AddedToken], list[AddedToken]]:
     special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == TokenType.CONTROL]
-    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == TokenType.USER_DEFINED]
+    user = [AddedToken(t, special=False, normalized=False)
+            for t, k in zip(tokens, types) if k == TokenType.USER_DEFINED]
     return special, user
 
 

@@ -89,7 +89,8 @@ def converted_gguf_dir(gguf_path: str | os.PathLike, cache_dir: str | os.PathLik
         try:
             return check_hf_dir(final)
         except ValueError as e:
-            raise ValueError(f"cached conversion {final} is damaged ({e}); delete that directory and start again") from e
+            raise ValueError(f"cached conversion {final} is damaged ({e}); "
+                             "delete that directory and start again") from e
     cache.mkdir(parents=True, exist_ok=True)
     _remove_dead_temporaries(cache, name)
     tmp = cache / f".{name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"

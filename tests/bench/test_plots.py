@@ -58,5 +58,6 @@ def test_wrong_inputs_are_named(tmp_path, capsys):
     assert plot.main(["rates", str(tmp_path / "vllm.json"), "--out", str(tmp_path / "x.png")]) == 2
     assert "not a sweep file" in capsys.readouterr().err
     write_json(tmp_path / "a.json", _run(0.1, 0.1))
-    assert plot.main(["timeline", str(tmp_path / "a.json"), "--labels", "x", "y", "--out", str(tmp_path / "x.png")]) == 2
+    assert plot.main(["timeline", str(tmp_path / "a.json"), "--labels", "x", "y",
+                      "--out", str(tmp_path / "x.png")]) == 2
     assert "one label per file" in capsys.readouterr().err

@@ -60,7 +60,8 @@ def test_the_global_log_level_flag_before_disaggregated(capsys):
     """`pdserve --log-level WARNING disaggregated -c f.yaml` used to be refused ('unrecognized arguments')."""
     from pdserve.cli import main
 
-    for argv in (["--log-level", "WARNING", "disaggregated", "--help"], ["--log-level=INFO", "disaggregated", "--help"]):
+    for argv in (["--log-level", "WARNING", "disaggregated", "--help"],
+                 ["--log-level=INFO", "disaggregated", "--help"]):
         with pytest.raises(SystemExit) as done:
             main(argv)
         assert done.value.code == 0

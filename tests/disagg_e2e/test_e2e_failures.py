@@ -38,7 +38,8 @@ def _post(url: str, body: dict, timeout: float = 30.0) -> httpx.Response:
 
 
 def _context_only(ctx_url: str, disagg_id: int) -> dict:
-    r = _post(ctx_url, {**BODY, "disaggregated_params": {"request_type": "context_only", "disagg_request_id": disagg_id}})
+    r = _post(ctx_url, {**BODY, "disaggregated_params": {"request_type": "context_only",
+                                                         "disagg_request_id": disagg_id}})
     assert r.status_code == 200, r.text
     return r.json()["disaggregated_params"]
 

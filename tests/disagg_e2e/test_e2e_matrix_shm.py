@@ -4,8 +4,9 @@ openai client, greedy output equals one aggregated instance token for token.
 HND, 16 tokens per block: tp2->tp1, tp1->tp2, tp2->pp2, pp2->tp2, tp2pp2->tp1, and with KV heads
 replicated at tp4 (2 KV heads over 4 ranks): tp4->tp1, tp2->tp4; 16 -> 32 tokens per block (tp2->tp1).
 generation_first (the first token arrives with the KV): pipelined tp2->tp1 and tp2->tp4 (tp2 prefills in
-24-token chunks, sending each chunk's blocks as it goes), and whole-prompt pp2->tp2. NHD: tp2pp2->tp1. A HND context instance with an NHD generation instance is refused with a
-clear error and leaves no KV block allocated."""
+24-token chunks, sending each chunk's blocks as it goes), and whole-prompt pp2->tp2. NHD: tp2pp2->tp1.
+A HND context instance with an NHD generation instance is refused with a clear error and leaves no
+KV block allocated."""
 
 from __future__ import annotations
 

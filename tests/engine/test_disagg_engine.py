@@ -201,7 +201,8 @@ def test_aborting_a_pipelined_prefill_mid_way_frees_both_sides(tiny):
         gen.add_request(prompt, GREEDY, "g", RequestType.GENERATION_ONLY,
                         DisaggInfo(71, ctx.kv_endpoint, schedule_style="generation_first"))
         step_until([gen], lambda _: gen.seqs["g"].disagg.transfer_started)
-        ctx.add_request(prompt, GREEDY, "c", RequestType.CONTEXT_ONLY, DisaggInfo(71, schedule_style="generation_first"))
+        ctx.add_request(prompt, GREEDY, "c", RequestType.CONTEXT_ONLY,
+                        DisaggInfo(71, schedule_style="generation_first"))
         step_until([ctx, gen], lambda _: ctx.seqs["c"].num_computed_tokens >= 16)  # 2 of 5 chunks sent
         assert ctx.seqs["c"].disagg.transfer_started
         ctx.abort("c")

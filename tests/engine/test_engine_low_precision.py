@@ -81,7 +81,8 @@ def test_fp32_context_bf16_generation_as_accurate_as_transformers_bf16(tiny):
     ctx, gen = engine("float32"), engine("bfloat16")
     try:
         outs = context_first(ctx, gen, prompts, GREEDY)
-        assert gen.blocks.num_free_blocks == gen.blocks.num_blocks and ctx.blocks.num_free_blocks == ctx.blocks.num_blocks
+        assert (gen.blocks.num_free_blocks == gen.blocks.num_blocks
+                and ctx.blocks.num_free_blocks == ctx.blocks.num_blocks)
     finally:
         ctx.shutdown()
         gen.shutdown()

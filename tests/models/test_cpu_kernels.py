@@ -138,7 +138,8 @@ def test_rope_cache_write_is_bit_identical_to_the_pytorch_ops(layout, model_dtyp
     g = torch.Generator().manual_seed(3)
     heads, kv_heads, d, T = 9, 3, 64, 16
     rope = RotaryEmbedding(d, 4096, 10000.0, None)
-    positions = torch.tensor([0, 17, 300, 4095, 1000] + list(range(2000, 2100)) if prefill else [0, 17, 300, 4095, 1000])
+    positions = torch.tensor([0, 17, 300, 4095, 1000] + list(range(2000, 2100)) if prefill
+                             else [0, 17, 300, 4095, 1000])
     n = len(positions)
     table = rope.table(positions)
     qkv = (torch.randn(n, heads + 2 * kv_heads, d, generator=g) * 2).to(model_dtype)
@@ -161,7 +162,8 @@ def test_rope_cache_write_refuses_a_slot_outside_the_pool():
     cos = torch.ones(1, 8)
     for block, offset in ((2, 0), (-1, 0), (0, 4)):
         with pytest.raises(IndexError, match="outside the pool"):
-            cpu_kernels.rope_cache_write(qkv, 1, cos, cos, pool, "HND", 0, torch.tensor([block]), torch.tensor([offset]))
+            cpu_kernels.rope_cache_write(qkv, 1, cos, cos, pool, "HND", 0, torch.tensor([block]),
+                                         torch.tensor([offset]))
     assert not pool.any()
 
 

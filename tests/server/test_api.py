@@ -206,7 +206,8 @@ def test_metrics_count_requests(client, http):
     for name in ("pdserve_time_to_first_token_seconds_count", "pdserve_e2e_request_latency_seconds_count",
                  "pdserve_time_per_output_token_seconds_count"):
         assert after[name] == before.get(name, 0) + 1, name
-    assert after["pdserve_inter_token_latency_seconds_count"] == before.get("pdserve_inter_token_latency_seconds_count", 0) + 4
+    assert (after["pdserve_inter_token_latency_seconds_count"]
+            == before.get("pdserve_inter_token_latency_seconds_count", 0) + 4)
     assert after["pdserve_generation_tokens_total"] == before.get("pdserve_generation_tokens_total", 0) + 5
     assert after["pdserve_prompt_tokens_total"] > before.get("pdserve_prompt_tokens_total", 0)
     key = 'pdserve_request_success_total{finished_reason="length"}'

@@ -33,7 +33,8 @@ def test_api_key_required_everywhere_but_health_and_metrics(engine):
         assert http.get("/no-such-page").status_code == 401
         assert http.get("/no-such-page", headers=key).status_code == 404
         # a 401 wins over a malformed body: nothing about the request leaks to an unauthenticated client
-        assert http.post("/v1/completions", content=b"{", headers={"content-type": "application/json"}).status_code == 401
+        assert http.post("/v1/completions", content=b"{",
+                         headers={"content-type": "application/json"}).status_code == 401
 
         good = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekret", max_retries=0, timeout=30)
         assert good.completions.create(**BODY).usage.completion_tokens >= 1

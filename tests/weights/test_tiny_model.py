@@ -71,7 +71,8 @@ def test_geometry_and_files(tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
     assert model.model.layers[0].self_attn.q_proj.weight.shape == (48, 36)
     assert model.model.layers[0].self_attn.k_proj.weight.dtype == torch.bfloat16
-    out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False, eos_token_id=None,
+                         pad_token_id=0)
     assert out.shape == (1, 7)
 
 

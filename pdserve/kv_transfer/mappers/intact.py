@@ -5,8 +5,9 @@
 
 Buffers contiguous on BOTH sides merge into one static fragment (``RegionMapper._merge_static``)
 and consecutive blocks contiguous on both sides merge in ``merge_contiguous``, so a fully
-contiguous block-major pool becomes one fragment per run of consecutive blocks. With different tokens_per_block (HND only) a head's row is contiguous for
-one sub-block only, and the buffer is cut per head as in ``hnd_mismatch``.
+contiguous block-major pool becomes one fragment per run of consecutive blocks. With different
+tokens_per_block (HND only) a head's row is contiguous for one sub-block only, and the buffer is
+cut per head as in ``hnd_mismatch``.
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ def with_table(ri: RankInfo, table: PageTable, **changes) -> RankInfo:
     return replace(ri, page_table=table, tokens_per_block=table.tokens_per_block, **changes)
 
 
-def replicated_instance(name: str, tp: int, dp: int = 1, layers: int = 2, tpb: int = 16, row: int = 8) -> list[RankInfo]:
+def replicated_instance(name: str, tp: int, dp: int = 1, layers: int = 2, tpb: int = 16,
+                        row: int = 8) -> list[RankInfo]:
     """tp ranks whose only pool is REPLICATED (identical bytes on every TP rank)."""
     out = []
     for r in range(tp):
@@ -35,7 +36,8 @@ def replicated_instance(name: str, tp: int, dp: int = 1, layers: int = 2, tpb: i
         out.append(RankInfo(
             instance_name=name, rank=r, tp_size=tp, tp_rank=r, pp_size=1, pp_rank=0, cp_size=1, cp_rank=0,
             dp_size=dp, dp_rank=r // (tp // dp), layers_per_pp_stage=(layers,), total_kv_heads=8,
-            kv_heads_per_rank=max(1, 8 // (tp // dp)), head_dim=row, element_bytes=1, tokens_per_block=tpb, page_table=table,
+            kv_heads_per_rank=max(1, 8 // (tp // dp)), head_dim=row, element_bytes=1, tokens_per_block=tpb,
+            page_table=table,
             agent_descriptor=b"", control_endpoint="tcp://127.0.0.1:1",
         ))
     return out

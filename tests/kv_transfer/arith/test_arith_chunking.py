@@ -70,7 +70,8 @@ def test_chunk_input_errors(kw, match):
 
 def test_chunk_groups_must_match_windows():
     with pytest.raises(ValueError, match=r"different layer groups: \[1\]"):
-        chunk_blocks({0: np.arange(2)}, {0: None, 1: None}, tokens_per_block=16, chunk_start=0, chunk_end=5, prompt_len=20)
+        chunk_blocks({0: np.arange(2)}, {0: None, 1: None}, tokens_per_block=16, chunk_start=0, chunk_end=5,
+                     prompt_len=20)
 
 
 @st.composite

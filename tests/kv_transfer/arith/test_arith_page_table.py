@@ -52,10 +52,12 @@ def test_pool_default_strides_are_dense_layer_major():
                                                   BufferEntry(1, 16, 8))), "not evenly distributed per layer"),
         (lambda: LayerGroup(0, (1, 1), None, ()), "unique"),
         (lambda: LayerGroup(0, (1,), None, (PoolView(0, frozenset(), (BufferEntry(1, 0, 8),)),)), "local_layer_id 1"),
-        (lambda: PageTable((PhysicalPool(0, 8, 1),), (LayerGroup(0, (0,), None, (PoolView(1, frozenset(), (BufferEntry(0, 0, 8),)),)),),
+        (lambda: PageTable((PhysicalPool(0, 8, 1),),
+                           (LayerGroup(0, (0,), None, (PoolView(1, frozenset(), (BufferEntry(0, 0, 8),)),)),),
                            MapperKind.HND, 16), "pool_index 1 out of range"),
-        (lambda: PageTable((PhysicalPool(0, 8, 1),), (LayerGroup(0, (0,), None, (PoolView(0, frozenset(), (BufferEntry(0, 0, 8),)),)),
-                                                      LayerGroup(1, (0,), None, (PoolView(0, frozenset(), (BufferEntry(0, 0, 8),)),))),
+        (lambda: PageTable((PhysicalPool(0, 8, 1),),
+                           (LayerGroup(0, (0,), None, (PoolView(0, frozenset(), (BufferEntry(0, 0, 8),)),)),
+                            LayerGroup(1, (0,), None, (PoolView(0, frozenset(), (BufferEntry(0, 0, 8),)),))),
                            MapperKind.HND, 16), "global layer 0 is in layer groups 0 and 1"),
     ],
 )
@@ -89,7 +91,8 @@ def test_rank_info_version_mismatch_fails():
     ri = info("ctx", Topology(), ModelShape(), 0)
     msg = msgpack.unpackb(ri.to_bytes())
     msg["version"] = RankInfo.VERSION + 1
-    with pytest.raises(SchemaError, match=f"version {RankInfo.VERSION + 1} differs from this build's {RankInfo.VERSION}"):
+    with pytest.raises(SchemaError,
+                       match=f"version {RankInfo.VERSION + 1} differs from this build's {RankInfo.VERSION}"):
         RankInfo.from_bytes(msgpack.packb(msg))
 
 

@@ -29,7 +29,8 @@ def _geometries(draw):
     g_ranks = [j for j in range(tp_g) if j * k // tp_g < c0 + hc and j * k // tp_g + hg > c0]
     g0 = draw(st.sampled_from(g_ranks)) * k // tp_g
     kind = draw(st.sampled_from([HND, NHD]))
-    tc, tg = draw(st.sampled_from([(16, 16), (4, 4), (1, 1)] if kind == NHD else [(16, 16), (16, 32), (32, 16), (8, 2), (2, 8)]))
+    tc, tg = draw(st.sampled_from([(16, 16), (4, 4), (1, 1)] if kind == NHD
+                                  else [(16, 16), (16, 32), (32, 16), (8, 2), (2, 8)]))
     row = draw(st.sampled_from([1, 3, 8]))  # odd rows: byte geometry must stay exact
     n = draw(st.integers(1, 4))
     gaps = draw(st.lists(st.integers(0, 5), min_size=2 * n, max_size=2 * n))

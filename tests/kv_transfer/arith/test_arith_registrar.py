@@ -100,8 +100,9 @@ def _two_groups(ri):
     v = ri.page_table.layer_groups[0].views[0]
     by = v.entries_by_layer()
     groups = tuple(
-        LayerGroup(g, (g, g + 2), None, (PoolView(0, v.role, tuple(BufferEntry(i, e.offset, e.size)
-                                                                       for i, layer in enumerate((g, g + 2)) for e in by[layer])),))
+        LayerGroup(g, (g, g + 2), None,
+                   (PoolView(0, v.role, tuple(BufferEntry(i, e.offset, e.size)
+                                              for i, layer in enumerate((g, g + 2)) for e in by[layer])),))
         for g in (0, 1)
     )
     return with_table(ri, replace(ri.page_table, layer_groups=groups))

@@ -31,7 +31,8 @@ def test_copy_fragments_vectorised_and_loop_paths_agree():
         copy_fragments(dst.ctypes.data + doffs, src.ctypes.data + offs, np.full(count, size, np.uint64))
         for d, s in zip(doffs[:50].tolist(), offs[:50].tolist()):
             assert (dst[d:d + size] == src[s:s + size]).all()
-        assert int(dst.astype(np.int64).sum()) == sum(int(src[s:s + size].astype(np.int64).sum()) for s in offs.tolist())
+        assert int(dst.astype(np.int64).sum()) == sum(int(src[s:s + size].astype(np.int64).sum())
+                                                      for s in offs.tolist())
 
 
 def test_fake_agent_write_then_notification():
