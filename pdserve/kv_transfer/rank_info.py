@@ -51,12 +51,12 @@ class RankInfo:
     control_endpoint: str  # "tcp://host:port" of this rank's ZeroMQ listener
     canary_slots: int = 0  # the last slots of every pool, kept free for the first-contact canary (canary.py)
 
-    VERSION: ClassVar[int] = 2  # 2: canary_slots
+    VERSION: ClassVar[int] = 2  # bumped with any change of fields: from_bytes refuses another version
 
     def __hash__(self) -> int:
-        # RankInfos key the registrar's caches on every request; hashing the whole page table
-        # each time cost ~0.1 ms per lookup, so the (immutable) hash is computed once. It is not
-        # pickled (__getstate__): string hashes differ between processes.
+        # RankInfos key the registrar's caches on every request, and hashing the whole page table
+        # on every lookup is slow, so the (immutable) hash is computed once. It is not pickled
+        # (__getstate__): string hashes differ between processes.
         cached = self.__dict__.get("_hash")
         if cached is None:
             cached = hash(tuple(getattr(self, f.name) for f in fields(self)))

@@ -9,11 +9,10 @@ The KV pool of one rank is a single block-major tensor:
 contiguously, which lets the KV exchange move a block with one descriptor.
 
 Prefills on CPU do not use SDPA, whose CPU flash kernel runs its tiles on the generic BLAS. The
-native kernel `cpu_kernels.flash_prefill` takes them (a 2048-token causal attention layer of SmolLM2
-on the development machine: SDPA ~34 ms, the kernel ~13 ms in fp32 and ~8 ms in bf16).
-Without the native kernels, prefills of TILED_MIN_TOKENS or more take `_tiled_causal_attention`,
-exact softmax attention tile by tile with oneDNN's GEMMs (18-36 ms in fp32 across runs, the machine's
-speed moving with them), and shorter ones SDPA.
+native kernel `cpu_kernels.flash_prefill` takes them (docs/benchmarks.md times the kernel, the tiled
+path and SDPA). Without the native kernels, prefills of TILED_MIN_TOKENS or more take
+`_tiled_causal_attention`, exact softmax attention tile by tile with oneDNN's GEMMs, and shorter
+ones SDPA.
 """
 
 from __future__ import annotations
@@ -61,7 +60,7 @@ class AttentionMetadata:
 # Without the native kernels, a prefill of at least this many tokens takes the tiled oneDNN path on CPU;
 # below it, one SDPA call is as fast and costs fewer dispatches.
 TILED_MIN_TOKENS = 512
-_TILE = 256  # query rows per tile (times the query heads of one KV group); 2-5% faster prefills than 128
+_TILE = 256  # query rows per tile (times the query heads of one KV group); prefills run faster than with 128
 
 
 def _use_tiled(q: torch.Tensor, q_len: int) -> bool:
@@ -78,8 +77,7 @@ def _tiled_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 
     Scores and softmax are fp32. For bf16 inputs the probabilities are then rounded to bf16 and
     multiplied by bf16 V with fp32 accumulation, as PyTorch's own bf16 flash attention does (oneDNN's
-    bf16 GEMMs run about twice as fast as fp32 on the AVX512-BF16 development machine); otherwise the
-    P @ V product is fp32 too.
+    bf16 GEMMs outrun its fp32 ones on AVX512-BF16 CPUs); otherwise the P @ V product is fp32 too.
     """
     n, heads, d = q.shape
     kv_heads, ctx, _ = k.shape
@@ -88,9 +86,8 @@ def _tiled_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     qh = (q.float() * scale).view(n, kv_heads, group, d).transpose(0, 1).contiguous()  # [kv_heads, n, group, d]
     kh = k.float().contiguous()
     # The P @ V product. fp32: oneDNN's linear, whose weight rows must be contiguous, on V transposed
-    # (a [d, keys] copy per tile) beats MKL's mm on V as it lies (230 vs 512 us for 384 x 2048 x 64).
-    # bf16: mm, which runs on oneDNN for bf16, needs no copy and is the faster (124 vs 130 us; 44 vs 56
-    # at 512 keys).
+    # (a [d, keys] copy per tile) beats MKL's mm on V as it lies. bf16: mm, which runs on oneDNN for
+    # bf16, needs no copy and is the faster.
     if pv_dtype == torch.float32:
         vt = v.float().transpose(1, 2).contiguous()  # [kv_heads, d, ctx]
 
@@ -116,7 +113,7 @@ def _masked_softmax(scores: torch.Tensor) -> torch.Tensor:
     """Softmax of one tile's scores [rows, group, keys] under the causal mask: query row i sees keys
     [0, keys - rows + i]."""
     rows, keys = scores.shape[0], scores.shape[2]
-    # -inf above the diagonal, 0 elsewhere: an add on the strided diagonal square is ~3x cheaper than a
+    # -inf above the diagonal, 0 elsewhere: an add on the strided diagonal square is cheaper than a
     # masked_fill with a broadcast boolean mask, and gives the same scores.
     above = torch.full((rows, rows), float("-inf")).triu_(1).unsqueeze(1)  # [rows, 1, rows]
     scores[:, :, keys - rows:].add_(above)
@@ -147,8 +144,8 @@ class PagedKVCache:
         """block_ids: [..., nb] -> K, V as [..., kv_heads, nb * tokens_per_block, head_dim].
 
         One copy: the selected blocks land straight in head-major order, and K and V come back as
-        views of it (last dim contiguous, which is all SDPA needs). For a 16-sequence decode step
-        this is ~3x faster than gathering block-major and reordering afterwards."""
+        views of it (last dim contiguous, which is all SDPA needs), without the second copy that
+        gathering block-major and reordering afterwards would make."""
         lead, nb = block_ids.shape[:-1], block_ids.shape[-1]
         layer_pool = self.pool[:, layer]  # [NB, 2, H, T, D] (HND) or [NB, 2, T, H, D] (NHD)
         T, D = self.tokens_per_block, layer_pool.shape[-1]
@@ -203,7 +200,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     n, heads, d = q.shape
     out = None if md.decode_only else torch.empty(n, heads, d, dtype=q.dtype, device=q.device)
     # SDPA gets 4-D [1, heads, len, d] inputs: with 3-D ones PyTorch's CPU backend falls back to the
-    # math kernel and materialises the whole [heads, len, len] score matrix (6x slower at 2048 tokens).
+    # math kernel and materialises the whole [heads, len, len] score matrix.
     for s in md.prefills:
         rows = slice(s.q_start, s.q_start + s.q_len)
         if s.q_len == s.ctx_len:

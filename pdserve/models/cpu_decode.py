@@ -1,9 +1,9 @@
 """A batch-1 CPU decode step through a stage's layers in one native call (csrc/decode_layers.c).
 
 With one sequence in the batch, a decode step is ~120 matrix-vector products and ~150 small kernels
-and PyTorch ops; the Python around them (module calls, views, wrapper checks) costs about a quarter
-of a bf16 SmolLM2 step on the 2-core development machine. `StageDecoder` hands the whole layer stack
-to C, which calls the same kernels in the same order as `llama.DecoderLayer` (docs/architecture.md).
+and PyTorch ops; the Python around them (module calls, views, wrapper checks) is a large share of a
+small model's step (docs/benchmarks.md). `StageDecoder` hands the whole layer stack to C, which
+calls the same kernels in the same order as `llama.DecoderLayer` (docs/architecture.md).
 
 It applies only where those kernels would all run anyway: on CPU, without tensor parallelism (a
 row-parallel linear's all-reduce sits between kernels), with every linear keeping its plain weight

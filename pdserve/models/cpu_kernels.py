@@ -307,11 +307,9 @@ def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return out if status == 0 else None
 
 
-# Decode-step row counts that take skinny_linear rather than oneDNN's packed GEMM: where it beat (or
-# matched) oneDNN on a SmolLM2 step's 120 linears on the 2-core development machine (docs/benchmarks.md).
-# bf16: 1.12-1.24x at 1-3 and 8-24 rows, 0.98x at 4. fp32: the tiles 1.03-1.13x up to 8 rows; from 9
-# rows the lane loop, 0.92-0.99x at 9-11 (those stay on oneDNN), 1.02-1.06x at 12, 1.10x at 14,
-# 1.16-1.22x at 16.
+# Decode-step row counts that take skinny_linear rather than oneDNN's packed GEMM: those where it
+# beats (or matches) oneDNN on a SmolLM2 step's 120 linears (docs/benchmarks.md). fp32 takes the tiles
+# up to 8 rows and the lane loop from 12; at 9-11 rows the lane loop trails oneDNN, so those stay there.
 SKINNY_ROWS = {torch.float32: frozenset([*range(1, 9), *range(12, 17)]), torch.bfloat16: frozenset(range(1, 17))}
 
 

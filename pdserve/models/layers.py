@@ -4,11 +4,10 @@ Each parallel layer takes the *full* checkpoint tensor in `load` and keeps only 
 model file never does shard arithmetic.
 
 On CPU, `pack_for_cpu(model)` then hands every linear weight to oneDNN once, in its blocked layout
-(`torch.ops.mkldnn._reorder_linear_weight`), and `linear` runs oneDNN's GEMM on it. On the 2-core
-development machine the plain F.linear path (MKL) streamed a decode step's weights at ~16 GB/s and
-the packed one at ~27-32 GB/s; end to end, batch-1 decode went from 22.6 to 39.1 tok/s and a
-2048-token prefill from 534 to 799 tok/s (benchmarks/bench_engine.py, docs/benchmarks.md).
-Elsewhere (CUDA, fp16 on CPU) the weights stay plain and `linear` is F.linear.
+(`torch.ops.mkldnn._reorder_linear_weight`), and `linear` runs oneDNN's GEMM on it, which streams
+the weights faster than the plain F.linear path (MKL) in decode and prefill alike
+(benchmarks/bench_engine.py, docs/benchmarks.md). Elsewhere (CUDA, fp16 on CPU) the weights stay
+plain and `linear` is F.linear.
 
 A decode step of a few sequences is the exception: oneDNN's GEMM streams the weights slower there
 than a plain loop over their rows, so `pack_for_cpu(model, gemv=True)` keeps each linear's plain
@@ -317,9 +316,9 @@ class RotaryEmbedding(nn.Module):
         The minus sign of rotate_half lives in the table's sin, so the halves only swap. Two forms of
         the same sum: for a few tokens (decode), flip the halves and add two products (fewest ops);
         for many (prefill), the swapped products are written half by half into an fp32 buffer, which
-        avoids converting a flipped view (bf16 at 512 tokens: 0.14 ms a layer instead of 0.88 ms; at
-        one token the flip form costs 8 us to this form's 16 us). Both round every product and the
-        sum alike, so a token gets the same bits whichever form a batch takes (no fused multiply-add)."""
+        avoids converting a flipped view; below ROPE_HALVES_MIN_TOKENS the flip form is the cheaper.
+        Both round every product and the sum alike, so a token gets the same bits whichever form a
+        batch takes (no fused multiply-add)."""
         cos, signed_sin = table
         n, heads, d = x.shape
         if n < ROPE_HALVES_MIN_TOKENS:

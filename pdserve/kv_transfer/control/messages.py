@@ -31,7 +31,7 @@ import numpy as np
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.rank_info import RankInfo
 
-PROTOCOL_VERSION = 4  # 3: optional KV checksums; 4: REQUEST_DATA may ask for the first-contact canary
+PROTOCOL_VERSION = 4  # bumped with any change of a message's fields: decoding refuses another version
 
 PeerKey = tuple[str, int]  # (instance name, rank): never a concatenated string
 
