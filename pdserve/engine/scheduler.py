@@ -157,7 +157,9 @@ class Scheduler:
     def _admit(self, out: list[ScheduledSeq], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.request_type is RequestType.GENERATION_ONLY and seq.state is SeqState.WAITING:
+            # Its KV is asked for once; preempted after it arrived, it is recomputed like any request.
+            if (seq.request_type is RequestType.GENERATION_ONLY and seq.state is SeqState.WAITING
+                    and not seq.disagg.transfer_started):
                 if not self._park_for_kv(seq):
                     break
                 continue

@@ -276,9 +276,8 @@ def test_cancel_transfer_is_queued_once():
     assert s.cancels == [9] and c.disagg.cancelling
 
 
-@pytest.mark.xfail(strict=True, reason="a preempted generation_only request is parked for its KV again, "
-                                       "which never comes again: it should be recomputed like any other")
 def test_a_preempted_generation_request_is_recomputed_not_parked_again():
+    """Its KV came once and will not come again: parked for it, it would hang holding its blocks."""
     s = _sched(num_blocks=3, tpb=2)
     g = _seq("g", 2, rtype=RequestType.GENERATION_ONLY, disagg=DisaggInfo(5, "tcp://ctx:1", 0, (42,)))
     g.output_token_ids = [42]
