@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 from pdserve.kv_transfer.control.messages import (
     Cancel,
@@ -37,11 +37,22 @@ from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.rank_info import RankInfo
 from pdserve.kv_transfer.transceiver.base import Local
 
-if TYPE_CHECKING:
-    from pdserve.kv_transfer.transceiver.receiver import Receiver
-    from pdserve.kv_transfer.transceiver.sender import Sender
-
 logger = logging.getLogger(__name__)
+
+
+class SendSide(Protocol):
+    """What the control plane hands the context side (sender.py)."""
+
+    def add_peer(self, info: RankInfo) -> None: ...
+    def on_request_data(self, message: RequestData) -> None: ...
+    def on_cancel(self, message: Cancel) -> None: ...
+
+
+class ReceiveSide(Protocol):
+    """What the control plane hands the generation side (receiver.py)."""
+
+    def on_written(self, done: TransferDone) -> None: ...
+    def on_error(self, message: TransferError) -> None: ...
 
 
 class ControlPlane:
@@ -52,13 +63,13 @@ class ControlPlane:
         self._instance_reply: RankInfoReply | None = None
         self._ctx_instances: dict[str, tuple[RankInfo, ...]] = {}  # ctx endpoint -> its ranks (cached)
         self._registered_with: set[PeerKey] = set()
-        self._sender: Sender | None = None
-        self._receiver: Receiver | None = None
+        self._sender: SendSide | None = None
+        self._receiver: ReceiveSide | None = None
         self.messenger = Messenger(self._on_message, host=host, name="kv",
                                    max_message_bytes=local.config.max_control_message_bytes,
                                    cluster_token=local.config.cluster_token)
 
-    def connect(self, sender: Sender, receiver: Receiver) -> None:
+    def connect(self, sender: SendSide, receiver: ReceiveSide) -> None:
         """The two sides drain() hands messages to."""
         self._sender, self._receiver = sender, receiver
 
