@@ -5,31 +5,23 @@ Every rank of an instance owns a `KVConnector` over its own KV pool. Rank 0 deci
 its own bytes and reports what finished. Rank 0 changes a request's state only once every rank has
 reported on it (`TransferTally`), so no rank frees or reads blocks another rank is still writing.
 
-Commands (msgpack-friendly lists):
-    ["send", disagg_id, block_ids, token_start, token_end, last, state]
-                                                           context side: offer this request's KV, or
-                                                           one prefill chunk of it (blocks outside the
-                                                           chunk are -1; see kv_transfer/chunking.py)
-    ["recv", disagg_id, ctx_endpoint, block_ids, dp_rank, ctx_rank_infos, ms_left_of_the_timeout]
-                                                           generation side: pull it into block_ids
-    ["cancel", disagg_id]                                   stop; confirmed once no write can land
-    ["forget", 0, ctx_endpoint]                             drop a context instance's cached RankInfos
-
-`ctx_rank_infos` are the context instance's RankInfos, fetched once by rank 0 off the step loop
-(`PeerDirectory`), so no rank ever waits on the network inside a step.
+The commands and the report are typed and versioned in kv_wire.py. A `ReceiveKV` carries the
+context instance's RankInfos, fetched once by rank 0 off the step loop (`PeerDirectory`), so no rank
+ever waits on the network inside a step.
 """
 
 from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pdserve.config import CacheTransceiverConfig
 from pdserve.distributed import ParallelState
+from pdserve.engine.kv_wire import CancelKV, ForgetPeer, KVCommand, RankReport, ReceiveKV, SendKV
 from pdserve.kv_transfer.agents import MemoryRegion, make_agent
 from pdserve.kv_transfer.agents.faults import FaultyAgent
 from pdserve.kv_transfer.errors import KVTransferError
@@ -57,26 +49,6 @@ def shared_pool_allocator(backend: str | None):
 
     allocate.buffers = buffers
     return allocate
-
-
-@dataclass
-class RankReport:
-    """What one rank finished this step (request ids are disagg ids)."""
-
-    done: list[int] = field(default_factory=list)
-    failed: dict[int, str] = field(default_factory=dict)
-    cancelled: list[int] = field(default_factory=list)
-    tokens: dict[int, int] = field(default_factory=dict)  # received: prompt tokens the sender delivered
-    states: dict[int, bytes] = field(default_factory=dict)  # received: state that rode with the KV
-
-    def to_wire(self) -> list:
-        return [self.done, list(self.failed.items()), self.cancelled, list(self.tokens.items()),
-                list(self.states.items())]
-
-    @classmethod
-    def from_wire(cls, w: list) -> "RankReport":
-        return cls(list(w[0]), {int(k): v for k, v in w[1]}, list(w[2]), {int(k): int(v) for k, v in w[3]},
-                   {int(k): bytes(v) for k, v in w[4]})
 
 
 @dataclass(frozen=True)
@@ -127,27 +99,30 @@ class KVConnector:
         self.tx.start(self.info, instance)
         self.endpoint = instance[0].control_endpoint
 
-    def apply(self, commands: list[list]) -> RankReport:
+    def apply(self, commands: list[KVCommand]) -> RankReport:
         """Run rank 0's commands, then report what finished on this rank."""
         report = RankReport()
         for cmd in commands:
-            kind, rid = cmd[0], int(cmd[1])
             try:
-                if kind == "send":
-                    self.tx.respond_and_send_async(rid, {LAYER_GROUP: np.asarray(cmd[2], dtype=np.int64)},
-                                                   token_range=(cmd[3], cmd[4]), last=cmd[5], state=cmd[6])
-                elif kind == "recv":
-                    self.tx.add_instance(cmd[2], cmd[5])
-                    self.tx.request_and_receive_async(rid, cmd[2], {LAYER_GROUP: np.asarray(cmd[3], dtype=np.int64)},
-                                                      ctx_dp_rank=int(cmd[4]), timeout_ms=cmd[6])
-                elif kind == "cancel":
-                    self._cancelling.add(rid)
-                elif kind == "forget":
-                    self.tx.forget_instance(cmd[2])
+                if isinstance(cmd, SendKV):
+                    blocks = {LAYER_GROUP: np.asarray(cmd.block_ids, dtype=np.int64)}
+                    self.tx.respond_and_send_async(cmd.request_id, blocks,
+                                                   token_range=(cmd.token_start, cmd.token_end), last=cmd.last,
+                                                   state=cmd.state)
+                elif isinstance(cmd, ReceiveKV):
+                    self.tx.add_instance(cmd.ctx_endpoint, cmd.ctx_rank_infos)
+                    self.tx.request_and_receive_async(cmd.request_id, cmd.ctx_endpoint,
+                                                      {LAYER_GROUP: np.asarray(cmd.block_ids, dtype=np.int64)},
+                                                      ctx_dp_rank=cmd.ctx_dp_rank, timeout_ms=cmd.timeout_ms)
+                elif isinstance(cmd, CancelKV):
+                    self._cancelling.add(cmd.request_id)
+                elif isinstance(cmd, ForgetPeer):
+                    self.tx.forget_instance(cmd.ctx_endpoint)
                 else:
-                    raise AssertionError(f"unknown KV command {kind!r}")
+                    raise AssertionError(f"unknown KV command {cmd!r}")
             except (KVTransferError, OSError, ValueError) as e:
-                log.warning("rank %d: KV %s of request %d failed: %s", self.ps.rank, kind, rid, e)
+                rid = getattr(cmd, "request_id", 0)
+                log.warning("rank %d: KV %s of request %d failed: %s", self.ps.rank, cmd.KIND.name, rid, e)
                 report.failed[rid] = f"{type(e).__name__}: {e}"
         if self.tx.send_sessions:
             r = self.tx.check_context_transfer_status()

@@ -3,7 +3,7 @@ rank's reports mean for a request, which it tells the scheduler (the lifecycle's
 
     step():  schedule()  ->  runner.step(spec + commands())  ->  postprocess()  ->  settle(batch, reports)
 
-- commands(): forgets, sends decided last step, cancels the scheduler asked for, and a "recv" for each
+- commands(): forgets, sends decided last step, cancels the scheduler asked for, and a receive for each
   generation_only request whose context instance's RankInfos are known (fetched off the step loop,
   PeerDirectory).
 - settle(): first the context_only sends the step made possible (the whole prompt once prefilled, or
@@ -20,7 +20,8 @@ import time
 import msgpack
 
 from pdserve.config import EngineConfig
-from pdserve.engine.kv_connector import KVConnector, PeerDirectory, RankReport, TransferTally
+from pdserve.engine.kv_connector import KVConnector, PeerDirectory, TransferTally
+from pdserve.engine.kv_wire import CancelKV, ForgetPeer, KVCommand, RankReport, ReceiveKV, SendKV
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler, transfer_stage
 from pdserve.engine.sequence import RequestType, Sequence, SeqState
 from pdserve.kv_transfer.chunking import chunk_blocks
@@ -43,7 +44,7 @@ class KVExchange:
         self._tally = TransferTally(ecfg.world_size)
         self._timeout_ms = ecfg.cache_transceiver_config.kv_transfer_timeout_ms
         self._tokens_per_block = ecfg.tokens_per_block
-        self._sends: list[list] = []  # context side: sends decided while settling a step
+        self._sends: list[SendKV] = []  # context side: sends decided while settling a step
         self._forget: set[str] = set()  # context endpoints every rank must re-learn
         self._last_poll = time.monotonic()
 
@@ -57,11 +58,11 @@ class KVExchange:
         if self._peers is not None:
             self._peers.close()
 
-    def commands(self) -> list[list]:
-        """This step's commands for every rank (kv_connector.py), decided on rank 0 without waiting."""
-        cmds = [["forget", 0, endpoint] for endpoint in self._forget]
+    def commands(self) -> list[KVCommand]:
+        """This step's commands for every rank (kv_wire.py), decided on rank 0 without waiting."""
+        cmds: list[KVCommand] = [ForgetPeer(endpoint) for endpoint in self._forget]
         cmds += self._sends
-        cmds += [["cancel", rid] for rid in self.scheduler.cancels]
+        cmds += [CancelKV(rid) for rid in self.scheduler.cancels]
         self._forget.clear()
         self._sends = []
         self.scheduler.cancels.clear()
@@ -82,8 +83,8 @@ class KVExchange:
             elif infos is not None:
                 d.transfer_started = True
                 left_ms = max(1, int((d.kv_deadline - now) * 1000))
-                cmds.append(["recv", d.disagg_request_id, d.ctx_info_endpoint, seq.block_ids, d.ctx_dp_rank, infos,
-                             left_ms])
+                cmds.append(ReceiveKV(d.disagg_request_id, d.ctx_info_endpoint, tuple(seq.block_ids), d.ctx_dp_rank,
+                                      tuple(infos), left_ms))
             elif now > d.kv_deadline:
                 self._fail_unstarted(seq, f"timed out at first contact: the context instance at {d.ctx_info_endpoint} "
                                           f"sent no RankInfo within kv_transfer_timeout_ms={timeout_ms}")
@@ -120,16 +121,17 @@ class KVExchange:
                                      reused_len=seq.num_cached_tokens)
                 if not chunk.should_send:
                     continue
-                ids, span, last = chunk.block_ids[0].tolist(), (chunk.token_start, chunk.token_end), chunk.is_last
+                ids, span = tuple(chunk.block_ids[0].tolist()), (chunk.token_start, chunk.token_end)
+                last = chunk.is_last
             elif s.samples:  # the prompt's prefill is done
-                ids, span, last = list(seq.block_ids), (0, n), True
+                ids, span, last = tuple(seq.block_ids), (0, n), True
             else:
                 continue
             state = b""
             if last and d.generation_first:
                 state = msgpack.packb({"token": seq.output_token_ids[0], "logprobs": seq.output_logprobs[:1]})
             d.transfer_started = True
-            self._sends.append(["send", d.disagg_request_id, ids, span[0], span[1], last, state])
+            self._sends.append(SendKV(d.disagg_request_id, ids, span[0], span[1], last, state))
 
     def _settle(self, reports: list[RankReport]) -> None:
         """Apply every rank's report; requests whose transfer all ranks settled move on."""

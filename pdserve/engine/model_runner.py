@@ -18,7 +18,8 @@ import torch.distributed as dist
 from pdserve.config import EngineConfig
 from pdserve.distributed import ParallelState, broadcast_bytes, recv_bytes, send_bytes
 from pdserve.engine.host_malloc import keep_freed_memory
-from pdserve.engine.kv_connector import KVConnector, KVPoolGeometry, RankReport, shared_pool_allocator
+from pdserve.engine.kv_connector import KVConnector, KVPoolGeometry, shared_pool_allocator
+from pdserve.engine.kv_wire import KVCommand, RankReport, command_from_wire, command_to_wire
 from pdserve.engine.sampler import SampleResult, SampleSpec, sample
 from pdserve.models import cpu_kernels
 from pdserve.models.attention import AttentionMetadata, PagedKVCache, SeqSlice
@@ -46,16 +47,17 @@ class SeqStep:
 @dataclass
 class StepSpec:
     seqs: list[SeqStep]
-    kv: list[list] = field(default_factory=list)  # KV exchange commands (see kv_connector.py)
+    kv: list[KVCommand] = field(default_factory=list)  # KV exchange commands (kv_wire.py)
     shutdown: bool = False
 
     def to_bytes(self) -> bytes:
-        return msgpack.packb({"s": [asdict(s) for s in self.seqs], "k": self.kv, "x": self.shutdown})
+        kv = [command_to_wire(c) for c in self.kv]
+        return msgpack.packb({"s": [asdict(s) for s in self.seqs], "k": kv, "x": self.shutdown})
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "StepSpec":
         d = msgpack.unpackb(data)
-        return cls([SeqStep(**s) for s in d["s"]], d["k"], d["x"])
+        return cls([SeqStep(**s) for s in d["s"]], [command_from_wire(c) for c in d["k"]], d["x"])
 
 
 @dataclass

@@ -13,7 +13,8 @@ import pytest
 
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.kv_connector import PeerDirectory, RankReport, TransferTally
+from pdserve.engine.kv_connector import PeerDirectory, TransferTally
+from pdserve.engine.kv_wire import CancelKV, ForgetPeer, RankReport, ReceiveKV, SendKV
 from pdserve.engine.kv_exchange import KVExchange
 from pdserve.engine.sampler import SampleResult
 from pdserve.engine.sampling_params import SamplingParams
@@ -155,9 +156,9 @@ def _generation(s: Scheduler, **disagg) -> Sequence:
     return g
 
 
-def _recv(kv: KVExchange) -> list[list]:
+def _recv(kv: KVExchange) -> list[ReceiveKV]:
     """commands() until the peer's RankInfos are in and the receive is asked for."""
-    return _until(lambda: [c for c in kv.commands() if c[0] == "recv"])
+    return _until(lambda: [c for c in kv.commands() if isinstance(c, ReceiveKV)])
 
 
 def _receiving(exchange, **disagg) -> tuple[KVExchange, Scheduler, Sequence]:
@@ -172,7 +173,7 @@ def test_a_parked_generation_request_is_received_once_its_peer_is_known(exchange
     kv, s = exchange()
     g = _generation(s, first_gen_tokens=(42,))
     [cmd] = _recv(kv)
-    assert cmd[:6] == ["recv", 5, EP, [0, 1], 0, INFOS] and 29_000 < cmd[6] <= 30_000
+    assert cmd == ReceiveKV(5, EP, (0, 1), 0, tuple(INFOS), cmd.timeout_ms) and 29_000 < cmd.timeout_ms <= 30_000
     assert g.disagg.transfer_started and g.disagg.kv_deadline is not None
     assert kv.commands() == []  # asked once
     kv.settle([], [[RankReport(done=[5], tokens={5: 5}), RankReport()]])
@@ -196,14 +197,14 @@ def test_kv_for_another_prompt_length_fails_the_request(exchange):
     [out] = s.take_outputs()
     assert out.finished and "sent KV for 4 prompt tokens but this request's prompt has 5" in out.error
     assert g.finish_reason is FinishReason.ERROR and s.seqs == {} and s.blocks.num_free_blocks == 8
-    assert kv.commands() == [["forget", 0, EP]]  # the peer may have restarted: every rank re-learns it
+    assert kv.commands() == [ForgetPeer(EP)]  # the peer may have restarted: every rank re-learns it
 
 
 def test_one_rank_failing_cancels_the_others_then_the_request_fails(exchange):
     kv, s, g = _receiving(exchange, first_gen_tokens=(42,))
     kv.settle([], [[RankReport(failed={5: "TimeoutError: no write"}), RankReport()]])
     assert s.cancels == [5] and g.state is SeqState.GEN_AWAITING_KV
-    assert kv.commands() == [["cancel", 5]] and s.cancels == []
+    assert kv.commands() == [CancelKV(5)] and s.cancels == []
     kv.settle([], [[RankReport(), RankReport(cancelled=[5])]])
     [out] = s.take_outputs()
     assert out.error == f"KV transfer from {EP} failed: TimeoutError: no write"
@@ -241,7 +242,7 @@ def test_a_prefilled_context_request_offers_its_whole_prompt_then_ends_when_sent
     batch = s.schedule()
     s.postprocess(batch, SampleResult([77], [None], [None]))
     kv.settle(batch, [None])
-    assert kv.commands() == [["send", 9, [0, 1], 0, 5, True, b""]] and c.disagg.transfer_started
+    assert kv.commands() == [SendKV(9, (0, 1), 0, 5, True, b"")] and c.disagg.transfer_started
     assert c.state is SeqState.CTX_TRANSMITTING
     kv.settle([], [[RankReport(done=[9])]])
     assert c.state is SeqState.FINISHED and s.seqs == {} and s.blocks.num_free_blocks == 8
@@ -260,4 +261,4 @@ def test_a_pipelined_prefill_offers_each_chunks_full_blocks(exchange):
         kv.settle(batch, [None])
         sends += kv.commands()
     state = msgpack.packb({"token": 77, "logprobs": []})
-    assert sends == [["send", 9, [0, -1, -1], 0, 4, False, b""], ["send", 9, [-1, 1, 2], 4, 10, True, state]]
+    assert sends == [SendKV(9, (0, -1, -1), 0, 4, False, b""), SendKV(9, (-1, 1, 2), 4, 10, True, state)]

@@ -1,0 +1,155 @@
+"""The rank wire of the KV exchange: rank 0's commands to every rank, and each rank's report back.
+
+Rank 0 decides what moves and puts the step's commands in its `StepSpec` (one broadcast per step);
+every rank applies them in order (`KVConnector.apply`) and sends rank 0 a `RankReport`.
+
+    SendKV      context side: offer a request's KV, or one prefill chunk of it (blocks outside the
+                chunk are -1; see kv_transfer/chunking.py); `state` rides with the last piece
+    ReceiveKV   generation side: pull it into block_ids from the context instance's ranks
+    CancelKV    stop; confirmed once no write can land
+    ForgetPeer  drop a context instance's cached RankInfos (it may have restarted)
+
+A command's wire form is a msgpack-friendly map {"v": WIRE_VERSION, "t": CommandKind, "b": fields},
+nested inside the step spec's msgpack; a report is {"v": WIRE_VERSION, "b": fields}. Decoding checks
+the version, the kind and the field names and raises `KVWireError` on anything else. Request ids
+are disagg ids.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields
+from typing import Callable, ClassVar, Union
+
+WIRE_VERSION = 1  # bumped with any change of a command's or a report's fields
+
+
+class CommandKind(enum.IntEnum):
+    SEND = 1
+    RECEIVE = 2
+    CANCEL = 3
+    FORGET = 4
+
+
+class KVWireError(ValueError):
+    """A rank-wire command or report is malformed, of an unknown kind, or of another wire version."""
+
+
+def _ints(v) -> tuple[int, ...]:
+    # msgpack decoded them as ints already; np.asarray(..., dtype=np.int64) in the connector checks them
+    if not isinstance(v, (list, tuple)):
+        raise TypeError(f"expected a list of ints, got {type(v).__name__}")
+    return tuple(v)
+
+
+def _blobs(v) -> tuple[bytes, ...]:
+    return tuple(bytes(x) for x in v)
+
+
+@dataclass(frozen=True)
+class SendKV:
+    KIND: ClassVar[CommandKind] = CommandKind.SEND
+    request_id: int
+    block_ids: tuple[int, ...]  # the request's blocks, -1 where this piece sends none
+    token_start: int
+    token_end: int
+    last: bool
+    state: bytes  # the first token when it rides with the KV (generation_first), else b""
+
+
+@dataclass(frozen=True)
+class ReceiveKV:
+    KIND: ClassVar[CommandKind] = CommandKind.RECEIVE
+    request_id: int
+    ctx_endpoint: str
+    block_ids: tuple[int, ...]
+    ctx_dp_rank: int
+    ctx_rank_infos: tuple[bytes, ...]  # fetched once by rank 0 off the step loop (PeerDirectory)
+    timeout_ms: int  # what is left of the request's kv_transfer_timeout_ms
+
+
+@dataclass(frozen=True)
+class CancelKV:
+    KIND: ClassVar[CommandKind] = CommandKind.CANCEL
+    request_id: int
+
+
+@dataclass(frozen=True)
+class ForgetPeer:
+    KIND: ClassVar[CommandKind] = CommandKind.FORGET
+    ctx_endpoint: str
+
+
+KVCommand = Union[SendKV, ReceiveKV, CancelKV, ForgetPeer]
+
+_DECODERS: dict[type, dict[str, Callable]] = {
+    SendKV: {"request_id": int, "block_ids": _ints, "token_start": int, "token_end": int, "last": bool,
+             "state": bytes},
+    ReceiveKV: {"request_id": int, "ctx_endpoint": str, "block_ids": _ints, "ctx_dp_rank": int,
+                "ctx_rank_infos": _blobs, "timeout_ms": int},
+    CancelKV: {"request_id": int},
+    ForgetPeer: {"ctx_endpoint": str},
+}
+_BY_KIND: dict[int, type] = {cls.KIND: cls for cls in _DECODERS}
+_FIELDS: dict[type, tuple[str, ...]] = {cls: tuple(f.name for f in fields(cls)) for cls in _DECODERS}
+
+
+def command_to_wire(cmd: KVCommand) -> dict:
+    return {"v": WIRE_VERSION, "t": int(cmd.KIND), "b": {name: getattr(cmd, name) for name in _FIELDS[type(cmd)]}}
+
+
+def command_from_wire(w) -> KVCommand:
+    """Parse one command's wire form; raises KVWireError on anything unexpected."""
+    _check_frame(w, {"v", "t", "b"}, "KV command")
+    cls = _BY_KIND.get(w["t"])
+    if cls is None:
+        raise KVWireError(f"unknown KV command kind {w['t']!r}")
+    return cls(**_decode_body(cls.KIND.name, w["b"], _DECODERS[cls]))
+
+
+@dataclass
+class RankReport:
+    """What one rank finished this step."""
+
+    done: list[int] = field(default_factory=list)
+    failed: dict[int, str] = field(default_factory=dict)
+    cancelled: list[int] = field(default_factory=list)
+    tokens: dict[int, int] = field(default_factory=dict)  # received: prompt tokens the sender delivered
+    states: dict[int, bytes] = field(default_factory=dict)  # received: state that rode with the KV
+
+    # maps travel as [key, value] pairs: msgpack's default decoder refuses int map keys
+    _DECODERS: ClassVar[dict[str, Callable]] = {
+        "done": lambda v: [int(x) for x in v],
+        "failed": lambda v: {int(k): str(x) for k, x in v},
+        "cancelled": lambda v: [int(x) for x in v],
+        "tokens": lambda v: {int(k): int(x) for k, x in v},
+        "states": lambda v: {int(k): bytes(x) for k, x in v},
+    }
+
+    def to_wire(self) -> dict:
+        return {"v": WIRE_VERSION, "b": {"done": self.done, "failed": list(self.failed.items()),
+                                         "cancelled": self.cancelled, "tokens": list(self.tokens.items()),
+                                         "states": list(self.states.items())}}
+
+    @classmethod
+    def from_wire(cls, w) -> "RankReport":
+        _check_frame(w, {"v", "b"}, "KV rank report")
+        return cls(**_decode_body("rank report", w["b"], cls._DECODERS))
+
+
+def _check_frame(w, keys: set[str], what: str) -> None:
+    if not isinstance(w, dict) or w.keys() != keys:
+        raise KVWireError(f"{what} must be a map with keys {sorted(keys)}; got {w!r:.200}")
+    if w["v"] != WIRE_VERSION:
+        raise KVWireError(f"{what} has wire version {w['v']!r}, this rank speaks {WIRE_VERSION}: "
+                          f"every rank of an instance must run the same pdserve version")
+
+
+def _decode_body(name: str, body, decoders: dict[str, Callable]) -> dict:
+    if not isinstance(body, dict) or body.keys() != decoders.keys():
+        got = sorted(body) if isinstance(body, dict) else type(body).__name__
+        raise KVWireError(f"{name} has fields {got}, expected {sorted(decoders)}")
+    try:
+        return {k: decode(body[k]) for k, decode in decoders.items()}
+    except (TypeError, ValueError) as e:
+        raise KVWireError(f"malformed {name}: {e}") from None
