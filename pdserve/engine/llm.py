@@ -25,7 +25,8 @@ class LLM:
         self.engine = LLMEngine(config or EngineConfig(**kwargs))
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts: list[list[int] | str], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+    def generate(self, prompts: list[list[int] | str],
+                 params: SamplingParams | list[SamplingParams]) -> list[Completion]:
         """All prompts are submitted at once and batched by the scheduler; results keep prompt order."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]

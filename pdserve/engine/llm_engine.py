@@ -32,6 +32,7 @@ from pdserve.engine.sampling_defaults import describe, read_sampling_defaults
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler
 from pdserve.engine.kv_exchange import KVExchange
+from pdserve.engine.kv_wire import KVCommand
 from pdserve.engine.sequence import DisaggInfo, RequestType, Sequence
 from pdserve.engine.worker import pick_device, set_threads, worker_main
 from pdserve.models.config import ModelConfig
@@ -65,7 +66,8 @@ class LLMEngine:
         self.instance_name = ecfg.instance_name or f"pdserve-{uuid.uuid4().hex[:8]}"
         self._procs: list[mp.Process] = []
         self.runner = self._start_ranks(pool_allocator)
-        self.blocks = BlockManager(self.runner.num_blocks, ecfg.tokens_per_block, ecfg.enable_prefix_caching, on_kv_event)
+        self.blocks = BlockManager(self.runner.num_blocks, ecfg.tokens_per_block, ecfg.enable_prefix_caching,
+                                   on_kv_event)
         self.scheduler = Scheduler(self.blocks, ecfg.max_num_seqs, ecfg.max_num_tokens, ecfg.enable_chunked_prefill,
                                    self.eos_token_ids, self.max_model_len, self._context_params)
         self.seqs = self.scheduler.seqs  # every request in flight, by id (read-only here: the scheduler owns it)
@@ -197,7 +199,8 @@ class LLMEngine:
             self.kv.settle(batch, reports)
         return self.scheduler.take_outputs()
 
-    def _run(self, batch: list[ScheduledSeq], kv: list[list]) -> tuple[list[ScheduledSeq], SampleResult | None, list]:
+    def _run(self, batch: list[ScheduledSeq],
+             kv: list[KVCommand]) -> tuple[list[ScheduledSeq], SampleResult | None, list]:
         """Every rank's forward step of `batch`, with the KV commands. Returns the sequences that went
         through, their samples, and the ranks' KV reports (one list per runner step taken)."""
         spec = self._spec(batch)
@@ -312,7 +315,8 @@ def unpack_opaque_state(opaque: str | None) -> dict:
         state = msgpack.unpackb(base64.b64decode(opaque, validate=True))
         state["logprobs"] = [{**e, "top": [tuple(t) for t in e["top"]]} for e in state.get("logprobs", [])]
     except (ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException) as e:
-        raise RequestError(f"disaggregated_params.opaque_state is not what a pdserve context worker sent: {e!r}") from None
+        raise RequestError(
+            f"disaggregated_params.opaque_state is not what a pdserve context worker sent: {e!r}") from None
     return state
 
 

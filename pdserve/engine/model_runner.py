@@ -128,7 +128,8 @@ class ModelRunner:
                 ecfg.kv_layout, self.model.first_layer, tuple(stage_layers(model_cfg.num_layers, ps.pp_size)),
                 model_cfg.num_kv_heads, kv_heads, model_cfg.head_dim, self.tokens_per_block, canary_slots)
             self.connector = KVConnector(tc, ps, instance_name, self.pool, geometry)
-            self.connector.start([RankInfo.from_bytes(b) for b in self._all_gather_bytes(self.connector.info.to_bytes())])
+            gathered = self._all_gather_bytes(self.connector.info.to_bytes())
+            self.connector.start([RankInfo.from_bytes(b) for b in gathered])
 
     def _all_gather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank's bytes, in rank order, on every rank (gathered to rank 0, then broadcast)."""
