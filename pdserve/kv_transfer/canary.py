@@ -32,7 +32,7 @@ from typing import Iterator
 
 import numpy as np
 
-from pdserve.kv_transfer.page_table import MapperKind, PageTable, PoolView
+from pdserve.kv_transfer.page_table import MapperKind, PageTable, kv_buffer_index
 from pdserve.kv_transfer.rank_info import RankInfo
 
 CANARY_SLOTS = 2  # slots an engine reserves at the end of its pool for the canary
@@ -136,11 +136,6 @@ def _cut(logical: np.ndarray, kind: MapperKind) -> np.ndarray:
     return logical if kind == MapperKind.HND else logical.transpose(1, 0, 2)
 
 
-def _kv_index(view: PoolView, buffer: int) -> int:
-    if view.role == frozenset({"v"}):
-        return 1
-    return 0 if view.role == frozenset({"k"}) else buffer
-
 
 def _walk(info: RankInfo, ids: BlockIds, num_tokens: int) -> Iterator[tuple]:
     """(buffer view [heads, n, hb] or [n, heads, hb], kv, global layer, heads, tokens, kind) for
@@ -163,4 +158,4 @@ def _walk(info: RankInfo, ids: BlockIds, num_tokens: int) -> Iterator[tuple]:
                         shape = (heads[1] - heads[0], t, hb) if kind == MapperKind.HND else (t, heads[1] - heads[0], hb)
                         full = raw.reshape(shape)
                         buf = full[:, :n] if kind == MapperKind.HND else full[:n]
-                        yield buf, _kv_index(v, b), g.global_layer_ids[local], heads, (i * t, i * t + n), kind
+                        yield buf, kv_buffer_index(v, b), g.global_layer_ids[local], heads, (i * t, i * t + n), kind

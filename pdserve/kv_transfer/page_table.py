@@ -259,6 +259,15 @@ def _require_keys(d: Any, keys: set[str], what: str) -> None:
         raise SchemaError(f"{what} fields {got} differ from the expected {sorted(keys)}")
 
 
+def kv_buffer_index(view: PoolView, buffer: int) -> int:
+    """0 (K) or 1 (V) for buffer `buffer` of a layer in `view`, by the convention of the builders below: a
+    view whose role is exactly {"k"} or {"v"} holds only that; any other lists K then V per layer. For
+    code that reads KV by its meaning (the canary, test oracles); the transfer itself never needs it."""
+    if view.role == frozenset({"v"}):
+        return 1
+    return 0 if view.role == frozenset({"k"}) else buffer
+
+
 def page_table_for_block_major_pool(
     base: int,
     num_blocks: int,

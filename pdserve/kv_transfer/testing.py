@@ -32,6 +32,7 @@ from pdserve.kv_transfer.page_table import (
     PageTable,
     PhysicalPool,
     PoolView,
+    kv_buffer_index,
     page_table_for_block_major_pool,
     page_table_for_layer_major_pools,
 )
@@ -176,11 +177,6 @@ def logical_replicated(model: ModelShape, num_tokens: int, seed: int = 1) -> np.
     return np.random.default_rng(seed).integers(0, 256, size=shape, dtype=np.uint8)
 
 
-def _kv_index(view: PoolView, buffer: int) -> int:
-    if view.role == frozenset({"v"}):
-        return 1
-    return 0 if view.role == frozenset({"k"}) else buffer
-
 
 def _walk(rank: SimRank, block_ids: BlockIds, num_tokens: int):
     """Yield (buffer bytes [size] view, kind, kv index, global layer, heads, tokens [t0, t1), T)."""
@@ -196,7 +192,7 @@ def _walk(rank: SimRank, block_ids: BlockIds, num_tokens: int):
                         if blk < 0:
                             continue
                         off = local * pool.effective_layer_stride + int(blk) * pool.effective_slot_stride + e.offset
-                        yield (arr[off: off + e.size], pt.kind_of(v), _kv_index(v, b), g.global_layer_ids[local],
+                        yield (arr[off: off + e.size], pt.kind_of(v), kv_buffer_index(v, b), g.global_layer_ids[local],
                                info.head_range, (i * t, min(i * t + t, num_tokens)), t)
 
 

@@ -13,7 +13,6 @@ from kvt_instance import Topology, ctx_block_ids, fill, gen_block_ids, mismatche
 from pdserve.kv_transfer.agents.faults import FaultPlan
 from pdserve.kv_transfer.integrity import block_digests, first_mismatch, to_wire
 from pdserve.kv_transfer.page_table import PhysicalPool
-from pdserve.kv_transfer.registrar import plan_write
 
 pytestmark = pytest.mark.faults
 CORRUPT_EVERY_WRITE = FaultPlan(corrupt_rate=1.0, seed=3)
@@ -125,7 +124,7 @@ def test_block_digests_equal_a_plain_per_piece_crc(piece):
     assert keys == sorted(want) and crcs.tolist() == [want[k] for k in keys]
 
 
-def test_layer_major_blocks_gather_every_layer(pair):
+def test_layer_major_blocks_gather_every_layer():
     """On a layer-major pool a block is one range per layer; all of them go into its one digest."""
     memory = np.zeros(2 * 4 * 64, dtype=np.uint8)  # 2 layers x 4 slots x 64 bytes
     base = memory.ctypes.data
@@ -133,12 +132,3 @@ def test_layer_major_blocks_gather_every_layer(pair):
     dst = np.array([base + 64, base + 256 + 64], dtype=np.uint64)  # slot 1 in layer 0 and in layer 1
     keys, _ = block_digests(dst, dst, np.array([64, 64], dtype=np.uint64), pools)
     assert keys == [(0, 1)]
-
-
-def test_sender_and_receiver_plans_agree(pair):
-    """The receiver re-plans the write from the sender's ids: the same fragments in the same order."""
-    (ctx,), (gen,) = pair(Topology("ctx", tokens_per_block=8), Topology("gen", tokens_per_block=4))
-    ids_c = {0: ctx_block_ids(Topology("ctx", tokens_per_block=8), 30)}
-    ids_g = {0: gen_block_ids(Topology("gen"), 30)}
-    a, b = plan_write(ctx.info, gen.info, ids_c, ids_g), plan_write(ctx.info, gen.info, ids_c, ids_g)
-    assert (a.dst_ptrs == b.dst_ptrs).all() and (a.sizes == b.sizes).all() and len(a) > 1
