@@ -14,15 +14,9 @@ import zmq
 from kvt_instance import Topology, build_instance, ctx_block_ids, fill, gen_block_ids, mismatches, pump_until, shutdown
 from pdserve.kv_transfer.control.messages import Cancel, RankInfoReply, RankInfoRequest
 from pdserve.kv_transfer.control.messenger import CurveKeys, Messenger
+from pdserve.testing.wait import wait_until
 
 TOKEN = "s3cret-cluster-token"
-
-
-def _wait(cond, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return cond()
 
 
 def _raw_dealer(endpoint: str, keys: tuple[bytes, bytes] | None = None, server_key: bytes | None = None):
@@ -71,7 +65,7 @@ def test_peers_without_the_token_are_refused_and_logged(caplog):
             for n, stranger in enumerate(strangers, start=2):
                 before = server.auth_failures
                 stranger(n)
-                assert _wait(lambda before=before: server.auth_failures > before), f"stranger {n} was not refused"
+                assert wait_until(lambda before=before: server.auth_failures > before), f"stranger {n} was not refused"
             for client in (wrong, none):
                 with pytest.raises(ConnectionRefusedError, match="cluster_token"):
                     client.request(server.endpoint, RankInfoRequest(("x", 0)), timeout_s=5)
@@ -123,7 +117,7 @@ def test_transfer_with_the_same_token_on_both_instances():
         assert all(mismatches(r, ids_g, 12) == 0 for r in gen)
         with pytest.raises(ConnectionRefusedError, match="cluster_token"):
             stranger[0].tx.fetch_instance(ctx[0].tx.endpoint)
-        assert _wait(lambda: ctx[0].tx._messenger.auth_failures > 0)
+        assert wait_until(lambda: ctx[0].tx._messenger.auth_failures > 0)
         assert all(r.tx._messenger.auth_failures == 0 for r in gen)
     finally:
         shutdown(ctx + gen + stranger)
