@@ -48,7 +48,7 @@ from pdserve.kv_transfer.agents.shm import allocate_shared
 from pdserve.kv_transfer.bounce import BounceConfig
 from pdserve.kv_transfer.page_table import MapperKind, page_table_for_block_major_pool
 from pdserve.kv_transfer.rank_info import RankInfo
-from pdserve.kv_transfer.registrar import plan_write
+from pdserve.kv_transfer.write_plan import plan_write
 from pdserve.kv_transfer.transceiver import POLL_INTERVAL_S, KVTransceiver, TransceiverConfig
 
 LAYERS, HEADS, HEAD_DIM, TPB = 30, 3, 64, 16

@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return main_bench(argv[1:])
     if argv[:1] == ["disaggregated"]:
-        from pdserve.disagg.cli import main_disaggregated
+        from pdserve.orchestrator.cli import main_disaggregated
 
         return main_disaggregated(argv[1:] + lead)
     args = build_parser().parse_args(argv)

@@ -141,7 +141,7 @@ class Cluster:
                                          "urls": [f"http://{cfg.host}:{s.port}" for s in cfg.generation]}}
         path = self.log_dir / "disagg.yaml"
         path.write_text(yaml.safe_dump(disagg))
-        orch = Member("orchestrator", [sys.executable, "-m", "pdserve.disagg.cli", "-c", str(path)],
+        orch = Member("orchestrator", [sys.executable, "-m", "pdserve.orchestrator.cli", "-c", str(path)],
                       self.log_dir / "orchestrator.log", f"http://{cfg.host}:{cfg.port}/health", None)
         self.members.append(orch)
         self._wait_healthy([orch])

@@ -20,7 +20,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine, RequestError
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.kv_events import KVEventPublisher
+from pdserve.engine.kv.events import KVEventPublisher
 from pdserve.engine.sequence import DisaggInfo, RequestType
 
 log = logging.getLogger(__name__)

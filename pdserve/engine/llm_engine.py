@@ -12,7 +12,6 @@ Ranks other than 0 run in their own processes (see `worker.py`) and follow rank 
 
 from __future__ import annotations
 
-import base64
 import itertools
 import logging
 import multiprocessing as mp
@@ -20,19 +19,17 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-import msgpack
-
 from pdserve.config import EngineConfig
 from pdserve.distributed import free_port, init_parallel
 from pdserve.engine.block_manager import BlockManager, KVEvent
 from pdserve.engine.model_runner import ModelRunner, SeqStep, StepSpec
 from pdserve.engine.output import OutputTracker, RequestOutput
-from pdserve.engine.sampler import SampleResult
+from pdserve.engine.sampler import SampleResult, SampleSpec
 from pdserve.engine.sampling_defaults import describe, read_sampling_defaults
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler
-from pdserve.engine.kv_exchange import KVExchange
-from pdserve.engine.kv_wire import KVCommand
+from pdserve.engine.kv.exchange import KVExchange
+from pdserve.engine.kv.wire import KVCommand
 from pdserve.engine.sequence import DisaggInfo, RequestType, Sequence
 from pdserve.engine.worker import pick_device, set_threads, worker_main
 from pdserve.models.config import ModelConfig
@@ -69,7 +66,7 @@ class LLMEngine:
         self.blocks = BlockManager(self.runner.num_blocks, ecfg.tokens_per_block, ecfg.enable_prefix_caching,
                                    on_kv_event)
         self.scheduler = Scheduler(self.blocks, ecfg.max_num_seqs, ecfg.max_num_tokens, ecfg.enable_chunked_prefill,
-                                   self.eos_token_ids, self.max_model_len, self._context_params)
+                                   self.eos_token_ids, self.max_model_len)
         self.seqs = self.scheduler.seqs  # every request in flight, by id (read-only here: the scheduler owns it)
         self._ids = itertools.count()
         self.kv = KVExchange(self.scheduler, self.runner.connector, ecfg)
@@ -148,7 +145,7 @@ class LLMEngine:
             # and so is its logprob entry when one was asked for (generation_first: it comes with the KV).
             seq.output_token_ids = list(disagg.first_gen_tokens)
             if params.logprobs is not None:
-                seq.output_logprobs = unpack_opaque_state(disagg.opaque_state).get("logprobs", [])
+                seq.output_logprobs = list(disagg.first_gen_logprobs)
             for t in seq.output_token_ids:
                 tracker.on_token(t, False)
         self.scheduler.add(seq, tracker)
@@ -245,26 +242,16 @@ class LLMEngine:
             if s.samples:
                 p = seq.params
                 counted = p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-                sample = dict(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-                              repetition_penalty=p.repetition_penalty, seed=p.seed, step=len(seq.output_token_ids),
-                              logprobs=p.logprobs,
-                              history=seq.all_token_ids if p.repetition_penalty != 1.0 else None,
-                              presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                              output=seq.output_token_ids if counted else None,
-                              logit_bias=list(p.logit_bias.items()) or None,
-                              banned=self._banned(p) if len(seq.output_token_ids) < p.min_tokens else None)
+                sample = SampleSpec(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+                                    repetition_penalty=p.repetition_penalty, seed=p.seed,
+                                    step=len(seq.output_token_ids), logprobs=p.logprobs,
+                                    history=seq.all_token_ids if p.repetition_penalty != 1.0 else None,
+                                    presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                                    output=seq.output_token_ids if counted else None,
+                                    logit_bias=list(p.logit_bias.items()) or None,
+                                    banned=self._banned(p) if len(seq.output_token_ids) < p.min_tokens else None)
             steps.append(SeqStep(seq.all_token_ids[start:start + s.num_new_tokens], start, seq.block_ids, sample))
         return StepSpec(steps)
-
-    def _context_params(self, seq: Sequence) -> dict:
-        """The disaggregated_params of a context_only answer: what the generation instance needs."""
-        d = seq.disagg
-        return {
-            "request_type": RequestType.GENERATION_ONLY.value, "first_gen_tokens": list(seq.output_token_ids),
-            "ctx_request_id": d.disagg_request_id, "disagg_request_id": d.disagg_request_id,
-            "opaque_state": pack_opaque_state({"logprobs": seq.output_logprobs}) if seq.output_logprobs else None,
-            "draft_tokens": None, "ctx_dp_rank": 0, "ctx_info_endpoint": self.kv_endpoint,
-        }
 
     def _banned(self, p: SamplingParams) -> list[int] | None:
         """Tokens that would end the output, which min_tokens keeps from being sampled."""
@@ -301,23 +288,6 @@ class LLMEngine:
             "kv_blocks_total": self.blocks.num_blocks,
             "kv_blocks_free": self.blocks.num_free_blocks,
         }
-
-
-def pack_opaque_state(state: dict) -> str:
-    """What a context instance hands the generation instance through the orchestrator, untouched."""
-    return base64.b64encode(msgpack.packb(state)).decode()
-
-
-def unpack_opaque_state(opaque: str | None) -> dict:
-    if not opaque:
-        return {}
-    try:
-        state = msgpack.unpackb(base64.b64decode(opaque, validate=True))
-        state["logprobs"] = [{**e, "top": [tuple(t) for t in e["top"]]} for e in state.get("logprobs", [])]
-    except (ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException) as e:
-        raise RequestError(
-            f"disaggregated_params.opaque_state is not what a pdserve context worker sent: {e!r}") from None
-    return state
 
 
 def _default_name(spec: str | None, model_dir: Path) -> str:

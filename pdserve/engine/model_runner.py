@@ -18,8 +18,8 @@ import torch.distributed as dist
 from pdserve.config import EngineConfig
 from pdserve.distributed import ParallelState, broadcast_bytes, recv_bytes, send_bytes
 from pdserve.engine.host_malloc import keep_freed_memory
-from pdserve.engine.kv_connector import KVConnector, KVPoolGeometry, shared_pool_allocator
-from pdserve.engine.kv_wire import KVCommand, RankReport, command_from_wire, command_to_wire
+from pdserve.engine.kv.connector import KVConnector, KVPoolGeometry, shared_pool_allocator
+from pdserve.engine.kv.wire import WIRE_VERSION, KVCommand, KVWireError, RankReport, command_from_wire, command_to_wire
 from pdserve.engine.sampler import SampleResult, SampleSpec, sample
 from pdserve.models import cpu_kernels
 from pdserve.models.attention import AttentionMetadata, PagedKVCache, SeqSlice
@@ -41,23 +41,31 @@ class SeqStep:
     token_ids: list[int]  # the tokens computed this step
     start_pos: int  # absolute position of token_ids[0] (= tokens already in the cache)
     block_ids: list[int]  # the sequence's whole block table
-    sample: dict | None  # SampleSpec fields when this step produces a token
+    sample: SampleSpec | None  # when this step produces a token
 
 
 @dataclass
 class StepSpec:
     seqs: list[SeqStep]
-    kv: list[KVCommand] = field(default_factory=list)  # KV exchange commands (kv_wire.py)
+    kv: list[KVCommand] = field(default_factory=list)  # KV exchange commands (engine/kv/wire.py)
     shutdown: bool = False
 
+    # {"v": WIRE_VERSION, "s": [SeqStep fields, its sample as a map of SampleSpec fields], "k": [KV
+    # commands, kv/wire.py], "x": shutdown}. Every rank runs the same pdserve, so beyond the version
+    # nothing is checked: a field mismatch is a TypeError at once.
     def to_bytes(self) -> bytes:
         kv = [command_to_wire(c) for c in self.kv]
-        return msgpack.packb({"s": [asdict(s) for s in self.seqs], "k": kv, "x": self.shutdown})
+        return msgpack.packb({"v": WIRE_VERSION, "s": [asdict(s) for s in self.seqs], "k": kv, "x": self.shutdown})
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "StepSpec":
         d = msgpack.unpackb(data)
-        return cls([SeqStep(**s) for s in d["s"]], [command_from_wire(c) for c in d["k"]], d["x"])
+        if d.get("v") != WIRE_VERSION:
+            raise KVWireError(f"step spec of wire version {d.get('v')!r}, this rank speaks {WIRE_VERSION}: every "
+                              "rank of an instance must run the same pdserve version")
+        seqs = [SeqStep(**{**s, "sample": SampleSpec(**s["sample"]) if s["sample"] is not None else None})
+                for s in d["s"]]
+        return cls(seqs, [command_from_wire(c) for c in d["k"]], d["x"])
 
 
 @dataclass
@@ -214,20 +222,23 @@ class ModelRunner:
         logits = self.model.compute_logits(h)
         if ps.tp_rank != 0:
             return None
-        specs = [SampleSpec(**s.sample) for s in spec.seqs if s.sample is not None]
+        specs = [s.sample for s in spec.seqs if s.sample is not None]
         return self._deliver(sample(logits, specs))
 
     def _deliver(self, result: SampleResult) -> SampleResult | None:
         if self.ps.rank == 0:
             return result
         if self.ps.rank == self.ps.last_stage_leader:
-            wire = [result.token_ids, result.logprobs, result.top_logprobs, result.errors]
-            send_bytes(msgpack.packb(wire), dst=0, group=self.ps.cpu_group)
+            send_bytes(msgpack.packb({"v": WIRE_VERSION, "b": asdict(result)}), dst=0, group=self.ps.cpu_group)
         return None
 
     def _result_from_last_stage(self) -> SampleResult:
-        tokens, lps, tops, errors = msgpack.unpackb(recv_bytes(self.ps.last_stage_leader, group=self.ps.cpu_group))
-        return SampleResult(tokens, lps, [[tuple(p) for p in t] if t is not None else None for t in tops], errors)
+        w = msgpack.unpackb(recv_bytes(self.ps.last_stage_leader, group=self.ps.cpu_group))
+        if w.get("v") != WIRE_VERSION:
+            raise KVWireError(f"sampled tokens of wire version {w.get('v')!r}, this rank speaks {WIRE_VERSION}")
+        r = SampleResult(**w["b"])
+        r.top_logprobs = [[tuple(p) for p in t] if t is not None else None for t in r.top_logprobs]
+        return r
 
     def _prepare(self, spec: StepSpec):
         T = self.tokens_per_block

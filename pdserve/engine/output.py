@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.engine.kv.wire import FirstToken
 from pdserve.engine.sequence import FinishReason, Sequence
+
+
+@dataclass(frozen=True)
+class ContextResult:
+    """What a finished context_only request hands on for its generation half (the server turns it
+    into the HTTP `disaggregated_params`, adding this instance's KV endpoint)."""
+
+    disagg_request_id: int
+    first_token: FirstToken
 
 
 @dataclass
@@ -20,7 +30,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
-    disaggregated_params: dict | None = None
+    context: ContextResult | None = None  # a finished context_only request's hand-off
 
 
 class OutputTracker:

@@ -17,19 +17,19 @@ import torch
 from pdserve.engine.sampling_params import GREEDY_BELOW
 
 
-@dataclass
+@dataclass(frozen=True)
 class SampleSpec:
-    """What the sampling rank needs to know about one sequence (sent over the wire as a dict)."""
+    """What the sampling rank needs to know about one sequence; it travels inside the step spec."""
 
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    repetition_penalty: float
-    seed: int | None
-    step: int  # tokens generated so far; with `seed` it makes each draw reproducible
-    logprobs: int | None
-    history: list[int] | None  # prompt + output ids, only sent when repetition_penalty != 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    step: int = 0  # tokens generated so far; with `seed` it makes each draw reproducible
+    logprobs: int | None = None
+    history: list[int] | None = None  # prompt + output ids, only sent when repetition_penalty != 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     output: list[int] | None = None  # output ids so far, only sent with a presence or frequency penalty

@@ -44,10 +44,11 @@ import logging
 import sys
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from pdserve.engine.block_manager import BlockManager, block_hashes
-from pdserve.engine.output import OutputTracker, RequestOutput
+from pdserve.engine.kv.wire import FirstToken
+from pdserve.engine.output import ContextResult, OutputTracker, RequestOutput
 from pdserve.engine.sequence import FinishReason, RequestType, Sequence, SeqState
 
 if TYPE_CHECKING:
@@ -89,16 +90,13 @@ def transfer_stage(seq: Sequence) -> str:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_tokens: int, chunked_prefill: bool,
-                 eos_token_ids: frozenset[int] = frozenset(), max_model_len: int = sys.maxsize,
-                 context_params: Callable[[Sequence], dict] | None = None):
-        """`context_params(seq)`: the disaggregated_params a finished context_only answer carries."""
+                 eos_token_ids: frozenset[int] = frozenset(), max_model_len: int = sys.maxsize):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_tokens = max_num_tokens
         self.chunked_prefill = chunked_prefill
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self.context_params = context_params
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # Sequences that hold blocks but take no forward steps: KV leaving (context_only) or arriving
@@ -289,14 +287,15 @@ class Scheduler:
         """context_only: the client's answer is complete; the KV stays until the transfer settles."""
         out = self.trackers.pop(seq.request_id).flush()
         out.finished, out.finish_reason = True, (seq.finish_reason or FinishReason.LENGTH).value
-        out.disaggregated_params = self.context_params(seq) if self.context_params is not None else None
+        out.context = ContextResult(seq.disagg.disagg_request_id,
+                                    FirstToken(seq.output_token_ids[0], tuple(seq.output_logprobs[:1])))
         return out
 
     # -- what the KV exchange settled: GEN_AWAITING_KV -> RUNNING, CTX_TRANSMITTING -> FINISHED ---------
 
-    def kv_arrived(self, seq: Sequence, first: tuple[int, list] | None = None) -> None:
+    def kv_arrived(self, seq: Sequence, first: FirstToken | None = None) -> None:
         """generation_only: the prompt's KV is in place; decode resumes from the first generated token.
-        generation_first: `first` is (token, logprobs), which came with the KV."""
+        generation_first: `first` came with the KV."""
         seq.disagg.transfer_settled = True
         del self.parked[seq.request_id]
         assert seq.state is SeqState.GEN_AWAITING_KV, f"{seq.request_id} is {seq.state.name}, not awaiting KV"
@@ -304,11 +303,10 @@ class Scheduler:
         seq.state = SeqState.RUNNING
         self.running.append(seq)
         if first is not None:
-            token, logprobs = first
-            seq.output_token_ids.append(token)
+            seq.output_token_ids.append(first.token)
             if seq.params.logprobs is not None:
-                seq.output_logprobs += [{**e, "top": [tuple(t) for t in e["top"]]} for e in logprobs]
-            self._check_stop(seq, token)
+                seq.output_logprobs += first.logprobs
+            self._check_stop(seq, first.token)
         if seq.is_finished:
             self._retire(seq)
             self.outputs.append(self.trackers.pop(seq.request_id).flush())

@@ -44,7 +44,7 @@ class DisaggInfo:
     ctx_info_endpoint: str | None = None  # generation_only: the context instance's control endpoint
     ctx_dp_rank: int = 0
     first_gen_tokens: tuple[int, ...] = ()
-    opaque_state: str | None = None  # what the context instance handed back for us (base64 msgpack)
+    first_gen_logprobs: tuple[dict, ...] = ()  # context_first: first_gen_tokens' logprob entry, when asked for
     schedule_style: str = "context_first"  # generation_first: the receiver asks before prefill ends
     pipelined: bool = False  # context side: offer each prefill chunk as it is computed
     transfer_started: bool = False

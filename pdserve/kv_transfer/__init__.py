@@ -1,6 +1,6 @@
 """KV exchange: move a prompt's KV cache between instances that cut it differently.
 
-Data path: page_table -> registrar (pairing, ownership) -> mappers (bytes) -> agents/ (writes),
+Data path: page_table -> write_plan (pairing, ownership) -> mappers (bytes) -> agents/ (writes),
 with control/ (ZeroMQ) beside it and transceiver/ (the API an executor drives) over them all. This
 package has no HTTP in it.
 """
@@ -17,7 +17,7 @@ from pdserve.kv_transfer.page_table import (
     page_table_for_layer_major_pools,
 )
 from pdserve.kv_transfer.rank_info import RankInfo, flat_rank
-from pdserve.kv_transfer.registrar import TransferPlan, overlapping_ranks, plan_write, writers_for
+from pdserve.kv_transfer.write_plan import TransferPlan, overlapping_ranks, plan_write, writers_for
 
 __all__ = [
     "AlignmentError",

@@ -54,7 +54,7 @@ class RankInfo:
     VERSION: ClassVar[int] = 2  # bumped with any change of fields: from_bytes refuses another version
 
     def __hash__(self) -> int:
-        # RankInfos key the registrar's caches on every request, and hashing the whole page table
+        # RankInfos key the write plan's caches on every request, and hashing the whole page table
         # on every lookup is slow, so the (immutable) hash is computed once. It is not pickled
         # (__getstate__): string hashes differ between processes.
         cached = self.__dict__.get("_hash")

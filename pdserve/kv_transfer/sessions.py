@@ -20,7 +20,7 @@ Lifecycle of a receive session (generation rank):
 
 A session entry exists exactly while the request is in flight: empty tables mean "all done".
 A session's status is this rank's alone; the executor settles a request once every rank of its
-instance reported it (engine/kv_connector.py, TransferTally).
+instance reported it (engine/kv/connector.py, TransferTally).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The OpenAI-style error: the one exception the server raises (mapped to a body by app.py) and the
-base of the orchestrator's (disagg/errors.py), with one status -> type table for both.
+base of the orchestrator's (orchestrator/errors.py), with one status -> type table for both.
 
     400 invalid_request_error   malformed JSON, missing field, wrong type, bad value, prompt too long
                                 (405, 413 and 415 too, and any status not listed here)

@@ -23,6 +23,7 @@ from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import DisaggInfo, RequestType
 from pdserve.server.errors import APIError, bad_request
+from pdserve.server.handoff import context_answer_params, first_gen_logprobs
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import (
     AssistantMessage,
@@ -107,7 +108,7 @@ class OpenAIServing:
         choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=last.finish_reason,
                                   stop_reason=last.stop_reason)
         return CompletionResponse(id=rid, created=created, model=self.engine.model_name, choices=[choice],
-                                  usage=usage_of(last), disaggregated_params=last.disaggregated_params)
+                                  usage=usage_of(last), disaggregated_params=self._handoff(last))
 
     async def _stream_completion(self, req, rid, created, outputs, first) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -163,7 +164,7 @@ class OpenAIServing:
         choice = ChatChoice(message=AssistantMessage(content=text), logprobs=lps, finish_reason=last.finish_reason,
                             stop_reason=last.stop_reason)
         return ChatCompletionResponse(id=rid, created=created, model=self.engine.model_name, choices=[choice],
-                                      usage=usage_of(last), disaggregated_params=last.disaggregated_params)
+                                      usage=usage_of(last), disaggregated_params=self._handoff(last))
 
     async def _stream_chat(self, req, rid, created, outputs, first) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -331,8 +332,12 @@ class OpenAIServing:
         if d.disagg_request_id is None:
             raise bad_request(f"{d.request_type} needs {param}.disagg_request_id", f"{param}.disagg_request_id")
         info = DisaggInfo(d.disagg_request_id, d.ctx_info_endpoint, d.ctx_dp_rank, tuple(d.first_gen_tokens or ()),
-                          d.opaque_state, d.schedule_style or "context_first")
+                          first_gen_logprobs(d.opaque_state), d.schedule_style or "context_first")
         return RequestType(d.request_type), info
+
+    def _handoff(self, last: RequestOutput) -> dict | None:
+        """A finished context_only answer's disaggregated_params (None on any other answer)."""
+        return context_answer_params(last.context, self.engine.kv_endpoint) if last.context is not None else None
 
     async def _outputs(self, rid: str, ids: list[int], params: SamplingParams, request_type: RequestType,
                        disagg: DisaggInfo | None) -> AsyncIterator[RequestOutput]:

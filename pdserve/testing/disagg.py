@@ -8,8 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import DisaggInfo, RequestType
+from pdserve.server.handoff import context_answer_params, first_gen_logprobs
 
 
 @dataclass
@@ -31,6 +33,14 @@ def step_until(engines: list[LLMEngine], done, limit: int = 5000) -> list:
     raise AssertionError(f"engines did not finish within {limit} rounds")
 
 
+def handoff(ctx: LLMEngine, answer: RequestOutput) -> DisaggInfo:
+    """The generation half of `ctx`'s finished context_only `answer`, through the HTTP shape an
+    orchestrator carries (disaggregated_params, the first token's logprobs in opaque_state)."""
+    d = context_answer_params(answer.context, ctx.kv_endpoint)
+    return DisaggInfo(d["disagg_request_id"], d["ctx_info_endpoint"], 0, tuple(d["first_gen_tokens"]),
+                      first_gen_logprobs(d["opaque_state"]))
+
+
 def context_first(ctx: LLMEngine, gen: LLMEngine, prompts: list[list[int]], params: SamplingParams,
                   first_id: int = 1000, limit: int = 5000) -> list[Generated]:
     """Each prompt prefilled on `ctx`, decoded on `gen`; what `gen` returned, in prompt order. Both
@@ -40,10 +50,7 @@ def context_first(ctx: LLMEngine, gen: LLMEngine, prompts: list[list[int]], para
     done = {o.request_id: o for o in step_until([ctx], lambda outs: sum(o.finished for o in outs) == len(prompts))
             if o.finished}
     for i, p in enumerate(prompts):
-        d = done[f"c{i}"].disaggregated_params
-        gen.add_request(p, params, f"g{i}", RequestType.GENERATION_ONLY,
-                        DisaggInfo(d["disagg_request_id"], d["ctx_info_endpoint"], 0, tuple(d["first_gen_tokens"]),
-                                   d["opaque_state"]))  # carries the first token's logprobs
+        gen.add_request(p, params, f"g{i}", RequestType.GENERATION_ONLY, handoff(ctx, done[f"c{i}"]))
     results = {f"g{i}": Generated() for i in range(len(prompts))}
     for o in step_until([ctx, gen], lambda _: not ctx.has_unfinished() and not gen.has_unfinished(), limit):
         if o.request_id in results:

@@ -153,7 +153,7 @@ def stop_instances(instances) -> None:
 
 
 class Orchestrator:
-    """`python -m pdserve.disagg.cli -c disagg.yaml` over one context and one generation instance."""
+    """`python -m pdserve.orchestrator.cli -c disagg.yaml` over one context and one generation instance."""
 
     def __init__(self, ctx_url: str, gen_url: str, workdir: Path, name: str, **extra):
         self.port = free_port()
@@ -166,7 +166,7 @@ class Orchestrator:
         self.log_path = workdir / f"orch-{name}.log"
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "pdserve.disagg.cli", "--log-level", "WARNING", "-c", str(cfg_path)],
+                [sys.executable, "-m", "pdserve.orchestrator.cli", "--log-level", "WARNING", "-c", str(cfg_path)],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_healthy(self, timeout: float = 30.0) -> "Orchestrator":

@@ -12,7 +12,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import DisaggInfo, RequestType
 from pdserve.testing import make_tiny_model
-from pdserve.testing.disagg import context_first, step_until
+from pdserve.testing.disagg import context_first, handoff, step_until
 from pdserve.testing.wait import wait_until
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -40,10 +40,7 @@ def test_same_token_transfers_and_another_token_is_refused(tiny):
 
         ctx.add_request(PROMPT, GREEDY, "c", RequestType.CONTEXT_ONLY, DisaggInfo(7001))
         d = next(o for o in step_until([ctx], lambda outs: any(o.finished for o in outs)) if o.finished)
-        params = d.disaggregated_params
-        stranger.add_request(PROMPT, GREEDY, "s", RequestType.GENERATION_ONLY,
-                             DisaggInfo(7001, params["ctx_info_endpoint"], 0, tuple(params["first_gen_tokens"]),
-                                        params["opaque_state"]))
+        stranger.add_request(PROMPT, GREEDY, "s", RequestType.GENERATION_ONLY, handoff(ctx, d))
         outs = step_until([stranger], lambda outs: any(o.finished for o in outs))
         final = next(o for o in outs if o.finished)
         assert final.finish_reason == "error" and "cluster_token" in final.error

@@ -15,7 +15,9 @@ from pdserve.engine.llm_engine import ConflictError, LLMEngine, RequestError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import DisaggInfo, RequestType
 from pdserve.testing import make_tiny_model
-from pdserve.testing.disagg import context_first, step_until
+from pdserve.server.errors import APIError
+from pdserve.server.handoff import first_gen_logprobs
+from pdserve.testing.disagg import context_first, handoff, step_until
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -94,16 +96,14 @@ def test_first_token_logprobs_travel_with_the_request(tiny):
     ctx, gen = _engine(tiny, "shm"), _engine(tiny, "shm")
     try:
         ctx.add_request(prompt, params, "c", RequestType.CONTEXT_ONLY, DisaggInfo(4242))
-        d = step_until([ctx], lambda outs: len(outs) == 1)[0].disaggregated_params
-        gen.add_request(prompt, params, "g", RequestType.GENERATION_ONLY,
-                        DisaggInfo(4242, d["ctx_info_endpoint"], 0, tuple(d["first_gen_tokens"]), d["opaque_state"]))
+        answer = step_until([ctx], lambda outs: len(outs) == 1)[0]
+        gen.add_request(prompt, params, "g", RequestType.GENERATION_ONLY, handoff(ctx, answer))
         outs = step_until([ctx, gen], lambda outs: any(o.finished for o in outs))
         split = [lp for o in outs for lp in o.new_logprobs]
         assert [e["token_id"] for e in split] == [e["token_id"] for e in agg]
         assert [e["top"] for e in split][0] == agg[0]["top"]
-        with pytest.raises(RequestError, match="opaque_state"):
-            gen.add_request(prompt, params, "bad", RequestType.GENERATION_ONLY,
-                            DisaggInfo(4243, d["ctx_info_endpoint"], 0, (5,), "not base64!"))
+        with pytest.raises(APIError, match="opaque_state"):
+            first_gen_logprobs("not base64!")
     finally:
         ctx.shutdown()
         gen.shutdown()
@@ -229,9 +229,7 @@ def test_released_context_kv_is_freed_at_once_and_a_late_pull_fails_cleanly(tiny
         step_until([ctx], lambda _: not ctx.has_unfinished(), limit=50)
         assert ctx.blocks.num_free_blocks == ctx.blocks.num_blocks
         assert not ctx.release_kv(81)
-        d = answer.disaggregated_params
-        gen.add_request(prompt, GREEDY, "g", RequestType.GENERATION_ONLY,
-                        DisaggInfo(81, d["ctx_info_endpoint"], 0, tuple(d["first_gen_tokens"])))
+        gen.add_request(prompt, GREEDY, "g", RequestType.GENERATION_ONLY, handoff(ctx, answer))
         outs = step_until([ctx, gen], lambda outs: any(o.finished for o in outs))
         assert outs[-1].finish_reason == "error" and "KV transfer" in outs[-1].error
         _assert_everything_freed(ctx, gen)
@@ -260,17 +258,15 @@ def test_aborting_a_decode_whose_kv_arrived_is_no_transfer_failure(tiny, caplog)
     try:
         long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
         ctx.add_request(prompt, long, "c", RequestType.CONTEXT_ONLY, DisaggInfo(83))
-        d = [o for o in step_until([ctx], lambda outs: any(o.finished for o in outs)) if o.finished][0] \
-            .disaggregated_params
-        gen.add_request(prompt, long, "g", RequestType.GENERATION_ONLY,
-                        DisaggInfo(83, d["ctx_info_endpoint"], 0, tuple(d["first_gen_tokens"])))
+        answer = [o for o in step_until([ctx], lambda outs: any(o.finished for o in outs)) if o.finished][0]
+        gen.add_request(prompt, long, "g", RequestType.GENERATION_ONLY, handoff(ctx, answer))
         step_until([ctx, gen], lambda outs: sum(len(o.new_token_ids) for o in outs if o.request_id == "g") > 3)
-        with caplog.at_level("INFO", logger="pdserve.engine.kv_exchange"):
+        with caplog.at_level("INFO", logger="pdserve.engine.kv.exchange"):
             gen.abort("g")
             assert gen.blocks.num_free_blocks == gen.blocks.num_blocks and not gen.has_unfinished()
             step_until([ctx, gen], lambda _: not ctx.has_unfinished(), limit=200)
         assert not [r for r in caplog.records if "failed" in r.getMessage()]
-        assert gen.kv._peers.lookup(d["ctx_info_endpoint"]) is not None  # still known
+        assert gen.kv._peers.lookup(ctx.kv_endpoint) is not None  # still known
         _assert_everything_freed(ctx, gen)
     finally:
         ctx.shutdown()

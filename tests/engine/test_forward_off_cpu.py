@@ -15,11 +15,12 @@ from pdserve.config import EngineConfig
 from pdserve.distributed import ParallelState
 from pdserve.engine import model_runner
 from pdserve.engine.model_runner import ModelRunner, SeqStep, StepSpec
+from pdserve.engine.sampler import SampleSpec
 from pdserve.models.config import ModelConfig
 from pdserve.testing import make_tiny_model
 from pdserve.weights.hf_dir import read_config
 
-GREEDY = {"temperature": 0.0}
+GREEDY = SampleSpec(temperature=0.0)
 STEPS = {
     "whole prompt": [SeqStep(list(range(3, 23)), 0, [0, 1, 2], GREEDY)],
     "chunk after a cached prefix, with decodes": [SeqStep(list(range(3, 10)), 20, [0, 1, 2, 3], None),

@@ -13,9 +13,9 @@ import pytest
 
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.kv_connector import PeerDirectory, TransferTally
-from pdserve.engine.kv_wire import CancelKV, ForgetPeer, RankReport, ReceiveKV, SendKV
-from pdserve.engine.kv_exchange import KVExchange
+from pdserve.engine.kv.connector import PeerDirectory, TransferTally
+from pdserve.engine.kv.wire import CancelKV, FirstToken, ForgetPeer, RankReport, ReceiveKV, SendKV
+from pdserve.engine.kv.exchange import KVExchange
 from pdserve.engine.sampler import SampleResult
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -186,7 +186,7 @@ def test_a_parked_generation_request_is_received_once_its_peer_is_known(exchange
 
 def test_generation_first_the_first_token_rides_with_the_kv(exchange):
     kv, s, g = _receiving(exchange, schedule_style="generation_first")
-    state = msgpack.packb({"token": 42, "logprobs": []})
+    state = FirstToken(42).to_bytes()
     kv.settle([], [[RankReport(done=[5], states={5: state}), RankReport(done=[5])]])
     assert g.state is SeqState.RUNNING and g.output_token_ids == [42]
 
@@ -260,5 +260,5 @@ def test_a_pipelined_prefill_offers_each_chunks_full_blocks(exchange):
         s.postprocess(batch, SampleResult(token, [None] * len(token), [None] * len(token)))
         kv.settle(batch, [None])
         sends += kv.commands()
-    state = msgpack.packb({"token": 77, "logprobs": []})
+    state = FirstToken(77).to_bytes()
     assert sends == [SendKV(9, (0, -1, -1), 0, 4, False, b""), SendKV(9, (-1, 1, 2), 4, 10, True, state)]

@@ -3,9 +3,9 @@ transition it makes, and the blocks each one takes or gives back."""
 
 from __future__ import annotations
 
-import pytest
-
 from pdserve.engine.block_manager import BlockManager, KVEvent, block_hashes
+from pdserve.engine.kv.wire import FirstToken
+from pdserve.engine.output import ContextResult
 from pdserve.engine.sampler import SampleResult
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -169,7 +169,8 @@ def test_generation_first_the_first_token_comes_with_the_kv_and_may_end_the_requ
              disagg=DisaggInfo(5, "tcp://ctx:1", schedule_style="generation_first"))
     s.add(g)
     s.schedule()
-    s.kv_arrived(g, (42, [{"token_id": 42, "logprob": -0.5, "top": [[42, -0.5]]}]))
+    came = FirstToken(42, ({"token_id": 42, "logprob": -0.5, "top": [[42, -0.5]]},)).to_bytes()  # as it rides the KV
+    s.kv_arrived(g, FirstToken.from_bytes(came))
     assert g.state is F and g.output_token_ids == [42] and g.output_logprobs[0]["top"] == [(42, -0.5)]
     [out] = s.take_outputs()
     assert (out.new_token_ids, out.finished, out.finish_reason) == ([42], True, "length")
@@ -184,11 +185,11 @@ def _context_only(s: Scheduler, **disagg) -> Sequence:
 
 
 def test_context_only_answers_after_its_first_token_and_keeps_the_kv_until_the_transfer_ends():
-    s = _sched(context_params=lambda seq: {"first_gen_tokens": list(seq.output_token_ids)})
+    s = _sched()
     c = _context_only(s)
     assert c.state is CTX_TX and s.parked == {"c": c} and not s.running and c.block_ids == [0, 1]
     [out] = s.take_outputs()
-    assert (out.finished, out.finish_reason, out.disaggregated_params) == (True, "length", {"first_gen_tokens": [77]})
+    assert (out.finished, out.finish_reason, out.context) == (True, "length", ContextResult(9, FirstToken(77)))
     assert not s.has_work()  # parked: nothing to step
     s2 = _sched()
     c2 = _context_only(s2)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.disagg.config import DisaggConfig
+from pdserve.orchestrator.config import DisaggConfig
 from pdserve.launch import load_cluster_config, worker_configs
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("cluster*.yaml"))

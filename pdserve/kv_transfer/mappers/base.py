@@ -1,6 +1,6 @@
 """Mapper interface: which bytes inside a block go where.
 
-The registrar matches one source pool view with one destination pool view and describes the
+The write plan matches one source pool view with one destination pool view and describes the
 pair as a ``PairGeometry``: for each (common layer, buffer) the buffer's offset from its slot
 address and its registered size on both sides, plus the heads both sides hold. A mapper turns
 that into *static* fragments, the same for every block, so that a transfer is one outer sum:

@@ -3,7 +3,7 @@
     src slot: [L0 buffer][L1 buffer] ...    copied whole; no head slicing applies
     dst slot: [L0 buffer][L1 buffer] ...
 
-One sender per destination is chosen by the registrar's fan-in election. Bytes inside a block
+One sender per destination is chosen by the write plan's fan-in election. Bytes inside a block
 are addressed by token, so both sides need the same tokens_per_block and buffer sizes.
 """
 

@@ -20,8 +20,8 @@ agrees across its ranks before it changes a request's state.
 
 Threads: the ZeroMQ listener only answers RankInfo requests from immutable state and enqueues
 everything else; all session state and every agent call live on the caller's (executor) thread.
-Address arithmetic happens only on the sender (`registrar.plan_write`); the receiver derives just
-which ctx ranks will write to it (`registrar.writers_for`), and re-runs the sender's plan only to
+Address arithmetic happens only on the sender (`write_plan.plan_write`); the receiver derives just
+which ctx ranks will write to it (`write_plan.writers_for`), and re-runs the sender's plan only to
 check KV checksums (integrity.py).
 
 The parts, one noun each:

@@ -9,7 +9,7 @@ lifecycle), and the first-contact canary gate in front of them.
     TRANSFER_ERROR ──> that writer will not write
 
 The receiver plans no write: it derives only which ctx ranks will write to it
-(`registrar.writers_for`). Checking KV checksums re-runs the sender's `plan_write` to walk the
+(`write_plan.writers_for`). Checking KV checksums re-runs the sender's `plan_write` to walk the
 same fragments (integrity.py).
 """
 
@@ -26,7 +26,7 @@ from pdserve.kv_transfer.control.messages import Cancel, RequestData, TransferDo
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.integrity import block_digests, first_mismatch
 from pdserve.kv_transfer.rank_info import RankInfo
-from pdserve.kv_transfer.registrar import plan_write, writers_for
+from pdserve.kv_transfer.write_plan import plan_write, writers_for
 from pdserve.kv_transfer.sessions import RecvSession, TransferResults, TransferStatus
 from pdserve.kv_transfer.transceiver.base import Local
 from pdserve.kv_transfer.transceiver.bouncer import Bouncer

@@ -6,7 +6,7 @@
                                      before our offer, refused once kv_transfer_timeout_ms passed)
     CANCEL       ──> that requester gets nothing more; told so once its writes in flight landed
 
-All address arithmetic of a transfer happens here (`registrar.plan_write`).
+All address arithmetic of a transfer happens here (`write_plan.plan_write`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pdserve.kv_transfer.control.messages import Cancel, PeerKey, RequestData, T
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.integrity import block_digests, to_wire
 from pdserve.kv_transfer.rank_info import RankInfo
-from pdserve.kv_transfer.registrar import plan_write, writers_for
+from pdserve.kv_transfer.write_plan import plan_write, writers_for
 from pdserve.kv_transfer.sessions import SendChunk, SendSession, TransferResults, TransferStatus
 from pdserve.kv_transfer.transceiver.base import REMEMBER_CLOSED, Local
 from pdserve.kv_transfer.transceiver.bouncer import Bouncer

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from pdserve.kv_transfer import BufferEntry, LayerGroup, MapperKind, PageTable, PhysicalPool, PoolView, RankInfo
-from pdserve.kv_transfer.testing import ModelShape, Topology, make_rank_info, pool_sizes
+from pdserve.testing.kv_oracle import ModelShape, Topology, make_rank_info, pool_sizes
 
 GiB = 1 << 30
 

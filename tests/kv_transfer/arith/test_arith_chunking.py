@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.kv_transfer.chunking import chunk_blocks
-from pdserve.kv_transfer.registrar import plan_write
-from pdserve.kv_transfer.testing import (
+from pdserve.kv_transfer.write_plan import plan_write
+from pdserve.testing.kv_oracle import (
     ModelShape,
     Topology,
     count_writes,

@@ -16,8 +16,8 @@ from pdserve.kv_transfer.mappers import (
     build_mapper,
     merge_contiguous,
 )
-from pdserve.kv_transfer.registrar import align
-from pdserve.kv_transfer.testing import ModelShape, Topology
+from pdserve.kv_transfer.write_plan import align
+from pdserve.testing.kv_oracle import ModelShape, Topology
 
 T, M = Topology, ModelShape
 HND, NHD = MapperKind.HND, MapperKind.NHD

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from pdserve.kv_transfer import MapperKind
-from pdserve.kv_transfer.testing import (
+from pdserve.testing.kv_oracle import (
     ModelShape,
     Topology,
     make_instance,
     simulate_transfer,
 )
-from pdserve.kv_transfer import testing
-from pdserve.kv_transfer.registrar import TransferPlan, plan_write
+from pdserve.testing import kv_oracle as testing
+from pdserve.kv_transfer.write_plan import TransferPlan, plan_write
 
 HND, NHD = MapperKind.HND, MapperKind.NHD
 T = Topology

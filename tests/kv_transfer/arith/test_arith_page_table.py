@@ -19,7 +19,7 @@ from pdserve.kv_transfer import (
     SchemaError,
     page_table_for_block_major_pool,
 )
-from pdserve.kv_transfer.testing import ModelShape, Topology
+from pdserve.testing.kv_oracle import ModelShape, Topology
 
 
 def test_block_major_builder_geometry():

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from pdserve.kv_transfer import MapperKind
 from pdserve.kv_transfer.mappers import PairGeometry, build_mapper
-from pdserve.kv_transfer.testing import ModelShape, Topology, make_instance, simulate_transfer
+from pdserve.testing.kv_oracle import ModelShape, Topology, make_instance, simulate_transfer
 
 HND, NHD = MapperKind.HND, MapperKind.NHD
 

@@ -1,4 +1,4 @@
-"""Instances built from arith's test topologies (pdserve.kv_transfer.testing) over shareable memory,
+"""Instances built from arith's test topologies (pdserve.testing.kv_oracle) over shareable memory,
 for transceiver tests of the harder layouts: layer-major pools, several layer groups, PP x TP mixes,
 tokens_per_block mismatch. The KV oracle is testing.logical_kv (seeded, so both processes agree)."""
 
@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from pdserve.kv_transfer import testing as sim
+from pdserve.testing import kv_oracle as sim
 from pdserve.kv_transfer.agents import MemoryRegion, make_agent
 from pdserve.kv_transfer.agents.shm import allocate_shared
 from pdserve.kv_transfer.transceiver import KVTransceiver, TransceiverConfig

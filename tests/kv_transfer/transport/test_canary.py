@@ -15,7 +15,7 @@ from kvt_instance import (Topology, build_instance, ctx_block_ids, fill, mismatc
                           shutdown)
 from pdserve.kv_transfer import canary
 from pdserve.kv_transfer.agents.faults import FaultPlan
-from pdserve.kv_transfer.registrar import TransferPlan
+from pdserve.kv_transfer.write_plan import TransferPlan
 from pdserve.kv_transfer.transceiver import sender as transceiver
 
 pytestmark = pytest.mark.faults

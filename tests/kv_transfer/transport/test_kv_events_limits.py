@@ -8,14 +8,13 @@ from __future__ import annotations
 import asyncio
 import time
 
-import msgpack
 import zmq
 import zmq.asyncio
 
 from hostile_peer import FRAME, MAX_GROWTH, PeakRss, run_peer, start_peer, stop_peer
-from pdserve.disagg.kv_cache_aware import MAX_EVENT_BYTES, KvBlockIndex, KvEventSubscriber
+from pdserve.orchestrator.kv_cache_aware import MAX_EVENT_BYTES, KvBlockIndex, KvEventSubscriber
 from pdserve.engine.block_manager import KVEvent
-from pdserve.engine.kv_events import KVEventPublisher
+from pdserve.engine.kv.events import EVENTS_VERSION, KVEventBatch, KVEventPublisher
 
 
 def test_kv_events_publisher_disconnects_an_oversized_subscription():
@@ -38,8 +37,8 @@ s.close(linger=0)
         deadline = time.monotonic() + 10
         while not sub.poll(50) and time.monotonic() < deadline:  # a late joiner misses events: repeat
             pub(KVEvent("stored", [7], None))
-        _, events = msgpack.unpackb(sub.recv())
-        assert events == [["stored", [7], None]]
+        batch = KVEventBatch.from_bytes(sub.recv())
+        assert batch.events == (KVEvent("stored", [7], None),)
     finally:
         sub.close()
         pub.close()
@@ -55,7 +54,7 @@ print(f"tcp://127.0.0.1:{{port}}", flush=True)
 s.recv()
 s.send(bytes({FRAME}))
 for _ in range(400):
-    s.send(msgpack.packb([1, [["stored", [42], None]]]))
+    s.send(msgpack.packb({{"v": {EVENTS_VERSION}, "seq": 1, "events": [["stored", [42], None]]}}))
     time.sleep(0.05)
 """)
     assert FRAME > MAX_EVENT_BYTES

@@ -113,7 +113,7 @@ def test_bounce_parameter_mismatch_falls_back_to_direct(caplog):
 
 
 SIM_CASES = [
-    # (ctx topology, gen topology, model), built with arith's pdserve.kv_transfer.testing
+    # (ctx topology, gen topology, model), built with arith's pdserve.testing.kv_oracle
     ("tp4->tp2pp2", dict(tp=4), dict(tp=2, pp=2), dict(num_layers=4, total_kv_heads=4)),
     ("tp2pp2->tp4 tpb16->32", dict(tp=2, pp=2), dict(tp=4, tokens_per_block=32, num_blocks=4),
      dict(num_layers=4, total_kv_heads=4)),
@@ -125,7 +125,7 @@ SIM_CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("name, ctx_kw, gen_kw, model_kw", SIM_CASES, ids=[c[0] for c in SIM_CASES])
 def test_byte_exact_kv_arith_topologies_shm(name, ctx_kw, gen_kw, model_kw):
-    from pdserve.kv_transfer import testing as sim
+    from pdserve.testing import kv_oracle as sim
 
     import kvt_sim_instance as kvs
 

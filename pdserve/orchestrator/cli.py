@@ -22,9 +22,9 @@ import sys
 import time
 from urllib.parse import urlsplit
 
-from pdserve.disagg.config import DisaggConfig, load_disagg_config
+from pdserve.orchestrator.config import DisaggConfig, load_disagg_config
 
-log = logging.getLogger("pdserve.disagg")
+log = logging.getLogger("pdserve.orchestrator")
 
 CONFIG_ENV = "PDSERVE_DISAGG_CONFIG"
 _CHILD_STOP_S = 10.0
@@ -69,8 +69,8 @@ def main_disaggregated(argv: list[str] | None = None) -> int:
 
 
 def _run_coordinator(cfg: DisaggConfig) -> int:
-    from pdserve.disagg.app import bind_socket, run_app
-    from pdserve.disagg.coordinator import build_coordinator_app
+    from pdserve.orchestrator.app import bind_socket, run_app
+    from pdserve.orchestrator.coordinator import build_coordinator_app
 
     parts = urlsplit(cfg.coordinator_url)
     sock = bind_socket(parts.hostname, parts.port, reuse_port=False)
@@ -80,8 +80,8 @@ def _run_coordinator(cfg: DisaggConfig) -> int:
 
 
 def _run_worker(cfg: DisaggConfig, index: int, reuse_port: bool) -> int:
-    from pdserve.disagg.app import bind_socket, build_app, run_app
-    from pdserve.disagg.coordinator import CoordinatorUnreachable, RemoteCluster, wait_for_coordinator
+    from pdserve.orchestrator.app import bind_socket, build_app, run_app
+    from pdserve.orchestrator.coordinator import CoordinatorUnreachable, RemoteCluster, wait_for_coordinator
 
     cluster = None
     if cfg.uses_coordinator:
@@ -99,7 +99,7 @@ def _run_worker(cfg: DisaggConfig, index: int, reuse_port: bool) -> int:
 
 def _run_fleet(cfg: DisaggConfig, log_level: str) -> int:
     env = {**os.environ, CONFIG_ENV: cfg.model_dump_json()}
-    base = [sys.executable, "-m", "pdserve.disagg.cli", "--log-level", log_level, "--internal-role"]
+    base = [sys.executable, "-m", "pdserve.orchestrator.cli", "--log-level", log_level, "--internal-role"]
     roles = ([] if cfg.disagg_coordinator_url else [["coordinator"]]) + [
         ["worker", "--worker-index", str(i)] for i in range(cfg.num_workers)]
     children: list[subprocess.Popen] = []

@@ -10,8 +10,8 @@ import asyncio
 
 import httpx
 
-from pdserve.disagg.cluster import LocalCluster
-from pdserve.disagg.config import DisaggConfig
+from pdserve.orchestrator.cluster import LocalCluster
+from pdserve.orchestrator.config import DisaggConfig
 
 CTX, GEN = "http://127.0.0.1:8001", "http://127.0.0.1:8002"
 

@@ -11,9 +11,9 @@ import openai
 from contract_worker import CTX_REQUEST_ID, FIRST_TOKEN, GEN_TEXT, contract_worker
 from harness import AppThread, wait_healthy
 
-from pdserve.disagg.app import build_app
-from pdserve.disagg.config import DisaggConfig
-from pdserve.disagg.request_id import is_global_id
+from pdserve.orchestrator.app import build_app
+from pdserve.orchestrator.config import DisaggConfig
+from pdserve.orchestrator.request_id import is_global_id
 from pdserve.testing.servers import ClientGoneBeforeFirstByte
 
 BODY = {"model": "tiny", "prompt": "hello there", "max_tokens": 4, "temperature": 0.0}

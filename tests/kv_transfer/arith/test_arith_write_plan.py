@@ -23,7 +23,7 @@ from pdserve.kv_transfer import (
     plan_write,
     writers_for,
 )
-from pdserve.kv_transfer.testing import ModelShape, Topology
+from pdserve.testing.kv_oracle import ModelShape, Topology
 
 T = Topology
 M = ModelShape
@@ -165,7 +165,7 @@ def test_tokens_per_block_must_divide():
 def test_tokens_per_block_divisible_warns(caplog):
     model = M(num_layers=3)  # a model not used elsewhere: the alignment cache must miss
     ctx, gen = info("ctx", T(tokens_per_block=16), model, 0), info("gen", T(tokens_per_block=32), model, 0)
-    with caplog.at_level(logging.WARNING, logger="pdserve.kv_transfer.registrar"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.kv_transfer.write_plan"):
         assert writers_for(gen, [ctx]) == [0]
     assert "tokens_per_block differs (ctx 16, gen 32)" in caplog.text
 

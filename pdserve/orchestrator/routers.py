@@ -19,9 +19,9 @@ import json
 from collections import OrderedDict
 from typing import Any
 
-from pdserve.disagg.config import RouterConfig
-from pdserve.disagg.kv_cache_aware import KvCacheAwareRouter
-from pdserve.disagg.router_base import NoReadyInstance, Route, RouteRequest, Router
+from pdserve.orchestrator.config import RouterConfig
+from pdserve.orchestrator.kv_cache_aware import KvCacheAwareRouter
+from pdserve.orchestrator.router_base import NoReadyInstance, Route, RouteRequest, Router
 
 __all__ = ["ConversationRouter", "KvCacheAwareRouter", "LoadBalancingRouter", "NoReadyInstance", "RoundRobinRouter",
            "Route", "RouteRequest", "Router", "make_router", "session_key"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.disagg.config import RouterConfig
+from pdserve.orchestrator.config import RouterConfig
 
 
 class NoReadyInstance(Exception):

@@ -15,10 +15,10 @@ from typing import Any
 
 import httpx
 
-from pdserve.disagg.config import DisaggConfig
-from pdserve.disagg.errors import OrchestratorError
-from pdserve.disagg.kv_cache_aware import KvCacheAwareRouter
-from pdserve.disagg.routers import NoReadyInstance, Route, RouteRequest, Router, make_router
+from pdserve.orchestrator.config import DisaggConfig
+from pdserve.orchestrator.errors import OrchestratorError
+from pdserve.orchestrator.kv_cache_aware import KvCacheAwareRouter
+from pdserve.orchestrator.routers import NoReadyInstance, Route, RouteRequest, Router, make_router
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdserve.disagg.config import DisaggConfig, load_disagg_config
+from pdserve.orchestrator.config import DisaggConfig, load_disagg_config
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "orchestrator.md"
 BASE = {"context_servers": {"urls": ["http://127.0.0.1:8001"]},

@@ -9,8 +9,8 @@ import httpx
 import pytest
 from harness import MODEL_NAME, AppThread, wait_healthy
 
-from pdserve.disagg.app import build_app
-from pdserve.disagg.config import DisaggConfig
+from pdserve.orchestrator.app import build_app
+from pdserve.orchestrator.config import DisaggConfig
 from pdserve.server.json_body import MAX_DEPTH
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"

@@ -9,6 +9,10 @@ every rank applies them in order (`KVConnector.apply`) and sends rank 0 a `RankR
     CancelKV    stop; confirmed once no write can land
     ForgetPeer  drop a context instance's cached RankInfos (it may have restarted)
 
+`FirstToken` is the one form of the context instance's first generated token (and its logprob
+entry) on its way to the generation instance: in `SendKV.state`, riding with the KV's last write
+(generation_first), or base64 in `disaggregated_params.opaque_state`, through the orchestrator.
+
 A command's wire form is a msgpack-friendly map {"v": WIRE_VERSION, "t": CommandKind, "b": fields},
 nested inside the step spec's msgpack; a report is {"v": WIRE_VERSION, "b": fields}. Decoding checks
 the version, the kind and the field names and raises `KVWireError` on anything else. Request ids
@@ -20,6 +24,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, fields
 from typing import Callable, ClassVar, Union
+
+import msgpack
 
 WIRE_VERSION = 1  # bumped with any change of a command's or a report's fields
 
@@ -141,8 +147,8 @@ def _check_frame(w, keys: set[str], what: str) -> None:
     if not isinstance(w, dict) or w.keys() != keys:
         raise KVWireError(f"{what} must be a map with keys {sorted(keys)}; got {w!r:.200}")
     if w["v"] != WIRE_VERSION:
-        raise KVWireError(f"{what} has wire version {w['v']!r}, this rank speaks {WIRE_VERSION}: "
-                          f"every rank of an instance must run the same pdserve version")
+        raise KVWireError(f"{what} has wire version {w['v']!r}, this rank speaks {WIRE_VERSION}: every rank of an "
+                          "instance, and both instances of a transfer, must run the same pdserve version")
 
 
 def _decode_body(name: str, body, decoders: dict[str, Callable]) -> dict:
@@ -153,3 +159,38 @@ def _decode_body(name: str, body, decoders: dict[str, Callable]) -> dict:
         return {k: decode(body[k]) for k, decode in decoders.items()}
     except (TypeError, ValueError) as e:
         raise KVWireError(f"malformed {name}: {e}") from None
+
+
+def _logprob_entries(v) -> tuple[dict, ...]:
+    """[{"token_id", "logprob", "top": [[id, lp], ...]}, ...] as the engine keeps them (top as tuples)."""
+    if not isinstance(v, (list, tuple)):
+        raise TypeError(f"expected a list of logprob entries, got {type(v).__name__}")
+    try:
+        return tuple({"token_id": int(e["token_id"]), "logprob": float(e["logprob"]),
+                      "top": [(int(t), float(lp)) for t, lp in e["top"]]} for e in v)
+    except (KeyError, TypeError) as e:
+        raise TypeError(f"a logprob entry is not {{token_id, logprob, top}}: {e!r}") from None
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """The context instance's first generated token and, when the request asked for logprobs, its
+    logprob entry."""
+
+    token: int
+    logprobs: tuple[dict, ...] = ()
+
+    _DECODERS: ClassVar[dict[str, Callable]] = {"token": int, "logprobs": _logprob_entries}
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb({"v": WIRE_VERSION, "b": {"token": self.token, "logprobs": list(self.logprobs)}})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "FirstToken":
+        """Raises KVWireError on anything but what `to_bytes` of this wire version wrote."""
+        try:
+            w = msgpack.unpackb(data)
+        except (TypeError, ValueError, msgpack.UnpackException) as e:
+            raise KVWireError(f"the first-token state is not msgpack: {e!r}") from None
+        _check_frame(w, {"v", "b"}, "first-token state")
+        return cls(**_decode_body("first-token state", w["b"], cls._DECODERS))

@@ -34,7 +34,7 @@ def free_port_pair() -> int:
 def run_cli(tmp_path, cfg: dict) -> subprocess.Popen:
     path = tmp_path / "disagg.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    return subprocess.Popen([sys.executable, "-m", "pdserve.disagg.cli", "--log-level", "WARNING", "-c", str(path)],
+    return subprocess.Popen([sys.executable, "-m", "pdserve.orchestrator.cli", "--log-level", "WARNING", "-c", str(path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

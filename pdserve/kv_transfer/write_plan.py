@@ -1,4 +1,4 @@
-"""Peer registrar: which source rank writes which bytes of which destination rank.
+"""The write plan: which source rank writes which bytes of which destination rank.
 
 Three questions, answered in order for a (ctx rank, gen rank) pair:
 

@@ -8,7 +8,7 @@ from typing import AsyncIterator
 
 import httpx
 
-from pdserve.disagg.errors import OrchestratorError, WorkerUnreachable
+from pdserve.orchestrator.errors import OrchestratorError, WorkerUnreachable
 
 CONNECT_TIMEOUT_S = 5.0
 

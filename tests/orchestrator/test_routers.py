@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import asyncio
 
-import msgpack
 import pytest
 import zmq
 import zmq.asyncio
 
-from pdserve.disagg.config import RouterConfig
-from pdserve.disagg.kv_cache_aware import KvBlockIndex, KvCacheAwareRouter
-from pdserve.disagg.routers import NoReadyInstance, RouteRequest, make_router, session_key
-from pdserve.engine.block_manager import block_hashes
+from pdserve.orchestrator.config import RouterConfig
+from pdserve.orchestrator.kv_cache_aware import KvBlockIndex, KvCacheAwareRouter
+from pdserve.orchestrator.routers import NoReadyInstance, RouteRequest, make_router, session_key
+from pdserve.engine.block_manager import KVEvent, block_hashes
+from pdserve.engine.kv.events import KVEventBatch
 
 URLS = ["http://a:1", "http://b:2", "http://c:3"]
 TPB = 4
@@ -76,14 +76,14 @@ def test_conversation_affinity_moves_only_when_its_instance_goes_away():
 
 def test_kv_block_index_orders_by_seq_and_asks_for_resync_on_gaps():
     idx = KvBlockIndex()
-    assert not idx.apply(1, [["stored", [1], None]])  # not synced yet
+    assert not idx.apply(1, [KVEvent("stored", [1], None)])  # not synced yet
     idx.reset(5, [10, 11])
-    assert idx.apply(4, [["removed", [10], None]]) and 10 in idx.hashes  # older than the snapshot
-    assert idx.apply(6, [["stored", [12], 11]]) and idx.hashes == {10, 11, 12}
-    assert not idx.apply(8, [["stored", [13], None]]) and 13 not in idx.hashes  # gap: resync
-    assert idx.apply(7, [["cleared", [], None]]) and idx.hashes == set()
+    assert idx.apply(4, [KVEvent("removed", [10], None)]) and 10 in idx.hashes  # older than the snapshot
+    assert idx.apply(6, [KVEvent("stored", [12], 11)]) and idx.hashes == {10, 11, 12}
+    assert not idx.apply(8, [KVEvent("stored", [13], None)]) and 13 not in idx.hashes  # gap: resync
+    assert idx.apply(7, [KVEvent("cleared", [], None)]) and idx.hashes == set()
     with pytest.raises(ValueError, match="unknown KV event kind"):
-        idx.apply(8, [["moved", [1], None]])
+        idx.apply(8, [KVEvent("moved", [1], None)])
     idx.reset(0, [1, 2, 3])
     assert idx.matched_blocks([1, 2, 9, 3]) == 2  # a chain: nothing after the first miss counts
 
@@ -109,7 +109,7 @@ class FakeWorkerEvents:
             elif kind == "removed":
                 self.hashes.difference_update(hashes)
         if not drop:
-            await self.sock.send(msgpack.packb([self.seq, events]))
+            await self.sock.send(KVEventBatch(self.seq, tuple(KVEvent(*e) for e in events)).to_bytes())
 
     async def snapshot(self) -> tuple[int, list[int]]:
         self.snapshots += 1

@@ -19,13 +19,13 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.disagg.cluster import LocalCluster
-from pdserve.disagg.config import DisaggConfig
-from pdserve.disagg.errors import OrchestratorError
-from pdserve.disagg.metrics import OrchestratorMetrics
-from pdserve.disagg.orchestrator import CHAT, COMPLETIONS, Orchestrator
-from pdserve.disagg.request_id import RequestIdGenerator
-from pdserve.disagg.upstream import make_client
+from pdserve.orchestrator.cluster import LocalCluster
+from pdserve.orchestrator.config import DisaggConfig
+from pdserve.orchestrator.errors import OrchestratorError
+from pdserve.orchestrator.metrics import OrchestratorMetrics
+from pdserve.orchestrator.orchestrator import CHAT, COMPLETIONS, Orchestrator
+from pdserve.orchestrator.request_id import RequestIdGenerator
+from pdserve.orchestrator.upstream import make_client
 from pdserve.server.json_body import MalformedBody, parse_json_object
 from pdserve.server.streaming import ClosingStreamingResponse
 

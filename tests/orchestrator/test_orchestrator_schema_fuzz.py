@@ -11,8 +11,8 @@ from harness import AppThread, free_port, start_workers, wait_healthy
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
-from pdserve.disagg.app import build_app
-from pdserve.disagg.config import DisaggConfig
+from pdserve.orchestrator.app import build_app
+from pdserve.orchestrator.config import DisaggConfig
 
 pytestmark = pytest.mark.faults
 

@@ -14,8 +14,8 @@ import pytest
 from harness import MODEL_NAME, TOKENS_PER_BLOCK, AppThread, Occupied, free_port, start_workers, wait_healthy, \
     worker_supports_disagg
 
-from pdserve.disagg.app import build_app
-from pdserve.disagg.config import DisaggConfig
+from pdserve.orchestrator.app import build_app
+from pdserve.orchestrator.config import DisaggConfig
 
 PROMPT_TEXT = "Disaggregated serving runs the prefill on one instance and the decode on another"
 PROMPT_IDS = list(range(30, 70))

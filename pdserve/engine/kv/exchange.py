@@ -17,11 +17,10 @@ from __future__ import annotations
 import logging
 import time
 
-import msgpack
-
 from pdserve.config import EngineConfig
-from pdserve.engine.kv_connector import KVConnector, PeerDirectory, TransferTally
-from pdserve.engine.kv_wire import CancelKV, ForgetPeer, KVCommand, RankReport, ReceiveKV, SendKV
+from pdserve.engine.kv.connector import KVConnector, PeerDirectory, TransferTally
+from pdserve.engine.kv.wire import (CancelKV, FirstToken, ForgetPeer, KVCommand, KVWireError, RankReport, ReceiveKV,
+                                    SendKV)
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler, transfer_stage
 from pdserve.engine.sequence import RequestType, Sequence, SeqState
 from pdserve.kv_transfer.chunking import chunk_blocks
@@ -59,7 +58,7 @@ class KVExchange:
             self._peers.close()
 
     def commands(self) -> list[KVCommand]:
-        """This step's commands for every rank (kv_wire.py), decided on rank 0 without waiting."""
+        """This step's commands for every rank (wire.py), decided on rank 0 without waiting."""
         cmds: list[KVCommand] = [ForgetPeer(endpoint) for endpoint in self._forget]
         cmds += self._sends
         cmds += [CancelKV(rid) for rid in self.scheduler.cancels]
@@ -129,7 +128,7 @@ class KVExchange:
                 continue
             state = b""
             if last and d.generation_first:
-                state = msgpack.packb({"token": seq.output_token_ids[0], "logprobs": seq.output_logprobs[:1]})
+                state = FirstToken(seq.output_token_ids[0], tuple(seq.output_logprobs[:1])).to_bytes()
             d.transfer_started = True
             self._sends.append(SendKV(d.disagg_request_id, ids, span[0], span[1], last, state))
 
@@ -163,7 +162,7 @@ class KVExchange:
 
     @staticmethod
     def _arrival(seq: Sequence, delivered: int | None,
-                 state: bytes | None) -> tuple[str | None, tuple[int, list] | None]:
+                 state: bytes | None) -> tuple[str | None, FirstToken | None]:
         """generation_only, every rank reported its KV in: (why it cannot be used, or None; the first
         token and its logprobs when they rode with the KV, generation_first)."""
         if delivered is not None and delivered != seq.num_prompt_tokens:
@@ -171,8 +170,9 @@ class KVExchange:
                     f"{seq.num_prompt_tokens}: both instances must see the same prompt tokens"), None
         if not seq.disagg.generation_first:
             return None, None
-        try:
-            first = msgpack.unpackb(state)
-            return None, (int(first["token"]), list(first["logprobs"]))
-        except (TypeError, ValueError, KeyError, msgpack.UnpackException):
+        if not state:
             return "the KV arrived without the first generated token (is the context worker a pdserve worker?)", None
+        try:
+            return None, FirstToken.from_bytes(state)
+        except KVWireError as e:
+            return f"the first generated token that came with the KV is malformed: {e}", None

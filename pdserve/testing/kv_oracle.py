@@ -37,7 +37,7 @@ from pdserve.kv_transfer.page_table import (
     page_table_for_layer_major_pools,
 )
 from pdserve.kv_transfer.rank_info import RankInfo, flat_rank
-from pdserve.kv_transfer.registrar import TransferPlan, plan_write, writers_for
+from pdserve.kv_transfer.write_plan import TransferPlan, plan_write, writers_for
 
 BlockIds = Mapping[int, np.ndarray]
 

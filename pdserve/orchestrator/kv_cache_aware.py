@@ -2,7 +2,7 @@
 
 Each instance's set of cached block hashes is kept current from that instance's KV events:
 
-    worker  --ZeroMQ PUB  msgpack [seq, [[kind, [hash, ...], parent|None], ...]]-->  KvEventSubscriber
+    worker  --ZeroMQ PUB  KVEventBatch (engine/kv/events.py)-->                        KvEventSubscriber
     worker  --GET /v1/kv_blocks  {"seq": S, "block_hashes": [...]}-->                  (snapshot)
 
 A subscriber subscribes first, then takes the snapshot, then applies only events with seq > S. A gap
@@ -22,14 +22,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Iterable
 
-import msgpack
 import zmq
 import zmq.asyncio
 
-from pdserve.disagg.router_base import Route, RouteRequest, Router
-from pdserve.engine.block_manager import block_hashes
+from pdserve.orchestrator.router_base import Route, RouteRequest, Router
+from pdserve.engine.block_manager import KVEvent, block_hashes
+from pdserve.engine.kv.events import KVEventBatch
 
 log = logging.getLogger(__name__)
 
@@ -52,21 +52,21 @@ class KvBlockIndex:
         self.hashes = set(hashes)
         self.seq = seq
 
-    def apply(self, seq: int, events: list) -> bool:
+    def apply(self, seq: int, events: Iterable[KVEvent]) -> bool:
         """Apply one message; False when it does not follow the last one (the caller resyncs)."""
         if self.seq is None or seq <= self.seq:
             return self.seq is not None  # older than the snapshot: already in it
         if seq != self.seq + 1:
             return False
-        for kind, hashes, _parent in events:
-            if kind == "stored":
-                self.hashes.update(hashes)
-            elif kind == "removed":
-                self.hashes.difference_update(hashes)
-            elif kind == "cleared":
+        for e in events:
+            if e.kind == "stored":
+                self.hashes.update(e.block_hashes)
+            elif e.kind == "removed":
+                self.hashes.difference_update(e.block_hashes)
+            elif e.kind == "cleared":
                 self.hashes.clear()
             else:
-                raise ValueError(f"unknown KV event kind {kind!r} (expected stored, removed or cleared)")
+                raise ValueError(f"unknown KV event kind {e.kind!r} (expected stored, removed or cleared)")
         self.seq = seq
         return True
 
@@ -160,9 +160,9 @@ class KvEventSubscriber:
                 frames = recv.result()
                 recv = asyncio.ensure_future(self.sock.recv_multipart())
                 try:
-                    seq, events = msgpack.unpackb(frames[-1])
-                    in_order = self.index.apply(int(seq), events)
-                except (ValueError, TypeError, msgpack.UnpackException) as e:
+                    batch = KVEventBatch.from_bytes(frames[-1])
+                    in_order = self.index.apply(batch.seq, batch.events)
+                except ValueError as e:  # a KVEventError, or an event the index cannot apply
                     log.warning("ignoring a malformed KV event from %s: %s", self.endpoint, e)
                     continue
                 if not in_order:

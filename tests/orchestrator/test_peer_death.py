@@ -17,8 +17,8 @@ import httpx
 import pytest
 from harness import MODEL_NAME, AppThread, Occupied, free_port, start_workers, wait_healthy
 
-from pdserve.disagg.app import build_app
-from pdserve.disagg.config import DisaggConfig
+from pdserve.orchestrator.app import build_app
+from pdserve.orchestrator.config import DisaggConfig
 from pdserve.testing import make_tiny_model
 
 pytestmark = pytest.mark.faults

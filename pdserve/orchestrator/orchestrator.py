@@ -32,13 +32,13 @@ from typing import AsyncIterable, AsyncIterator, Awaitable, Callable, TypeVar
 
 import httpx
 
-from pdserve.disagg import sse
-from pdserve.disagg.config import DisaggConfig
-from pdserve.disagg.errors import OrchestratorError, WorkerUnreachable
-from pdserve.disagg.metrics import OrchestratorMetrics
-from pdserve.disagg.request_id import RequestIdGenerator
-from pdserve.disagg.routers import Route, RouteRequest, session_key
-from pdserve.disagg.upstream import get_json, iter_stream, open_stream, post_json
+from pdserve.orchestrator import sse
+from pdserve.orchestrator.config import DisaggConfig
+from pdserve.orchestrator.errors import OrchestratorError, WorkerUnreachable
+from pdserve.orchestrator.metrics import OrchestratorMetrics
+from pdserve.orchestrator.request_id import RequestIdGenerator
+from pdserve.orchestrator.routers import Route, RouteRequest, session_key
+from pdserve.orchestrator.upstream import get_json, iter_stream, open_stream, post_json
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ import openai
 import pytest
 from harness import MODEL_NAME, AppThread, wait_healthy
 
-from pdserve.disagg.app import build_app
-from pdserve.disagg.config import DisaggConfig
+from pdserve.orchestrator.app import build_app
+from pdserve.orchestrator.config import DisaggConfig
 
 PROMPT = [5, 17, 42, 99, 7, 123, 64, 31]  # token ids: no /tokenize needed to count them
 LONG_PROMPT = list(range(10, 40))

@@ -5,7 +5,7 @@ Every rank of an instance owns a `KVConnector` over its own KV pool. Rank 0 deci
 its own bytes and reports what finished. Rank 0 changes a request's state only once every rank has
 reported on it (`TransferTally`), so no rank frees or reads blocks another rank is still writing.
 
-The commands and the report are typed and versioned in kv_wire.py. A `ReceiveKV` carries the
+The commands and the report are typed and versioned in wire.py. A `ReceiveKV` carries the
 context instance's RankInfos, fetched once by rank 0 off the step loop (`PeerDirectory`), so no rank
 ever waits on the network inside a step.
 """
@@ -21,7 +21,7 @@ import torch
 
 from pdserve.config import CacheTransceiverConfig
 from pdserve.distributed import ParallelState
-from pdserve.engine.kv_wire import CancelKV, ForgetPeer, KVCommand, RankReport, ReceiveKV, SendKV
+from pdserve.engine.kv.wire import CancelKV, ForgetPeer, KVCommand, RankReport, ReceiveKV, SendKV
 from pdserve.kv_transfer.agents import MemoryRegion, make_agent
 from pdserve.kv_transfer.agents.faults import FaultyAgent
 from pdserve.kv_transfer.errors import KVTransferError

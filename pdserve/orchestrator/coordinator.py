@@ -23,12 +23,12 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from pdserve.disagg.app import CLUSTER_TOKEN_HEADER, AuthMiddleware
-from pdserve.disagg.cluster import ROLES, LocalCluster
-from pdserve.disagg.config import DisaggConfig
-from pdserve.disagg.errors import OrchestratorError
-from pdserve.disagg.routers import RoundRobinRouter, Route, RouteRequest
-from pdserve.disagg.upstream import make_client
+from pdserve.orchestrator.app import CLUSTER_TOKEN_HEADER, AuthMiddleware
+from pdserve.orchestrator.cluster import ROLES, LocalCluster
+from pdserve.orchestrator.config import DisaggConfig
+from pdserve.orchestrator.errors import OrchestratorError
+from pdserve.orchestrator.routers import RoundRobinRouter, Route, RouteRequest
+from pdserve.orchestrator.upstream import make_client
 
 log = logging.getLogger(__name__)
 

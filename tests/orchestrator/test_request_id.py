@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from pdserve.disagg.request_id import (
+from pdserve.orchestrator.request_id import (
     GLOBAL_ID_LIMIT,
     GLOBAL_ID_MIN,
     RequestIdGenerator,
@@ -46,7 +46,7 @@ def test_generators_with_different_node_or_process_ids_never_collide():
     assert len(set(ids)) == len(ids)
 
 
-_MINT = ("import json, sys; from pdserve.disagg.request_id import RequestIdGenerator; "
+_MINT = ("import json, sys; from pdserve.orchestrator.request_id import RequestIdGenerator; "
          "g = RequestIdGenerator(node_id=7, process_id=int(sys.argv[1])); "
          "print(json.dumps([g.next_id() for _ in range(2000)]))")
 
