@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pdserve.kv_transfer.agents.faults import FaultPlan
 from pdserve.kv_transfer.bounce import BounceConfig
@@ -138,6 +139,26 @@ class EngineConfig(BaseModel):
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+def server_url(url: str) -> str:
+    """An instance's url in one spelling, http://host:port; ValueError saying what is wrong."""
+    if not isinstance(url, str):
+        raise ValueError(f"server url must be a string like http://host:port, got {url!r}")
+    if "://" not in url:
+        url = "http://" + url  # 'host:port' as TensorRT-LLM's configs write it
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
+        raise ValueError(f"server url {url!r:.300} must look like http://host:port")
+    if len(parts.hostname) > 253:  # the longest DNS name
+        raise ValueError(f"server url {url!r:.300} has a host name of {len(parts.hostname)} characters; at most 253")
+    if parts.path not in ("", "/"):
+        raise ValueError(f"server url {url!r} must not have a path (the API lives under /v1)")
+    return url.rstrip("/")
+
+
 class WorkerConfig(EngineConfig):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -147,6 +168,29 @@ class WorkerConfig(EngineConfig):
                                                            "then exit (0: at once; a second signal: at once)")
     kv_events_port: int | None = Field(None, ge=0, le=65535,
                                        description="publish KV cache events on a ZeroMQ PUB socket (0 = free port)")
+    join: str | None = Field(None, description="join the cluster of the orchestrator at this url (http://host:port) "
+                                               "once serving, heartbeat, and leave on drain; needs role")
+    role: Literal["context", "generation"] | None = Field(None, description="this instance's role when it joins")
+    advertise_url: str | None = Field(None, description="the url the orchestrator reaches this instance at; "
+                                                        "default: http://host:port")
+    join_token: str | None = Field(None, description="sent when joining as 'X-Cluster-Token' and as the bearer key: "
+                                                     "the orchestrator's cluster_token, or its api_key when it has "
+                                                     "no cluster_token")
+
+    @field_validator("join", "advertise_url")
+    @classmethod
+    def _check_url(cls, url: str | None) -> str | None:
+        return None if url is None else server_url(url)
+
+    @model_validator(mode="after")
+    def _check_join(self) -> "WorkerConfig":
+        if (self.join is None) != (self.role is None):
+            raise ValueError("join and role go together: set both (join: http://ORCHESTRATOR:PORT, "
+                             "role: context | generation) or neither")
+        if self.join is not None and self.advertise_url is None and self.host in ("0.0.0.0", "::", ""):
+            raise ValueError(f"host {self.host!r} is no address the orchestrator can reach: set advertise_url "
+                             "(http://THIS_HOST:PORT) to join")
+        return self
 
 
 def load_yaml(path: str | Path | None, cls: type[BaseModel], **overrides) -> BaseModel:

@@ -1,7 +1,8 @@
 """The orchestrator's HTTP surface (FastAPI) and `run_orchestrator`.
 
-Open: GET /health (200 once each role has a ready instance, else 503 naming what is missing).
-Internal (the cluster token when one is set): GET /cluster_info; GET /metrics, else open.
+Open: GET /health (200 once each role has minimal_instances ready, else 503 naming what is missing).
+Internal (the cluster token when one is set): GET /cluster_info; POST /cluster/join, /cluster/heartbeat,
+/cluster/leave (membership.py); GET /metrics, else open.
 Everything else (the API key when one is set): POST /v1/completions, POST /v1/chat/completions,
 GET /v1/models, and /cluster_info when no cluster token is set.
 """
@@ -16,11 +17,11 @@ import secrets
 import socket
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.orchestrator.cluster import LocalCluster
-from pdserve.orchestrator.config import DisaggConfig
+from pdserve.orchestrator.cluster import ROLES, LocalCluster
+from pdserve.orchestrator.config import DisaggConfig, server_url
 from pdserve.orchestrator.errors import OrchestratorError
 from pdserve.orchestrator.metrics import OrchestratorMetrics
 from pdserve.orchestrator.orchestrator import CHAT, COMPLETIONS, Orchestrator
@@ -32,7 +33,8 @@ from pdserve.server.streaming import ClosingStreamingResponse
 log = logging.getLogger(__name__)
 
 CLUSTER_TOKEN_HEADER = "x-cluster-token"
-INTERNAL_PATHS = ("/cluster_info", "/metrics")
+MEMBERSHIP_PATHS = ("/cluster/join", "/cluster/heartbeat", "/cluster/leave")
+INTERNAL_PATHS = ("/cluster_info", "/metrics", *MEMBERSHIP_PATHS)
 OPEN_PATHS = ("/health", "/metrics")  # /metrics: open unless a cluster token is set, as on the workers
 CLIENT_CLOSED = 499
 
@@ -149,11 +151,13 @@ def build_app(cfg: DisaggConfig, *, process_id: int = 0, cluster=None) -> FastAP
 
     @app.get("/health")
     async def health():
-        missing = [r for r in ("context", "generation") if not state["cluster"].ready_urls(r)]
+        missing = state["cluster"].roles_below_minimum()
         if missing:
-            err = OrchestratorError(503, f"no ready {' or '.join(missing)} server yet", "no_ready_instance")
+            err = OrchestratorError(503, f"not enough ready {' or '.join(missing)} servers yet", "no_ready_instance")
             return JSONResponse(err.body(), status_code=503)
         return {"status": "ok"}
+
+    app.include_router(membership_routes(lambda: state["cluster"]))
 
     @app.get("/cluster_info")
     async def cluster_info():
@@ -166,6 +170,47 @@ def build_app(cfg: DisaggConfig, *, process_id: int = 0, cluster=None) -> FastAP
         return Response(data, media_type=content_type)
 
     return app
+
+
+def membership_routes(cluster) -> APIRouter:
+    """POST /cluster/join {role, url}, /cluster/heartbeat {url}, /cluster/leave {url} over `cluster()`
+    (a LocalCluster, or a fleet worker's RemoteCluster, which forwards them to the coordinator)."""
+    router = APIRouter()
+
+    async def fields(request: Request, *names: str) -> list:
+        try:
+            body = parse_json_object(await request.body())
+        except MalformedBody as e:
+            raise OrchestratorError(400, e.message, e.code, e.param) from None
+        out = []
+        for name in names:
+            value = body.get(name)
+            if name == "role" and value not in ROLES:
+                raise OrchestratorError(400, f"role must be one of {ROLES}, got {value!r}", "invalid_value", "role")
+            if name == "url":
+                try:
+                    value = server_url(value)
+                except ValueError as e:
+                    raise OrchestratorError(400, str(e), "invalid_value", "url") from None
+            out.append(value)
+        return out
+
+    @router.post("/cluster/join")
+    async def join(request: Request):
+        role, url = await fields(request, "role", "url")
+        return await cluster().join(role, url)
+
+    @router.post("/cluster/heartbeat")
+    async def heartbeat(request: Request):
+        (url,) = await fields(request, "url")
+        return await cluster().heartbeat(url)
+
+    @router.post("/cluster/leave")
+    async def leave(request: Request):
+        (url,) = await fields(request, "url")
+        return {"left": await cluster().leave(url)}
+
+    return router
 
 
 async def _unless_disconnected(request: Request, work):

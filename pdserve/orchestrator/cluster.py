@@ -4,6 +4,11 @@
 health_check_interval, reads /v1/disagg_info and /v1/models once an instance is ready, and routes with
 the configured routers. One orchestrator process uses it directly; a fleet's coordinator uses it on
 behalf of every orchestrator process (coordinator.py has the remote side, `RemoteCluster`).
+
+Instances are those of the YAML plus those that joined (membership.py): `join` checks that the
+instance serves the same model as the rest, over the same KV backend, with a tokens_per_block the other
+role's instances can re-cut, and refuses it with the reason otherwise; a joined instance whose lease
+runs out is dropped at the next probe round.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import httpx
 from pdserve.orchestrator.config import DisaggConfig
 from pdserve.orchestrator.errors import OrchestratorError
 from pdserve.orchestrator.kv_cache_aware import KvCacheAwareRouter
+from pdserve.orchestrator.membership import Leases
 from pdserve.orchestrator.routers import NoReadyInstance, Route, RouteRequest, Router, make_router
 
 log = logging.getLogger(__name__)
@@ -41,6 +47,9 @@ class LocalCluster:
         self.models: dict[str, dict] = {}  # url -> its /v1/models answer
         self.status: dict[str, str] = {u: "starting" for r in self.routers.values() for u in r.urls}
         self._timeouts: dict[str, int] = {}  # url -> probes in a row that timed out
+        self.leases = Leases(cfg.lease_ttl_s)
+        self.minimal = {"context": cfg.context_servers.minimal_instances,
+                        "generation": cfg.generation_servers.minimal_instances}
         self._task: asyncio.Task | None = None
         self._http: httpx.AsyncClient | None = None
         self.started_at = time.monotonic()
@@ -60,9 +69,12 @@ class LocalCluster:
             await router.close()
 
     async def _probe_loop(self) -> None:
+        # Often enough that a lost member is dropped within about one lease.
+        interval = min(self.cfg.health_check_interval, self.leases.heartbeat_s)
         while True:
-            await asyncio.sleep(self.cfg.health_check_interval)
+            await asyncio.sleep(interval)
             try:
+                await self._expire_leases()
                 await self.probe_all()
             except Exception:  # a bug here must not stop the probing for good
                 log.exception("health probe round failed")
@@ -109,9 +121,91 @@ class LocalCluster:
             self.disagg_info[url] = None
         self.models[url] = models.json()
 
+    # -- membership (membership.py) -----------------------------------------------------------------
+
+    def role_of(self, url: str) -> str | None:
+        return next((role for role, r in self.routers.items() if url in r.urls), None)
+
+    async def join(self, role: str, url: str) -> dict[str, Any]:
+        """Admit `url` as a `role` instance, or refuse it (409) saying why. Joining again renews."""
+        held = self.role_of(url)
+        if held is not None and held != role:
+            raise OrchestratorError(409, f"{url} is already a {held} server of this cluster; an instance has one "
+                                         "role", "role_conflict", "role")
+        if held is not None and url not in self.leases:
+            return {"status": "static", "lease_ttl_s": None, "heartbeat_s": None}
+        if held is None:
+            try:
+                await self._learn(url)
+            except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:
+                raise OrchestratorError(502, f"cannot read /v1/models and /v1/disagg_info of {url} ({e}): is it a "
+                                             "pdserve worker reachable from the orchestrator at that url?",
+                                        "join_unreachable", "url") from None
+            why = self._incompatible(role, url)
+            if why is not None:
+                self._forget(url)
+                log.warning("refused %s server %s: %s", role, url, why)
+                raise OrchestratorError(409, f"{url} cannot join as a {role} server: {why}", "incompatible_instance")
+            self.routers[role].add(url)
+            self.status[url] = "joining"
+            log.info("%s server %s joined (lease %g s)", role, url, self.leases.ttl_s)
+        self.leases.grant(url, role)
+        await self._probe(role, url)
+        return {"status": "joined", "lease_ttl_s": self.leases.ttl_s, "heartbeat_s": self.leases.heartbeat_s}
+
+    async def heartbeat(self, url: str) -> dict[str, Any]:
+        if not self.leases.renew(url):
+            raise OrchestratorError(404, f"{url} is not a member of this cluster (its lease ran out, or the "
+                                         "orchestrator restarted): join again", "not_a_member", "url")
+        return {"status": "ok"}
+
+    async def leave(self, url: str, reason: str = "left") -> bool:
+        """Take a joined instance out of routing now; False when it was not a joined member."""
+        lease = self.leases.release(url)
+        if lease is None:
+            return False
+        await self.routers[lease.role].remove(url)
+        self._forget(url)
+        log.info("%s server %s %s", lease.role, url, reason)
+        return True
+
+    async def _expire_leases(self) -> None:
+        for url, lease in self.leases.expired():
+            await self.routers[lease.role].remove(url)
+            self._forget(url)
+            log.warning("%s server %s is lost: no heartbeat for %g s; dropped from routing", lease.role, url,
+                        self.leases.ttl_s)
+
+    def _forget(self, url: str) -> None:
+        for table in (self.status, self.disagg_info, self.models, self._timeouts):
+            table.pop(url, None)
+
+    def _incompatible(self, role: str, url: str) -> str | None:
+        """Why `url` (just learned) cannot serve beside the instances already known, or None."""
+        info = self.disagg_info.get(url)
+        if info is None or not info.get("ctx_info_endpoint"):
+            return ("it has no KV transceiver (/v1/disagg_info says none): set cache_transceiver_config.backend "
+                    "in its config")
+        model = _model_id(self.models.get(url))
+        for other, other_info in self.disagg_info.items():
+            if other == url or other_info is None or other not in self.models:
+                continue
+            if _model_id(self.models[other]) != model:
+                return f"it serves {model!r} and {other} serves {_model_id(self.models[other])!r}"
+            if other_info.get("backend") != info.get("backend"):
+                return (f"its KV backend is {info.get('backend')!r} and {other}'s is {other_info.get('backend')!r}; "
+                        "both roles must use the same cache_transceiver_config.backend")
+            tpb, other_tpb = int(info.get("tokens_per_block") or 0), int(other_info.get("tokens_per_block") or 0)
+            crosses = self.role_of(other) not in (role, None)
+            if crosses and tpb and other_tpb and max(tpb, other_tpb) % min(tpb, other_tpb):
+                return (f"its tokens_per_block {tpb} and {other}'s {other_tpb} do not divide one another, so their KV "
+                        "cannot be re-cut between them")
+        return None
+
     def mark_unreachable(self, role: str, url: str, reason: str) -> None:
-        self.routers[role].set_ready(url, False)
-        self.status[url] = reason
+        if url in self.routers[role].urls:  # not one that has left since
+            self.routers[role].set_ready(url, False)
+            self.status[url] = reason
 
     def _no_ready(self, role: str) -> OrchestratorError:
         why = "; ".join(f"{u}: {self.status.get(u, 'starting')}" for u in self.routers[role].urls)
@@ -145,15 +239,28 @@ class LocalCluster:
                 return self.models[url]
         return None
 
+    def roles_below_minimum(self) -> list[str]:
+        """The roles with fewer ready instances than their minimal_instances (empty: ready to serve)."""
+        return [role for role in self.routers if len(self.ready_urls(role)) < self.minimal[role]]
+
     async def cluster_info(self) -> dict[str, Any]:
         def role_info(role: str) -> dict:
             snap = self.routers[role].snapshot()
+            snap["minimal_instances"] = self.minimal[role]
             for inst in snap["instances"]:
                 inst["status"] = self.status.get(inst["url"])
                 inst["disagg_info"] = self.disagg_info.get(inst["url"])
+                inst["lease"] = self.leases.describe(inst["url"])
             return snap
 
         return {"schedule_style": self.cfg.schedule_style,
                 "conditional_disagg": self.cfg.conditional_disagg.model_dump() if self.cfg.conditional_disagg else None,
                 "context_servers": role_info("context"), "generation_servers": role_info("generation"),
                 "models": self.model_list(), "uptime_s": round(time.monotonic() - self.started_at, 3)}
+
+
+def _model_id(listing: dict | None) -> str | None:
+    try:
+        return listing["data"][0]["id"]
+    except (TypeError, KeyError, IndexError):
+        return None

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pdserve.config import load_yaml
+from pdserve.config import load_yaml, server_url
 
 RouterType = Literal["round_robin", "load_balancing", "kv_cache_aware", "conversation"]
 
@@ -58,22 +58,15 @@ class RouterConfig(BaseModel):
 class ServerGroup(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    urls: list[str] = Field(min_length=1, description="http://host:port of each instance")
+    urls: list[str] = Field(default_factory=list, description="http://host:port of each instance; more may join "
+                                                              "(pdserve serve --join)")
     router: RouterConfig = Field(default_factory=RouterConfig)
+    minimal_instances: int = Field(1, ge=1, description="ready instances the orchestrator's /health waits for")
 
     @field_validator("urls")
     @classmethod
     def _check_urls(cls, urls: list[str]) -> list[str]:
-        out = []
-        for url in urls:
-            if "://" not in url:
-                url = "http://" + url  # 'host:port' as TensorRT-LLM's configs write it
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
-                raise ValueError(f"server url {url!r} must look like http://host:port")
-            if parts.path not in ("", "/"):
-                raise ValueError(f"server url {url!r} must not have a path (the API lives under /v1)")
-            out.append(url.rstrip("/"))
+        out = [server_url(url) for url in urls]
         dupes = sorted({u for u in out if out.count(u) > 1})
         if dupes:
             raise ValueError(f"server url {dupes[0]} is listed twice")
@@ -92,8 +85,8 @@ class DisaggConfig(BaseModel):
 
     hostname: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    context_servers: ServerGroup
-    generation_servers: ServerGroup
+    context_servers: ServerGroup = Field(default_factory=ServerGroup)
+    generation_servers: ServerGroup = Field(default_factory=ServerGroup)
     schedule_style: Literal["context_first", "generation_first"] = "context_first"
     conditional_disagg: ConditionalDisagg | None = None
     num_workers: int = Field(1, ge=1, le=MAX_FLEET_WORKERS)
@@ -103,6 +96,8 @@ class DisaggConfig(BaseModel):
     request_timeout: float = Field(180.0, gt=0, description="s a worker may take to answer one request")
     health_check_interval: float = Field(2.0, gt=0, description="s between /health probes of each worker")
     max_retries: int = Field(1, ge=0, description="other instances tried when one cannot be reached")
+    lease_ttl_s: float = Field(10.0, gt=0, description="s a joined instance stays a member without a heartbeat "
+                                                       "(it heartbeats every lease_ttl_s / 3)")
     api_key: str | None = Field(None, description="when set, /v1/* requires 'Authorization: Bearer <key>'")
     cluster_token: str | None = Field(None, description="when set, internal endpoints require 'X-Cluster-Token'")
     worker_api_key: str | None = Field(None, description="sent to every worker as 'Authorization: Bearer <key>' "

@@ -5,10 +5,12 @@
                                                                                      worker readiness,
                                                                                      KV event indexes
 
-The coordinator is a LocalCluster behind HTTP: POST /select, /finish, /unreachable; GET /cluster_info,
-/health. Orchestrator processes reach it through `RemoteCluster`, which has LocalCluster's routing
-interface. round_robin needs no shared state, so a role routed round-robin is routed in each process
-(no coordinator hop); its readiness still comes from the coordinator, synced every health_check_interval.
+The coordinator is a LocalCluster behind HTTP: POST /select, /finish, /unreachable, the membership
+calls /cluster/join, /cluster/heartbeat, /cluster/leave; GET /cluster_info, /health. Orchestrator
+processes reach it through `RemoteCluster`, which has LocalCluster's routing and membership interface
+(a worker may join through any orchestrator process). round_robin needs no shared state, so a role
+routed round-robin is routed in each process (no coordinator hop); its instances and their readiness
+still come from the coordinator, synced every health_check_interval.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from pdserve.orchestrator.app import CLUSTER_TOKEN_HEADER, AuthMiddleware
+from pdserve.orchestrator.app import CLUSTER_TOKEN_HEADER, MEMBERSHIP_PATHS, AuthMiddleware, membership_routes
 from pdserve.orchestrator.cluster import ROLES, LocalCluster
 from pdserve.orchestrator.config import DisaggConfig
 from pdserve.orchestrator.errors import OrchestratorError
@@ -32,7 +34,7 @@ from pdserve.orchestrator.upstream import make_client
 
 log = logging.getLogger(__name__)
 
-COORDINATOR_PATHS = ("/select", "/finish", "/unreachable", "/cluster_info")
+COORDINATOR_PATHS = ("/select", "/finish", "/unreachable", "/cluster_info", *MEMBERSHIP_PATHS)
 
 
 class CoordinatorUnreachable(Exception):
@@ -79,9 +81,9 @@ def build_coordinator_app(cfg: DisaggConfig) -> FastAPI:
         data = await request.json()
         cluster: LocalCluster = state["cluster"]
         role, url = role_of(data), data.get("url")
-        if url not in cluster.routers[role].urls:
-            raise OrchestratorError(400, f"{url!r} is not a {role} server of this cluster", "invalid_value", "url")
-        await cluster.finish(role, url, RouteRequest.from_json(data.get("request") or {}))
+        if not isinstance(url, str):
+            raise OrchestratorError(400, f"url must be a string, got {url!r}", "invalid_value", "url")
+        await cluster.finish(role, url, RouteRequest.from_json(data.get("request") or {}))  # one that left: no-op
         return {"status": "ok"}
 
     @app.post("/unreachable")
@@ -100,6 +102,7 @@ def build_coordinator_app(cfg: DisaggConfig) -> FastAPI:
     async def health():
         return {"status": "ok"}
 
+    app.include_router(membership_routes(lambda: state["cluster"]))
     return app
 
 
@@ -165,10 +168,15 @@ class RemoteCluster:
         info = await self._call("GET", "/cluster_info")
         self._models = info.get("models")
         for role in ROLES:
+            instances = [i["url"] for i in info[f"{role}_servers"]["instances"]]
             ready = [i["url"] for i in info[f"{role}_servers"]["instances"] if i["ready"]]
             self._ready[role] = ready
             if role in self.local:
                 router = self.local[role]
+                for u in instances:
+                    router.add(u)  # joined since the last sync
+                for u in [u for u in router.urls if u not in instances]:
+                    await router.remove(u)  # left or lost
                 for u in router.urls:
                     router.set_ready(u, u in ready)
 
@@ -218,6 +226,24 @@ class RemoteCluster:
 
     def ready_urls(self, role: str) -> list[str]:
         return list(self._ready[role])
+
+    def roles_below_minimum(self) -> list[str]:
+        minimal = {"context": self.cfg.context_servers.minimal_instances,
+                   "generation": self.cfg.generation_servers.minimal_instances}
+        return [role for role in ROLES if len(self._ready[role]) < minimal[role]]
+
+    async def join(self, role: str, url: str) -> dict:
+        answer = await self._call("POST", "/cluster/join", {"role": role, "url": url})
+        await self._sync()
+        return answer
+
+    async def heartbeat(self, url: str) -> dict:
+        return await self._call("POST", "/cluster/heartbeat", {"url": url})
+
+    async def leave(self, url: str) -> bool:
+        left = (await self._call("POST", "/cluster/leave", {"url": url}))["left"]
+        await self._sync()
+        return left
 
     def needs_tokens(self, role: str) -> bool:
         rc = self.router_types[role]

@@ -229,6 +229,14 @@ class KvCacheAwareRouter(Router):
         if came_back and url in self.subscribers:
             self.subscribers[url].request_resync()  # a restarted worker starts its seq over
 
+    async def remove(self, url):
+        await super().remove(url)
+        self.indexes.pop(url, None)
+        self.tokens_per_block.pop(url, None)
+        sub = self.subscribers.pop(url, None)
+        if sub is not None:
+            await sub.close()
+
     def matched_blocks(self, url: str, token_ids: list[int] | None) -> int:
         index, tpb = self.indexes.get(url), self.tokens_per_block.get(url)
         if not token_ids or index is None or tpb is None:

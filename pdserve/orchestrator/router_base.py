@@ -1,8 +1,10 @@
 """The router interface: what a router is asked (RouteRequest), what it answers (Route), and the
 in-flight bookkeeping every policy shares.
 
-`select` reserves load on the chosen instance; the caller must `finish` it exactly once. A policy
-subclasses `Router` and implements `_pick` (routers.py, kv_cache_aware.py).
+`select` reserves load on the chosen instance; the caller must `finish` it exactly once (a finish on an
+instance that has left since is a no-op). Instances come and go with `add` and `remove` (dynamic
+membership, membership.py). A policy subclasses `Router` and implements `_pick` (routers.py,
+kv_cache_aware.py).
 """
 
 from __future__ import annotations
@@ -61,6 +63,20 @@ class Router:
     def set_ready(self, url: str, ready: bool) -> None:
         (self.ready.add if ready else self.ready.discard)(url)
 
+    def add(self, url: str) -> None:
+        """A new instance, not ready until set_ready says so."""
+        if url not in self.load:
+            self.urls.append(url)
+            self.load[url] = _Load()
+            self.selected[url] = 0
+
+    async def remove(self, url: str) -> None:
+        """Forget an instance that left; requests still running there finish as no-ops."""
+        if url in self.load:
+            self.urls.remove(url)
+            self.ready.discard(url)
+            del self.load[url], self.selected[url]
+
     def _candidates(self) -> list[str]:
         ready = [u for u in self.urls if u in self.ready]  # config order: ties break deterministically
         if not ready:
@@ -79,7 +95,9 @@ class Router:
         return route
 
     def finish(self, url: str, req: RouteRequest) -> None:
-        load = self.load[url]
+        load = self.load.get(url)
+        if load is None:  # the instance left while the request ran
+            return
         assert load.requests > 0, f"finish without select on {url}"
         load.requests -= 1
         load.tokens -= req.num_tokens

@@ -77,6 +77,11 @@ class ConversationRouter(Router):
                 self.sessions.popitem(last=False)
         return Route(url)
 
+    async def remove(self, url):
+        await super().remove(url)
+        for key in [k for k, u in self.sessions.items() if u == url]:
+            del self.sessions[key]
+
     def snapshot(self):
         return {**super().snapshot(), "sessions": len(self.sessions)}
 

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pdserve.config import WorkerConfig
 from pdserve.server.errors import APIError
 from pdserve.server.json_body import MalformedBody, parse_json_object
+from pdserve.server.membership import ClusterMember
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import (
     ChatCompletionRequest,
@@ -319,6 +320,12 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def _own_url(host: str, port: int) -> str:
+    """This server's url as seen from this machine (a wildcard bind is reached on the loopback)."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _busy(stats: dict) -> bool:
     return bool(stats.get("running") or stats.get("waiting") or stats.get("parked"))
 
@@ -336,6 +343,18 @@ def run_server(engine, cfg: WorkerConfig, *, graceful_shutdown_s: float = 10.0,
     sockets = [sock] if sock is not None else None
     port = sock.getsockname()[1] if sock is not None else cfg.port
     log.info("serving %s on http://%s:%d", engine.model_name, cfg.host, port)
+    member = None
+    if cfg.join is not None:  # joins once its own /health answers, leaves when it drains
+        member = ClusterMember(cfg, _own_url(cfg.host, port), lambda: app.state.serving.draining)
+        member.start()
+    try:
+        _serve(server, sockets)
+    finally:
+        if member is not None:
+            member.stop()
+
+
+def _serve(server: uvicorn.Server, sockets) -> None:
     if threading.current_thread() is not threading.main_thread():
         server.run(sockets=sockets)  # no signals off the main thread; the owner sets server.should_exit
         return

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -71,6 +72,26 @@ def start_workers(model_dir: Path, workdir: Path, n: int, extra: dict | None = N
         for w in workers:
             w.stop()
         raise
+
+
+def free_port_pair() -> int:
+    """A port P with P-1 free too (the coordinator's default)."""
+    for _ in range(50):
+        port = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port - 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")
+
+
+def run_cli(tmp_path, cfg: dict) -> subprocess.Popen:
+    path = tmp_path / "disagg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return subprocess.Popen([sys.executable, "-m", "pdserve.orchestrator.cli", "--log-level", "WARNING", "-c", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 class AppThread(UvicornThread):

@@ -44,7 +44,8 @@ def test_documented_example_parses():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"context_servers": {"urls": []}}, "context_servers.urls"),
+    ({"context_servers": {"urls": ["h:1"], "minimal_instances": 0}}, "context_servers.minimal_instances"),
+    ({"lease_ttl_s": 0}, "lease_ttl_s"),
     ({"context_servers": {"urls": ["http://h"]}}, "must look like http://host:port"),
     ({"context_servers": {"urls": ["http://h:1/v1"]}}, "must not have a path"),
     ({"context_servers": {"urls": ["h:1", "http://h:1"]}}, "listed twice"),
@@ -68,8 +69,8 @@ def test_invalid_config_names_the_key(tmp_path, change, message):
         load_disagg_config(write(tmp_path, {**BASE, **change}))
 
 
-def test_missing_roles_and_missing_file(tmp_path):
-    with pytest.raises(ValueError, match="generation_servers"):
-        load_disagg_config(write(tmp_path, {"context_servers": BASE["context_servers"]}))
+def test_a_role_without_urls_waits_for_joins_and_a_missing_file_is_refused(tmp_path):
+    cfg = load_disagg_config(write(tmp_path, {"context_servers": BASE["context_servers"]}))
+    assert cfg.generation_servers.urls == [] and cfg.generation_servers.minimal_instances == 1
     with pytest.raises(ValueError, match="does not exist"):
         load_disagg_config(tmp_path / "nope.yaml")

@@ -4,38 +4,13 @@ coordinator on port-1, and a fleet worker that cannot reach its coordinator."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
-import sys
 import time
 
 import httpx
-import yaml
-from harness import MODEL_NAME, wait_healthy
-
-from pdserve.distributed import free_port
+from harness import MODEL_NAME, free_port_pair, run_cli, wait_healthy
 
 PROMPT = [5, 17, 42, 99, 7, 123]
-
-
-def free_port_pair() -> int:
-    """A port P with P-1 free too (the coordinator's default)."""
-    for _ in range(50):
-        port = free_port()
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port - 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
-
-
-def run_cli(tmp_path, cfg: dict) -> subprocess.Popen:
-    path = tmp_path / "disagg.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return subprocess.Popen([sys.executable, "-m", "pdserve.orchestrator.cli", "--log-level", "WARNING", "-c", str(path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_fleet_of_two_serves_and_reports_one_cluster_state(workers, tmp_path):

@@ -1,0 +1,181 @@
+"""Dynamic membership (issue 17, section 1): instances join an orchestrator by themselves (`pdserve
+serve --join URL --role R`), hold a lease by heartbeat, leave when they drain, and are dropped when
+their lease runs out. The leases and routers first on their own, then real worker processes joining
+an orchestrator that starts with no instance at all."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import httpx
+import pytest
+from harness import MODEL_NAME, AppThread, free_port_pair, run_cli, start_workers, wait_healthy
+
+from pdserve.orchestrator.app import build_app
+from pdserve.orchestrator.config import DisaggConfig, RouterConfig
+from pdserve.orchestrator.membership import Leases
+from pdserve.orchestrator.routers import RouteRequest, make_router
+from pdserve.testing.wait import wait_until
+
+BODY = {"model": MODEL_NAME, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0,
+        "ignore_eos": True}
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_lease_lives_while_renewed_and_runs_out_after_its_ttl():
+    clock = Clock()
+    leases = Leases(3.0, clock)
+    assert leases.heartbeat_s == 1.0
+    leases.grant("http://a:1", "context")
+    leases.grant("http://b:1", "generation")
+    clock.now += 2.5
+    assert leases.renew("http://a:1") and not leases.renew("http://c:1")  # c never joined: join again
+    clock.now += 1.0
+    assert [(url, lease.role) for url, lease in leases.expired()] == [("http://b:1", "generation")]
+    assert "http://b:1" not in leases and not leases.renew("http://b:1")
+    assert leases.describe("http://a:1") == {"joined_s_ago": 3.5, "renewed_s_ago": 1.0, "ttl_s": 3.0}
+    assert leases.release("http://a:1").role == "context" and leases.release("http://a:1") is None
+    with pytest.raises(ValueError, match="lease_ttl_s"):
+        Leases(0)
+
+
+@pytest.mark.parametrize("kind", ["round_robin", "load_balancing", "kv_cache_aware", "conversation"])
+def test_every_router_takes_instances_that_join_and_forgets_those_that_leave(kind):
+    router = make_router(["http://a:1"], RouterConfig(type=kind))
+    router.add("http://b:1")
+    for url in router.urls:
+        router.set_ready(url, True)
+    req = RouteRequest(num_tokens=4, session_key="s")
+    picked = {router.select(req).url for _ in range(4)}
+    assert "http://b:1" in picked or kind == "conversation"  # a conversation keeps its instance
+    busy = router.select(req).url
+    asyncio.run(router.remove(busy))
+    router.finish(busy, req)  # a request that ran on it ends after it left: a no-op
+    assert busy not in router.urls and busy not in router.ready
+    assert {router.select(req).url for _ in range(3)} == set(router.urls)  # the other one, also for "s"
+
+
+def _orchestrator(**cfg):
+    return AppThread(build_app(DisaggConfig(health_check_interval=0.2, **cfg)))
+
+
+def _instances(orch, role: str) -> dict[str, dict]:
+    info = httpx.get(orch.url + "/cluster_info", timeout=5).json()
+    return {i["url"]: i for i in info[f"{role}_servers"]["instances"]}
+
+
+def test_instances_join_serve_leave_on_drain_and_are_dropped_when_lost(tiny_model_dir, tmp_path_factory):
+    """An orchestrator with no instance in its config: a context and a generation instance join, the
+    answer equals the aggregated one; the generation instance killed (-9) is dropped within about one
+    lease and a new one joins and serves; a joined instance sent SIGTERM leaves at once."""
+    ttl = 1.5
+    with _orchestrator(lease_ttl_s=ttl) as orch:
+        assert httpx.get(orch.url + "/health", timeout=5).status_code == 503  # nothing has joined
+        join = {"cache_transceiver_config": {"backend": "shm"}, "join": orch.url}
+        workdir = tmp_path_factory.mktemp("membership")
+        ctx, gen = (start_workers(tiny_model_dir, workdir, 1, {**join, "role": role})[0]
+                    for role in ("context", "generation"))
+        replacement = None
+        try:
+            wait_healthy(orch.url)
+            expected = httpx.post(gen.url + "/v1/completions", json=BODY, timeout=60).json()["choices"][0]["text"]
+            r = httpx.post(orch.url + "/v1/completions", json=BODY, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == expected
+            lease = _instances(orch, "generation")[gen.url]["lease"]
+            assert lease["ttl_s"] == ttl and lease["renewed_s_ago"] < ttl  # it heartbeats
+
+            killed = time.monotonic()
+            gen.stop()  # SIGKILL: no leave, the lease must run out
+            assert wait_until(lambda: gen.url not in _instances(orch, "generation"), timeout_s=4 * ttl)
+            lost_after = time.monotonic() - killed
+            assert lost_after < 2 * ttl + 1, f"dropped {lost_after:.2f} s after the kill, lease {ttl} s"
+            assert httpx.get(orch.url + "/health", timeout=5).status_code == 503
+
+            replacement = start_workers(tiny_model_dir, workdir, 1, {**join, "role": "generation"})[0]
+            wait_healthy(orch.url)
+            r = httpx.post(orch.url + "/v1/completions", json=BODY, timeout=60)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
+
+            ctx.proc.send_signal(signal.SIGTERM)  # drains: leaves at once, long before its lease would end
+            left = time.monotonic()
+            assert wait_until(lambda: ctx.url not in _instances(orch, "context"), timeout_s=ttl)
+            left_after = time.monotonic() - left
+            assert left_after < ttl
+            assert ctx.proc.wait(timeout=30) == 0
+            print(f"lease {ttl} s: killed -9, dropped after {lost_after:.2f} s; SIGTERM, left after {left_after:.2f} s")
+        finally:
+            for w in (ctx, gen, replacement):
+                if w is not None:
+                    w.stop()
+
+
+def test_a_join_is_refused_with_the_reason(workers):
+    """A worker without a KV transceiver cannot take disaggregated requests; a bad role or url is a 400;
+    one instance cannot hold both roles; a heartbeat from a stranger is a 404 (join again)."""
+    plain = workers[0].url
+    with _orchestrator(context_servers={"urls": [workers[1].url]}) as orch:
+        r = httpx.post(orch.url + "/cluster/join", json={"role": "generation", "url": plain}, timeout=10)
+        assert r.status_code == 409 and "no KV transceiver" in r.json()["error"]["message"]
+        assert plain not in _instances(orch, "generation")
+        r = httpx.post(orch.url + "/cluster/join", json={"role": "generation", "url": workers[1].url}, timeout=10)
+        assert r.status_code == 409 and "already a context server" in r.json()["error"]["message"]
+        r = httpx.post(orch.url + "/cluster/join", json={"role": "context", "url": workers[1].url}, timeout=10)
+        assert r.status_code == 200 and r.json()["status"] == "static"  # listed in the config: no lease
+        too_long = "http://" + "a" * 5000 + ":1"
+        for body, param in [({"role": "decode", "url": plain}, "role"), ({"role": "context", "url": "x/y"}, "url"),
+                            ({"role": "context"}, "url"), ({"role": "context", "url": too_long}, "url")]:
+            r = httpx.post(orch.url + "/cluster/join", json=body, timeout=10)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        r = httpx.post(orch.url + "/cluster/heartbeat", json={"url": plain}, timeout=10)
+        assert r.status_code == 404 and "join again" in r.json()["error"]["message"]
+
+
+def test_membership_calls_need_the_cluster_token_when_one_is_set(workers):
+    with _orchestrator(context_servers={"urls": [workers[1].url]}, cluster_token="t0k") as orch:
+        body = {"role": "context", "url": workers[1].url}
+        assert httpx.post(orch.url + "/cluster/join", json=body, timeout=10).status_code == 401
+        r = httpx.post(orch.url + "/cluster/join", json=body, headers={"X-Cluster-Token": "t0k"}, timeout=10)
+        assert r.status_code == 200
+
+
+def test_instances_join_a_fleet_through_any_of_its_processes(tiny_model_dir, tmp_path_factory, tmp_path):
+    """A fleet of two orchestrator processes with no instance in its config (round robin, routed in
+    each process): the instances join through the public port, which forwards to the coordinator, and
+    both processes route to them after their next sync; a draining instance leaves the fleet at once."""
+    port = free_port_pair()
+    proc = run_cli(tmp_path, {"port": port, "num_workers": 2, "health_check_interval": 0.3, "lease_ttl_s": 3})
+    url = f"http://127.0.0.1:{port}"
+    join = {"cache_transceiver_config": {"backend": "shm"}, "join": url}
+    workdir = tmp_path_factory.mktemp("fleet-membership")
+    ctx = gen = None
+    try:
+        ctx, gen = (start_workers(tiny_model_dir, workdir, 1, {**join, "role": role})[0]
+                    for role in ("context", "generation"))
+        wait_healthy(url, timeout=30)
+        processes = set()
+        for _ in range(20):  # a new connection each time: both processes answer
+            r = httpx.post(url + "/v1/completions", json=BODY, timeout=60)
+            assert r.status_code == 200, r.text
+            processes.add(httpx.get(url + "/cluster_info", timeout=10).headers["x-pdserve-process"])
+            if len(processes) == 2:
+                break
+        assert len(processes) == 2, f"all requests hit one process: {processes}"
+        gen.proc.send_signal(signal.SIGTERM)
+        assert wait_until(lambda: httpx.get(url + "/health", timeout=5).status_code == 503, timeout_s=3)
+        assert gen.proc.wait(timeout=30) == 0
+    finally:
+        for w in (ctx, gen):
+            if w is not None:
+                w.stop()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, proc.stderr.read()[-3000:]
