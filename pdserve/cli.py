@@ -49,7 +49,7 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...
     given on the command line overrides the YAML file; nested sections are YAML only."""
     for name, field in cls.model_fields.items():
         kind = field.annotation
-        if typing.get_origin(kind) is types.UnionType:  # `int | None` and the like: the flag takes the int
+        if typing.get_origin(kind) in (types.UnionType, typing.Union):  # `int | None`: the flag takes the int
             options = [a for a in typing.get_args(kind) if a is not type(None)]
             kind = options[0] if len(options) == 1 else None
         choice = typing.get_origin(kind) is typing.Literal

@@ -34,6 +34,17 @@ def test_every_scalar_key_has_a_flag(capsys):
             if f"--{k.replace('_', '-')}" not in shown] == []
 
 
+def test_join_flags_reach_the_config_and_go_together():
+    cfg = _config("--join", "10.0.0.5:8000", "--role", "generation", "--advertise-url", "http://10.0.0.9:8101")
+    assert (cfg.join, cfg.role, cfg.advertise_url) == ("http://10.0.0.5:8000", "generation", "http://10.0.0.9:8101")
+    with pytest.raises(ValueError, match="join and role go together"):
+        _config("--join", "http://10.0.0.5:8000")
+    with pytest.raises(ValueError, match="advertise_url"):
+        _config("--join", "http://10.0.0.5:8000", "--role", "context", "--host", "0.0.0.0")
+    with pytest.raises(ValueError, match=r"join: .*must look like http://host:port"):
+        _config("--join", "http://10.0.0.5", "--role", "context")
+
+
 def test_a_flag_overrides_the_file(tmp_path):
     path = tmp_path / "worker.yaml"
     path.write_text("max_num_seqs: 4\ndtype: bfloat16\ncache_transceiver_config:\n  backend: shm\n")
