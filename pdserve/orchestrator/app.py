@@ -84,7 +84,7 @@ def build_app(cfg: DisaggConfig, *, process_id: int = 0, cluster=None) -> FastAP
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         http = make_client(cfg.request_timeout, worker_api_key=cfg.worker_api_key)
-        c = cluster if cluster is not None else LocalCluster(cfg)
+        c = cluster if cluster is not None else LocalCluster(cfg, metrics)
         await c.start(http)
         state["cluster"] = c
         state["orchestrator"] = Orchestrator(cfg, c, http, RequestIdGenerator(cfg.node_id, process_id), metrics)

@@ -24,6 +24,7 @@ from pdserve.orchestrator.config import DisaggConfig
 from pdserve.orchestrator.errors import OrchestratorError
 from pdserve.orchestrator.kv_cache_aware import KvCacheAwareRouter
 from pdserve.orchestrator.membership import Leases
+from pdserve.orchestrator.metrics import OrchestratorMetrics
 from pdserve.orchestrator.routers import NoReadyInstance, Route, RouteRequest, Router, make_router
 
 log = logging.getLogger(__name__)
@@ -37,9 +38,13 @@ _PROBE_TIMEOUT_S = 2.0
 _TIMEOUTS_BEFORE_UNREADY = 2
 
 
+STATES = ("joining", "ready", "draining", "unready")
+
+
 class LocalCluster:
-    def __init__(self, cfg: DisaggConfig):
+    def __init__(self, cfg: DisaggConfig, metrics: OrchestratorMetrics | None = None):
         self.cfg = cfg
+        self.metrics = metrics
         self.routers: dict[str, Router] = {
             "context": make_router(cfg.context_servers.urls, cfg.context_servers.router),
             "generation": make_router(cfg.generation_servers.urls, cfg.generation_servers.router)}
@@ -82,6 +87,29 @@ class LocalCluster:
     async def probe_all(self) -> None:
         pairs = [(role, url) for role, r in self.routers.items() for url in r.urls]
         await asyncio.gather(*(self._probe(role, url) for role, url in pairs))
+        self._publish()
+
+    def state(self, role: str, url: str) -> str:
+        """joining (admitted, not yet ready) | ready | draining (shutting down) | unready"""
+        if url in self.routers[role].ready:
+            return "ready"
+        status = self.status.get(url)
+        if status in ("joining", "starting"):
+            return "joining"
+        return "draining" if status == "draining" else "unready"
+
+    def _publish(self, event: str | None = None, role: str | None = None) -> None:
+        """Instances by role and state, and a membership event, into /metrics."""
+        if self.metrics is None:
+            return
+        if event is not None:
+            self.metrics.membership_events.labels(role, event).inc()
+        for r, router in self.routers.items():
+            counts = dict.fromkeys(STATES, 0)
+            for url in router.urls:
+                counts[self.state(r, url)] += 1
+            for state, n in counts.items():
+                self.metrics.instances.labels(r, state).set(n)
 
     async def _probe(self, role: str, url: str) -> None:
         router = self.routers[role]
@@ -89,6 +117,8 @@ class LocalCluster:
             r = await self._http.get(url + "/health", timeout=_PROBE_TIMEOUT_S)
             ok = r.status_code == 200
             reason = "ready" if ok else f"/health answered {r.status_code}"
+            if _error_code(r) == "draining":
+                reason = "draining"
             if ok and url not in router.ready:  # (re)joining: it may have restarted with another config
                 await self._learn(url)
         except httpx.HTTPError as e:
@@ -145,12 +175,14 @@ class LocalCluster:
             if why is not None:
                 self._forget(url)
                 log.warning("refused %s server %s: %s", role, url, why)
+                self._publish("refused", role)
                 raise OrchestratorError(409, f"{url} cannot join as a {role} server: {why}", "incompatible_instance")
             self.routers[role].add(url)
             self.status[url] = "joining"
             log.info("%s server %s joined (lease %g s)", role, url, self.leases.ttl_s)
         self.leases.grant(url, role)
         await self._probe(role, url)
+        self._publish("joined" if held is None else None, role)
         return {"status": "joined", "lease_ttl_s": self.leases.ttl_s, "heartbeat_s": self.leases.heartbeat_s}
 
     async def heartbeat(self, url: str) -> dict[str, Any]:
@@ -167,6 +199,7 @@ class LocalCluster:
         await self.routers[lease.role].remove(url)
         self._forget(url)
         log.info("%s server %s %s", lease.role, url, reason)
+        self._publish("left", lease.role)
         return True
 
     async def _expire_leases(self) -> None:
@@ -175,6 +208,7 @@ class LocalCluster:
             self._forget(url)
             log.warning("%s server %s is lost: no heartbeat for %g s; dropped from routing", lease.role, url,
                         self.leases.ttl_s)
+            self._publish("lost", lease.role)
 
     def _forget(self, url: str) -> None:
         for table in (self.status, self.disagg_info, self.models, self._timeouts):
@@ -248,6 +282,7 @@ class LocalCluster:
             snap = self.routers[role].snapshot()
             snap["minimal_instances"] = self.minimal[role]
             for inst in snap["instances"]:
+                inst["state"] = self.state(role, inst["url"])
                 inst["status"] = self.status.get(inst["url"])
                 inst["disagg_info"] = self.disagg_info.get(inst["url"])
                 inst["lease"] = self.leases.describe(inst["url"])
@@ -263,4 +298,11 @@ def _model_id(listing: dict | None) -> str | None:
     try:
         return listing["data"][0]["id"]
     except (TypeError, KeyError, IndexError):
+        return None
+
+
+def _error_code(r: httpx.Response) -> str | None:
+    try:
+        return r.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
         return None

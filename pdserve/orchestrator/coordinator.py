@@ -29,7 +29,7 @@ from pdserve.orchestrator.app import CLUSTER_TOKEN_HEADER, MEMBERSHIP_PATHS, Aut
 from pdserve.orchestrator.cluster import ROLES, LocalCluster
 from pdserve.orchestrator.config import DisaggConfig
 from pdserve.orchestrator.errors import OrchestratorError
-from pdserve.orchestrator.routers import RoundRobinRouter, Route, RouteRequest
+from pdserve.orchestrator.routers import NoReadyInstance, RoundRobinRouter, Route, RouteRequest
 from pdserve.orchestrator.upstream import make_client
 
 log = logging.getLogger(__name__)
@@ -197,11 +197,14 @@ class RemoteCluster:
 
     async def select(self, role: str, req: RouteRequest) -> Route:
         if role in self.local:
-            try:
-                return self.local[role].select(req)
-            except Exception:
-                raise OrchestratorError(503, f"no ready {role} server (as of the last sync with the coordinator)",
-                                        "no_ready_instance") from None
+            for attempt in range(2):
+                try:
+                    return self.local[role].select(req)
+                except NoReadyInstance:
+                    if attempt == 0:  # an instance may have joined since the last sync: ask once
+                        await self._sync()
+            raise OrchestratorError(503, f"no ready {role} server (as of the last sync with the coordinator)",
+                                    "no_ready_instance")
         data = await self._call("POST", "/select", {"role": role, "request": req.to_json()})
         return Route(data["url"], int(data.get("matched_blocks") or 0), data.get("tokens_per_block"))
 

@@ -14,6 +14,8 @@
                                                            chunk, or the context answer (non-streaming)
     pdserve_orchestrator_e2e_request_latency_seconds       arrival -> last byte to the client
     pdserve_orchestrator_requests_in_flight                gauge
+    pdserve_orchestrator_instances{role,state}             gauge: instances joining | ready | draining | unready
+    pdserve_orchestrator_membership_events_total{role,event}  joined | left | lost | refused
 
 In a fleet each process has its own; scrape each (they share the port, so prefer the coordinator's
 /cluster_info for routing state).
@@ -45,9 +47,14 @@ class OrchestratorMetrics:
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to last byte.", buckets=_E2E_BUCKETS,
                              registry=r)
         self.in_flight = Gauge(p + "requests_in_flight", "Client requests being served.", registry=r)
+        self.instances = Gauge(p + "instances", "Instances by role and state.", ["role", "state"], registry=r)
+        self.membership_events = Counter(p + "membership_events", "Instances that joined, left, were lost or "
+                                                                   "refused.", ["role", "event"], registry=r)
         for role in ("context", "generation"):
             self.worker_requests.labels(role)
             self.retries.labels(role)
+            for event in ("joined", "left", "lost", "refused"):
+                self.membership_events.labels(role, event)
         for path in ("disaggregated", "local", "context_finished"):
             self.requests.labels(path)
 

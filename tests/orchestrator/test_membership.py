@@ -6,6 +6,7 @@ an orchestrator that starts with no instance at all."""
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import time
 
@@ -73,6 +74,16 @@ def _instances(orch, role: str) -> dict[str, dict]:
     return {i["url"]: i for i in info[f"{role}_servers"]["instances"]}
 
 
+def _metric(orch, name: str) -> dict[tuple[str, str], float]:
+    """{(role, state or event): value} of one orchestrator metric labelled by role and one more label."""
+    out = {}
+    for labels, value in re.findall(rf"^{name}{{(.*)}} (\S+)$", httpx.get(orch.url + "/metrics", timeout=5).text, re.M):
+        pairs = dict(re.findall(r'(\w+)="(\w*)"', labels))
+        role = pairs.pop("role")
+        out[role, *pairs.values()] = float(value)
+    return out
+
+
 def test_instances_join_serve_leave_on_drain_and_are_dropped_when_lost(tiny_model_dir, tmp_path_factory):
     """An orchestrator with no instance in its config: a context and a generation instance join, the
     answer equals the aggregated one; the generation instance killed (-9) is dropped within about one
@@ -91,8 +102,9 @@ def test_instances_join_serve_leave_on_drain_and_are_dropped_when_lost(tiny_mode
             r = httpx.post(orch.url + "/v1/completions", json=BODY, timeout=60)
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == expected
-            lease = _instances(orch, "generation")[gen.url]["lease"]
-            assert lease["ttl_s"] == ttl and lease["renewed_s_ago"] < ttl  # it heartbeats
+            member = _instances(orch, "generation")[gen.url]
+            assert member["state"] == "ready" and member["lease"]["ttl_s"] == ttl
+            assert member["lease"]["renewed_s_ago"] < ttl  # it heartbeats
 
             killed = time.monotonic()
             gen.stop()  # SIGKILL: no leave, the lease must run out
@@ -112,6 +124,10 @@ def test_instances_join_serve_leave_on_drain_and_are_dropped_when_lost(tiny_mode
             left_after = time.monotonic() - left
             assert left_after < ttl
             assert ctx.proc.wait(timeout=30) == 0
+            events = _metric(orch, "pdserve_orchestrator_membership_events_total")
+            assert (events["context", "joined"], events["generation", "joined"]) == (1, 2)
+            assert (events["generation", "lost"], events["context", "left"]) == (1, 1)
+            assert _metric(orch, "pdserve_orchestrator_instances")["generation", "ready"] == 1
             print(f"lease {ttl} s: killed -9, dropped after {lost_after:.2f} s; SIGTERM, left after {left_after:.2f} s")
         finally:
             for w in (ctx, gen, replacement):
@@ -171,7 +187,9 @@ def test_instances_join_a_fleet_through_any_of_its_processes(tiny_model_dir, tmp
                 break
         assert len(processes) == 2, f"all requests hit one process: {processes}"
         gen.proc.send_signal(signal.SIGTERM)
-        assert wait_until(lambda: httpx.get(url + "/health", timeout=5).status_code == 503, timeout_s=3)
+        # every process sees the leave at its next sync with the coordinator (health_check_interval)
+        assert wait_until(lambda: httpx.get(url + "/health", timeout=5).status_code == 503, timeout_s=10), \
+            httpx.get(url + "/cluster_info", timeout=5).text
         assert gen.proc.wait(timeout=30) == 0
     finally:
         for w in (ctx, gen):
