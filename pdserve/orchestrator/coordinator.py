@@ -163,9 +163,12 @@ class RemoteCluster:
                 await self._sync()
             except OrchestratorError as e:
                 log.warning("readiness sync with the coordinator failed: %s", e)
+            except Exception:  # a bug here must not stop the syncing for good
+                log.exception("readiness sync with the coordinator failed")
 
     async def _sync(self) -> None:
-        info = await self._call("GET", "/cluster_info")
+        # bounded well below the default 10 s: readiness must not go stale behind one stuck call
+        info = await self._call("GET", "/cluster_info", timeout=max(1.0, 3 * self.cfg.health_check_interval))
         self._models = info.get("models")
         for role in ROLES:
             instances = [i["url"] for i in info[f"{role}_servers"]["instances"]]
@@ -180,9 +183,9 @@ class RemoteCluster:
                 for u in router.urls:
                     router.set_ready(u, u in ready)
 
-    async def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+    async def _call(self, method: str, path: str, body: dict | None = None, timeout: float = 10.0) -> dict:
         try:
-            r = await self._http.request(method, self.url + path, json=body, headers=self.headers, timeout=10)
+            r = await self._http.request(method, self.url + path, json=body, headers=self.headers, timeout=timeout)
         except httpx.HTTPError as e:
             raise OrchestratorError(503, f"the coordinator at {self.url} is unreachable ({type(e).__name__}: {e})",
                                     "coordinator_unreachable") from None

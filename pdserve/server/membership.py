@@ -57,7 +57,7 @@ class ClusterMember:
         with httpx.Client(timeout=_TIMEOUT_S, trust_env=False) as self._http:
             if not self._wait_own_health():
                 return
-            while not self._stop.is_set():
+            while not self._stop.is_set() and not self._draining():
                 if self._joined:
                     self._heartbeat()
                 elif self._join() == "static":
@@ -65,9 +65,10 @@ class ClusterMember:
                 next_at = time.monotonic() + (self._heartbeat_s if self._joined else _RETRY_S)
                 while not self._stop.is_set() and time.monotonic() < next_at:
                     if self._draining():
-                        self._leave()  # out of routing now, not when the lease runs out
-                        return
+                        break
                     self._stop.wait(0.1)
+            if self._draining():
+                self._leave()  # out of routing now, not when the lease runs out; no join while draining
 
     def _wait_own_health(self) -> bool:
         """The orchestrator probes this instance as soon as it joins: be serving first."""

@@ -87,11 +87,21 @@ def free_port_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
-def run_cli(tmp_path, cfg: dict) -> subprocess.Popen:
+def run_cli(tmp_path, cfg: dict, log_level: str = "WARNING") -> subprocess.Popen:
+    """`pdserve disaggregated -c` over `cfg`; its output goes to tmp_path/orchestrator.log (a pipe nobody
+    reads while it runs could fill up and stall it). `log_of(proc)` reads it."""
     path = tmp_path / "disagg.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    return subprocess.Popen([sys.executable, "-m", "pdserve.orchestrator.cli", "--log-level", "WARNING", "-c", str(path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = open(tmp_path / "orchestrator.log", "w")
+    argv = [sys.executable, "-m", "pdserve.orchestrator.cli", "--log-level", log_level, "-c", str(path)]
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc.log_path = tmp_path / "orchestrator.log"
+    log.close()
+    return proc
+
+
+def log_of(proc: subprocess.Popen) -> str:
+    return proc.log_path.read_text()[-4000:]
 
 
 class AppThread(UvicornThread):

@@ -8,7 +8,7 @@ import subprocess
 import time
 
 import httpx
-from harness import MODEL_NAME, free_port_pair, run_cli, wait_healthy
+from harness import MODEL_NAME, free_port_pair, log_of, run_cli, wait_healthy
 
 PROMPT = [5, 17, 42, 99, 7, 123]
 
@@ -48,7 +48,7 @@ def test_fleet_of_two_serves_and_reports_one_cluster_state(workers, tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
-    assert rc == 0, proc.stderr.read()[-3000:]
+    assert rc == 0, log_of(proc)
 
 
 def test_fleet_worker_exits_when_the_coordinator_is_unreachable(tmp_path):
@@ -59,10 +59,11 @@ def test_fleet_worker_exits_when_the_coordinator_is_unreachable(tmp_path):
     start = time.monotonic()
     proc = run_cli(tmp_path, cfg)
     try:
-        _, err = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
+    err = log_of(proc)
     assert proc.returncode != 0
     assert f"cannot reach the disaggregation coordinator at http://127.0.0.1:{dead}" in err
     assert "server_start_timeout=1 s" in err

