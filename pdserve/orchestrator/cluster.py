@@ -53,8 +53,6 @@ class LocalCluster:
         self.status: dict[str, str] = {u: "starting" for r in self.routers.values() for u in r.urls}
         self._timeouts: dict[str, int] = {}  # url -> probes in a row that timed out
         self.leases = Leases(cfg.lease_ttl_s)
-        self.minimal = {"context": cfg.context_servers.minimal_instances,
-                        "generation": cfg.generation_servers.minimal_instances}
         self._task: asyncio.Task | None = None
         self._http: httpx.AsyncClient | None = None
         self.started_at = time.monotonic()
@@ -111,7 +109,8 @@ class LocalCluster:
             for state, n in counts.items():
                 self.metrics.instances.labels(r, state).set(n)
 
-    async def _probe(self, role: str, url: str) -> None:
+    async def _probe(self, role: str, url: str, learned: bool = False) -> None:
+        """`learned`: /v1/models and /v1/disagg_info were just read (a join), so a ready answer needs no re-read."""
         router = self.routers[role]
         try:
             r = await self._http.get(url + "/health", timeout=_PROBE_TIMEOUT_S)
@@ -119,7 +118,7 @@ class LocalCluster:
             reason = "ready" if ok else f"/health answered {r.status_code}"
             if _error_code(r) == "draining":
                 reason = "draining"
-            if ok and url not in router.ready:  # (re)joining: it may have restarted with another config
+            if ok and url not in router.ready and not learned:  # (re)joining: it may have restarted with another config
                 await self._learn(url)
         except httpx.HTTPError as e:
             ok, reason = False, f"{type(e).__name__}: {e or 'no answer'}"
@@ -181,7 +180,7 @@ class LocalCluster:
             self.status[url] = "joining"
             log.info("%s server %s joined (lease %g s)", role, url, self.leases.ttl_s)
         self.leases.grant(url, role)
-        await self._probe(role, url)
+        await self._probe(role, url, learned=held is None)
         self._publish("joined" if held is None else None, role)
         return {"status": "joined", "lease_ttl_s": self.leases.ttl_s, "heartbeat_s": self.leases.heartbeat_s}
 
@@ -191,24 +190,25 @@ class LocalCluster:
                                          "orchestrator restarted): join again", "not_a_member", "url")
         return {"status": "ok"}
 
-    async def leave(self, url: str, reason: str = "left") -> bool:
+    async def leave(self, url: str) -> bool:
         """Take a joined instance out of routing now; False when it was not a joined member."""
         lease = self.leases.release(url)
         if lease is None:
             return False
-        await self.routers[lease.role].remove(url)
-        self._forget(url)
-        log.info("%s server %s %s", lease.role, url, reason)
-        self._publish("left", lease.role)
+        log.info("%s server %s left", lease.role, url)
+        await self._drop(url, lease.role, "left")
         return True
 
     async def _expire_leases(self) -> None:
         for url, lease in self.leases.expired():
-            await self.routers[lease.role].remove(url)
-            self._forget(url)
             log.warning("%s server %s is lost: no heartbeat for %g s; dropped from routing", lease.role, url,
                         self.leases.ttl_s)
-            self._publish("lost", lease.role)
+            await self._drop(url, lease.role, "lost")
+
+    async def _drop(self, url: str, role: str, event: str) -> None:
+        await self.routers[role].remove(url)
+        self._forget(url)
+        self._publish(event, role)
 
     def _forget(self, url: str) -> None:
         for table in (self.status, self.disagg_info, self.models, self._timeouts):
@@ -275,12 +275,13 @@ class LocalCluster:
 
     def roles_below_minimum(self) -> list[str]:
         """The roles with fewer ready instances than their minimal_instances (empty: ready to serve)."""
-        return [role for role in self.routers if len(self.ready_urls(role)) < self.minimal[role]]
+        minimal = self.cfg.minimal_instances
+        return [role for role in self.routers if len(self.ready_urls(role)) < minimal[role]]
 
     async def cluster_info(self) -> dict[str, Any]:
         def role_info(role: str) -> dict:
             snap = self.routers[role].snapshot()
-            snap["minimal_instances"] = self.minimal[role]
+            snap["minimal_instances"] = self.cfg.minimal_instances[role]
             for inst in snap["instances"]:
                 inst["state"] = self.state(role, inst["url"])
                 inst["status"] = self.status.get(inst["url"])

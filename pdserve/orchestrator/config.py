@@ -122,6 +122,12 @@ class DisaggConfig(BaseModel):
         return f"http://{self.hostname}:{self.port - 1}"
 
     @property
+    def minimal_instances(self) -> dict[str, int]:
+        """Ready instances per role that /health waits for."""
+        return {"context": self.context_servers.minimal_instances,
+                "generation": self.generation_servers.minimal_instances}
+
+    @property
     def uses_coordinator(self) -> bool:
         return self.num_workers > 1 or self.disagg_coordinator_url is not None
 

@@ -234,8 +234,7 @@ class RemoteCluster:
         return list(self._ready[role])
 
     def roles_below_minimum(self) -> list[str]:
-        minimal = {"context": self.cfg.context_servers.minimal_instances,
-                   "generation": self.cfg.generation_servers.minimal_instances}
+        minimal = self.cfg.minimal_instances
         return [role for role in ROLES if len(self._ready[role]) < minimal[role]]
 
     async def join(self, role: str, url: str) -> dict:
