@@ -6,6 +6,8 @@
                                                   disagg_coordinator_url names one) and N orchestrator
                                                   processes sharing the port (SO_REUSEPORT); if any child
                                                   exits, the rest are stopped and its exit code returned
+    num_workers > 1, cluster_storage: etcd://     the same, with no coordinator: each process reads the
+                                                  membership from etcd and routes on its own
 
 Children are this module run with --internal-role; they read the validated config from the
 environment variable PDSERVE_DISAGG_CONFIG (JSON), not from argv, so the API key stays out of `ps`.
@@ -84,6 +86,15 @@ def _run_worker(cfg: DisaggConfig, index: int, reuse_port: bool) -> int:
     from pdserve.orchestrator.coordinator import CoordinatorUnreachable, RemoteCluster, wait_for_coordinator
 
     cluster = None
+    if cfg.cluster_storage is not None:
+        from pdserve.orchestrator.etcd_store import wait_for_etcd
+        from pdserve.orchestrator.membership import StoreUnavailable
+
+        try:
+            wait_for_etcd(cfg.cluster_storage, cfg.server_start_timeout)
+        except StoreUnavailable as e:
+            print(f"pdserve disaggregated: orchestrator {index}: error: {e}", file=sys.stderr)
+            return 1
     if cfg.uses_coordinator:
         try:
             wait_for_coordinator(cfg.coordinator_url, cfg.server_start_timeout, cfg.cluster_token)
@@ -100,7 +111,8 @@ def _run_worker(cfg: DisaggConfig, index: int, reuse_port: bool) -> int:
 def _run_fleet(cfg: DisaggConfig, log_level: str) -> int:
     env = {**os.environ, CONFIG_ENV: cfg.model_dump_json()}
     base = [sys.executable, "-m", "pdserve.orchestrator.cli", "--log-level", log_level, "--internal-role"]
-    roles = ([] if cfg.disagg_coordinator_url else [["coordinator"]]) + [
+    own_coordinator = cfg.uses_coordinator and cfg.disagg_coordinator_url is None
+    roles = ([["coordinator"]] if own_coordinator else []) + [
         ["worker", "--worker-index", str(i)] for i in range(cfg.num_workers)]
     children: list[subprocess.Popen] = []
     stop: list[int] = []
@@ -108,8 +120,8 @@ def _run_fleet(cfg: DisaggConfig, log_level: str) -> int:
     try:
         for role in roles:
             children.append(subprocess.Popen(base + role, env=env))
-        log.info("fleet: %d orchestrator processes on http://%s:%d, coordinator %s", cfg.num_workers, cfg.hostname,
-                 cfg.port, cfg.coordinator_url)
+        log.info("fleet: %d orchestrator processes on http://%s:%d, %s", cfg.num_workers, cfg.hostname, cfg.port,
+                 f"coordinator {cfg.coordinator_url}" if cfg.uses_coordinator else f"members in {cfg.cluster_storage}")
         while not stop:
             done = [c for c in children if c.poll() is not None]
             if done:

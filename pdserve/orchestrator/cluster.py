@@ -5,15 +5,17 @@ health_check_interval, reads /v1/disagg_info and /v1/models once an instance is 
 the configured routers. One orchestrator process uses it directly; a fleet's coordinator uses it on
 behalf of every orchestrator process (coordinator.py has the remote side, `RemoteCluster`).
 
-Instances are those of the YAML plus those that joined (membership.py): `join` checks that the
-instance serves the same model as the rest, over the same KV backend, with a tokens_per_block the other
-role's instances can re-cut, and refuses it with the reason otherwise; a joined instance whose lease
-runs out is dropped at the next probe round.
+Instances are those of the YAML plus the members of the membership store (membership.py): `join`
+checks that the instance serves the same model as the rest, over the same KV backend, with a
+tokens_per_block the other role's instances can re-cut, and refuses it with the reason otherwise.
+Every probe round the routers are synced with the store: a member whose lease ran out is dropped,
+one that left is dropped, and one that joined through another orchestrator process (etcd) is added.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
@@ -23,7 +25,7 @@ import httpx
 from pdserve.orchestrator.config import DisaggConfig
 from pdserve.orchestrator.errors import OrchestratorError
 from pdserve.orchestrator.kv_cache_aware import KvCacheAwareRouter
-from pdserve.orchestrator.membership import Leases
+from pdserve.orchestrator.membership import Leases, MemberStore, StoreUnavailable, wait_for_store
 from pdserve.orchestrator.metrics import OrchestratorMetrics
 from pdserve.orchestrator.routers import NoReadyInstance, Route, RouteRequest, Router, make_router
 
@@ -52,7 +54,9 @@ class LocalCluster:
         self.models: dict[str, dict] = {}  # url -> its /v1/models answer
         self.status: dict[str, str] = {u: "starting" for r in self.routers.values() for u in r.urls}
         self._timeouts: dict[str, int] = {}  # url -> probes in a row that timed out
-        self.leases = Leases(cfg.lease_ttl_s)
+        self.store = _member_store(cfg)
+        self.joined: dict[str, str] = {}  # url -> role of the members in the routers (not those of the YAML)
+        self._store_problem: str | None = None
         self._task: asyncio.Task | None = None
         self._http: httpx.AsyncClient | None = None
         self.started_at = time.monotonic()
@@ -61,6 +65,7 @@ class LocalCluster:
         self._http = http
         for router in self.routers.values():
             await router.start(http)
+        await self._first_sync()
         await self.probe_all()
         self._task = asyncio.ensure_future(self._probe_loop())
 
@@ -70,17 +75,34 @@ class LocalCluster:
             await asyncio.gather(self._task, return_exceptions=True)
         for router in self.routers.values():
             await router.close()
+        await self.store.close()
+
+    async def _first_sync(self) -> None:
+        """The members the store already has (an orchestrator that restarted, or joined a fleet)."""
+        await wait_for_store(self.store, self.cfg.server_start_timeout, self._store_trouble)
+        await self.sync_members()
 
     async def _probe_loop(self) -> None:
         # Often enough that a lost member is dropped within about one lease.
-        interval = min(self.cfg.health_check_interval, self.leases.heartbeat_s)
+        interval = min(self.cfg.health_check_interval, self.store.heartbeat_s)
         while True:
             await asyncio.sleep(interval)
             try:
-                await self._expire_leases()
-                await self.probe_all()
+                await self.sync_members()
+            except StoreUnavailable as e:  # keep routing to the members as last seen
+                self._store_trouble(e)
             except Exception:  # a bug here must not stop the probing for good
+                log.exception("membership sync failed")
+            try:
+                await self.probe_all()
+            except Exception:
                 log.exception("health probe round failed")
+
+    def _store_trouble(self, e: StoreUnavailable) -> None:
+        """Log a store outage once, not every round."""
+        if str(e) != self._store_problem:
+            log.warning("%s; routing to the members as last seen", e)
+            self._store_problem = str(e)
 
     async def probe_all(self) -> None:
         pairs = [(role, url) for role, r in self.routers.items() for url in r.urls]
@@ -161,7 +183,7 @@ class LocalCluster:
         if held is not None and held != role:
             raise OrchestratorError(409, f"{url} is already a {held} server of this cluster; an instance has one "
                                          "role", "role_conflict", "role")
-        if held is not None and url not in self.leases:
+        if held is not None and url not in self.joined:
             return {"status": "static", "lease_ttl_s": None, "heartbeat_s": None}
         if held is None:
             try:
@@ -176,37 +198,63 @@ class LocalCluster:
                 log.warning("refused %s server %s: %s", role, url, why)
                 self._publish("refused", role)
                 raise OrchestratorError(409, f"{url} cannot join as a {role} server: {why}", "incompatible_instance")
-            self.routers[role].add(url)
-            self.status[url] = "joining"
-            log.info("%s server %s joined (lease %g s)", role, url, self.leases.ttl_s)
-        self.leases.grant(url, role)
-        await self._probe(role, url, learned=held is None)
-        self._publish("joined" if held is None else None, role)
-        return {"status": "joined", "lease_ttl_s": self.leases.ttl_s, "heartbeat_s": self.leases.heartbeat_s}
+        with _store_errors():
+            await self.store.grant(url, role)
+        if held is None:
+            log.info("%s server %s joined (lease %g s)", role, url, self.store.ttl_s)
+            await self._admit(url, role, "joined", learned=True)
+        return {"status": "joined", "lease_ttl_s": self.store.ttl_s, "heartbeat_s": self.store.heartbeat_s}
+
+    async def _admit(self, url: str, role: str, event: str, learned: bool = False) -> None:
+        self.routers[role].add(url)
+        self.joined[url] = role
+        self.status[url] = "joining"
+        await self._probe(role, url, learned=learned)
+        self._publish(event, role)
 
     async def heartbeat(self, url: str) -> dict[str, Any]:
-        if not self.leases.renew(url):
+        with _store_errors():
+            renewed = await self.store.renew(url)
+        if not renewed:
             raise OrchestratorError(404, f"{url} is not a member of this cluster (its lease ran out, or the "
                                          "orchestrator restarted): join again", "not_a_member", "url")
         return {"status": "ok"}
 
     async def leave(self, url: str) -> bool:
         """Take a joined instance out of routing now; False when it was not a joined member."""
-        lease = self.leases.release(url)
-        if lease is None:
+        with _store_errors():
+            role = await self.store.release(url)
+        if role is None:
             return False
-        log.info("%s server %s left", lease.role, url)
-        await self._drop(url, lease.role, "left")
+        log.info("%s server %s left", role, url)
+        if url in self.joined:
+            await self._drop(url, self.joined[url], "left")
         return True
 
-    async def _expire_leases(self) -> None:
-        for url, lease in self.leases.expired():
-            log.warning("%s server %s is lost: no heartbeat for %g s; dropped from routing", lease.role, url,
-                        self.leases.ttl_s)
-            await self._drop(url, lease.role, "lost")
+    async def sync_members(self) -> None:
+        """Routers := the YAML's instances + the store's members (StoreUnavailable: nothing changes)."""
+        members = await self.store.members()
+        self._store_problem = None
+        for url, role in list(self.joined.items()):
+            member = members.get(url)
+            if member is not None and member.role == role and not member.left:
+                continue
+            if member is not None and member.left:
+                log.info("%s server %s left", role, url)
+                await self._drop(url, role, "left")
+            else:
+                log.warning("%s server %s is lost: no heartbeat for %g s; dropped from routing", role, url,
+                            self.store.ttl_s)
+                await self._drop(url, role, "lost")
+        for url, member in members.items():
+            if not member.left and self.role_of(url) is None:
+                # joined through another orchestrator process, or before this one restarted
+                log.info("%s server %s is a member (lease %g s)", member.role, url, self.store.ttl_s)
+                await self._admit(url, member.role, "discovered")
 
     async def _drop(self, url: str, role: str, event: str) -> None:
         await self.routers[role].remove(url)
+        self.joined.pop(url, None)
         self._forget(url)
         self._publish(event, role)
 
@@ -279,20 +327,38 @@ class LocalCluster:
         return [role for role in self.routers if len(self.ready_urls(role)) < minimal[role]]
 
     async def cluster_info(self) -> dict[str, Any]:
-        def role_info(role: str) -> dict:
+        async def role_info(role: str) -> dict:
             snap = self.routers[role].snapshot()
             snap["minimal_instances"] = self.cfg.minimal_instances[role]
             for inst in snap["instances"]:
                 inst["state"] = self.state(role, inst["url"])
                 inst["status"] = self.status.get(inst["url"])
                 inst["disagg_info"] = self.disagg_info.get(inst["url"])
-                inst["lease"] = self.leases.describe(inst["url"])
+                inst["lease"] = await self.store.describe(inst["url"]) if inst["url"] in self.joined else None
             return snap
 
         return {"schedule_style": self.cfg.schedule_style,
                 "conditional_disagg": self.cfg.conditional_disagg.model_dump() if self.cfg.conditional_disagg else None,
-                "context_servers": role_info("context"), "generation_servers": role_info("generation"),
+                "context_servers": await role_info("context"), "generation_servers": await role_info("generation"),
                 "models": self.model_list(), "uptime_s": round(time.monotonic() - self.started_at, 3)}
+
+
+def _member_store(cfg: DisaggConfig) -> MemberStore:
+    """The store `cluster_storage` names: unset for the built-in one, or an etcd:// url."""
+    if cfg.cluster_storage is None:
+        return Leases(cfg.lease_ttl_s)
+    from pdserve.orchestrator.etcd_store import EtcdStore
+
+    return EtcdStore(cfg.cluster_storage, cfg.lease_ttl_s)
+
+
+@contextlib.contextmanager
+def _store_errors():
+    """The store down: a 503 that says which store, to the instance that called."""
+    try:
+        yield
+    except StoreUnavailable as e:
+        raise OrchestratorError(503, str(e), "store_unavailable") from None
 
 
 def _model_id(listing: dict | None) -> str | None:

@@ -98,14 +98,28 @@ class DisaggConfig(BaseModel):
     max_retries: int = Field(1, ge=0, description="other instances tried when one cannot be reached")
     lease_ttl_s: float = Field(10.0, gt=0, description="s a joined instance stays a member without a heartbeat "
                                                        "(it heartbeats every lease_ttl_s / 3)")
+    cluster_storage: str | None = Field(None, description="where joined instances are kept: unset for this "
+                                                          "orchestrator's memory, or etcd://host:port[,...][/prefix]")
     api_key: str | None = Field(None, description="when set, /v1/* requires 'Authorization: Bearer <key>'")
     cluster_token: str | None = Field(None, description="when set, internal endpoints require 'X-Cluster-Token'")
     worker_api_key: str | None = Field(None, description="sent to every worker as 'Authorization: Bearer <key>' "
                                                          "(the workers' own api_key)")
 
+    @field_validator("cluster_storage")
+    @classmethod
+    def _check_storage(cls, url: str | None) -> str | None:
+        if url is not None:
+            from pdserve.orchestrator.etcd_store import parse_etcd_url
+
+            parse_etcd_url(url)
+        return url
+
     @model_validator(mode="after")
     def _check(self) -> "DisaggConfig":
-        if self.num_workers > 1 and self.disagg_coordinator_url is None and self.port < 2:
+        if self.cluster_storage is not None and self.disagg_coordinator_url is not None:
+            raise ValueError("with cluster_storage (etcd) every orchestrator process reads the membership itself and "
+                             "there is no coordinator: drop disagg_coordinator_url")
+        if self.uses_coordinator and self.disagg_coordinator_url is None and self.port < 2:
             raise ValueError("the fleet's coordinator listens on port-1; "
                              "choose port >= 2 or set disagg_coordinator_url")
         if self.disagg_coordinator_url is not None:
@@ -129,6 +143,10 @@ class DisaggConfig(BaseModel):
 
     @property
     def uses_coordinator(self) -> bool:
+        """A fleet keeps its routing state in one coordinator, unless the membership is in etcd: then each
+        process routes on its own (load counts are per process)."""
+        if self.cluster_storage is not None:
+            return False
         return self.num_workers > 1 or self.disagg_coordinator_url is not None
 
 

@@ -11,18 +11,28 @@ A member whose lease is not renewed within `lease_ttl_s` is lost: taken out of r
 forgotten, and a `pdserve serve` that comes back joins again. The urls in the orchestrator's YAML
 are members too, without a lease: they stay until the orchestrator stops.
 
-`Leases` is the bookkeeping only (no I/O, an injectable clock); LocalCluster (cluster.py) does the
-checks and the routing around it.
+Where the membership is kept (`cluster_storage`):
+- the built-in store (`Leases`, the default): this process's memory. An orchestrator that restarts has
+  no members until they heartbeat, get a 404 and join again (about one heartbeat).
+- etcd (`etcd://host:port[,host:port...][/prefix]`, etcd_store.py): a member is a key under
+  PREFIX/members/ held by an etcd lease, so etcd does the expiry, and every orchestrator process reads
+  the same members. A restarted orchestrator routes to them at its first probe round, and a fleet
+  needs no coordinator.
+
+Both have the async interface of `MemberStore`; LocalCluster (cluster.py) does the checks and the
+routing around it and syncs its routers with `members()` every probe round.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 # Heartbeats per lease: a member survives two lost heartbeats in a row.
 HEARTBEATS_PER_LEASE = 3
+_STORE_RETRY_S = 0.5
 
 
 @dataclass
@@ -32,7 +42,43 @@ class Lease:
     renewed_at: float
 
 
+@dataclass(frozen=True)
+class Member:
+    role: str
+    left: bool = False  # it left (a clean leave), and other orchestrator processes have yet to see that
+
+
+class StoreUnavailable(Exception):
+    """The membership store cannot be reached; the message says which and what to check."""
+
+
+class MemberStore(Protocol):
+    ttl_s: float  # the lease a member holds: what the store grants, which may round it up
+
+    @property
+    def heartbeat_s(self) -> float: ...
+
+    async def grant(self, url: str, role: str) -> None:
+        """Make `url` a member of `role` with a fresh lease (a join, or a join again)."""
+
+    async def renew(self, url: str) -> bool:
+        """Renew the lease; False when `url` holds none (never joined, left, or lost): it must join again."""
+
+    async def release(self, url: str) -> str | None:
+        """End the membership now (a leave); the role it had, or None when it was not a member."""
+
+    async def members(self) -> dict[str, Member]:
+        """Every url whose lease is live, and those that left since about one lease ago."""
+
+    async def describe(self, url: str) -> dict | None:
+        """What /cluster_info shows of a member's lease (None: not a member, e.g. one of the YAML)."""
+
+    async def close(self) -> None: ...
+
+
 class Leases:
+    """The built-in store: leases in this process's memory, with an injectable clock."""
+
     def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic):
         if ttl_s <= 0:
             raise ValueError(f"lease_ttl_s must be > 0, got {ttl_s}")
@@ -44,37 +90,51 @@ class Leases:
     def heartbeat_s(self) -> float:
         return self.ttl_s / HEARTBEATS_PER_LEASE
 
-    def __contains__(self, url: str) -> bool:
-        return url in self._leases
-
-    def grant(self, url: str, role: str) -> None:
+    async def grant(self, url: str, role: str) -> None:
         now = self.clock()
         self._leases[url] = Lease(role, now, now)
 
-    def renew(self, url: str) -> bool:
-        """False when `url` holds no lease (never joined, left, or lost): it must join again."""
+    async def renew(self, url: str) -> bool:
         lease = self._leases.get(url)
         if lease is None:
             return False
         lease.renewed_at = self.clock()
         return True
 
-    def release(self, url: str) -> Lease | None:
-        return self._leases.pop(url, None)
+    async def release(self, url: str) -> str | None:
+        lease = self._leases.pop(url, None)
+        return None if lease is None else lease.role
 
-    def expired(self) -> list[tuple[str, Lease]]:
-        """Take out and return every lease not renewed within ttl_s."""
+    async def members(self) -> dict[str, Member]:
+        # a leave is seen by the one process that keeps these leases, so none is marked left
         now = self.clock()
-        gone = [(url, lease) for url, lease in self._leases.items() if now - lease.renewed_at > self.ttl_s]
-        for url, _ in gone:
+        for url in [url for url, lease in self._leases.items() if now - lease.renewed_at > self.ttl_s]:
             del self._leases[url]
-        return gone
+        return {url: Member(lease.role) for url, lease in self._leases.items()}
 
-    def describe(self, url: str) -> dict | None:
-        """What /cluster_info shows of a member's lease (None for a member from the YAML)."""
+    async def describe(self, url: str) -> dict | None:
         lease = self._leases.get(url)
         if lease is None:
             return None
         now = self.clock()
         return {"joined_s_ago": round(now - lease.joined_at, 3), "renewed_s_ago": round(now - lease.renewed_at, 3),
                 "ttl_s": self.ttl_s}
+
+    async def close(self) -> None:
+        pass
+
+
+async def wait_for_store(store: MemberStore, timeout_s: float,
+                         on_trouble: Callable[[StoreUnavailable], None] | None = None) -> None:
+    """Ask the store for its members until it answers, for at most timeout_s (server_start_timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await store.members()
+            return
+        except StoreUnavailable as e:
+            if time.monotonic() + _STORE_RETRY_S > deadline:
+                raise StoreUnavailable(f"{e} (waited server_start_timeout={timeout_s:g} s)") from None
+            if on_trouble is not None:
+                on_trouble(e)
+        await asyncio.sleep(_STORE_RETRY_S)

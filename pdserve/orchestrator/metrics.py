@@ -15,7 +15,9 @@
     pdserve_orchestrator_e2e_request_latency_seconds       arrival -> last byte to the client
     pdserve_orchestrator_requests_in_flight                gauge
     pdserve_orchestrator_instances{role,state}             gauge: instances joining | ready | draining | unready
-    pdserve_orchestrator_membership_events_total{role,event}  joined | left | lost | refused
+    pdserve_orchestrator_membership_events_total{role,event}  joined | left | lost | refused | discovered
+                                                           (a member found in the store: joined through
+                                                           another process, or before a restart)
 
 In a fleet each process has its own; scrape each (they share the port, so prefer the coordinator's
 /cluster_info for routing state).
@@ -53,7 +55,7 @@ class OrchestratorMetrics:
         for role in ("context", "generation"):
             self.worker_requests.labels(role)
             self.retries.labels(role)
-            for event in ("joined", "left", "lost", "refused"):
+            for event in ("joined", "left", "lost", "refused", "discovered"):
                 self.membership_events.labels(role, event)
         for path in ("disaggregated", "local", "context_finished"):
             self.requests.labels(path)

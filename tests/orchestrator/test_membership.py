@@ -16,7 +16,7 @@ from harness import MODEL_NAME, AppThread, free_port_pair, log_of, run_cli, star
 
 from pdserve.orchestrator.app import build_app
 from pdserve.orchestrator.config import DisaggConfig, RouterConfig
-from pdserve.orchestrator.membership import Leases
+from pdserve.orchestrator.membership import Leases, Member
 from pdserve.orchestrator.routers import RouteRequest, make_router
 from pdserve.testing.wait import wait_until
 
@@ -33,18 +33,24 @@ class Clock:
 
 
 def test_a_lease_lives_while_renewed_and_runs_out_after_its_ttl():
+    """The built-in store (test_membership_etcd.py holds etcd's to the same)."""
     clock = Clock()
     leases = Leases(3.0, clock)
     assert leases.heartbeat_s == 1.0
-    leases.grant("http://a:1", "context")
-    leases.grant("http://b:1", "generation")
-    clock.now += 2.5
-    assert leases.renew("http://a:1") and not leases.renew("http://c:1")  # c never joined: join again
-    clock.now += 1.0
-    assert [(url, lease.role) for url, lease in leases.expired()] == [("http://b:1", "generation")]
-    assert "http://b:1" not in leases and not leases.renew("http://b:1")
-    assert leases.describe("http://a:1") == {"joined_s_ago": 3.5, "renewed_s_ago": 1.0, "ttl_s": 3.0}
-    assert leases.release("http://a:1").role == "context" and leases.release("http://a:1") is None
+
+    async def scenario():
+        await leases.grant("http://a:1", "context")
+        await leases.grant("http://b:1", "generation")
+        clock.now += 2.5
+        assert await leases.renew("http://a:1") and not await leases.renew("http://c:1")  # c never joined
+        clock.now += 1.0
+        assert await leases.members() == {"http://a:1": Member("context")}  # b ran out
+        assert not await leases.renew("http://b:1")  # join again
+        assert await leases.describe("http://a:1") == {"joined_s_ago": 3.5, "renewed_s_ago": 1.0, "ttl_s": 3.0}
+        assert await leases.release("http://a:1") == "context" and await leases.release("http://a:1") is None
+        assert await leases.members() == {}
+
+    asyncio.run(scenario())
     with pytest.raises(ValueError, match="lease_ttl_s"):
         Leases(0)
 
