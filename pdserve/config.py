@@ -18,6 +18,12 @@ from pdserve.kv_transfer.agents.faults import FaultPlan
 from pdserve.kv_transfer.bounce import BounceConfig
 from pdserve.kv_transfer.transceiver import TransceiverConfig
 
+# How long pdserve's HTTP servers keep an idle keep-alive connection open: longer than clients keep one
+# (httpx and the OpenAI client: 5 s; the orchestrator's client to its workers: the same), so that a
+# client never sends a request on a connection the server is closing at that moment (uvicorn's own
+# default is also 5 s, and the two racing failed requests with "Server disconnected"). nginx's default.
+HTTP_KEEP_ALIVE_S = 75
+
 # The KV exchange's defaults live in the library (kv_transfer/); the user-facing keys below take theirs
 # from these, in the units the user writes, and `to_transceiver_config` is the one translation back.
 _TX = TransceiverConfig()

@@ -20,6 +20,7 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pdserve.config import HTTP_KEEP_ALIVE_S
 from pdserve.orchestrator.cluster import ROLES, LocalCluster
 from pdserve.orchestrator.config import DisaggConfig, server_url
 from pdserve.orchestrator.errors import OrchestratorError
@@ -256,5 +257,6 @@ def bind_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
 
 def run_app(app, sock: socket.socket, *, graceful_shutdown_s: float = 5.0) -> None:
     """Serve `app` on `sock` until SIGINT/SIGTERM (uvicorn handles both and returns)."""
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful_shutdown_s))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful_shutdown_s,
+                                           timeout_keep_alive=HTTP_KEEP_ALIVE_S))
     server.run(sockets=[sock])

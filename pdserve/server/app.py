@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.config import WorkerConfig
+from pdserve.config import HTTP_KEEP_ALIVE_S, WorkerConfig
 from pdserve.server.errors import APIError
 from pdserve.server.json_body import MalformedBody, parse_json_object
 from pdserve.server.membership import ClusterMember
@@ -338,7 +338,7 @@ def run_server(engine, cfg: WorkerConfig, *, graceful_shutdown_s: float = 10.0,
     socket from `bind_listener` (else uvicorn binds cfg.host:cfg.port itself)."""
     app = build_app(engine, cfg)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="info",
-                            timeout_graceful_shutdown=graceful_shutdown_s)
+                            timeout_graceful_shutdown=graceful_shutdown_s, timeout_keep_alive=HTTP_KEEP_ALIVE_S)
     server = DrainingServer(config, app.state.serving, engine, cfg.drain_timeout_s)
     sockets = [sock] if sock is not None else None
     port = sock.getsockname()[1] if sock is not None else cfg.port
