@@ -56,6 +56,7 @@ class LocalCluster:
         self._timeouts: dict[str, int] = {}  # url -> probes in a row that timed out
         self.store = _member_store(cfg)
         self.joined: dict[str, str] = {}  # url -> role of the members in the routers (not those of the YAML)
+        self._joining: set[str] = set()  # joins under way here: a sync meanwhile must not admit them too
         self._store_problem: str | None = None
         self._task: asyncio.Task | None = None
         self._http: httpx.AsyncClient | None = None
@@ -198,11 +199,15 @@ class LocalCluster:
                 log.warning("refused %s server %s: %s", role, url, why)
                 self._publish("refused", role)
                 raise OrchestratorError(409, f"{url} cannot join as a {role} server: {why}", "incompatible_instance")
-        with _store_errors():
-            await self.store.grant(url, role)
-        if held is None:
-            log.info("%s server %s joined (lease %g s)", role, url, self.store.ttl_s)
-            await self._admit(url, role, "joined", learned=True)
+        self._joining.add(url)
+        try:
+            with _store_errors():
+                await self.store.grant(url, role)
+            if held is None:
+                log.info("%s server %s joined (lease %g s)", role, url, self.store.ttl_s)
+                await self._admit(url, role, "joined", learned=True)
+        finally:
+            self._joining.discard(url)
         return {"status": "joined", "lease_ttl_s": self.store.ttl_s, "heartbeat_s": self.store.heartbeat_s}
 
     async def _admit(self, url: str, role: str, event: str, learned: bool = False) -> None:
@@ -247,7 +252,7 @@ class LocalCluster:
                             self.store.ttl_s)
                 await self._drop(url, role, "lost")
         for url, member in members.items():
-            if not member.left and self.role_of(url) is None:
+            if not member.left and self.role_of(url) is None and url not in self._joining:
                 # joined through another orchestrator process, or before this one restarted
                 log.info("%s server %s is a member (lease %g s)", member.role, url, self.store.ttl_s)
                 await self._admit(url, member.role, "discovered")

@@ -15,8 +15,10 @@ import pytest
 from harness import MODEL_NAME, AppThread, free_port_pair, log_of, run_cli, start_workers, wait_healthy
 
 from pdserve.orchestrator.app import build_app
+from pdserve.orchestrator.cluster import LocalCluster
 from pdserve.orchestrator.config import DisaggConfig, RouterConfig
 from pdserve.orchestrator.membership import Leases, Member
+from pdserve.orchestrator.metrics import OrchestratorMetrics
 from pdserve.orchestrator.routers import RouteRequest, make_router
 from pdserve.testing.wait import wait_until
 
@@ -53,6 +55,43 @@ def test_a_lease_lives_while_renewed_and_runs_out_after_its_ttl():
     asyncio.run(scenario())
     with pytest.raises(ValueError, match="lease_ttl_s"):
         Leases(0)
+
+
+def test_a_sync_while_a_join_waits_for_the_store_does_not_admit_the_instance_a_second_time():
+    """The probe loop's sync can run while a join awaits the store (etcd: two calls); it found the new
+    member in the store and admitted it as "discovered", and the join then admitted it again as "joined"."""
+    granted, go_on = asyncio.Event(), asyncio.Event()
+
+    class SlowStore(Leases):
+        async def grant(self, url, role):
+            await super().grant(url, role)
+            granted.set()
+            await go_on.wait()
+
+    async def scenario() -> OrchestratorMetrics:
+        metrics = OrchestratorMetrics()
+        cluster = LocalCluster(DisaggConfig(), metrics)
+        cluster.store = SlowStore(10)
+
+        async def learn(url):  # what the join reads of a real worker is not what this test is about
+            cluster.disagg_info[url] = {"ctx_info_endpoint": "tcp://127.0.0.1:1", "backend": "shm"}
+            cluster.models[url] = {"data": [{"id": MODEL_NAME}]}
+
+        cluster._learn = learn
+        async with httpx.AsyncClient() as http:
+            cluster._http = http
+            join = asyncio.ensure_future(cluster.join("context", "http://127.0.0.1:9"))
+            await granted.wait()
+            await cluster.sync_members()
+            go_on.set()
+            assert (await join)["status"] == "joined"
+        assert cluster.routers["context"].urls == ["http://127.0.0.1:9"]
+        return metrics
+
+    metrics = asyncio.run(scenario())
+    events = metrics.membership_events
+    assert events.labels("context", "joined")._value.get() == 1
+    assert events.labels("context", "discovered")._value.get() == 0
 
 
 @pytest.mark.parametrize("kind", ["round_robin", "load_balancing", "kv_cache_aware", "conversation"])
