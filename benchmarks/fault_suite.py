@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import signal
 import statistics
@@ -45,7 +46,7 @@ class Proc:
     def __init__(self, args: list[str], log: Path):
         self.log_path = log
         self._log = open(log, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", *args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "--log-level", os.environ.get("PDSERVE_LOG_LEVEL", "WARNING"), *args],
                                      stdout=self._log, stderr=subprocess.STDOUT)
 
     def kill(self, sig=signal.SIGKILL) -> None:
