@@ -7,17 +7,36 @@ torch.distributed, so single-process code paths stay free of collectives.
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 
 _handed_out: set[int] = set()
+
+
+HOST_ID_ENV = "PDSERVE_HOST_ID"
+
+
+def host_id() -> str:
+    """Which host (kernel) this process runs on, for "can these two share memory?": hostname and boot id.
+    Two containers of one machine differ by hostname, as their /dev/shm usually does; two Ray nodes
+    started on one machine agree. PDSERVE_HOST_ID overrides it (containers that do share /dev/shm)."""
+    override = os.environ.get(HOST_ID_ENV)
+    if override:
+        return override
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "no-boot-id"
+    return f"{socket.gethostname()}/{boot}"
 
 
 def _ephemeral_low() -> int:

@@ -284,6 +284,10 @@ class LocalCluster:
                         "both roles must use the same cache_transceiver_config.backend")
             tpb, other_tpb = int(info.get("tokens_per_block") or 0), int(other_info.get("tokens_per_block") or 0)
             crosses = self.role_of(other) not in (role, None)
+            host, other_host = info.get("host_id"), other_info.get("host_id")
+            if crosses and info.get("backend") == "shm" and host and other_host and host != other_host:
+                return (f"its KV backend is shm, which needs both roles on one host, and it runs on {host} while "
+                        f"{other} runs on {other_host}: use cache_transceiver_config.backend nixl across hosts")
             if crosses and tpb and other_tpb and max(tpb, other_tpb) % min(tpb, other_tpb):
                 return (f"its tokens_per_block {tpb} and {other}'s {other_tpb} do not divide one another, so their KV "
                         "cannot be re-cut between them")

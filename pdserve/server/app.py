@@ -24,6 +24,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.config import HTTP_KEEP_ALIVE_S, WorkerConfig
+from pdserve.distributed import host_id
 from pdserve.server.errors import APIError
 from pdserve.server.json_body import MalformedBody, parse_json_object
 from pdserve.server.membership import ClusterMember
@@ -109,7 +110,8 @@ def build_app(engine, cfg: WorkerConfig) -> FastAPI:
                 "kv_events_endpoint": engine.kv_events.endpoint if engine.kv_events else None,
                 "backend": ecfg.cache_transceiver_config.backend,
                 "tensor_parallel_size": ecfg.tensor_parallel_size,
-                "pipeline_parallel_size": ecfg.pipeline_parallel_size, "max_model_len": engine.max_model_len}
+                "pipeline_parallel_size": ecfg.pipeline_parallel_size, "max_model_len": engine.max_model_len,
+                "host_id": host_id()}
 
     @v1.post("/disagg/release")
     async def release_kv(body: ReleaseKVRequest):

@@ -14,9 +14,11 @@ import httpx
 import pytest
 from harness import MODEL_NAME, AppThread, free_port_pair, log_of, run_cli, start_workers, wait_healthy
 
+from pdserve.distributed import host_id
 from pdserve.orchestrator.app import build_app
 from pdserve.orchestrator.cluster import LocalCluster
 from pdserve.orchestrator.config import DisaggConfig, RouterConfig
+from pdserve.orchestrator.errors import OrchestratorError
 from pdserve.orchestrator.membership import Leases, Member
 from pdserve.orchestrator.metrics import OrchestratorMetrics
 from pdserve.orchestrator.routers import RouteRequest, make_router
@@ -57,6 +59,23 @@ def test_a_lease_lives_while_renewed_and_runs_out_after_its_ttl():
         Leases(0)
 
 
+def _learning_cluster(store=None, hosts: dict[str, str] | None = None) -> tuple[LocalCluster, OrchestratorMetrics]:
+    """A LocalCluster whose joins read a made-up /v1/models and /v1/disagg_info (shm, on `hosts[url]`)
+    instead of a worker's: what a join reads over HTTP is not what these tests are about."""
+    metrics = OrchestratorMetrics()
+    cluster = LocalCluster(DisaggConfig(), metrics)
+    if store is not None:
+        cluster.store = store
+
+    async def learn(url):
+        cluster.disagg_info[url] = {"ctx_info_endpoint": "tcp://127.0.0.1:1", "backend": "shm",
+                                    "host_id": (hosts or {}).get(url, "host-a/boot")}
+        cluster.models[url] = {"data": [{"id": MODEL_NAME}]}
+
+    cluster._learn = learn
+    return cluster, metrics
+
+
 def test_a_sync_while_a_join_waits_for_the_store_does_not_admit_the_instance_a_second_time():
     """The probe loop's sync can run while a join awaits the store (etcd: two calls); it found the new
     member in the store and admitted it as "discovered", and the join then admitted it again as "joined"."""
@@ -69,15 +88,7 @@ def test_a_sync_while_a_join_waits_for_the_store_does_not_admit_the_instance_a_s
             await go_on.wait()
 
     async def scenario() -> OrchestratorMetrics:
-        metrics = OrchestratorMetrics()
-        cluster = LocalCluster(DisaggConfig(), metrics)
-        cluster.store = SlowStore(10)
-
-        async def learn(url):  # what the join reads of a real worker is not what this test is about
-            cluster.disagg_info[url] = {"ctx_info_endpoint": "tcp://127.0.0.1:1", "backend": "shm"}
-            cluster.models[url] = {"data": [{"id": MODEL_NAME}]}
-
-        cluster._learn = learn
+        cluster, metrics = _learning_cluster(SlowStore(10))
         async with httpx.AsyncClient() as http:
             cluster._http = http
             join = asyncio.ensure_future(cluster.join("context", "http://127.0.0.1:9"))
@@ -88,10 +99,29 @@ def test_a_sync_while_a_join_waits_for_the_store_does_not_admit_the_instance_a_s
         assert cluster.routers["context"].urls == ["http://127.0.0.1:9"]
         return metrics
 
-    metrics = asyncio.run(scenario())
-    events = metrics.membership_events
+    events = asyncio.run(scenario()).membership_events
     assert events.labels("context", "joined")._value.get() == 1
     assert events.labels("context", "discovered")._value.get() == 0
+
+
+def test_an_shm_pair_across_hosts_is_refused_at_the_join():
+    """shm needs both roles on one host: a generation instance on another host than the context
+    instance is refused before any request, saying to use nixl; a second context instance there is not
+    (two instances of one role never transfer between them)."""
+    hosts = {"http://127.0.0.1:7": "node-a/1", "http://127.0.0.1:8": "node-b/2", "http://127.0.0.1:9": "node-b/2"}
+
+    async def scenario() -> None:
+        cluster, _ = _learning_cluster(hosts=hosts)
+        async with httpx.AsyncClient() as http:
+            cluster._http = http
+            assert (await cluster.join("context", "http://127.0.0.1:7"))["status"] == "joined"
+            with pytest.raises(OrchestratorError, match="shm, which needs both roles on one host.*use "
+                                                        "cache_transceiver_config.backend nixl") as refused:
+                await cluster.join("generation", "http://127.0.0.1:8")
+            assert refused.value.status == 409 and "node-b/2" in str(refused.value)
+            assert (await cluster.join("context", "http://127.0.0.1:9"))["status"] == "joined"
+
+    asyncio.run(scenario())
 
 
 @pytest.mark.parametrize("kind", ["round_robin", "load_balancing", "kv_cache_aware", "conversation"])
@@ -153,6 +183,7 @@ def test_instances_join_serve_leave_on_drain_and_are_dropped_when_lost(tiny_mode
             assert r.json()["choices"][0]["text"] == expected
             member = _instances(orch, "generation")[gen.url]
             assert member["state"] == "ready" and member["lease"]["ttl_s"] == ttl
+            assert member["disagg_info"]["host_id"] == host_id()  # what an shm pair must share
             assert member["lease"]["renewed_s_ago"] < ttl  # it heartbeats
 
             killed = time.monotonic()
