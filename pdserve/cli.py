@@ -3,6 +3,8 @@
     pdserve serve [MODEL] [--config worker.yaml] [--host H] [--port P]   one OpenAI-compatible instance
     pdserve convert GGUF OUT_DIR [--dtype float32]                       GGUF -> Hugging Face directory
     pdserve launch [cluster.yaml]                                        a local disaggregated cluster
+    pdserve launch --ray [ADDRESS] cluster.yaml                          the same on a Ray cluster
+    pdserve scale context|generation N [--ray ADDRESS]                   resize a role of that cluster
     pdserve disaggregated -c disagg.yaml                                 the orchestrator (OpenAI API)
     pdserve bench --base-url URL --model NAME ...                        load-test any OpenAI endpoint
     pdserve bench sweep --endpoint NAME=URL ...                          goodput over a sweep of rates
@@ -70,9 +72,22 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...
 
 
 def _launch(args: argparse.Namespace) -> int:
+    cluster, address = args.cluster, args.ray
+    if address is not None and address.endswith((".yaml", ".yml")) and cluster is None:
+        cluster, address = address, "auto"  # `--ray cluster.yaml`: no address given
+    if address is not None:
+        from pdserve.launch_ray import launch_ray
+
+        return launch_ray(cluster, None if address == "auto" else address)
     from pdserve.launch import launch
 
-    return launch(args.cluster)
+    return launch(cluster)
+
+
+def _scale(args: argparse.Namespace) -> int:
+    from pdserve.launch_ray import scale
+
+    return scale(args.role, args.n, args.ray)
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -111,7 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("disaggregated", help="the disaggregated orchestrator (pdserve disaggregated --help)")
     la = sub.add_parser("launch", help="start a local disaggregated cluster (default: 1 context + 1 generation)")
     la.add_argument("cluster", nargs="?", default=None, help="cluster.yaml (see docs/launch.md)")
+    la.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+                    help="run the cluster on Ray: the cluster at ADDRESS (host:port), else the one found here, "
+                         "else a one-node Ray started here (docs/deploy.md; pip install 'pdserve[ray]')")
     la.set_defaults(func=_launch)
+    sc = sub.add_parser("scale", help="resize a role of a `pdserve launch --ray` cluster while it serves")
+    sc.add_argument("role", choices=["context", "generation"])
+    sc.add_argument("n", type=int, help="instances the role should have")
+    sc.add_argument("--ray", default=None, metavar="ADDRESS", help="the Ray cluster (default: the one found here)")
+    sc.set_defaults(func=_scale)
     return p
 
 

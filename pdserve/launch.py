@@ -39,6 +39,17 @@ class InstanceSpec(BaseModel):
     config: dict[str, Any] = Field(default_factory=dict, description="worker keys (docs/configuration.md)")
 
 
+class RayOptions(BaseModel):
+    """`pdserve launch --ray` only (launch_ray.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cpus_per_rank: float = Field(1.0, gt=0, description="Ray CPUs reserved for each rank of an instance (and its "
+                                                        "num_threads unless its config sets one)")
+    gpus_per_rank: float = Field(0.0, ge=0, description="Ray GPUs reserved for each rank of an instance")
+    placement_timeout_s: float = Field(60.0, gt=0, description="s to wait for Ray to find room for an instance")
+
+
 class ClusterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -53,6 +64,7 @@ class ClusterConfig(BaseModel):
     orchestrator: dict[str, Any] = Field(default_factory=dict, description="extra disagg.yaml keys (routers, ...)")
     max_restarts: int = Field(3, ge=0, description="restarts of one member that died before the cluster stops")
     restart_backoff_s: float = Field(1.0, ge=0, description="wait before a member's first restart; doubles each time")
+    ray: RayOptions = Field(default_factory=RayOptions, description="placement on a Ray cluster (--ray)")
 
     @model_validator(mode="after")
     def _ports(self) -> "ClusterConfig":
@@ -232,13 +244,21 @@ def load_cluster_config(path: str | None) -> ClusterConfig:
         raise ValueError(f"invalid cluster config{f' {path}' if path else ''}: {e}") from None
 
 
-def launch(path: str | None) -> int:
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # health probes are not news
+def checked_cluster_config(path: str | None) -> ClusterConfig | None:
+    """The cluster config with every instance's worker config validated, or None after saying what is wrong."""
     try:
         cfg = load_cluster_config(path)
         worker_configs(cfg)
+        return cfg
     except ValueError as e:
         print(f"pdserve launch: error: {e}", file=sys.stderr)
+        return None
+
+
+def launch(path: str | None) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # health probes are not news
+    cfg = checked_cluster_config(path)
+    if cfg is None:
         return 1
     if cfg.model is None:  # convert the embedded model once, not once per instance
         from pdserve.weights import resolve_model

@@ -12,6 +12,7 @@ import time
 import psutil
 import pytest
 import yaml
+from launch_helpers import wait_for_line
 from openai import OpenAI
 
 from pdserve.distributed import free_port
@@ -20,19 +21,6 @@ from pdserve.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.launch import ClusterConfig, worker_configs
 from pdserve.testing import make_tiny_model
-
-
-def _wait_for_line(proc: subprocess.Popen, needle: str, timeout: float) -> str:
-    seen = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            break
-        seen.append(line)
-        if needle in line:
-            return "".join(seen)
-    raise AssertionError(f"no {needle!r} from pdserve launch:\n{''.join(seen)}")
 
 
 def _launch(tmp_path, cluster: dict) -> subprocess.Popen:
@@ -55,7 +43,7 @@ def test_launch_serves_disaggregated_and_stops_cleanly(tmp_path, tiny):
                "generation": [{"port": free_port(), "config": {"tokens_per_block": 8}}]}
     proc = _launch(tmp_path, cluster)
     try:
-        banner = _wait_for_line(proc, "ready: OpenAI API", timeout=180)
+        banner = wait_for_line(proc, "ready: OpenAI API", timeout=180)
         assert "ctx0" in banner and "gen0" in banner and "orchestrator" in banner
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) >= 3
@@ -110,7 +98,7 @@ def test_launch_restarts_a_member_that_dies(tmp_path, tiny):
                "generation": [{"port": free_port(), "config": {"tokens_per_block": 8}}]}
     proc = _launch(tmp_path, cluster)
     try:
-        _wait_for_line(proc, "ready: OpenAI API", timeout=180)
+        wait_for_line(proc, "ready: OpenAI API", timeout=180)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
         ask = dict(model="m", prompt=list(range(5, 60)), max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
         before = client.completions.create(**ask).choices[0].text
@@ -118,7 +106,7 @@ def test_launch_restarts_a_member_that_dies(tmp_path, tiny):
                    if any(str(ctx_port) in a or "ctx0.yaml" in a for a in c.cmdline()))
         killed = time.monotonic()
         os.killpg(ctx.pid, signal.SIGKILL)
-        _wait_for_line(proc, "ctx0 restarted", timeout=30)
+        wait_for_line(proc, "ctx0 restarted", timeout=30)
         answer = None
         while answer is None and time.monotonic() - killed < 90:
             try:

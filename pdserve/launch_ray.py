@@ -1,0 +1,375 @@
+"""`pdserve launch --ray [ADDRESS] cluster.yaml`: the cluster of `pdserve launch` on a Ray cluster, and
+`pdserve scale ROLE N`, which resizes it while it serves.
+
+    pdserve launch --ray ──> Controller actor "pdserve-controller" (namespace "pdserve", on the head node)
+                               ├─ an orchestrator actor (head node) running `pdserve disaggregated`
+                               └─ per instance: a placement group, one bundle per rank ({CPU: cpus_per_rank,
+                                  GPU: gpus_per_rank}, STRICT_PACK: all on one node), and an actor in it
+                                  running `pdserve serve --join ORCHESTRATOR --role R`
+    pdserve scale ROLE N ──> the controller starts instances of ROLE, or drains the newest ones
+                             (SIGTERM: the instance leaves the cluster, finishes its requests, exits)
+
+Instances join the orchestrator by themselves (docs/deploy.md), so the orchestrator's config lists
+none and a new or restarted instance is routed to as soon as it serves. Ray's own failure handling is
+used: an actor that dies (its process killed, or its server exited, which ends the actor) is restarted
+by Ray, at most max_restarts times, and starts its server again, which joins again. The server runs
+as a child of its actor and dies with it (PR_SET_PDEATHSIG), so a killed actor leaves nothing behind.
+
+Ray must be installed on every node (`pip install 'pdserve[ray]'`), with pdserve and the model at the
+same paths. An instance's ranks are processes of its own host (pdserve starts them), hence one node
+per instance; KV between instances on different nodes needs `backend: nixl` (an shm pair across hosts
+is refused when it joins).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from pdserve.launch import ClusterConfig, checked_cluster_config, worker_configs
+
+NAMESPACE = "pdserve"
+CONTROLLER = "pdserve-controller"
+ROLES = ("context", "generation")
+_HEAD_RESOURCE = "node:__internal_head__"
+_DRAIN_S = 60.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: the kernel sends it SIGKILL when its parent (the actor) dies."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class ServerProcess:
+    """A Ray actor that runs one pdserve server process and lives exactly as long as it does."""
+
+    def __init__(self, name: str, argv: list[str], conf: dict, conf_flag: str, log_dir: str, port: int | None = None):
+        import ray
+
+        from pdserve.distributed import free_port
+
+        self.ip = ray.util.get_node_ip_address()
+        self.port = port or free_port(self.ip)
+        self.name, self.node_id = name, ray.get_runtime_context().get_node_id()
+        conf = {**conf, "port": self.port}
+        if "hostname" in conf:  # the orchestrator's key
+            conf["hostname"] = self.ip
+        else:
+            conf.update(host=self.ip, advertise_url=f"http://{self.ip}:{self.port}")
+        directory = Path(log_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{name}-{self.port}.yaml"
+        path.write_text(yaml.safe_dump({k: v for k, v in conf.items() if v is not None}))
+        self.log_path = directory / f"{name}-{self.port}.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", *argv, conf_flag, str(path)], stdout=log,
+                                         stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        self._stopping = False
+        threading.Thread(target=self._exit_with_server, daemon=True).start()
+
+    def _exit_with_server(self) -> None:
+        self.proc.wait()
+        if not self._stopping:  # the server died: end the actor, so that Ray restarts both
+            os._exit(1)
+
+    def info(self) -> dict[str, Any]:
+        return {"name": self.name, "url": f"http://{self.ip}:{self.port}", "node_id": self.node_id,
+                "actor_pid": os.getpid(), "server_pid": self.proc.pid, "log": str(self.log_path)}
+
+    def stop(self, timeout_s: float = _DRAIN_S) -> int:
+        """SIGTERM (a worker drains and leaves), SIGKILL after timeout_s; the exit code."""
+        self._stopping = True
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(timeout=10)
+
+
+class Controller:
+    """The Ray actor that owns the cluster: the orchestrator actor, and per role its instances."""
+
+    def __init__(self, cfg_json: str, log_dir: str):
+        self.cfg = ClusterConfig.model_validate_json(cfg_json)
+        self.log_dir = log_dir
+        confs = worker_configs(self.cfg)
+        specs = self.cfg.context + self.cfg.generation
+        for spec, conf in zip(specs, confs):  # threads: what Ray reserves for a rank, not this host's cores
+            if "num_threads" not in spec.config:
+                conf["num_threads"] = max(1, int(self.cfg.ray.cpus_per_rank))
+        n_ctx = len(self.cfg.context)
+        self.templates = {"context": confs[:n_ctx], "generation": confs[n_ctx:]}
+        self.instances: dict[str, list[tuple[Any, Any]]] = {role: [] for role in ROLES}  # (actor, placement group)
+        self.orchestrator = None
+        self.url: str | None = None
+        self._started = {role: 0 for role in ROLES}
+
+    def start(self) -> str:
+        """Start the orchestrator, then every instance of the YAML; the orchestrator's url."""
+        import ray
+
+        cfg = self.cfg
+        disagg = {**cfg.orchestrator, "hostname": cfg.host}
+        self.orchestrator = _server_actor(cfg.max_restarts, num_cpus=0, head=True).remote(
+            "orchestrator", ["pdserve.orchestrator.cli"], disagg, "-c", self.log_dir, cfg.port)
+        info = ray.get(self.orchestrator.info.remote())
+        self.url = info["url"]
+        for role in ROLES:
+            for conf in self.templates[role]:
+                self._add(role, conf)
+        return self.url
+
+    def _add(self, role: str, conf: dict) -> None:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        ray_opts = self.cfg.ray
+        ranks = int(conf.get("tensor_parallel_size", 1)) * int(conf.get("pipeline_parallel_size", 1))
+        bundle = {"CPU": ray_opts.cpus_per_rank, **({"GPU": ray_opts.gpus_per_rank} if ray_opts.gpus_per_rank else {})}
+        pg = placement_group([bundle] * ranks, strategy="STRICT_PACK")
+        try:
+            ray.get(pg.ready(), timeout=ray_opts.placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(pg)
+            raise RuntimeError(
+                f"Ray has no node with room for a {role} instance ({ranks} rank(s) x {bundle} on one node) "
+                f"within {ray_opts.placement_timeout_s:g} s; free: {ray.available_resources()}. Add a node, or "
+                "lower ray.cpus_per_rank / ray.gpus_per_rank in the cluster config") from None
+        name = f"{role}{self._started[role]}"
+        self._started[role] += 1
+        actor = _server_actor(self.cfg.max_restarts, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                              pg=pg).remote(name, ["pdserve.cli", "serve"],
+                                            {**conf, "join": self.url, "role": role}, "--config", self.log_dir)
+        self.instances[role].append((actor, pg))
+
+    def scale(self, role: str, n: int) -> list[dict]:
+        """Start or drain instances of `role` until it has n; then wait until the orchestrator routes to
+        every one (at most startup_timeout). The instances of the role, as `status` lists them."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if n < 1:
+            raise ValueError(f"a cluster needs at least one {role} instance; got {n}")
+        while len(self.instances[role]) < n:
+            self._add(role, self.templates[role][-1])
+        while len(self.instances[role]) > n:
+            actor, pg = self.instances[role].pop()
+            ray.get(actor.stop.remote())  # drains: out of routing at once, its requests finish
+            ray.kill(actor, no_restart=True)
+            remove_placement_group(pg)
+        self._wait_routed(role)
+        return self.status()[role]
+
+    def _wait_routed(self, role: str) -> None:
+        import ray
+
+        wanted = {ray.get(a.info.remote())["url"] for a, _ in self.instances[role]}
+        keys = self.cfg.orchestrator
+        headers = ({"X-Cluster-Token": keys["cluster_token"]} if keys.get("cluster_token") else
+                   {"Authorization": f"Bearer {keys['api_key']}"} if keys.get("api_key") else {})
+        deadline = time.monotonic() + self.cfg.startup_timeout
+        while True:
+            try:
+                info = httpx.get(self.url + "/cluster_info", headers=headers, timeout=5, trust_env=False).json()
+                ready = {i["url"] for i in info[f"{role}_servers"]["instances"] if i["ready"]}
+                if ready == wanted:
+                    return
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the orchestrator does not route to every {role} instance after "
+                                   f"{self.cfg.startup_timeout:.0f} s; see the logs in {self.log_dir}")
+            time.sleep(0.2)
+
+    def status(self) -> dict[str, list[dict]]:
+        """Every actor's info; one that Ray could not restart any more shows as {"dead": reason}."""
+        import ray
+
+        def info(actor) -> dict:
+            try:
+                return ray.get(actor.info.remote(), timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                return {"dead": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+
+        out = {role: [info(a) for a, _ in self.instances[role]] for role in ROLES}
+        out["orchestrator"] = [info(self.orchestrator)] if self.orchestrator is not None else []
+        return out
+
+    def shutdown(self) -> None:
+        """Drain every instance, then stop the orchestrator."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        actors = [(a, pg) for role in ROLES for a, pg in self.instances[role]]
+        stops = [a.stop.remote() for a, _ in actors]
+        for ref in stops:
+            try:
+                ray.get(ref, timeout=_DRAIN_S + 15)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass
+        if self.orchestrator is not None:
+            try:
+                ray.get(self.orchestrator.stop.remote(), timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass
+        for a, pg in actors:
+            ray.kill(a, no_restart=True)
+            remove_placement_group(pg)
+        if self.orchestrator is not None:
+            ray.kill(self.orchestrator, no_restart=True)
+
+
+def _server_actor(max_restarts: int, num_cpus: float, num_gpus: float = 0, head: bool = False, pg=None):
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+    if pg is not None:
+        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
+    else:
+        strategy = NodeAffinitySchedulingStrategy(_head_node_id(), soft=False) if head else None
+    return ray.remote(ServerProcess).options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=max_restarts,
+                                             max_task_retries=0, scheduling_strategy=strategy)
+
+
+def _head_node_id() -> str:
+    import ray
+
+    for node in ray.nodes():
+        if node["Alive"] and _HEAD_RESOURCE in node["Resources"]:
+            return node["NodeID"]
+    raise RuntimeError("the Ray cluster has no live head node")
+
+
+def _connect(address: str | None) -> None:
+    import ray
+
+    if address in (None, "auto"):
+        try:
+            ray.init(address="auto", namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
+            return
+        except ConnectionError:
+            if address == "auto":
+                raise
+        # no cluster here: a one-node Ray on this machine, on loopback
+        ray.init(namespace=NAMESPACE, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 logging_level="WARNING", log_to_driver=False)
+        return
+    ray.init(address=address, namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
+
+
+def launch_ray(path: str | None, address: str | None) -> int:
+    """Entry point of `pdserve launch --ray`; returns the exit code."""
+    try:
+        import ray
+    except ImportError:
+        print("pdserve launch: error: --ray needs Ray: pip install 'pdserve[ray]'", file=sys.stderr)
+        return 1
+    cfg = checked_cluster_config(path)
+    if cfg is None:
+        return 1
+    log_dir = cfg.log_dir or f"/tmp/pdserve-ray-{time.strftime('%Y%m%d-%H%M%S')}"
+    stop = {"now": False}
+
+    def on_signal(signum, _frame):
+        stop["now"] = True
+
+    _connect(address)
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    controller = None
+    try:
+        if _existing_controller() is not None:
+            raise RuntimeError(f"a pdserve cluster already runs on this Ray cluster ({CONTROLLER} in namespace "
+                               f"{NAMESPACE}); stop its `pdserve launch --ray` first")
+        controller = ray.remote(Controller).options(
+            name=CONTROLLER, num_cpus=0, max_restarts=0,
+            scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(_head_node_id(),
+                                                                                             soft=False),
+        ).remote(cfg.model_dump_json(), log_dir)
+        print(f"pdserve launch --ray: {len(cfg.context)} context + {len(cfg.generation)} generation instance(s) "
+              f"on Ray {ray.get_runtime_context().gcs_address}; logs in {log_dir} on each node", flush=True)
+        url = ray.get(controller.start.remote())
+        for role in ROLES:
+            ray.get(controller.scale.remote(role, len(getattr(cfg, role))))  # waits until each is routed
+        _print_status(ray.get(controller.status.remote()))
+        print(f"\nready: OpenAI API at {url}/v1 (Ctrl-C stops everything; `pdserve scale ROLE N` resizes)\n",
+              flush=True)
+        while not stop["now"]:
+            time.sleep(0.5)
+        return 0
+    except (RuntimeError, ValueError, ray.exceptions.RayError) as e:
+        print(f"pdserve launch: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        print("pdserve launch: stopping...", flush=True)
+        if controller is not None:
+            try:
+                ray.get(controller.shutdown.remote(), timeout=_DRAIN_S + 60)
+            except ray.exceptions.RayError as e:
+                print(f"pdserve launch: stopping the cluster: {e}", file=sys.stderr)
+            ray.kill(controller)
+        ray.shutdown()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        print("pdserve launch: stopped.", flush=True)
+
+
+def _existing_controller():
+    import ray
+
+    try:
+        return ray.get_actor(CONTROLLER, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def scale(role: str, n: int, address: str | None) -> int:
+    """Entry point of `pdserve scale ROLE N`."""
+    try:
+        import ray
+    except ImportError:
+        print("pdserve scale: error: needs Ray: pip install 'pdserve[ray]'", file=sys.stderr)
+        return 1
+    try:
+        ray.init(address=address or "auto", namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
+    except ConnectionError as e:
+        print(f"pdserve scale: error: cannot reach a Ray cluster ({e}); pass --ray ADDRESS", file=sys.stderr)
+        return 1
+    try:
+        controller = _existing_controller()
+        if controller is None:
+            raise RuntimeError("no `pdserve launch --ray` runs on this Ray cluster")
+        print(f"pdserve scale: {role} -> {n} ...", flush=True)
+        ray.get(controller.scale.remote(role, n))
+        _print_status(ray.get(controller.status.remote()))
+        return 0
+    except (RuntimeError, ray.exceptions.RayError) as e:
+        cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None else e
+        print(f"pdserve scale: error: {cause}", file=sys.stderr)
+        return 1
+    finally:
+        ray.shutdown()
+
+
+def _print_status(status: dict[str, list[dict]]) -> None:
+    for role in ("orchestrator", *ROLES):
+        for inst in status[role]:
+            if "dead" in inst:
+                print(f"  {role:<13} dead    {inst['dead']}", flush=True)
+            else:
+                print(f"  {inst['name']:<13} {inst['url']:<24} node {inst['node_id'][:12]}   log {inst['log']}",
+                      flush=True)
