@@ -1,5 +1,6 @@
 """`pdserve launch --ray` on a real two-node Ray cluster on this machine (two raylets, one CPU each, on
-127.0.0.1), and `pdserve scale` while it serves (issue 17, section 2)."""
+127.0.0.1), KV over NIXL between the instances on the two nodes, and `pdserve scale` while it serves
+(issue 17, section 2)."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def test_a_cluster_on_ray_serves_survives_a_killed_actor_and_scales(ray_cluster,
     # (the orchestrator then prefills again), as in tests/orchestrator/test_peer_death.py
     worker = {"tokens_per_block": 8, "cache_transceiver_config": {"kv_transfer_timeout_ms": 4000,
                                                                   "rank_info_timeout_s": 2.0}}
-    cluster = {"model": str(model), "port": port, "backend": "shm", "log_dir": str(tmp_path / "logs"),
+    cluster = {"model": str(model), "port": port, "backend": "nixl", "log_dir": str(tmp_path / "logs"),
                "context": [{"config": worker}], "generation": [{"config": worker}],
                "orchestrator": {"lease_ttl_s": 3, "health_check_interval": 0.5}, "max_restarts": 2,
                "ray": {"placement_timeout_s": 3}}
