@@ -5,6 +5,7 @@
         --result-json out.json
 
     pdserve bench sweep --endpoint NAME=URL ... --request-rates 0.02 0.05 0.1 --out sweep.json ...
+    pdserve bench grid sweep.json     goodput at every (TTFT, TPOT) SLO pair, and the SLO scale
 
 Prompts are built with the served model's tokenizer (--tokenizer, default: the embedded SmolLM2).
 """
@@ -38,6 +39,10 @@ def main_bench(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["sweep"]:
         return main_sweep(argv[1:])
+    if argv[:1] == ["grid"]:
+        from pdserve.bench.grid import main_grid
+
+        return main_grid(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         slo = SLO.parse(args.goodput)

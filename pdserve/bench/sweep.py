@@ -14,8 +14,9 @@ before sweeping the same servers again). Results of another load generator join 
 per-request ttfts, itls, output_lens and errors), rescored under this sweep's SLOs.
 
 DistServe goodput: the highest swept rate whose SLO attainment (requests meeting every SLO / all
-requests, failed ones included) is at least --attainment (0.9). A system that misses it even at the
-lowest rate has goodput 0.
+requests, failed ones included), and that of every lower swept rate, is at least --attainment (0.9).
+A system that misses it even at the lowest rate has goodput 0. `pdserve bench grid` scores the same
+runs under a grid of SLO pairs (grid.py).
 
 Sweep JSON (schema "pdserve.bench.sweep/1"):
 
@@ -48,9 +49,15 @@ SCHEMA = "pdserve.bench.sweep/1"
 
 
 def distserve_goodput(points: Sequence[tuple[float, float]], target: float = 0.9) -> float:
-    """The highest rate among (rate, attainment) points with attainment >= target, else 0."""
-    passing = [rate for rate, attainment in points if attainment >= target]
-    return max(passing, default=0.0)
+    """The highest rate among (rate, attainment) points such that it and every lower rate reach
+    `target`; 0 when the lowest misses. (A rate after a miss does not count: a noisy sweep cannot claim
+    a rate it failed below.)"""
+    best = 0.0
+    for rate, attainment in sorted(points):
+        if attainment < target:
+            break
+        best = rate
+    return best
 
 
 def is_monotone(points: Sequence[tuple[float, float]]) -> bool:
@@ -86,13 +93,21 @@ def records_from_vllm(doc: dict[str, Any]) -> list[RequestRecord]:
     return records
 
 
+def records_of_file(path: str | Path) -> list[RequestRecord]:
+    """The per-request records of a pdserve run file or of a detailed vLLM result."""
+    return _records(load_json(path))
+
+
+def _records(doc: dict[str, Any]) -> list[RequestRecord]:
+    if doc.get("schema") == "pdserve.bench.run/1":
+        return [RequestRecord.from_dict(r) for r in doc["requests"]]
+    return records_from_vllm(doc)
+
+
 def summary_of_file(path: str | Path, slo: SLO | None) -> dict[str, Any]:
     """A run summary from a pdserve run file or a detailed vLLM result, re-scored under `slo`."""
     doc = load_json(path)
-    if doc.get("schema") == "pdserve.bench.run/1":
-        records = [RequestRecord.from_dict(r) for r in doc["requests"]]
-    else:
-        records = records_from_vllm(doc)
+    records = _records(doc)
     rate = doc.get("request_rate")
     if rate is None:
         raise ValueError(f"{path} does not record its request_rate")

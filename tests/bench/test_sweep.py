@@ -68,6 +68,30 @@ def test_live_sweep_and_import(server_url, bench_model_dir, tmp_path, capsys):
     assert doc["systems"]["other"]["goodput_rate"] == 0.0  # 1/3 attainment at its only rate
     assert "goodput pd:" in capsys.readouterr().out
 
+    # the same runs scored under a grid of SLO pairs, without running anything again
+    grid_file, plot = tmp_path / "grid.json", tmp_path / "scale.png"
+    assert main_bench(["grid", str(out), "--ttft", "60000", "1", "--tpot", "60000", "--reference", "ttft:60000",
+                       "--out", str(grid_file), "--plot", str(plot)]) == 0
+    table = capsys.readouterr().out
+    assert "| 60000 | 60000 | 0.0 | inf | pd |" in table and "| 1 | 60000 | 0.0 | 0.0 | - |" in table
+    assert "| other | inf | - | - |" in table  # its only rate is 0.5 req/s; pd swept 50 and inf
+    grid = json.loads(grid_file.read_text())
+    assert grid["schema"] == "pdserve.bench.grid/1" and plot.stat().st_size > 0
+    assert all(r["slo_scale"] < 1 for r in grid["slo_scale"]["pd"])  # every request well inside 60 s
+    assert grid["slo_scale"]["other"] == [{"request_rate": 0.5, "slo_scale": "inf"}]  # 1 of 3 failed
+
+
+def test_grid_needs_a_sweep_with_per_request_records(tmp_path, capsys):
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"schema": "pdserve.bench.sweep/1", "attainment_target": 0.9,
+                                "systems": {"a": {"runs": [{"request_rate": 1.0}]}}}))
+    assert main_bench(["grid", str(path)]) == 2
+    assert "rerun `pdserve bench sweep` with --run-dir" in capsys.readouterr().err
+    path.write_text(json.dumps({"schema": "other"}))
+    assert main_bench(["grid", str(path)]) == 2
+    assert "is not a `pdserve bench sweep` result" in capsys.readouterr().err
+    assert main_bench(["grid", str(path), "--tpot", "0"]) == 2
+
 
 def test_sweep_needs_slos_and_systems(capsys):
     assert main_bench(["sweep", "--model", "m", "--out", "x.json", "--endpoint", "a=http://h"]) == 2
