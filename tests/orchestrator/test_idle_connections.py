@@ -1,7 +1,7 @@
 """An idle keep-alive connection outlives the clients' own idle limit (httpx and the OpenAI client drop
 theirs after 5 s). uvicorn closed its connections after 5 s too, and a client that reused one at that
-moment lost its request ("Server disconnected without sending a response"): about one request in 250
-under steady load in benchmarks/membership_churn.py. Both real servers, the worker and the orchestrator."""
+moment lost its request ("Server disconnected without sending a response"), as a few requests in
+benchmarks/membership_churn.py did. Both real servers, the worker and the orchestrator."""
 
 from __future__ import annotations
 
