@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import yaml
@@ -48,6 +48,10 @@ class RayOptions(BaseModel):
                                                         "num_threads unless its config sets one)")
     gpus_per_rank: float = Field(0.0, ge=0, description="Ray GPUs reserved for each rank of an instance")
     placement_timeout_s: float = Field(60.0, gt=0, description="s to wait for Ray to find room for an instance")
+    placement: Literal["pack", "spread"] = Field(
+        "pack", description="pack: an instance goes wherever Ray finds room; spread: each instance on a node "
+                            "that holds no other instance of the cluster (an instance's ranks share a node "
+                            "either way)")
 
 
 class ClusterConfig(BaseModel):

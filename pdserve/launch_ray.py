@@ -43,6 +43,7 @@ CONTROLLER = "pdserve-controller"
 ROLES = ("context", "generation")
 _HEAD_RESOURCE = "node:__internal_head__"
 _DRAIN_S = 60.0
+_STATUS_WAIT_S = 30.0  # how long status waits for an actor that Ray is restarting
 _PR_SET_PDEATHSIG = 1
 
 
@@ -139,15 +140,20 @@ class Controller:
         ray_opts = self.cfg.ray
         ranks = int(conf.get("tensor_parallel_size", 1)) * int(conf.get("pipeline_parallel_size", 1))
         bundle = {"CPU": ray_opts.cpus_per_rank, **({"GPU": ray_opts.gpus_per_rank} if ray_opts.gpus_per_rank else {})}
-        pg = placement_group([bundle] * ranks, strategy="STRICT_PACK")
+        taken = sorted({node for r in ROLES for _, group in self.instances[r] for node in _nodes_of(group)})
+        spread = ray_opts.placement == "spread" and taken
+        # spread: only on a node that holds no instance of this cluster yet (Ray's node-id label)
+        selector = [{"ray.io/node-id": f"!in({','.join(taken)})"}] * ranks if spread else None
+        pg = placement_group([bundle] * ranks, strategy="STRICT_PACK", bundle_label_selector=selector)
         try:
             ray.get(pg.ready(), timeout=ray_opts.placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(pg)
+            where = "a node that holds no other instance (ray.placement: spread)" if spread else "one node"
             raise RuntimeError(
-                f"Ray has no node with room for a {role} instance ({ranks} rank(s) x {bundle} on one node) "
-                f"within {ray_opts.placement_timeout_s:g} s; free: {ray.available_resources()}. Add a node, or "
-                "lower ray.cpus_per_rank / ray.gpus_per_rank in the cluster config") from None
+                f"Ray has no room for a {role} instance ({ranks} rank(s) x {bundle} on {where}) within "
+                f"{ray_opts.placement_timeout_s:g} s; free: {ray.available_resources()}. Add a node, or lower "
+                "ray.cpus_per_rank / ray.gpus_per_rank in the cluster config") from None
         name = f"{role}{self._started[role]}"
         self._started[role] += 1
         actor = _server_actor(self.cfg.max_restarts, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
@@ -201,10 +207,16 @@ class Controller:
         import ray
 
         def info(actor) -> dict:
-            try:
-                return ray.get(actor.info.remote(), timeout=30)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-                return {"dead": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+            deadline = time.monotonic() + _STATUS_WAIT_S
+            while True:
+                try:
+                    return ray.get(actor.info.remote(), timeout=max(deadline - time.monotonic(), 0.1))
+                except ray.exceptions.ActorUnavailableError as e:  # restarting, or not known to be back yet
+                    if time.monotonic() > deadline:
+                        return {"dead": f"unavailable for {_STATUS_WAIT_S:g} s: {str(e).splitlines()[0]}"}
+                    time.sleep(0.2)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                    return {"dead": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
 
         out = {role: [info(a) for a, _ in self.instances[role]] for role in ROLES}
         out["orchestrator"] = [info(self.orchestrator)] if self.orchestrator is not None else []
@@ -232,6 +244,13 @@ class Controller:
             remove_placement_group(pg)
         if self.orchestrator is not None:
             ray.kill(self.orchestrator, no_restart=True)
+
+
+def _nodes_of(group) -> set[str]:
+    """The nodes a placement group's bundles were placed on."""
+    from ray.util.placement_group import placement_group_table
+
+    return {node for node in placement_group_table(group).get("bundles_to_node_id", {}).values() if node}
 
 
 def _server_actor(max_restarts: int, num_cpus: float, num_gpus: float = 0, head: bool = False, pg=None):
