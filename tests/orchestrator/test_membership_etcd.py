@@ -112,8 +112,10 @@ def test_the_membership_outlives_an_orchestrator_killed_and_a_fleet_reads_it_wit
     """Workers join orchestrator A, whose members are in etcd. A is killed with -9 and started again: it
     serves at once from etcd, with no join. A fleet B of two processes over the same etcd routes to the
     same workers from both processes, though no worker joined B and B has no coordinator; a worker that
-    drains leaves through A and B drops it too."""
-    common = {"cluster_storage": etcd.storage + "/outlive", "lease_ttl_s": 3, "health_check_interval": 0.3}
+    drains leaves through A and B drops it too. The context side is routed kv_cache_aware: the restarted A
+    has the context instance's block index back (from the instance's snapshot), not an empty one."""
+    common = {"cluster_storage": etcd.storage + "/outlive", "lease_ttl_s": 3, "health_check_interval": 0.3,
+              "context_servers": {"router": {"type": "kv_cache_aware"}}}
     port = free_port_pair()
     url = f"http://127.0.0.1:{port}"
     tmp = tmp_path_factory.mktemp("etcd-orch")
@@ -122,12 +124,15 @@ def test_the_membership_outlives_an_orchestrator_killed_and_a_fleet_reads_it_wit
     join = {"cache_transceiver_config": {"backend": "shm"}, "join": url}
     ctx = gen = fleet = None
     try:
-        ctx, gen = (start_workers(tiny_model_dir, tmp, 1, {**join, "role": role})[0]
+        ctx, gen = (start_workers(tiny_model_dir, tmp, 1, {**join, "role": role, "kv_events_port": 0})[0]
                     for role in ("context", "generation"))
         wait_healthy(url, timeout=30)
         expected = httpx.post(gen.url + "/v1/completions", json=BODY, timeout=60).json()["choices"][0]["text"]
         r = httpx.post(url + "/v1/completions", json=BODY, timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected, r.text
+        cached = lambda: _instances(url, "context")[ctx.url]["cached_blocks"]  # noqa: E731
+        assert wait_until(lambda: cached() > 0, timeout_s=10)
+        blocks = cached()
 
         orch.kill()  # -9: no clean shutdown; the members stay in etcd while their leases live
         orch.wait(timeout=10)
@@ -135,6 +140,8 @@ def test_the_membership_outlives_an_orchestrator_killed_and_a_fleet_reads_it_wit
         orch = run_cli(tmp / "a2", {**common, "port": port}, "INFO")
         wait_healthy(url, timeout=30)
         healthy_after = time.monotonic() - restarted
+        # the index is back before any request could have refilled it (a repeat is a prefix-cache hit anyway)
+        assert wait_until(lambda: cached() == blocks, timeout_s=10), (cached(), blocks)
         r = httpx.post(url + "/v1/completions", json=BODY, timeout=60)
         served_after = time.monotonic() - restarted
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected, r.text + log_of(orch)
