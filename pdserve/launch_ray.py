@@ -119,7 +119,8 @@ class Controller:
         self._started = {role: 0 for role in ROLES}
 
     def start(self) -> str:
-        """Start the orchestrator, then every instance of the YAML; the orchestrator's url."""
+        """Start the orchestrator, then every instance of the YAML, and wait until the orchestrator routes
+        to all of them; the orchestrator's url."""
         import ray
 
         cfg = self.cfg
@@ -131,6 +132,8 @@ class Controller:
         for role in ROLES:
             for conf in self.templates[role]:
                 self._add(role, conf)
+        for role in ROLES:
+            self._wait_routed(role)
         return self.url
 
     def _add(self, role: str, conf: dict) -> None:
@@ -322,8 +325,6 @@ def launch_ray(path: str | None, address: str | None) -> int:
         print(f"pdserve launch --ray: {len(cfg.context)} context + {len(cfg.generation)} generation instance(s) "
               f"on Ray {ray.get_runtime_context().gcs_address}; logs in {log_dir} on each node", flush=True)
         url = ray.get(controller.start.remote())
-        for role in ROLES:
-            ray.get(controller.scale.remote(role, len(getattr(cfg, role))))  # waits until each is routed
         _print_status(ray.get(controller.status.remote()))
         print(f"\nready: OpenAI API at {url}/v1 (Ctrl-C stops everything; `pdserve scale ROLE N` resizes)\n",
               flush=True)

@@ -25,7 +25,7 @@ import httpx
 from pdserve.orchestrator.config import DisaggConfig
 from pdserve.orchestrator.errors import OrchestratorError
 from pdserve.orchestrator.kv_cache_aware import KvCacheAwareRouter
-from pdserve.orchestrator.membership import Leases, MemberStore, StoreUnavailable, wait_for_store
+from pdserve.orchestrator.membership import Leases, MemberStore, StoreUnavailable
 from pdserve.orchestrator.metrics import OrchestratorMetrics
 from pdserve.orchestrator.routers import NoReadyInstance, Route, RouteRequest, Router, make_router
 
@@ -66,7 +66,7 @@ class LocalCluster:
         self._http = http
         for router in self.routers.values():
             await router.start(http)
-        await self._first_sync()
+        await self.sync_members()  # those the store already has: an orchestrator that restarted, a fleet
         await self.probe_all()
         self._task = asyncio.ensure_future(self._probe_loop())
 
@@ -77,11 +77,6 @@ class LocalCluster:
         for router in self.routers.values():
             await router.close()
         await self.store.close()
-
-    async def _first_sync(self) -> None:
-        """The members the store already has (an orchestrator that restarted, or joined a fleet)."""
-        await wait_for_store(self.store, self.cfg.server_start_timeout, self._store_trouble)
-        await self.sync_members()
 
     async def _probe_loop(self) -> None:
         # Often enough that a lost member is dropped within about one lease.

@@ -23,13 +23,14 @@ import math
 import time
 from typing import Callable, TypeVar
 
-from pdserve.orchestrator.membership import HEARTBEATS_PER_LEASE, Member, StoreUnavailable, wait_for_store
+from pdserve.orchestrator.membership import HEARTBEATS_PER_LEASE, Member, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 2379
 DEFAULT_PREFIX = "/pdserve"
 _CALL_TIMEOUT_S = 2.0
+_RETRY_S = 0.5  # between attempts to reach etcd at start
 T = TypeVar("T")
 
 
@@ -103,9 +104,10 @@ class EtcdStore:
     async def grant(self, url: str, role: str) -> None:
         lease = await self._call(lambda c: c.lease(self._ttl), "grant a lease")
         self.ttl_s = float(lease.ttl)
-        value = json.dumps({"role": role, "url": url, "joined_at": time.time(), "left": False}).encode()
+        now = time.time()
+        value = json.dumps({"role": role, "url": url, "joined_at": now, "left": False}).encode()
         await self._call(lambda c: c.put(self._key(url), value, lease=lease.id), "write a member")
-        self._seen[url] = (lease.id, time.time())
+        self._seen[url] = (lease.id, now)
 
     async def renew(self, url: str) -> bool:
         found = await self._get(url)
@@ -156,13 +158,21 @@ class EtcdStore:
 
 
 def wait_for_etcd(url: str, timeout_s: float) -> None:
-    """Before the orchestrator starts: ask etcd until it answers, for at most timeout_s; StoreUnavailable
-    saying what to fix otherwise."""
+    """Before the orchestrator starts (`pdserve disaggregated`): ask etcd until it answers, for at most
+    timeout_s (server_start_timeout); StoreUnavailable saying what to fix otherwise."""
 
     async def ask() -> None:
         store = EtcdStore(url, 1)
+        deadline = time.monotonic() + timeout_s
         try:
-            await wait_for_store(store, timeout_s)
+            while True:
+                try:
+                    await store.members()
+                    return
+                except StoreUnavailable as e:
+                    if time.monotonic() + _RETRY_S > deadline:
+                        raise StoreUnavailable(f"{e} (waited server_start_timeout={timeout_s:g} s)") from None
+                await asyncio.sleep(_RETRY_S)
         finally:
             await store.close()
 

@@ -25,14 +25,12 @@ routing around it and syncs its routers with `members()` every probe round.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
 # Heartbeats per lease: a member survives two lost heartbeats in a row.
 HEARTBEATS_PER_LEASE = 3
-_STORE_RETRY_S = 0.5
 
 
 @dataclass
@@ -123,18 +121,3 @@ class Leases:
     async def close(self) -> None:
         pass
 
-
-async def wait_for_store(store: MemberStore, timeout_s: float,
-                         on_trouble: Callable[[StoreUnavailable], None] | None = None) -> None:
-    """Ask the store for its members until it answers, for at most timeout_s (server_start_timeout)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            await store.members()
-            return
-        except StoreUnavailable as e:
-            if time.monotonic() + _STORE_RETRY_S > deadline:
-                raise StoreUnavailable(f"{e} (waited server_start_timeout={timeout_s:g} s)") from None
-            if on_trouble is not None:
-                on_trouble(e)
-        await asyncio.sleep(_STORE_RETRY_S)
