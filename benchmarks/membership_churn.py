@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +40,7 @@ from fault_suite import WORKER, Proc, prompt_for, wait_ready  # noqa: E402
 
 from pdserve.distributed import free_port  # noqa: E402
 from pdserve.testing import make_tiny_model  # noqa: E402
+from pdserve.testing.etcd import EtcdServer  # noqa: E402
 
 BODY = {"model": "tiny", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
@@ -52,20 +52,8 @@ class Cluster:
                                          max_position_embeddings=512)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.etcd: subprocess.Popen | None = None
+        self.etcd: EtcdServer | None = None
         self.orch: Proc | None = None
-
-    def start_etcd(self) -> str:
-        client, peer = free_port(), free_port()
-        log = open(self.workdir / "etcd.log", "w")
-        self.etcd = subprocess.Popen(["etcd", "--data-dir", str(self.workdir / "etcd"), "--listen-client-urls",
-                                      f"http://127.0.0.1:{client}", "--advertise-client-urls",
-                                      f"http://127.0.0.1:{client}", "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                                      "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                                      "--initial-cluster", f"default=http://127.0.0.1:{peer}"],
-                                     stdout=log, stderr=subprocess.STDOUT)
-        wait_ready(f"http://127.0.0.1:{client}")
-        return f"etcd://127.0.0.1:{client}"
 
     def start_orchestrator(self, storage: str | None) -> None:
         cfg = {"port": self.port, "lease_ttl_s": self.args.lease_ttl, "health_check_interval": 0.5,
@@ -114,7 +102,9 @@ async def until(cond, timeout_s: float, poll_s: float = 0.05) -> float | None:
 async def run(args) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="pdserve-churn-"))
     cluster = Cluster(args, workdir)
-    storage = cluster.start_etcd() if args.etcd else None
+    if args.etcd:
+        cluster.etcd = EtcdServer(workdir)
+    storage = cluster.etcd.storage if cluster.etcd else None
     cluster.start_orchestrator(storage)
     procs: list[Proc] = []
     phase = ["warm-up"]
@@ -149,14 +139,27 @@ async def run(args) -> None:
             clients = [asyncio.ensure_future(client(k)) for k in range(args.concurrency)]
             await asyncio.sleep(args.phase_s)
 
+            async def scale_up(name: str, role: str, port: int | None = None) -> tuple[Proc, str]:
+                """Start an instance; time to its first routed request (and to joined and ready)."""
+                started = time.monotonic()
+                proc, url = cluster.start_worker(role, port)
+                procs.append(proc)
+                joined = await until(lambda: _ready(cluster, http, url, role), 120)
+                first = await until(lambda: _gt(served(http, url), 0), 60)
+                if port is None and role == "context":
+                    times.append((f"{name}: start -> joined and ready", _s(joined)))
+                times.append((f"{name}: start -> first routed request", _s(first and time.monotonic() - started)))
+                return proc, url
+
+            async def scale_down(name: str, proc: Proc, url: str, role: str) -> None:
+                """SIGTERM (drain, leave): time until out of routing; then the process exits."""
+                proc.proc.send_signal(signal.SIGTERM)
+                out = await until(lambda: _gone(cluster, http, url, role), 30)
+                times.append((f"{name}: SIGTERM -> out of routing", _s(out)))
+                await asyncio.to_thread(proc.proc.wait, 60)
+
             phase[0] = "scale up"
-            started = time.monotonic()
-            ctx2, ctx2_url = cluster.start_worker("context")
-            procs.append(ctx2)
-            joined = await until(lambda: _ready(cluster, http, ctx2_url), 120)
-            first = await until(lambda: _gt(served(http, ctx2_url), 0), 60)
-            times.append(("scale up: start -> joined and ready", _s(joined)))
-            times.append(("scale up: start -> first routed request", _s(first and time.monotonic() - started)))
+            ctx2, ctx2_url = await scale_up("scale up", "context")
             await asyncio.sleep(args.phase_s)
 
             phase[0] = "kill -9"
@@ -167,39 +170,24 @@ async def run(args) -> None:
             times.append(("kill -9: kill -> lease lost, dropped", _s(noticed is not None and lost is not None
                                                                      and noticed + lost)))
             phase[0] = "restart"
-            started = time.monotonic()
-            ctx2, _ = cluster.start_worker("context", int(ctx2_url.rsplit(":", 1)[1]))
-            procs.append(ctx2)
-            again = await until(lambda: _gt(served(http, ctx2_url), 0), 120)
-            times.append(("restart: start -> first routed request", _s(again)))
+            ctx2, _ = await scale_up("restart", "context", int(ctx2_url.rsplit(":", 1)[1]))
             await asyncio.sleep(args.phase_s)
 
             phase[0] = "scale down"
-            ctx1.proc.send_signal(signal.SIGTERM)
-            out = await until(lambda: _gone(cluster, http, ctx1_url), 30)
-            times.append(("scale down: SIGTERM -> out of routing", _s(out)))
-            await asyncio.to_thread(ctx1.proc.wait, 60)
+            await scale_down("scale down", ctx1, ctx1_url, "context")
             await asyncio.sleep(args.phase_s)
 
             phase[0] = "gen scale up"
-            started = time.monotonic()
-            gen2, gen2_url = cluster.start_worker("generation")
-            procs.append(gen2)
-            first = await until(lambda: _gt(served(http, gen2_url), 0), 120)
-            times.append(("generation scale up: start -> first routed request", _s(first)))
+            await scale_up("generation scale up", "generation")
             await asyncio.sleep(args.phase_s)
 
             phase[0] = "gen scale down"
-            gen.proc.send_signal(signal.SIGTERM)
-            out = await until(lambda: _gone(cluster, http, gen_url, "generation"), 30)
-            times.append(("generation scale down: SIGTERM -> out of routing", _s(out)))
-            await asyncio.to_thread(gen.proc.wait, 60)
+            await scale_down("generation scale down", gen, gen_url, "generation")
             await asyncio.sleep(args.phase_s)
 
             if args.etcd:
                 phase[0] = "orchestrator -9"
                 cluster.orch.kill()
-                started = time.monotonic()
                 cluster.start_orchestrator(storage)
                 back = await until(lambda: _health(http, cluster.url), 60)
                 times.append(("orchestrator killed -9, restarted: start -> /health 200", _s(back)))
@@ -212,13 +200,12 @@ async def run(args) -> None:
             if p is not None:
                 p.kill(signal.SIGTERM)
         if cluster.etcd is not None:
-            cluster.etcd.kill()
-            cluster.etcd.wait(timeout=10)
+            cluster.etcd.stop()
     report(args, outcomes, times)
 
 
-async def _ready(cluster, http, url) -> bool:
-    return ((await cluster.routed(http, "context")) or {}).get(url, False)
+async def _ready(cluster, http, url, role: str = "context") -> bool:
+    return ((await cluster.routed(http, role)) or {}).get(url, False)
 
 
 async def _not_ready(cluster, http, url) -> bool:
