@@ -4,6 +4,8 @@
     pdserve convert GGUF OUT_DIR [--dtype float32]                       GGUF -> Hugging Face directory
     pdserve launch [cluster.yaml]                                        a local disaggregated cluster
     pdserve launch --ray [ADDRESS] cluster.yaml                          the same on a Ray cluster
+    pdserve launch --slo ttft:MS,tpot:MS [--input-len N --output-len M]  plan the deployment, then launch it
+    pdserve plan --slo ttft:MS,tpot:MS --input-len N --output-len M      the deployment for an SLO (ranked)
     pdserve scale context|generation N [--ray ADDRESS]                   resize a role of that cluster
     pdserve disaggregated -c disagg.yaml                                 the orchestrator (OpenAI API)
     pdserve bench --base-url URL --model NAME ...                        load-test any OpenAI endpoint
@@ -72,6 +74,15 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...
 
 
 def _launch(args: argparse.Namespace) -> int:
+    if args.slo is not None:
+        if args.cluster is not None or args.ray is not None:
+            raise ValueError("--slo plans the cluster itself: give either cluster.yaml or --slo, and --slo runs "
+                             "locally only (write the plan with `pdserve plan`, then `pdserve launch --ray` it)")
+        from pdserve.plan.launch import planned_cluster
+
+        args.cluster = planned_cluster(args)
+        if args.cluster is None:
+            return 1
     cluster, address = args.cluster, args.ray
     if address is not None and address.endswith((".yaml", ".yml")) and cluster is None:
         cluster, address = address, "auto"  # `--ray cluster.yaml`: no address given
@@ -124,11 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_convert)
     sub.add_parser("bench", help="load-test an OpenAI endpoint (pdserve bench --help)")
     sub.add_parser("disaggregated", help="the disaggregated orchestrator (pdserve disaggregated --help)")
+    sub.add_parser("plan", help="the deployment that serves the most within an SLO here (pdserve plan --help)")
     la = sub.add_parser("launch", help="start a local disaggregated cluster (default: 1 context + 1 generation)")
     la.add_argument("cluster", nargs="?", default=None, help="cluster.yaml (see docs/launch.md)")
     la.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
                     help="run the cluster on Ray: the cluster at ADDRESS (host:port), else the one found here, "
                          "else a one-node Ray started here (docs/deploy.md; pip install 'pdserve[ray]')")
+    from pdserve.plan.cli import add_plan_arguments
+
+    add_plan_arguments(la.add_argument_group("--slo: plan the deployment first (pdserve plan --help)"),
+                       slo_required=False)
     la.set_defaults(func=_launch)
     sc = sub.add_parser("scale", help="resize a role of a `pdserve launch --ray` cluster while it serves")
     sc.add_argument("role", choices=["context", "generation"])
@@ -146,12 +162,16 @@ def main(argv: list[str] | None = None) -> int:
         lead, argv = argv[:2], argv[2:]
     elif argv[:1] and argv[0].startswith("--log-level=") and len(argv) > 1:
         lead, argv = argv[:1], argv[1:]
-    if argv[:1] not in (["bench"], ["disaggregated"]):
+    if argv[:1] not in (["bench"], ["disaggregated"], ["plan"]):
         argv = lead + argv
     if argv[:1] == ["bench"]:  # these own their argument lists
         from pdserve.bench.cli import main_bench
 
         return main_bench(argv[1:])
+    if argv[:1] == ["plan"]:
+        from pdserve.plan.cli import main_plan
+
+        return main_plan(argv[1:])
     if argv[:1] == ["disaggregated"]:
         from pdserve.orchestrator.cli import main_disaggregated
 

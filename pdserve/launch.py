@@ -9,7 +9,8 @@ orchestrator routes to it again once it answers /health. One that dies once more
 cluster, and the command exits non-zero, naming it and the end of its log.
 
 Without a file it starts one context and one generation instance of the embedded SmolLM2, KV over
-shared memory, and the orchestrator on 127.0.0.1:8000.
+shared memory, and the orchestrator on 127.0.0.1:8000. `context: []` launches an aggregated
+deployment: the generation instances serve whole requests, the orchestrator routes between them.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ class ClusterConfig(BaseModel):
     backend: str = Field("shm", description="cache_transceiver_config.backend unless an instance sets it")
     log_dir: str | None = Field(None, description="default: a new directory under the system temp dir")
     startup_timeout: float = Field(600.0, gt=0)
-    context: list[InstanceSpec] = Field(default_factory=lambda: [InstanceSpec()], min_length=1)
+    context: list[InstanceSpec] = Field(default_factory=lambda: [InstanceSpec()],
+                                        description="[]: aggregated, the generation instances serve whole requests")
     generation: list[InstanceSpec] = Field(default_factory=lambda: [InstanceSpec()], min_length=1)
     orchestrator: dict[str, Any] = Field(default_factory=dict, description="extra disagg.yaml keys (routers, ...)")
     max_restarts: int = Field(3, ge=0, description="restarts of one member that died before the cluster stops")
@@ -150,8 +152,9 @@ class Cluster:
         for (role, i, spec), conf in zip(instances(cfg), worker_configs(cfg)):
             self.members.append(self._worker(role, i, spec, conf))
         self._wait_healthy(self.members)
+        aggregated = {} if cfg.context else {"minimal_instances": 0}  # see orchestrator.py, _aggregated
         disagg = {"hostname": cfg.host, "port": cfg.port, **cfg.orchestrator,
-                  "context_servers": {**cfg.orchestrator.get("context_servers", {}),
+                  "context_servers": {**aggregated, **cfg.orchestrator.get("context_servers", {}),
                                       "urls": [f"http://{cfg.host}:{s.port}" for s in cfg.context]},
                   "generation_servers": {**cfg.orchestrator.get("generation_servers", {}),
                                          "urls": [f"http://{cfg.host}:{s.port}" for s in cfg.generation]}}
@@ -217,7 +220,8 @@ def worker_configs(cfg: ClusterConfig) -> list[dict]:
     out = []
     for role, i, spec in members:
         conf = {"model": cfg.model, "num_threads": threads, "host": cfg.host, **spec.config, "port": spec.port}
-        conf["cache_transceiver_config"] = {"backend": cfg.backend, **conf.get("cache_transceiver_config", {})}
+        if cfg.context:  # aggregated (no context instance): no KV moves
+            conf["cache_transceiver_config"] = {"backend": cfg.backend, **conf.get("cache_transceiver_config", {})}
         if role == "ctx":
             conf.setdefault("kv_events_port", 0)
             # It only runs context_only requests (prefill and first token), never a decode step, so it
@@ -275,8 +279,9 @@ def launch(path: str | None) -> int:
         stop["now"] = True
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    print(f"pdserve launch: {len(cfg.context)} context + {len(cfg.generation)} generation instance(s); "
-          f"logs in {cluster.log_dir}", flush=True)
+    shape = (f"{len(cfg.context)} context + {len(cfg.generation)} generation instance(s)" if cfg.context else
+             f"aggregated, {len(cfg.generation)} instance(s) behind the orchestrator")
+    print(f"pdserve launch: {shape}; logs in {cluster.log_dir}", flush=True)
     try:
         cluster.start()
         url = f"http://{cfg.host}:{cfg.port}"

@@ -61,7 +61,9 @@ class ServerGroup(BaseModel):
     urls: list[str] = Field(default_factory=list, description="http://host:port of each instance; more may join "
                                                               "(pdserve serve --join)")
     router: RouterConfig = Field(default_factory=RouterConfig)
-    minimal_instances: int = Field(1, ge=1, description="ready instances the orchestrator's /health waits for")
+    minimal_instances: int = Field(1, ge=0, description="ready instances the orchestrator's /health waits for; "
+                                                        "context_servers: 0 serves aggregated (each request whole on "
+                                                        "a generation instance) while no context instance is ready")
 
     @field_validator("urls")
     @classmethod

@@ -1,6 +1,7 @@
 """The request flow: split one client request into a context_only and a generation_only request.
 
-    client ─> tokenize? ─> conditional: uncached <= max_local_prefill_length?
+    client ─> tokenize? ─> no context instance ready and none required (minimal_instances: 0)? or
+                           conditional: uncached <= max_local_prefill_length?
                  yes: generation instance, request_type context_and_generation ─> client
                  no:  context instance, context_only (stream false)
                          answer.disaggregated_params is null: the first token finished it ─> client
@@ -87,6 +88,10 @@ class Orchestrator:
                                      session_key=session_key(body, conversation_id, self._session_router()))
         gen_route: Route | None = None
         try:
+            if self._aggregated():
+                self.metrics.requests.labels("local").inc()
+                return await self._generate(req, {"request_type": "context_and_generation",
+                                                  "disagg_request_id": req.request_id}, None)
             if self.cfg.conditional_disagg is not None or self.cfg.schedule_style == "generation_first":
                 gen_route = await self.cluster.select("generation", req.route_req)
                 if self._is_local(req, gen_route):
@@ -211,6 +216,11 @@ class Orchestrator:
         if not isinstance(tokens, list):
             raise OrchestratorError(502, f"{url}/tokenize answered without a 'tokens' list", "worker_bad_answer")
         return tokens
+
+    def _aggregated(self) -> bool:
+        """No context instance is ready and none is required (context_servers.minimal_instances: 0): the
+        generation instances serve each request whole, as aggregated instances behind this router."""
+        return self.cfg.context_servers.minimal_instances == 0 and not self.cluster.ready_urls("context")
 
     def _is_local(self, req: _Request, gen_route: Route) -> bool:
         if self.cfg.conditional_disagg is None:

@@ -15,3 +15,19 @@ def wait_until(cond: Callable[[], object], timeout_s: float = 5.0, poll_s: float
         if value or time.monotonic() >= deadline:
             return bool(value)
         time.sleep(poll_s)
+
+
+def wait_for_line(proc, needle: str, timeout: float) -> str:
+    """Read `proc`'s text stdout until a line holds `needle`; everything read so far. AssertionError with
+    that output when the process ends or `timeout` passes first (a line still being written blocks the read:
+    keep `timeout` for processes that print)."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        seen.append(line)
+        if needle in line:
+            return "".join(seen)
+    raise AssertionError(f"no {needle!r} from {' '.join(map(str, proc.args[-3:]))}:\n{''.join(seen)}")

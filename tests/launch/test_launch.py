@@ -12,15 +12,15 @@ import time
 import psutil
 import pytest
 import yaml
-from launch_helpers import wait_for_line
 from openai import OpenAI
 
+from pdserve.config import EngineConfig
 from pdserve.distributed import free_port
 from pdserve.engine.llm import LLM
-from pdserve.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.launch import ClusterConfig, worker_configs
 from pdserve.testing import make_tiny_model
+from pdserve.testing.wait import wait_for_line
 
 
 def _launch(tmp_path, cluster: dict) -> subprocess.Popen:
@@ -66,6 +66,35 @@ def test_launch_serves_disaggregated_and_stops_cleanly(tmp_path, tiny):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_launch_without_context_instances_serves_aggregated(tmp_path, tiny):
+    """`context: []` (what `pdserve plan` writes for an aggregated pick): the generation instances serve
+    whole requests behind the orchestrator, which needs no context instance to be healthy."""
+    port = free_port()
+    cluster = {"model": tiny, "port": port, "log_dir": str(tmp_path / "logs"), "context": [],
+               "generation": [{"port": free_port()}, {"port": free_port()}]}
+    proc = _launch(tmp_path, cluster)
+    try:
+        banner = wait_for_line(proc, "ready: OpenAI API", timeout=180)
+        assert "aggregated, 2 instance(s)" in banner and "gen1" in banner and "ctx0" not in banner
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        prompt = "The quick brown fox"
+        with LLM(EngineConfig(model=tiny)) as llm:
+            want = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+        for _ in range(2):
+            got = client.completions.create(model="m", prompt=prompt, max_tokens=8, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            assert got.choices[0].text == want.text
+        gen_conf = yaml.safe_load((tmp_path / "logs" / "gen0.yaml").read_text())
+        assert "cache_transceiver_config" not in gen_conf  # nothing moves KV
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def test_launch_refuses_a_bad_cluster_config(tmp_path):

@@ -15,12 +15,12 @@ import httpx
 import psutil
 import pytest
 import yaml
-from launch_helpers import wait_for_line
 from openai import OpenAI
 
 from pdserve.distributed import free_port
 from pdserve.launch_ray import CONTROLLER, NAMESPACE
 from pdserve.testing import make_tiny_model
+from pdserve.testing.wait import wait_for_line
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -62,6 +62,33 @@ def test_conditional_goes_straight_to_generation(workers):
     assert ctx.metric("pdserve_request_success_total") == ctx_before
 
 
+def test_no_context_instance_and_none_required_serves_aggregated(workers):
+    """context_servers.minimal_instances: 0 and no context instance (`pdserve launch` with `context: []`):
+    the generation instances serve whole requests, routed round robin, with no tokenize hop; the
+    orchestrator is healthy without any context instance. With the default minimal_instances (1) the
+    same config is a 503 that names the missing role."""
+    gens = [workers[0].url, workers[1].url]
+    expected = direct(gens[0], PROMPT)
+    cfg = DisaggConfig(context_servers={"urls": [], "minimal_instances": 0}, generation_servers={"urls": gens})
+    before = [w.metric("pdserve_request_success_total") for w in workers[:2]]
+    with orchestrator(cfg) as orch:
+        wait_healthy(orch.url)
+        c = client(orch.url)
+        for _ in range(2):
+            out = c.completions.create(model=MODEL_NAME, prompt=PROMPT, **GREEDY)
+            assert out.choices[0].text == expected and out.usage.completion_tokens == 6
+        streamed = c.completions.create(model=MODEL_NAME, prompt=PROMPT, stream=True, **GREEDY)
+        assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == expected
+        metrics = httpx.get(orch.url + "/metrics").text
+    assert 'pdserve_orchestrator_requests_total{path="local"} 3.0' in metrics
+    assert 'pdserve_orchestrator_worker_requests_total{role="context"} 0.0' in metrics
+    after = [w.metric("pdserve_request_success_total") for w in workers[:2]]
+    assert sum(after) - sum(before) == 3 and all(a > b for a, b in zip(after, before))  # both served
+    with orchestrator(make_cfg([], gens)) as orch:
+        r = httpx.get(orch.url + "/health", timeout=5)
+        assert r.status_code == 503 and "context" in r.text
+
+
 def test_chat_conditional_needs_tokenize_or_says_why(workers):
     """A text prompt must be tokenized by a worker to count its tokens; without /tokenize the client
     gets a 502 that says so, never a silent guess."""

@@ -1,0 +1,157 @@
+"""`pdserve plan` against measurement: its predicted goodput grid beside the one a real sweep measures.
+
+    python benchmarks/plan_check.py --systems agg1x2-c512 agg2x1-c512 disagg1x1-1x1-cf disagg1x1-1x1-gf \
+        --input-len 256 --output-len 32 --rates 0.5 1 1.5 2 2.5 3 --num-prompts 20 \
+        --ttft 300 500 1000 2500 --tpot 25 30 40 60 100 --out-dir benchmarks/results/plan-check
+
+1. Plans once (the cached profile; `pdserve plan --rates ...`): every candidate's predicted goodput at
+   every (TTFT, TPOT) cell, scored at exactly the swept rates.
+2. For each named candidate, one at a time: writes its cluster.yaml (the plan's own), starts it with
+   `pdserve launch`, sweeps it with `pdserve bench sweep` (same workload and rates), stops it.
+3. Scores the runs with `pdserve bench grid` and compares, cell by cell, among the measured systems:
+   - pick: the system the plan ranks first in that cell; right when its measured goodput is the best
+     measured or within 10% of it;
+   - error: |predicted - measured| / measured goodput of the pick (0 when both are 0).
+Prints both grids and the two shares (the issue's bar: pick right in >= 80% of the cells, predicted
+goodput within 25% of the measured one). Nothing here is timed by a test; this is a benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(cmd: list[str], **kw) -> None:
+    print("+ " + " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT, **kw)
+
+
+def predicted(args, out: Path) -> dict:
+    path = out / "plan.json"
+    run([sys.executable, "-m", "pdserve.cli", "plan", "--slo", f"ttft:{max(args.ttft)},tpot:{max(args.tpot)}",
+         "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--backend", args.backend,
+         "--rates", *map(str, args.rates), "--grid-ttft", *map(str, args.ttft), "--grid-tpot", *map(str, args.tpot),
+         "--num-requests", str(args.sim_requests), "--out", str(out / "plan-cluster.yaml"), "--json", str(path),
+         "--top", "20"])
+    return json.loads(path.read_text())
+
+
+def measure(args, out: Path, plan: dict) -> dict:
+    clusters = {c["name"]: c["cluster"] for c in plan["candidates"]}
+    missing = [s for s in args.systems if s not in clusters]
+    if missing:
+        raise SystemExit(f"not candidates of this plan: {missing}; candidates: {sorted(clusters)}")
+    sweep = out / "sweep.json"
+    for i, name in enumerate(args.systems):
+        doc = dict(clusters[name], port=args.port, log_dir=str(out / f"logs-{name}"))
+        path = out / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "launch", str(path)], cwd=ROOT,
+                                stdout=open(out / f"launch-{name}.log", "w"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            url = f"http://127.0.0.1:{args.port}"
+            deadline = time.monotonic() + 300
+            while True:
+                if proc.poll() is not None:
+                    raise SystemExit(f"{name}: pdserve launch exited; see {out}/launch-{name}.log")
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"{name}: not ready after 300 s")
+                time.sleep(1)
+            part = out / f"sweep-{name}.json"
+            run([sys.executable, "-m", "pdserve.cli", "bench", "sweep", "--endpoint", f"{name}={url}",
+                 "--model", args.model_name, "--request-rates", *map(str, args.rates),
+                 "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
+                 "--output-len", str(args.output_len), "--goodput", f"ttft:{max(args.ttft)}", f"tpot:{max(args.tpot)}",
+                 "--seed", str(args.seed), "--out", str(part), "--run-dir", str(out / "runs")])
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+        merged = json.loads(sweep.read_text()) if sweep.exists() else None
+        one = json.loads(part.read_text())
+        if merged is None:
+            merged = one
+        else:
+            merged["systems"].update(one["systems"])
+        sweep.write_text(json.dumps(merged, indent=1))
+    grid = out / "grid.json"
+    run([sys.executable, "-m", "pdserve.cli", "bench", "grid", str(sweep), "--ttft", *map(str, args.ttft),
+         "--tpot", *map(str, args.tpot), "--out", str(grid)])
+    return json.loads(grid.read_text())
+
+
+def compare(plan: dict, measured: dict, systems: list[str]) -> str:
+    pred_cells = {(c["ttft_ms"], c["tpot_ms"]): c["goodput"] for c in plan["grid"]["cells"]}
+    order = [c["name"] for c in plan["candidates"]]  # the plan's ranking at its own SLO breaks ties
+    lines = ["| TTFT ms | TPOT ms | " + " | ".join(f"{s} meas / pred" for s in systems) + " | pick | right | error |",
+             "|---|---|" + "---|" * (len(systems) + 3)]
+    right = within = cells = 0
+    for cell in measured["cells"]:
+        key = (cell["ttft_ms"], cell["tpot_ms"])
+        meas = {s: float(cell["goodput"][s]) for s in systems}
+        pred = {s: float(pred_cells[key][s]) for s in systems}
+        pick = max(systems, key=lambda s: (pred[s], -order.index(s)))
+        best = max(meas.values())
+        ok = meas[pick] >= 0.9 * best
+        if meas[pick] == pred[pick]:
+            err = 0.0
+        else:
+            err = abs(pred[pick] - meas[pick]) / meas[pick] if meas[pick] else float("inf")
+        cells += 1
+        right += ok
+        within += err <= 0.25
+        lines.append(f"| {key[0]:g} | {key[1]:g} | " + " | ".join(f"{meas[s]:g} / {pred[s]:g}" for s in systems)
+                     + f" | {pick} | {'yes' if ok else 'no'} | {'-' if err == float('inf') else f'{100 * err:.0f}%'} |")
+    lines += ["", f"pick right (best measured or within 10% of it): {right} of {cells} cells "
+                  f"({100 * right / cells:.0f}%)",
+              f"predicted goodput of the pick within 25% of measured: {within} of {cells} cells "
+              f"({100 * within / cells:.0f}%)"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--systems", nargs="+", required=True, help="candidate names of the plan to deploy and measure")
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1, 1.5, 2, 2.5, 3])
+    p.add_argument("--num-prompts", type=int, default=20, help="measured requests per rate")
+    p.add_argument("--sim-requests", type=int, default=200, help="simulated requests per rate")
+    p.add_argument("--ttft", type=float, nargs="+", default=[300, 500, 1000, 2500])
+    p.add_argument("--tpot", type=float, nargs="+", default=[25, 30, 40, 60, 100])
+    p.add_argument("--backend", default="shm")
+    p.add_argument("--port", type=int, default=8300)
+    p.add_argument("--seed", type=int, default=1000)
+    p.add_argument("--model-name", default="SmolLM2-135M-Instruct")
+    p.add_argument("--out-dir", default="benchmarks/results/plan-check")
+    p.add_argument("--compare-only", action="store_true", help="reuse OUT_DIR's plan.json and grid.json")
+    args = p.parse_args()
+    out = Path(args.out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if args.compare_only:
+        plan, grid = json.loads((out / "plan.json").read_text()), json.loads((out / "grid.json").read_text())
+    else:
+        plan = predicted(args, out)
+        grid = measure(args, out, plan)
+    print(compare(plan, grid, args.systems))
+
+
+if __name__ == "__main__":
+    main()

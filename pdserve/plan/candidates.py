@@ -1,0 +1,122 @@
+"""The deployments a plan weighs on this machine, each with the cluster.yaml that starts it.
+
+On a CPU machine of C cores (the profile's thread counts t = 1, 2, 4, ..., C):
+
+- aggregated: C // t instances of t threads each, for each prefill chunk budget (max_num_tokens);
+- disaggregated: context instances of tc threads and generation instances of tg threads that fill
+  the cores, under context_first (the whole prompt in one step) and generation_first (pipelined
+  transfer: each chunk's KV leaves while the next is computed).
+
+On CUDA a unit is a GPU: one instance per GPU, and disaggregation needs two.
+
+Every instance is pinned to its own cores (launch's `cpus`), so the instances do not share cores and
+the profile's single-instance timings hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.plan.costmodel import StepCost, TransferCost
+from pdserve.plan.simulate import Deployment, InstanceSpec
+
+AGG_CHUNKS = (256, 512, 1024, 2048)
+GF_CHUNK = 512  # generation_first's prefill step: the pipelined transfer ships each step's blocks
+
+
+@dataclass
+class Role:
+    count: int
+    units: int  # threads (CPU) or GPUs per instance
+    max_num_tokens: int
+    pipelined: bool = False
+
+
+@dataclass
+class Candidate:
+    name: str
+    kind: str  # aggregated | disaggregated
+    generation: Role  # aggregated: the instances
+    context: Role | None = None
+    schedule_style: str = "context_first"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def layout(self) -> str:
+        """In words, e.g. 'ctx 1x1t step 512 + gen 1x1t, gen-first' (instances x threads each)."""
+        g = self.generation
+        if self.kind == "aggregated":
+            return f"{g.count}x{g.units}t, chunk {g.max_num_tokens}"
+        c = self.context
+        style = "gen-first, pipelined" if self.schedule_style == "generation_first" else "ctx-first"
+        return f"ctx {c.count}x{c.units}t step {c.max_num_tokens} + gen {g.count}x{g.units}t, {style}"
+
+    def deployment(self, costs: dict[int, StepCost], transfer: TransferCost | None, kv_bytes_per_token: int,
+                   serving: dict[str, dict[str, float]] | None = None) -> Deployment:
+        """What the simulator runs. `serving`: the profile's serving probe (per kind, the extra time of a
+        request and of a decode step); without it the simulator's defaults stand."""
+        probe = (serving or {}).get(self.kind)
+        step = {"step_extra_s": probe["itl_s"]} if probe else {}
+        prefill = {"prefill_factor": probe.get("prefill_factor", 1.0)} if probe else {}
+        timing = {"request_extra_s": probe["ttft_s"], "hop_s": 0.0} if probe else {}
+        g = self.generation
+        if self.kind == "aggregated":
+            inst = InstanceSpec(costs[g.units], g.max_num_tokens, **step, **prefill)
+            return Deployment("aggregated", [inst] * g.count, **timing)
+        gen = [InstanceSpec(costs[g.units], g.max_num_tokens, **step)] * g.count
+        ctx = [InstanceSpec(costs[self.context.units], self.context.max_num_tokens, **prefill)] * self.context.count
+        return Deployment("disaggregated", gen, ctx, transfer, kv_bytes_per_token, self.schedule_style,
+                          self.context.max_num_tokens if self.context.pipelined else None, **timing)
+
+    def cluster_yaml(self, *, model: str | None, backend: str, port: int = 8000, device: str = "cpu") -> dict[str, Any]:
+        """The `pdserve launch` config of this deployment: every instance pinned to its own cores."""
+        next_core = 0
+
+        def instances(role: Role | None, extra: dict[str, Any]) -> list[dict[str, Any]]:
+            nonlocal next_core
+            out = []
+            for _ in range(role.count if role else 0):
+                conf: dict[str, Any] = {"max_num_tokens": role.max_num_tokens, **extra}
+                spec: dict[str, Any] = {"config": conf}
+                if device == "cpu":
+                    conf["num_threads"] = role.units
+                    spec["cpus"] = list(range(next_core, next_core + role.units))
+                next_core += role.units
+                if role.pipelined:
+                    conf["cache_transceiver_config"] = {"pipelined_transfer": True}
+                out.append(spec)
+            return out
+
+        doc: dict[str, Any] = {"model": model, "port": port, "backend": backend,
+                               "context": instances(self.context, {}),
+                               "generation": instances(self.generation, {})}
+        if self.schedule_style != "context_first":
+            doc["orchestrator"] = {"schedule_style": self.schedule_style}
+        return doc
+
+
+def enumerate_candidates(units: list[int], total: int, input_len: int) -> list[Candidate]:
+    """Every deployment of `total` units (cores or GPUs) from instances of the profiled sizes `units`."""
+    out: list[Candidate] = []
+    for t in units:
+        k = total // t
+        if k < 1:
+            continue
+        for chunk in AGG_CHUNKS:
+            if chunk > max(input_len, AGG_CHUNKS[0]) * 2 and chunk != AGG_CHUNKS[0]:
+                continue  # a budget past twice the prompt behaves as the one below it
+            out.append(Candidate(f"agg{k}x{t}-c{chunk}", "aggregated", Role(k, t, chunk)))
+    whole = max(2048, input_len)
+    for tc in units:
+        for tg in units:
+            for kc in range(1, total // tc + 1):
+                rest = total - kc * tc
+                if rest < tg or rest % tg:
+                    continue
+                kg = rest // tg
+                base = f"disagg{kc}x{tc}-{kg}x{tg}"
+                out.append(Candidate(f"{base}-cf", "disaggregated", Role(kg, tg, 1024), Role(kc, tc, whole)))
+                out.append(Candidate(f"{base}-gf", "disaggregated", Role(kg, tg, 1024),
+                                     Role(kc, tc, GF_CHUNK, pipelined=True), schedule_style="generation_first"))
+    return out

@@ -1,0 +1,255 @@
+"""`pdserve plan`: the deployment that serves the most requests per second within an SLO, on this machine.
+
+    pdserve plan --slo ttft:2500,tpot:100 --input-len 1024 --output-len 64 [--rate 0.5]
+                 [--model M] [--dtype float32] [--backend shm|nixl] [--out plan-cluster.yaml]
+
+1. Profile (once per model and machine, cached; `--reprofile` measures again): forward-step times by
+   prompt length, decode batch and thread count, KV transfer time by bytes and backend, and what
+   serving adds on real servers (profile.py, serving_probe.py). A few minutes, with a progress bar.
+2. Model every candidate (candidates.py): aggregated instances of 1, 2, 4, ... threads with each
+   prefill chunk budget; disaggregated splits of the cores between context and generation instances,
+   context_first or generation_first with pipelined transfer. The scheduler's own policy runs in
+   simulated time on the profile's step costs (simulate.py) under Poisson arrivals.
+3. Print the ranked table of predicted goodput (DistServe's: the highest rate at which >= 90% of
+   requests meet both SLOs) and TTFT / TPOT at a common rate; for the best disaggregated candidate,
+   the KV transfer plan per rank pair (transfer.py).
+4. Write the pick's cluster.yaml; `pdserve launch plan-cluster.yaml` (or `pdserve launch --slo ...`,
+   which plans and launches in one step) starts it.
+
+`--rates R1 R2 ...` scores at exactly those rates, as `pdserve bench sweep` does, and `--json` keeps
+every prediction (with `--grid-ttft/--grid-tpot`, a goodput grid shaped like `pdserve bench grid`'s)
+for checking against a measured sweep (benchmarks/plan_check.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pdserve.plan.candidates import Candidate, enumerate_candidates
+from pdserve.plan.costmodel import step_costs, transfer_costs
+from pdserve.plan.planner import (
+    PlanSLO,
+    Prediction,
+    capacity,
+    rank,
+    search_goodput,
+)
+from pdserve.plan.profile import Profile, describe, load_or_measure
+from pdserve.plan.simulate import Workload, simulate
+
+SCHEMA = "pdserve.plan/1"
+
+
+def add_plan_arguments(p: argparse.ArgumentParser, *, slo_required: bool) -> None:
+    p.add_argument("--slo", required=slo_required, metavar="ttft:MS,tpot:MS",
+                   help="the budgets a request must meet, e.g. ttft:2500,tpot:100")
+    p.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request (default 1024)")
+    p.add_argument("--output-len", type=int, default=64, help="output tokens per request (default 64)")
+    p.add_argument("--rate", type=float, default=None, help="request rate to report TTFT / TPOT at "
+                                                             "(default: the pick's goodput)")
+    p.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--backend", default="shm", choices=["shm", "nixl"], help="KV transfer backend (default shm)")
+    p.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet the SLO")
+    p.add_argument("--reprofile", action="store_true", help="measure the profile again even if one is cached")
+    p.add_argument("--port", type=int, default=8000, help="the cluster's public port (written into cluster.yaml)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_plan_arguments(p, slo_required=True)
+    p.add_argument("--out", default="plan-cluster.yaml", help="where the pick's cluster.yaml goes")
+    p.add_argument("--top", type=int, default=12, help="rows of the ranked table")
+    p.add_argument("--rates", type=float, nargs="+", default=None,
+                   help="score goodput at exactly these rates (as a sweep does) instead of searching")
+    p.add_argument("--num-requests", type=int, default=200, help="simulated requests per rate")
+    p.add_argument("--ctx-layout", default=None, help="transfer plan: the context instance's layout, e.g. tp2")
+    p.add_argument("--gen-layout", default=None, help="transfer plan: the generation instance's layout, e.g. pp2")
+    p.add_argument("--bounce", action="store_true", help="transfer plan: with the bounce buffer on")
+    p.add_argument("--json", default=None, help="write every prediction here")
+    p.add_argument("--grid-ttft", type=float, nargs="+", default=None, help="with --rates and --json: TTFT SLOs (ms)")
+    p.add_argument("--grid-tpot", type=float, nargs="+", default=None, help="with --rates and --json: TPOT SLOs (ms)")
+    return p
+
+
+def check_args(args: argparse.Namespace) -> PlanSLO:
+    slo = PlanSLO.parse(args.slo)
+    if args.input_len < 1 or args.output_len < 1:
+        raise ValueError("--input-len and --output-len must be >= 1 token")
+    if not 0 < args.attainment <= 1:
+        raise ValueError(f"--attainment must be in (0, 1], got {args.attainment}")
+    if args.rate is not None and not 0 < args.rate < math.inf:
+        raise ValueError(f"--rate must be a positive number of requests per second, got {args.rate}")
+    for r in getattr(args, "rates", None) or []:
+        if not 0 < r < math.inf:
+            raise ValueError(f"--rates must be positive numbers of requests per second, got {r}")
+    if getattr(args, "num_requests", 200) < 10:
+        raise ValueError("--num-requests must be >= 10")
+    return slo
+
+
+def plan(args: argparse.Namespace, slo: PlanSLO, profile: Profile) -> tuple[list[Prediction], float]:
+    """Every candidate's prediction, ranked, and the rate TTFT / TPOT are reported at."""
+    max_len = int(profile.model["max_model_len"])
+    if args.input_len + args.output_len > max_len:
+        raise ValueError(f"--input-len + --output-len = {args.input_len + args.output_len} exceeds the model's "
+                         f"context window ({max_len} tokens)")
+    costs, transfers = step_costs(profile), transfer_costs(profile)
+    transfer = transfers.get(args.backend)
+    if transfer is None:
+        raise ValueError(f"the profile has no {args.backend} transfer timings (is it installed?); "
+                         f"measured: {', '.join(transfers) or 'none'}")
+    wl = Workload(args.input_len, args.output_len, getattr(args, "num_requests", 200))
+    preds = []
+    for cand in enumerate_candidates(profile.units, int(profile.key["units"]), args.input_len):
+        dep = cand.deployment(costs, transfer, profile.kv_bytes_per_token, profile.serving)
+        good, points = search_goodput(dep, wl, slo, capacity(dep, wl), args.attainment, getattr(args, "rates", None))
+        preds.append(Prediction(cand, good, points))
+    best = max(p.goodput for p in preds)
+    at = args.rate or best or min(r for p in preds for r, _ in p.points)
+    for p in preds:
+        dep = p.candidate.deployment(costs, transfer, profile.kv_bytes_per_token, profile.serving)
+        p.at_rate = at
+        p.outcome = simulate(dep, wl, at)
+    return rank(preds), at
+
+
+def format_table(preds: list[Prediction], slo: PlanSLO, at: float, top: int) -> str:
+    head = (f"{'#':>2}  {'deployment':<22} {'layout (instances x threads)':<48} {'goodput':>8}  {'attain':>6}  "
+            f"{'TTFT p50/p90 ms':>16}  {'TPOT p50/p90 ms':>16}")
+    lines = [f"predicted goodput (req/s) at {slo}; attainment, TTFT and TPOT at {at:.3g} req/s", head, "-" * len(head)]
+    for i, p in enumerate(preds[:top], 1):
+        o = p.outcome
+        att = o.attainment(slo.ttft_ms / 1000, slo.tpot_ms / 1000)
+        ttft = f"{1000 * o.percentile('ttft', 50):.0f}/{1000 * o.percentile('ttft', 90):.0f}"
+        tpot = f"{1000 * o.percentile('tpot', 50):.1f}/{1000 * o.percentile('tpot', 90):.1f}"
+        lines.append(f"{i:>2}  {p.candidate.name:<22} {p.candidate.layout:<48} {p.goodput:>8.3g}  "
+                     f"{100 * att:>5.0f}%  {ttft:>16}  {tpot:>16}")
+    if len(preds) > top:
+        lines.append(f"    ... {len(preds) - top} more (--top {len(preds)})")
+    return "\n".join(lines)
+
+
+def transfer_section(args: argparse.Namespace, profile: Profile, preds: list[Prediction]) -> str:
+    from pdserve.kv_transfer.bounce import BounceConfig
+    from pdserve.plan.transfer import Layout, format_transfer_plan, transfer_plan
+
+    disagg = next((p.candidate for p in preds if p.candidate.kind == "disaggregated"), None)
+    if disagg is None and not (args.ctx_layout or args.gen_layout):
+        return ""
+    ctx = Layout.parse(args.ctx_layout) if args.ctx_layout else Layout()
+    gen = Layout.parse(args.gen_layout) if args.gen_layout else Layout()
+    m = profile.model
+    bounce = BounceConfig() if args.bounce else None
+    rows = transfer_plan(ctx, gen, num_layers=m["num_layers"], kv_heads=m["num_kv_heads"], head_dim=m["head_dim"],
+                         element_bytes=m["element_bytes"], prompt_tokens=args.input_len, bounce=bounce)
+    which = "" if preds[0].candidate.kind == "disaggregated" else \
+        f"(the pick is aggregated: no KV moves; for {disagg.name if disagg else 'the given layouts'})\n"
+    return which + format_transfer_plan(ctx, gen, rows, args.input_len, bounce)
+
+
+def predicted_grid(args: argparse.Namespace, profile: Profile, preds: list[Prediction]) -> dict[str, Any]:
+    """Each candidate's goodput at every (TTFT, TPOT) pair, scored at exactly --rates (as bench grid)."""
+    from pdserve.bench.sweep import distserve_goodput
+
+    costs, transfer = step_costs(profile), transfer_costs(profile)[args.backend]
+    wl = Workload(args.input_len, args.output_len, args.num_requests)
+    outcomes = {}
+    for p in preds:
+        dep = p.candidate.deployment(costs, transfer, profile.kv_bytes_per_token, profile.serving)
+        outcomes[p.candidate.name] = [(r, simulate(dep, wl, r)) for r in sorted(args.rates)]
+    cells = []
+    for ttft in sorted(args.grid_ttft):
+        for tpot in sorted(args.grid_tpot):
+            cells.append({"ttft_ms": ttft, "tpot_ms": tpot, "goodput": {
+                name: distserve_goodput([(r, o.attainment(ttft / 1000, tpot / 1000)) for r, o in runs], args.attainment)
+                for name, runs in outcomes.items()}})
+    return {"schema": "pdserve.bench.grid/1", "attainment_target": args.attainment, "predicted": True,
+            "systems": list(outcomes), "cells": cells}
+
+
+def plan_document(args, slo: PlanSLO, profile: Profile, path: Path, preds: list[Prediction], at: float) -> dict:
+    def one(p: Prediction) -> dict[str, Any]:
+        o = p.outcome
+        return {"name": p.candidate.name, "kind": p.candidate.kind, "layout": p.candidate.layout,
+                "goodput": round(p.goodput, 4), "points": [[round(r, 4), round(a, 4)] for r, a in p.points],
+                "at_rate": at, "attainment": o.attainment(slo.ttft_ms / 1000, slo.tpot_ms / 1000),
+                "ttft_ms": {q: round(1000 * o.percentile("ttft", q), 1) for q in (50, 90, 99)},
+                "tpot_ms": {q: round(1000 * o.percentile("tpot", q), 2) for q in (50, 90, 99)},
+                "cluster": cluster_of(p.candidate, args, profile)}
+
+    return {"schema": SCHEMA, "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms}, "attainment_target": args.attainment,
+            "workload": {"input_len": args.input_len, "output_len": args.output_len}, "profile": str(path),
+            "pick": preds[0].candidate.name, "candidates": [one(p) for p in preds]}
+
+
+def cluster_of(cand: Candidate, args: argparse.Namespace, profile: Profile) -> dict[str, Any]:
+    doc = cand.cluster_yaml(model=args.model, backend=args.backend, port=args.port,
+                            device=profile.key["device"])
+    if args.dtype != "float32":
+        for inst in doc["context"] + doc["generation"]:
+            inst["config"]["dtype"] = args.dtype
+    return doc
+
+
+def cluster_text(cand: Candidate, doc: dict[str, Any], slo: PlanSLO, args: argparse.Namespace,
+                 goodput: float) -> str:
+    head = (f"# Written by `pdserve plan` on {datetime.now(UTC):%Y-%m-%d}: {cand.name} ({cand.layout}).\n"
+            f"# Predicted goodput {goodput:.3g} req/s at {slo}, {args.input_len} prompt / {args.output_len} output "
+            f"tokens.\n# Start it with: pdserve launch {args.out if hasattr(args, 'out') else 'this file'}\n")
+    return head + yaml.safe_dump(doc, sort_keys=False)
+
+
+def run_plan(args: argparse.Namespace) -> tuple[list[Prediction], PlanSLO, Profile, float, Path]:
+    """Profile (cached), model and rank: shared by `pdserve plan` and `pdserve launch --slo`."""
+    slo = check_args(args)
+    profile, path, fresh = load_or_measure(args.model, args.dtype, refresh=args.reprofile)
+    print(describe(profile) + f"\n  ({'measured now' if fresh else 'cached'}: {path})\n", flush=True)
+    preds, at = plan(args, slo, profile)
+    return preds, slo, profile, at, path
+
+
+def main_plan(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        preds, slo, profile, at, path = run_plan(args)
+        print(format_table(preds, slo, at, args.top))
+        pick = preds[0]
+        doc = cluster_of(pick.candidate, args, profile)
+        Path(args.out).write_text(cluster_text(pick.candidate, doc, slo, args, pick.goodput))
+        print()
+        if pick.goodput <= 0:
+            o = pick.outcome
+            print(f"warning: no deployment keeps >= {100 * args.attainment:.0f}% of requests within {slo} at any "
+                  f"rate; the closest, {pick.candidate.name}, has TTFT p90 {1000 * o.percentile('ttft', 90):.0f} ms "
+                  f"and TPOT p90 {1000 * o.percentile('tpot', 90):.1f} ms at {at:.3g} req/s. Loosen the SLO, "
+                  "shorten the requests, or add cores.")
+        print(f"pick: {pick.candidate.name} ({pick.candidate.layout}), predicted goodput {pick.goodput:.3g} req/s\n"
+              f"wrote {args.out}; start it with: pdserve launch {args.out}")
+        section = transfer_section(args, profile, preds)
+        if section:
+            print("\n" + section)
+        if args.json:
+            out = plan_document(args, slo, profile, path, preds, at)
+            if args.rates and args.grid_ttft and args.grid_tpot:
+                out["grid"] = predicted_grid(args, profile, preds)
+            Path(args.json).write_text(json.dumps(out, indent=1))
+            print(f"wrote {args.json}")
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"pdserve plan: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main_plan())

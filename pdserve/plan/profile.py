@@ -1,0 +1,390 @@
+"""This machine's costs, measured once and cached: what `pdserve plan` models every deployment from.
+
+For each thread count (CPU; one entry per GPU count on CUDA), in a fresh process pinned to that many
+cores, the real engine's forward step (ModelRunner.step, the very call serving makes) is timed on:
+
+- prefill: one sequence of n tokens from position 0, for n in PREFILL_TOKENS (up to the context window);
+- a prefill chunk at an offset (the attention cost a chunk pays for the tokens before it);
+- decode: batches of B sequences, one token each, at two context lengths (a decode step reads every
+  sequence's KV, so it grows with the context).
+
+The KV cache holds whatever the pool holds: attention costs the same for any values. Then, for each
+transfer backend installed (shm; nixl when nixl_cu12 / nixl_cu13 imports), one write of N bytes from
+one agent's registered memory into another's, one block per fragment, timed until the initiator sees
+it done.
+
+The profile is a JSON file under ~/.cache/pdserve/profiles/, keyed by the model's files, the dtype,
+the device, this CPU and core count, and the pdserve and torch versions: a change of any of them
+measures again (`pdserve plan --reprofile` does it on demand).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import queue
+import statistics
+import time
+from dataclasses import dataclass, field
+from datetime import UTC
+from pathlib import Path
+from typing import Any
+
+PROFILE_SCHEMA = "pdserve.plan.profile/1"
+PREFILL_TOKENS = (16, 64, 128, 256, 512, 1024, 2048, 4096)
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+DECODE_CONTEXTS = (128, 1024)
+CHUNK = (512, 1536)  # (chunk tokens, offset): one prefill chunk after 1536 cached tokens
+TRANSFER_MB = (1, 4, 16, 64)
+KV_POOL_CAP_BYTES = 3 << 30  # decode points whose KV would not fit are left out
+_CHILD_TIMEOUT_S = 900.0
+
+
+@dataclass
+class StepTimings:
+    """Forward-step seconds at one thread count (medians of a few repetitions)."""
+
+    threads: int
+    prefill: dict[int, float]  # prompt tokens -> s
+    chunk: tuple[int, int, float]  # (tokens, offset, s)
+    decode: dict[tuple[int, int], float]  # (batch, context tokens) -> s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"threads": self.threads, "prefill": [[n, s] for n, s in sorted(self.prefill.items())],
+                "chunk": list(self.chunk), "decode": [[b, c, s] for (b, c), s in sorted(self.decode.items())]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StepTimings:
+        return cls(int(d["threads"]), {int(n): float(s) for n, s in d["prefill"]},
+                   (int(d["chunk"][0]), int(d["chunk"][1]), float(d["chunk"][2])),
+                   {(int(b), int(c)): float(s) for b, c, s in d["decode"]})
+
+
+@dataclass
+class Profile:
+    key: dict[str, Any]  # what the costs depend on (see profile_key)
+    model: dict[str, Any]  # layers, kv heads, head_dim, element bytes, kv bytes per token, max_model_len
+    steps: dict[int, StepTimings]  # threads (CPU) or GPUs (CUDA) -> timings
+    transfer: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # backend -> [(bytes, s)]
+    # Serving beyond the forward steps, from real servers (see measure_serving): per deployment kind,
+    # {"ttft_s": extra s per request before its first token, "itl_s": extra s per decode step}
+    serving: dict[str, dict[str, float]] = field(default_factory=dict)
+    date: str = ""
+    seconds: float = 0.0  # how long profiling took
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return int(self.model["kv_bytes_per_token"])
+
+    @property
+    def units(self) -> list[int]:
+        return sorted(self.steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": PROFILE_SCHEMA, "date": self.date, "seconds": round(self.seconds, 1), "key": self.key,
+                "model": self.model, "steps": [t.to_dict() for _, t in sorted(self.steps.items())],
+                "transfer": {b: [[n, s] for n, s in pts] for b, pts in self.transfer.items()},
+                "serving": self.serving}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Profile:
+        if d.get("schema") != PROFILE_SCHEMA:
+            raise ValueError(f"not a {PROFILE_SCHEMA} document (schema {d.get('schema')!r})")
+        steps = {t.threads: t for t in map(StepTimings.from_dict, d["steps"])}
+        transfer = {b: [(int(n), float(s)) for n, s in pts] for b, pts in d.get("transfer", {}).items()}
+        return cls(d["key"], d["model"], steps, transfer, d.get("serving", {}), d.get("date", ""),
+                   float(d.get("seconds", 0.0)))
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def usable_cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def thread_counts(cores: int) -> list[int]:
+    """1, 2, 4, ... and the core count itself: the instance sizes a plan considers on this machine."""
+    out, n = [], 1
+    while n < cores:
+        out.append(n)
+        n *= 2
+    return out + [cores]
+
+
+def profile_key(model_dir: Path, dtype: str, device: str) -> dict[str, Any]:
+    import torch
+
+    import pdserve
+
+    files = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in model_dir.iterdir() if p.is_file())
+    digest = hashlib.sha256(json.dumps([str(model_dir.resolve()), files]).encode()).hexdigest()[:16]
+    if device == "cuda":
+        machine = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cuda"
+        units = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    else:
+        machine, units = cpu_model(), len(usable_cores())
+    return {"model": str(model_dir), "model_digest": digest, "dtype": dtype, "device": device, "machine": machine,
+            "units": units, "pdserve": pdserve.__version__, "torch": torch.__version__}
+
+
+def profiles_dir() -> Path:
+    base = os.environ.get("PDSERVE_CACHE_DIR")
+    return (Path(base).expanduser() if base else Path.home() / ".cache" / "pdserve") / "profiles"
+
+
+def cache_path(key: dict[str, Any]) -> Path:
+    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return profiles_dir() / f"{name}.json"
+
+
+def load_or_measure(model: str | None, dtype: str = "float32", device: str = "cpu", *, refresh: bool = False,
+                    units: list[int] | None = None, progress: bool = True) -> tuple[Profile, Path, bool]:
+    """The cached profile for this model and machine, measured first when there is none (or `refresh`).
+    Returns (profile, its file, whether it was measured now)."""
+    from pdserve.weights import resolve_model
+
+    model_dir = Path(resolve_model(model, progress=progress))
+    key = profile_key(model_dir, dtype, device)
+    path = cache_path(key)
+    if path.exists() and not refresh:
+        profile = Profile.from_dict(json.loads(path.read_text()))
+        if units is None or set(units) <= set(profile.units):
+            return profile, path, False
+    profile = measure(model_dir, dtype, device, key, units=units, progress=progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(profile.to_dict(), indent=1))
+    tmp.replace(path)
+    return profile, path, True
+
+
+def measure(model_dir: Path, dtype: str, device: str, key: dict[str, Any], *, units: list[int] | None = None,
+            progress: bool = True) -> Profile:
+    from datetime import datetime
+
+    from pdserve.models.config import ModelConfig
+    from pdserve.weights.hf_dir import read_config
+
+    cfg = ModelConfig.from_hf(read_config(model_dir))
+    elt = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    model = {"num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+             "element_bytes": elt, "kv_bytes_per_token": cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elt,
+             "max_model_len": cfg.max_position_embeddings}
+    if units is None:
+        units = [1] if device == "cuda" else thread_counts(len(usable_cores()))
+    grid = _grid(cfg.max_position_embeddings, model["kv_bytes_per_token"])
+    t0 = time.monotonic()
+    steps = {}
+    for n in units:
+        steps[n] = StepTimings.from_dict(_in_child(_measure_steps, str(model_dir), dtype, device, n, grid, progress))
+    transfer = _in_child(_measure_transfers, model["kv_bytes_per_token"], grid["transfer_mb"], progress)
+    profile = Profile(key, model, steps, {b: [tuple(p) for p in pts] for b, pts in transfer.items()})
+    if device == "cpu" and 1 in steps and len(usable_cores()) >= 2:
+        from pdserve.plan.serving_probe import measure_serving
+
+        profile.serving = measure_serving(model_dir, dtype, profile, grid["serving_prompts"], progress)
+    profile.date = datetime.now(UTC).isoformat(timespec="seconds")
+    profile.seconds = time.monotonic() - t0
+    return profile
+
+
+def _grid(max_len: int, kv_bytes_per_token: int) -> dict[str, Any]:
+    prefill = [n for n in PREFILL_TOKENS if n <= max_len] or [max_len]
+    contexts = [c for c in DECODE_CONTEXTS if c <= max_len] or [max_len]
+    points = [(b, c) for b in DECODE_BATCHES for c in contexts if b * c * kv_bytes_per_token <= KV_POOL_CAP_BYTES]
+    chunk = min(CHUNK[0], max_len // 4)
+    offset = min(CHUNK[1], max_len - chunk)
+    return {"prefill": prefill, "decode": points, "chunk": (chunk, offset), "transfer_mb": list(TRANSFER_MB),
+            "reps": 3, "serving_prompts": [128, 512] if max_len > 1024 else [max_len // 8, max_len // 2]}
+
+
+def _in_child(fn, *args):
+    """fn(*args, answer) in a fresh spawned process (its own torch threads and core affinity); its answer."""
+    ctx = mp.get_context("spawn")
+    answer = ctx.Queue()
+    proc = ctx.Process(target=fn, args=(*args, answer), daemon=True)
+    proc.start()
+    try:
+        kind, value = answer.get(timeout=_CHILD_TIMEOUT_S)
+    except queue.Empty:
+        raise RuntimeError(f"profiling ({fn.__name__}) gave no answer in {_CHILD_TIMEOUT_S:.0f} s") from None
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():  # a transfer library that hangs on shutdown: the answer is in already
+            proc.kill()
+            proc.join()
+    if kind == "error":
+        raise RuntimeError(f"profiling ({fn.__name__}) failed: {value}")
+    return value
+
+
+def _measure_steps(model_dir: str, dtype: str, device: str, threads: int, grid: dict[str, Any], progress: bool,
+                   answer) -> None:
+    try:
+        answer.put(("ok", _step_timings(model_dir, dtype, device, threads, grid, progress)))
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
+        answer.put(("error", f"{type(e).__name__}: {e}"))
+
+
+def _step_timings(model_dir: str, dtype: str, device: str, threads: int, grid: dict[str, Any],
+                  progress: bool) -> dict[str, Any]:
+    import logging
+
+    import torch
+    from tqdm.auto import tqdm
+
+    from pdserve.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.model_runner import SeqStep, StepSpec
+    from pdserve.engine.sampler import SampleSpec
+
+    logging.disable(logging.WARNING)
+    if device == "cpu" and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, usable_cores()[:threads])
+    tpb = 32
+    longest = max(grid["prefill"] + [grid["chunk"][0] + grid["chunk"][1]])
+    most = max([b * c for b, c in grid["decode"]] + [longest])
+    blocks = -(-most // tpb) + max((b for b, _ in grid["decode"]), default=1) + 1
+    ecfg = EngineConfig(model=model_dir, dtype=dtype, device=device, num_threads=threads if device == "cpu" else None,
+                        tokens_per_block=tpb, num_kv_blocks=blocks, max_num_tokens=longest,
+                        enable_prefix_caching=False)
+    engine = LLMEngine(ecfg)
+    runner, vocab = engine.runner, engine.model_cfg.vocab_size
+    rng = torch.Generator().manual_seed(0)
+    greedy = SampleSpec(temperature=0.0)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(3, vocab, (n,), generator=rng).tolist()
+
+    def timed(seqs: list[SeqStep], reps: int = grid["reps"]) -> float:
+        """Median seconds of `reps` steps, after one untimed step of the same shape (first-call costs)."""
+        runner.step(StepSpec(seqs))
+        times = []
+        for _ in range(reps):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            runner.step(StepSpec(seqs))
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def table(start_block: int, n_tokens: int) -> list[int]:
+        return list(range(start_block, start_block + -(-n_tokens // tpb)))
+
+    work = len(grid["prefill"]) + 1 + len(grid["decode"])
+    bar = tqdm(total=work, desc=f"profiling {threads} {'thread' if device == 'cpu' else 'GPU'}(s)", unit="shape",
+               disable=not progress)
+    try:
+        prefill = {}
+        for n in grid["prefill"]:
+            prefill[n] = timed([SeqStep(tokens(n), 0, table(0, n + 1), greedy)])
+            bar.update()
+        chunk, offset = grid["chunk"]
+        chunk_s = timed([SeqStep(tokens(chunk), offset, table(0, offset + chunk + 1), greedy)])
+        bar.update()
+        decode = {}
+        for b, ctx in grid["decode"]:
+            per = -(-ctx // tpb)
+            seqs = [SeqStep(tokens(1), ctx - 1, table(i * per, ctx), greedy) for i in range(b)]
+            decode[(b, ctx)] = timed(seqs, reps=2 * grid["reps"] + 1)
+            bar.update()
+    finally:
+        bar.close()
+        engine.shutdown()
+    return StepTimings(threads, prefill, (chunk, offset, chunk_s), decode).to_dict()
+
+
+def nixl_installed() -> bool:
+    import importlib.util
+
+    return any(importlib.util.find_spec(m) is not None for m in ("nixl_cu12", "nixl_cu13"))
+
+
+def _measure_transfers(kv_bytes_per_token: int, sizes_mb: list[int], progress: bool, answer) -> None:
+    try:
+        answer.put(("ok", _transfer_timings(kv_bytes_per_token, sizes_mb, progress)))
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
+        answer.put(("error", f"{type(e).__name__}: {e}"))
+
+
+def _transfer_timings(kv_bytes_per_token: int, sizes_mb: list[int], progress: bool) -> dict[str, list]:
+    """Per backend, [(bytes, s)]: one write of a request's KV, one block (32 tokens) per fragment."""
+    import logging
+
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    from pdserve.kv_transfer.agents import TransferState, make_agent
+    from pdserve.kv_transfer.agents.shm import allocate_shared
+
+    logging.disable(logging.WARNING)
+    backends = ["shm"] + (["nixl"] if nixl_installed() else [])
+    frag = kv_bytes_per_token * 32
+    largest = max(sizes_mb) << 20
+    out: dict[str, list] = {}
+    bar = tqdm(total=len(backends) * len(sizes_mb), desc="profiling KV transfer", unit="size", disable=not progress)
+    for backend in backends:
+        src_agent = make_agent(backend, f"plan-src-{os.getpid()}")
+        dst_agent = make_agent(backend, f"plan-dst-{os.getpid()}")
+        src, dst = allocate_shared(largest + frag), allocate_shared(largest + frag)
+        src.numpy()[:] = 1
+        dst.numpy()[:] = 0
+        src_agent.register_memory(src.region)
+        dst_agent.register_memory(dst.region)
+        peer = src_agent.load_remote(dst_agent.local_descriptor())
+        points = []
+        for mb in sizes_mb:
+            k = max(1, (mb << 20) // frag)
+            offsets = np.arange(k, dtype=np.uint64) * np.uint64(frag)
+            sizes = np.full(k, frag, dtype=np.uint64)
+            times = []
+            for _ in range(4):
+                t0 = time.perf_counter()
+                handle = src_agent.submit_write(peer, offsets + np.uint64(src.ptr), offsets + np.uint64(dst.ptr),
+                                                sizes, b"plan")
+                while (state := src_agent.poll(handle)) is TransferState.IN_PROGRESS:
+                    time.sleep(0.0001)
+                if state is not TransferState.DONE:
+                    raise RuntimeError(f"{backend} write of {mb} MiB failed")
+                times.append(time.perf_counter() - t0)
+                src_agent.release(handle)
+            dst_agent.get_notifications()
+            points.append((k * frag, statistics.median(times[1:])))  # the first one warms the path up
+            bar.update()
+        out[backend] = points
+    bar.close()
+    return out
+
+
+def describe(profile: Profile) -> str:
+    """A few lines saying what the profile holds."""
+    k = profile.key
+    lines = [f"profile of {Path(k['model']).name} ({k['dtype']}, {k['device']}) on {k['machine']}, "
+             f"{k['units']} {'cores' if k['device'] == 'cpu' else 'GPUs'}; measured {profile.date} "
+             f"in {profile.seconds:.0f} s"]
+    for n, t in sorted(profile.steps.items()):
+        longest = max(t.prefill)
+        b1 = min(t.decode, default=None)
+        decode = f", decode b{b1[0]} ctx {b1[1]} {1000 * t.decode[b1]:.1f} ms" if b1 else ""
+        lines.append(f"  {n} {'thread' if k['device'] == 'cpu' else 'GPU'}(s): prefill {longest} tokens "
+                     f"{1000 * t.prefill[longest]:.0f} ms{decode}")
+    for backend, pts in profile.transfer.items():
+        n, s = pts[-1]
+        lines.append(f"  KV transfer {backend}: {n / 2**20:.0f} MiB in {1000 * s:.1f} ms ({n / s / 1e9:.1f} GB/s)")
+    return "\n".join(lines)
+
+
+__all__ = ["Profile", "StepTimings", "describe", "load_or_measure", "measure", "thread_counts"]

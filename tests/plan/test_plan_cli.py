@@ -1,0 +1,119 @@
+"""`pdserve plan` end to end on a tiny model: a real profile (engine steps in child processes, KV writes
+through the transfer agents, a real `pdserve launch` probed over HTTP), the ranked table, the pick's
+cluster.yaml, and the errors a user can make."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import yaml
+from openai import OpenAI
+
+from pdserve.cli import main
+from pdserve.distributed import free_port
+from pdserve.launch import load_cluster_config, worker_configs
+from pdserve.plan.profile import Profile, load_or_measure, thread_counts, usable_cores
+from pdserve.testing.tiny import make_tiny_model
+from pdserve.testing.wait import wait_for_line
+
+pytestmark = pytest.mark.skipif(len(usable_cores()) < 2, reason="the serving probe pins two instances to two cores")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    old = os.environ.get("PDSERVE_CACHE_DIR")
+    os.environ["PDSERVE_CACHE_DIR"] = str(cache)
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny"), num_layers=2, num_heads=4, num_kv_heads=2)
+    try:
+        yield str(model)
+    finally:
+        if old is None:
+            os.environ.pop("PDSERVE_CACHE_DIR", None)
+        else:
+            os.environ["PDSERVE_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="module")
+def planned(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan")
+    rc = main(["plan", "--model", tiny, "--slo", "ttft:2000,tpot:200", "--input-len", "256", "--output-len", "16",
+               "--out", str(out / "cluster.yaml"), "--json", str(out / "plan.json"), "--rates", "1", "4", "16",
+               "--grid-ttft", "100", "2000", "--grid-tpot", "50", "200"])
+    assert rc == 0
+    return out
+
+
+def test_the_profile_holds_every_measurement_and_is_cached(tiny, planned):
+    profile, path, fresh = load_or_measure(tiny, progress=False)
+    assert not fresh and path.exists()
+    assert isinstance(Profile.from_dict(json.loads(path.read_text())), Profile)
+    assert profile.units == thread_counts(len(usable_cores()))
+    for t in profile.steps.values():
+        assert len(t.prefill) >= 6 and all(s > 0 for s in t.prefill.values())
+        assert len(t.decode) >= 10 and t.chunk[2] > 0
+    assert "shm" in profile.transfer and all(s > 0 for _, s in profile.transfer["shm"])
+    for kind in ("aggregated", "disaggregated"):
+        probe = profile.serving[kind]
+        assert probe["ttft_s"] >= 0 and probe["itl_s"] >= 0 and 0.8 <= probe["prefill_factor"] <= 3
+
+
+def test_the_pick_is_a_cluster_yaml_launch_accepts(planned):
+    doc = json.loads((planned / "plan.json").read_text())
+    assert doc["schema"] == "pdserve.plan/1" and doc["candidates"][0]["name"] == doc["pick"]
+    goodputs = [c["goodput"] for c in doc["candidates"]]
+    assert goodputs == sorted(goodputs, reverse=True) and goodputs[0] > 0
+    cfg = load_cluster_config(str(planned / "cluster.yaml"))
+    worker_configs(cfg)
+    assert yaml.safe_load((planned / "cluster.yaml").read_text()) == doc["candidates"][0]["cluster"]
+    grid = doc["grid"]
+    assert grid["schema"] == "pdserve.bench.grid/1" and len(grid["cells"]) == 4
+    tight = next(c for c in grid["cells"] if c["ttft_ms"] == 100 and c["tpot_ms"] == 50)
+    loose = next(c for c in grid["cells"] if c["ttft_ms"] == 2000 and c["tpot_ms"] == 200)
+    assert all(loose["goodput"][s] >= tight["goodput"][s] for s in grid["systems"])
+
+
+@pytest.mark.parametrize("argv,error", [
+    (["--slo", "ttft:100"], "needs both budgets"),
+    (["--slo", "ttft:100,tpot:10", "--input-len", "0"], "must be >= 1 token"),
+    (["--slo", "ttft:100,tpot:10", "--input-len", "4000"], "exceeds the model's context window"),
+    (["--slo", "ttft:100,tpot:10", "--rate", "nan"], "positive number"),
+    (["--slo", "ttft:100,tpot:10", "--ctx-layout", "tp3"], "one must divide the other"),
+])
+def test_a_bad_request_is_a_clear_error(tiny, planned, tmp_path, capsys, argv, error):
+    assert main(["plan", "--model", tiny, "--out", str(tmp_path / "c.yaml"), *argv]) == 2
+    assert error in capsys.readouterr().err
+
+
+def test_launch_refuses_an_slo_nothing_here_meets(tiny, planned, capsys):
+    rc = main(["launch", "--model", tiny, "--slo", "ttft:1,tpot:1", "--input-len", "256", "--output-len", "16"])
+    assert rc == 1
+    assert "loosen the SLO" in capsys.readouterr().err
+
+
+def test_launch_with_an_slo_starts_the_pick_and_serves(tiny, planned, tmp_path):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "launch", "--model", tiny,
+                             "--slo", "ttft:5000,tpot:500", "--input-len", "256", "--output-len", "16",
+                             "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        banner = wait_for_line(proc, "ready: OpenAI API", timeout=180)
+        pick = json.loads((planned / "plan.json").read_text())["pick"]
+        assert "(cached:" in banner and "pdserve launch: launching " in banner
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        got = client.completions.create(
+            model=client.models.list().data[0].id, prompt="The quick brown fox", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+        assert got.usage.completion_tokens == 5, pick
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -1,0 +1,150 @@
+"""The planner's simulator against the engine's own scheduler, and its goodput search against brute force.
+
+The cost model is built from hand-written step timings (the profile's shape): these tests are about
+the simulation's policy and arithmetic, not about this machine's speed."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from pdserve.bench.sweep import distserve_goodput
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.sampler import SampleResult
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import RequestType, Sequence
+from pdserve.plan.costmodel import StepCost, TransferCost
+from pdserve.plan.planner import PlanSLO, attainment, search_goodput
+from pdserve.plan.profile import StepTimings
+from pdserve.plan.simulate import (
+    Deployment,
+    InstanceSpec,
+    Workload,
+    run_instance,
+    simulate,
+)
+
+
+def timings(threads: int = 1) -> StepTimings:
+    """Prefill ~1 ms per token plus a quadratic part; decode 10 ms + 1 ms per sequence + KV reads."""
+    prefill = {n: 0.001 * n + 1e-7 * n * n / 2 for n in (16, 64, 128, 256, 512, 1024, 2048)}
+    decode = {(b, c): 0.010 + 0.001 * b + 2e-6 * b * c for b in (1, 2, 4, 8, 16, 32) for c in (128, 1024)}
+    chunk, offset = 512, 1536
+    return StepTimings(threads, prefill, (chunk, offset, prefill[512] + 1e-7 * chunk * offset), decode)
+
+
+@pytest.fixture(scope="module")
+def cost() -> StepCost:
+    return StepCost(timings())
+
+
+def test_cost_model_recovers_the_timings_it_was_built_from(cost):
+    assert cost.prefill(512) == pytest.approx(0.001 * 512 + 1e-7 * 512 * 512 / 2)
+    assert cost.alpha == pytest.approx(1e-7)
+    assert cost.beta == pytest.approx(2e-6)
+    assert cost.decode(8, 8 * 1024) == pytest.approx(0.010 + 0.008 + 2e-6 * 8 * 1024)
+    assert cost.decode(3, 300) == pytest.approx(0.013 + 2e-6 * 300)  # between measured batch sizes
+    # A mixed step is one forward over every row, plus both attentions.
+    assert cost.step([(256, 512)], 4, 4000) == pytest.approx(cost.prefill(260) + 1e-7 * 256 * 512 + 2e-6 * 4000)
+    assert cost.step([], 0, 0) == 0.0
+
+
+def test_transfer_cost_is_the_least_squares_line():
+    t = TransferCost([(1 << 20, 0.001 + 1e-9 * (1 << 20)), (16 << 20, 0.001 + 1e-9 * (16 << 20)),
+                      (64 << 20, 0.001 + 1e-9 * (64 << 20))])
+    assert t.fixed == pytest.approx(0.001)
+    assert t.gb_per_s == pytest.approx(1.0)
+
+
+def scheduler_times(cost: StepCost, arrivals: np.ndarray, prompt: int, outputs: int, budget: int,
+                    max_seqs: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """The real Scheduler stepped in simulated time with the same step costs: first and last token times."""
+    s = Scheduler(BlockManager(4096, 16, enable_prefix_caching=False), max_seqs, budget, True)
+    n = len(arrivals)
+    first, last = np.full(n, math.nan), np.full(n, math.nan)
+    t, nxt, done = 0.0, 0, 0
+    while done < n:
+        while nxt < n and arrivals[nxt] <= t:
+            s.add(Sequence(str(nxt), [5] * prompt, SamplingParams(max_tokens=outputs, ignore_eos=True),
+                           RequestType.CONTEXT_AND_GENERATION))
+            nxt += 1
+        if not s.has_work():
+            t = float(arrivals[nxt])
+            continue
+        batch = s.schedule()
+        chunks = [(b.num_new_tokens, b.start) for b in batch if b.start < prompt]
+        decodes = [b for b in batch if b.start >= prompt]
+        t += cost.step(chunks, len(decodes), sum(b.start + 1 for b in decodes)) + 0.0005  # reads start + 1 tokens
+        sampling = [b for b in batch if b.samples]
+        s.postprocess(batch, SampleResult([7] * len(sampling), [None] * len(sampling), [None] * len(sampling)))
+        for out in s.take_outputs():
+            i = int(out.request_id)
+            if math.isnan(first[i]):
+                first[i] = t
+            if out.finished:
+                last[i] = t
+                done += 1
+    return first, last
+
+
+@pytest.mark.parametrize("prompt,outputs,budget,rate", [(300, 8, 128, 2.0), (100, 16, 1024, 5.0), (600, 4, 256, 0.5)])
+def test_an_instance_steps_as_the_engines_scheduler_does(cost, prompt, outputs, budget, rate):
+    arrivals = Workload(prompt, outputs, 40, seed=3).arrivals(rate)
+    want_first, want_last = scheduler_times(cost, arrivals, prompt, outputs, budget)
+    first, last = run_instance(InstanceSpec(cost, budget), arrivals, prompt, outputs)
+    np.testing.assert_allclose(first, want_first, rtol=1e-9)
+    np.testing.assert_allclose(last, want_last, rtol=1e-9)
+
+
+def test_one_request_alone_costs_its_steps(cost):
+    wl = Workload(512, 5, num_requests=10)
+    dep = Deployment("aggregated", [InstanceSpec(cost, 256, step_extra_s=0.0)], request_extra_s=0.1)
+    out = simulate(dep, wl, rate=1e-4)  # arrivals hours apart: nobody waits
+    prefill = cost.prefill(256) + cost.prefill(256) + cost.alpha * 256 * 256  # two chunks of 256
+    np.testing.assert_allclose(out.ttft, prefill + 0.1)
+    decode = np.mean([cost.decode(1, 512 + k) for k in range(1, 5)])
+    np.testing.assert_allclose(out.tpot, decode)
+
+
+def test_disaggregated_ttft_holds_the_transfer_and_decode_is_never_behind_a_prefill(cost):
+    transfer = TransferCost([(1, 0.01), (10**9, 1.01)])  # 10 ms + 1 GB/s
+    wl = Workload(1024, 8, num_requests=30)
+    gen, ctx = InstanceSpec(cost, 1024, step_extra_s=0.0), InstanceSpec(cost, 2048, step_extra_s=0.0)
+    dep = Deployment("disaggregated", [gen], [ctx], transfer, kv_bytes_per_token=1000, hop_s=0.004)
+    alone = simulate(dep, wl, rate=1e-4)
+    np.testing.assert_allclose(alone.ttft, cost.prefill(1024) + 0.004 + transfer.seconds(1024 * 1000))
+    busy = simulate(dep, wl, rate=0.8)
+    # The generation instance only decodes: its steps never carry a prefill, at any load.
+    assert busy.tpot.max() <= cost.decode(30, 30 * (1024 + 8)) + 1e-9
+
+
+def test_goodput_search_agrees_with_brute_force(cost):
+    wl = Workload(512, 16, num_requests=60)
+    dep = Deployment("aggregated", [InstanceSpec(cost, 512)])
+    slo = PlanSLO(ttft_ms=1500, tpot_ms=60)
+    rates = [0.25 * k for k in range(1, 17)]
+    brute = distserve_goodput([(r, attainment(dep, wl, r, slo)[0]) for r in rates])
+    assert 0 < brute < rates[-1]
+    scored, _ = search_goodput(dep, wl, slo, capacity=4.0, rates=rates)
+    assert scored == brute
+    searched, _ = search_goodput(dep, wl, slo, capacity=4.0)
+    assert brute <= searched < brute + 0.25 + 1e-9  # the search refines between the grid's rates
+    assert attainment(dep, wl, searched, slo)[0] >= 0.9
+
+
+def test_an_slo_no_single_request_meets_has_zero_goodput(cost):
+    wl = Workload(1024, 8, num_requests=20)
+    dep = Deployment("aggregated", [InstanceSpec(cost, 1024)])
+    good, points = search_goodput(dep, wl, PlanSLO(ttft_ms=100, tpot_ms=100), capacity=1.0)
+    assert good == 0.0 and len(points) == 1
+
+
+@pytest.mark.parametrize("text,error", [("ttft:100", "both"), ("ttft:1,tpot:x", "not a number"),
+                                        ("ttft:nan,tpot:5", "positive, finite"), ("tpot:1,tpot:2", "twice"),
+                                        ("e2e:5,tpot:1", "not ttft:MS"), ("ttft:-1,tpot:1", "positive")])
+def test_a_bad_slo_says_what_to_write(text, error):
+    with pytest.raises(ValueError, match=error):
+        PlanSLO.parse(text)
