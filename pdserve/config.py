@@ -72,6 +72,10 @@ class CacheTransceiverConfig(BaseModel):
     pipelined_transfer: bool = Field(
         False, description="context side: offer each prefill chunk's finished blocks as soon as it is computed "
                            "(generation_first requests; takes effect with chunked prefill)")
+    nixl_progress_delay_us: int = Field(
+        1000, ge=0, le=1_000_000,
+        description="nixl: microseconds NIXL's progress thread waits between passes; 0 keeps NIXL's own (a "
+                    "sched_yield loop that holds a core while idle and halves a one-core instance's prefill)")
     checksum: bool = Field(
         _TX.checksum,
         description="a CRC32 per KV block, computed by the context side and checked by the generation side; "

@@ -73,7 +73,8 @@ class KVConnector:
     def __init__(self, cfg: CacheTransceiverConfig, ps: ParallelState, instance_name: str, pool: torch.Tensor,
                  geometry: KVPoolGeometry):
         self.ps = ps
-        self.agent = make_agent(cfg.backend, name=f"{instance_name}-rank{ps.rank}")
+        self.agent = make_agent(cfg.backend, name=f"{instance_name}-rank{ps.rank}",
+                                nixl_progress_delay_us=cfg.nixl_progress_delay_us)
         if cfg.fault_injection is not None and cfg.fault_injection.active:
             self.agent = FaultyAgent(self.agent, cfg.fault_injection)
         self.region = MemoryRegion.of_tensor(pool)

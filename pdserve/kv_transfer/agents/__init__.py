@@ -16,12 +16,14 @@ from pdserve.kv_transfer.agents.base import (
 BACKENDS = ("nixl", "shm", "fake")
 
 
-def make_agent(backend: str, name: str | None = None) -> TransferAgent:
-    """A transfer agent for `backend` ("nixl", "shm" or "fake"); the name must be unique per process."""
+def make_agent(backend: str, name: str | None = None, nixl_progress_delay_us: int | None = None) -> TransferAgent:
+    """A transfer agent for `backend` ("nixl", "shm" or "fake"); the name must be unique per process.
+    `nixl_progress_delay_us`: NIXL only, its progress thread's wait between passes (nixl.py; None: 1000)."""
     if backend == "nixl":
-        from pdserve.kv_transfer.agents.nixl import NixlAgent
+        from pdserve.kv_transfer.agents.nixl import DEFAULT_PROGRESS_DELAY_US, NixlAgent
 
-        return NixlAgent(name)
+        delay = DEFAULT_PROGRESS_DELAY_US if nixl_progress_delay_us is None else nixl_progress_delay_us
+        return NixlAgent(name, progress_delay_us=delay)
     if backend == "shm":
         from pdserve.kv_transfer.agents.shm import ShmAgent
 
