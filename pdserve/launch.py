@@ -3,7 +3,8 @@
 Starts every context and generation instance (`pdserve serve`) and the orchestrator
 (`pdserve disaggregated`), each in its own process group with its log file, waits until all answer
 /health, prints where everything is, and on Ctrl-C or SIGTERM stops them all (SIGTERM, then SIGKILL
-after a grace period), so no process outlives the command. A member that dies is restarted, after a
+after a grace period), so no process outlives the command; killed with SIGKILL, it cannot stop them, so
+the kernel sends each its SIGTERM (PR_SET_PDEATHSIG). A member that dies is restarted, after a
 backoff that doubles each time (restart_backoff_s, 2x, ...), at most max_restarts times; the
 orchestrator routes to it again once it answers /health. One that dies once more than that stops the
 cluster, and the command exits non-zero, naming it and the end of its log.
@@ -84,6 +85,17 @@ class ClusterConfig(BaseModel):
         return self
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """In a child between fork and exec (Linux): the kernel sends it `sig` when the process that started it
+    dies, by any signal, SIGKILL included; otherwise a killed launcher would leave its servers running."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+
+
 class Member:
     """One process group of the cluster and its log."""
 
@@ -96,10 +108,15 @@ class Member:
     def _spawn(self, mode: str) -> subprocess.Popen:
         log = open(self.log_path, mode)
         cpus = self.cpus
-        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+
+        def prepare() -> None:  # in the child: stop with launch, even a launch killed -9; its cores
+            die_with_parent()
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
         try:
             return subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, preexec_fn=pin)
+                                    start_new_session=True, preexec_fn=prepare)
         finally:
             log.close()
 

@@ -23,7 +23,6 @@ is refused when it joins).
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -36,7 +35,7 @@ from typing import Any
 import httpx
 import yaml
 
-from pdserve.launch import ClusterConfig, checked_cluster_config, worker_configs
+from pdserve.launch import ClusterConfig, checked_cluster_config, die_with_parent, worker_configs
 
 NAMESPACE = "pdserve"
 CONTROLLER = "pdserve-controller"
@@ -44,12 +43,11 @@ ROLES = ("context", "generation")
 _HEAD_RESOURCE = "node:__internal_head__"
 _DRAIN_S = 60.0
 _STATUS_WAIT_S = 30.0  # how long status waits for an actor that Ray is restarting
-_PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:
     """In the child before exec: the kernel sends it SIGKILL when its parent (the actor) dies."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    die_with_parent(signal.SIGKILL)
 
 
 class ServerProcess:

@@ -97,6 +97,26 @@ def test_launch_without_context_instances_serves_aggregated(tmp_path, tiny):
             proc.wait()
 
 
+def test_a_launch_killed_with_sigkill_takes_its_servers_with_it(tmp_path, tiny):
+    """SIGKILL gives `pdserve launch` no chance to stop its members (each in its own session); the kernel
+    sends them SIGTERM when it dies (PR_SET_PDEATHSIG). Before, they ran on, holding their ports."""
+    cluster = {"model": tiny, "port": free_port(), "log_dir": str(tmp_path / "logs"), "context": [],
+               "generation": [{"port": free_port()}]}
+    proc = _launch(tmp_path, cluster)
+    try:
+        wait_for_line(proc, "ready: OpenAI API", timeout=180)
+        members = psutil.Process(proc.pid).children()
+        assert len(members) == 2  # gen0 and the orchestrator
+        proc.kill()
+        proc.wait(timeout=10)
+        _, alive = psutil.wait_procs(members, timeout=60)
+        assert not alive, f"{[m.cmdline() for m in alive]} outlived a killed pdserve launch"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def test_launch_refuses_a_bad_cluster_config(tmp_path):
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump({"context": [{"port": 9001, "config": {"tensor_parallel_size": 0}}]}))
