@@ -2,7 +2,7 @@
 
     python benchmarks/bench_kv_transfer.py [--tokens 512 2048 8192] [--dtypes fp32 bf16]
         [--backend nixl|shm] [--reps 5] [--contiguous-reps 21] [--case-timeout 240]
-        [--tables contiguous nhd checksum]
+        [--tables contiguous nhd checksum] [--nixl-progress-delay-us US]
 
 KV of SmolLM2-135M's shape (30 layers, 3 KV heads, head_dim 64, 16 tokens per block). Every case
 runs in two fresh spawned processes: a context instance (tp1) and a generation instance, started and
@@ -65,14 +65,15 @@ def load() -> str:
     return "load %.1f %.1f %.1f" % os.getloadavg()
 
 
-def build(name: str, tp: int, blocks: int, elt: int, layout: str, backend: str, bounce, checksum: bool = False) -> list:
+def build(name: str, tp: int, blocks: int, elt: int, layout: str, backend: str, bounce, checksum: bool = False,
+          nixl_delay: int | None = None) -> list:
     """One instance in this process: [(transceiver, pool)] per TP rank, pools pre-touched."""
     ranks, infos = [], []
     heads = max(1, HEADS // tp)
     for tp_rank in range(tp):
         pool = allocate_shared(blocks * LAYERS * 2 * heads * TPB * HEAD_DIM * elt)
         pool.numpy()[:] = 0  # fault the pages in now, not inside the first timed write
-        agent = make_agent(backend, f"bench-{name}-{tp_rank}-{os.getpid()}")
+        agent = make_agent(backend, f"bench-{name}-{tp_rank}-{os.getpid()}", nixl_progress_delay_us=nixl_delay)
         agent.register_memory(pool.region)
         tx = KVTransceiver(agent, TransceiverConfig(kv_transfer_timeout_ms=600_000, bounce=bounce, checksum=checksum))
         table = page_table_for_block_major_pool(pool.ptr, blocks, LAYERS, heads, TPB, HEAD_DIM, elt,
@@ -90,7 +91,7 @@ def ctx_main(case: dict, inbox, outbox) -> None:
     stage seconds); ("raw", gen RankInfo bytes list) -> ("raw", seconds); None -> exit."""
     blocks = -(-case["tokens"] // TPB)
     ranks, infos = build("ctx", 1, blocks, case["elt"], case["layout"], case["backend"], case["bounce"],
-                         case.get("checksum", False))
+                         case.get("checksum", False), case.get("nixl_delay"))
     tx, pool = ranks[0]
     pool.numpy()[:] = np.random.default_rng(0).integers(0, 255, pool.nbytes, dtype=np.uint8)
     outbox.put(tx.endpoint)
@@ -137,7 +138,7 @@ def gen_main(case: dict, results) -> None:
     try:
         blocks = -(-case["tokens"] // TPB)
         gen, infos = build("gen", case["gen_tp"], blocks, case["elt"], case["layout"], case["backend"], case["bounce"],
-                           case.get("checksum", False))
+                           case.get("checksum", False), case.get("nixl_delay"))
         endpoint = outbox.get(timeout=_STEP_S)
         seen = {"scatter": 0.0, "checksum": 0.0}  # gen-side stage seconds attributed to earlier requests
 
@@ -279,6 +280,7 @@ def contiguous_table(args) -> None:
         for tokens in args.tokens:
             nbytes = kv_bytes(tokens, DTYPES[dtype])
             case = {"tokens": tokens, "elt": DTYPES[dtype], "layout": "HND", "gen_tp": 1, "backend": args.backend,
+                    "nixl_delay": args.nixl_progress_delay_us,
                     "bounce": None, "reps": args.contiguous_reps, "raw": True, "warm_full": True}
             r = run_case(case, args.case_timeout)
             ours, raw = _median(r["ours"]), _median(r["raw"])
@@ -306,6 +308,7 @@ def nhd_table(args) -> None:
             for mode in ("direct", "bounce"):
                 bounce = BounceConfig(staging_bytes=3 * nbytes) if mode == "bounce" else None
                 case = {"tokens": tokens, "elt": DTYPES[dtype], "layout": "NHD", "gen_tp": 3, "backend": args.backend,
+                        "nixl_delay": args.nixl_progress_delay_us,
                         "bounce": bounce, "reps": args.reps, "raw": False, "warm_full": mode == "bounce"}
                 rows[mode] = run_case(case, args.case_timeout)
             direct, bounced = (_median(rows[m]["ours"]) for m in ("direct", "bounce"))
@@ -333,8 +336,8 @@ def checksum_table(args) -> None:
                 rows = {}
                 for checksum in (False, True):
                     case = {"tokens": tokens, "elt": DTYPES[dtype], "layout": layout, "gen_tp": gen_tp,
-                            "backend": args.backend, "bounce": None, "reps": args.reps, "raw": False,
-                            "warm_full": False, "checksum": checksum}
+                            "backend": args.backend, "nixl_delay": args.nixl_progress_delay_us, "bounce": None,
+                            "reps": args.reps, "raw": False, "warm_full": False, "checksum": checksum}
                     rows[checksum] = run_case(case, args.case_timeout)
                 off, on = _median(rows[False]["ours"]), _median(rows[True]["ours"])
                 crc = _median([st["checksum"] for st in rows[True]["stages"]])
@@ -350,6 +353,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--backend", default="nixl", choices=["nixl", "shm"])
+    parser.add_argument("--nixl-progress-delay-us", type=int, default=None,
+                        help="NIXL's progress thread delay (cache_transceiver_config.nixl_progress_delay_us; "
+                             "default: pdserve's, 1000; 0: NIXL's own busy loop)")
     parser.add_argument("--reps", type=int, default=5, help="reps of the NHD cases (seconds each when direct)")
     parser.add_argument("--contiguous-reps", type=int, default=21, help="raw/ours rep pairs of the contiguous cases")
     parser.add_argument("--case-timeout", type=float, default=240.0,

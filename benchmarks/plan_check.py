@@ -1,7 +1,7 @@
 """`pdserve plan` against measurement: its predicted goodput grid beside the one a real sweep measures.
 
     python benchmarks/plan_check.py --systems agg1x2-c512 agg2x1-c512 disagg1x1-1x1-cf disagg1x1-1x1-gf \
-        --input-len 256 --output-len 32 --rates 0.5 1 1.5 2 2.5 3 --num-prompts 20 \
+        --input-len 256 --output-len 32 --rates 0.5 1 1.5 2 2.5 3 3.5 --num-prompts 30 \
         --ttft 300 500 1000 2500 --tpot 25 30 40 60 100 --out-dir benchmarks/results/plan-check
 
 1. Plans once (the cached profile; `pdserve plan --rates ...`): every candidate's predicted goodput at
@@ -43,8 +43,8 @@ def predicted(args, out: Path) -> dict:
     run([sys.executable, "-m", "pdserve.cli", "plan", "--slo", f"ttft:{max(args.ttft)},tpot:{max(args.tpot)}",
          "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--backend", args.backend,
          "--rates", *map(str, args.rates), "--grid-ttft", *map(str, args.ttft), "--grid-tpot", *map(str, args.tpot),
-         "--num-requests", str(args.sim_requests), "--out", str(out / "plan-cluster.yaml"), "--json", str(path),
-         "--top", "20"])
+         "--num-requests", str(args.num_prompts), "--sim-seeds", str(args.sim_seeds),
+         "--out", str(out / "plan-cluster.yaml"), "--json", str(path), "--top", "20"])
     return json.loads(path.read_text())
 
 
@@ -131,9 +131,10 @@ def main() -> None:
     p.add_argument("--systems", nargs="+", required=True, help="candidate names of the plan to deploy and measure")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1, 1.5, 2, 2.5, 3])
-    p.add_argument("--num-prompts", type=int, default=20, help="measured requests per rate")
-    p.add_argument("--sim-requests", type=int, default=200, help="simulated requests per rate")
+    p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1, 1.5, 2, 2.5, 3, 3.5])
+    p.add_argument("--num-prompts", type=int, default=30, help="measured requests per rate")
+    p.add_argument("--sim-seeds", type=int, default=16,
+                   help="simulated runs of --num-prompts requests per rate, pooled into the prediction")
     p.add_argument("--ttft", type=float, nargs="+", default=[300, 500, 1000, 2500])
     p.add_argument("--tpot", type=float, nargs="+", default=[25, 30, 40, 60, 100])
     p.add_argument("--backend", default="shm")

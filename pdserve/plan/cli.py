@@ -31,6 +31,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from pdserve.plan.candidates import Candidate, enumerate_candidates
@@ -43,7 +44,7 @@ from pdserve.plan.planner import (
     search_goodput,
 )
 from pdserve.plan.profile import Profile, describe, load_or_measure
-from pdserve.plan.simulate import Workload, simulate
+from pdserve.plan.simulate import Outcome, Workload, simulate
 
 SCHEMA = "pdserve.plan/1"
 
@@ -58,6 +59,8 @@ def add_plan_arguments(p: argparse.ArgumentParser, *, slo_required: bool) -> Non
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--backend", default="shm", choices=["shm", "nixl"], help="KV transfer backend (default shm)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="what instances compute on: auto takes CUDA when a GPU is visible (a unit is then a GPU)")
     p.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet the SLO")
     p.add_argument("--reprofile", action="store_true", help="measure the profile again even if one is cached")
     p.add_argument("--port", type=int, default=8000, help="the cluster's public port (written into cluster.yaml)")
@@ -72,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", type=float, nargs="+", default=None,
                    help="score goodput at exactly these rates (as a sweep does) instead of searching")
     p.add_argument("--num-requests", type=int, default=200, help="simulated requests per rate")
+    p.add_argument("--sim-seeds", type=int, default=1,
+                   help="with --grid-*: arrival draws per rate, pooled (to predict runs of --num-requests each)")
     p.add_argument("--ctx-layout", default=None, help="transfer plan: the context instance's layout, e.g. tp2")
     p.add_argument("--gen-layout", default=None, help="transfer plan: the generation instance's layout, e.g. pp2")
     p.add_argument("--bounce", action="store_true", help="transfer plan: with the bounce buffer on")
@@ -166,7 +171,7 @@ def predicted_grid(args: argparse.Namespace, profile: Profile, preds: list[Predi
     outcomes = {}
     for p in preds:
         dep = p.candidate.deployment(costs, transfer, profile.kv_bytes_per_token, profile.serving)
-        outcomes[p.candidate.name] = [(r, simulate(dep, wl, r)) for r in sorted(args.rates)]
+        outcomes[p.candidate.name] = [(r, pooled(dep, wl, r, args.sim_seeds)) for r in sorted(args.rates)]
     cells = []
     for ttft in sorted(args.grid_ttft):
         for tpot in sorted(args.grid_tpot):
@@ -175,6 +180,13 @@ def predicted_grid(args: argparse.Namespace, profile: Profile, preds: list[Predi
                 for name, runs in outcomes.items()}})
     return {"schema": "pdserve.bench.grid/1", "attainment_target": args.attainment, "predicted": True,
             "systems": list(outcomes), "cells": cells}
+
+
+def pooled(dep, wl: Workload, rate: float, seeds: int) -> Outcome:
+    """The outcomes of `seeds` independent arrival draws at `rate`, as one: the expected attainment of a
+    run of wl.num_requests requests (a short run builds a shorter queue than a long one)."""
+    runs = [simulate(dep, Workload(wl.input_len, wl.output_len, wl.num_requests, seed), rate) for seed in range(seeds)]
+    return Outcome(np.concatenate([o.ttft for o in runs]), np.concatenate([o.tpot for o in runs]))
 
 
 def plan_document(args, slo: PlanSLO, profile: Profile, path: Path, preds: list[Prediction], at: float) -> dict:
@@ -213,7 +225,12 @@ def cluster_text(cand: Candidate, doc: dict[str, Any], slo: PlanSLO, args: argpa
 def run_plan(args: argparse.Namespace) -> tuple[list[Prediction], PlanSLO, Profile, float, Path]:
     """Profile (cached), model and rank: shared by `pdserve plan` and `pdserve launch --slo`."""
     slo = check_args(args)
-    profile, path, fresh = load_or_measure(args.model, args.dtype, refresh=args.reprofile)
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    profile, path, fresh = load_or_measure(args.model, args.dtype, device, refresh=args.reprofile)
     print(describe(profile) + f"\n  ({'measured now' if fresh else 'cached'}: {path})\n", flush=True)
     preds, at = plan(args, slo, profile)
     return preds, slo, profile, at, path

@@ -53,7 +53,7 @@ class InstanceSpec:
     max_num_tokens: int
     max_num_seqs: int = 64
     step_extra_s: float = STEP_OVERHEAD_S  # serving's time per step beyond the forward pass
-    prefill_factor: float = 1.0  # a server's prefill step against the profile's bare one (serving_probe.py)
+    prefill_factor: float = 1.0  # a step with prefill rows takes this times the profile's bare step
 
 
 def run_instance(spec: InstanceSpec, ready: np.ndarray, prompt: int, outputs: int,
@@ -137,6 +137,9 @@ class Deployment:
     schedule_style: str = "context_first"
     pipelined_chunk: int | None = None  # generation_first with pipelined transfer: KV left after the last chunk
     request_extra_s: float = 0.0  # serving's time per request beyond the steps (HTTP, tokenizing, hops)
+    # ... and the part of it that grows with the prompt, as a multiple of its bare prefill: latency that takes
+    # no engine time (disaggregated: see candidates.py)
+    prefill_extra: float = 0.0
     hop_s: float = HOP_S  # context_first's extra HTTP hop, unless request_extra_s already holds it
 
 
@@ -179,6 +182,7 @@ def simulate(dep: Deployment, wl: Workload, rate: float) -> Outcome:
         for inst, idx in zip(dep.instances, _round_robin(kv_ready, len(dep.instances))):
             f, la = run_instance(inst, kv_ready[idx], L, M, computed=L)
             first[idx], last[idx] = f, la
-    ttft = first - arrivals + dep.request_extra_s
+    first_stage = dep.instances[0] if dep.kind == "aggregated" else dep.context[0]
+    ttft = first - arrivals + dep.request_extra_s + dep.prefill_extra * first_stage.cost.prefill(L)
     tpot = np.where(M > 1, (last - first) / max(M - 1, 1), 0.0)
     return Outcome(ttft, tpot)

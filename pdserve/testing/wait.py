@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
 from typing import Callable
 
@@ -31,3 +34,23 @@ def wait_for_line(proc, needle: str, timeout: float) -> str:
         if needle in line:
             return "".join(seen)
     raise AssertionError(f"no {needle!r} from {' '.join(map(str, proc.args[-3:]))}:\n{''.join(seen)}")
+
+
+@contextlib.contextmanager
+def reaped(proc):
+    """Yields `proc` (started with start_new_session=True); one still running on the way out, the test
+    having failed, is killed with its whole process group."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def stop_cleanly(proc, timeout: float = 60.0) -> str:
+    """SIGTERM `proc`, wait for it, and check it exited 0; its remaining text output."""
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out
+    return out

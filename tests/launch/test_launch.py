@@ -20,7 +20,7 @@ from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.launch import ClusterConfig, worker_configs
 from pdserve.testing import make_tiny_model
-from pdserve.testing.wait import wait_for_line
+from pdserve.testing.wait import reaped, stop_cleanly, wait_for_line
 
 
 def _launch(tmp_path, cluster: dict) -> subprocess.Popen:
@@ -41,8 +41,7 @@ def test_launch_serves_disaggregated_and_stops_cleanly(tmp_path, tiny):
     cluster = {"model": tiny, "port": port, "log_dir": str(tmp_path / "logs"), "backend": "shm",
                "context": [{"port": free_port(), "config": {"tokens_per_block": 8}}],
                "generation": [{"port": free_port(), "config": {"tokens_per_block": 8}}]}
-    proc = _launch(tmp_path, cluster)
-    try:
+    with reaped(_launch(tmp_path, cluster)) as proc:
         banner = wait_for_line(proc, "ready: OpenAI API", timeout=180)
         assert "ctx0" in banner and "gen0" in banner and "orchestrator" in banner
         children = psutil.Process(proc.pid).children(recursive=True)
@@ -55,27 +54,24 @@ def test_launch_serves_disaggregated_and_stops_cleanly(tmp_path, tiny):
             want = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
         assert got.choices[0].text == want.text
         assert got.usage.completion_tokens == 12
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 0, out
+        out = stop_cleanly(proc)
         assert "stopped." in out
         deadline = time.monotonic() + 10
         while any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children):
             assert time.monotonic() < deadline, "processes outlived pdserve launch"
             time.sleep(0.2)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_launch_without_context_instances_serves_aggregated(tmp_path, tiny):
+def test_launch_without_context_instances_serves_aggregated_and_dies_with_its_servers(tmp_path, tiny):
     """`context: []` (what `pdserve plan` writes for an aggregated pick): the generation instances serve
-    whole requests behind the orchestrator, which needs no context instance to be healthy."""
+    whole requests behind the orchestrator, which needs no context instance to be healthy.
+
+    Then SIGKILL: it gives `pdserve launch` no chance to stop its members (each in its own session); the
+    kernel sends them SIGTERM when it dies (PR_SET_PDEATHSIG). Before, they ran on, holding their ports."""
     port = free_port()
     cluster = {"model": tiny, "port": port, "log_dir": str(tmp_path / "logs"), "context": [],
                "generation": [{"port": free_port()}, {"port": free_port()}]}
-    proc = _launch(tmp_path, cluster)
-    try:
+    with reaped(_launch(tmp_path, cluster)) as proc:
         banner = wait_for_line(proc, "ready: OpenAI API", timeout=180)
         assert "aggregated, 2 instance(s)" in banner and "gen1" in banner and "ctx0" not in banner
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
@@ -88,33 +84,13 @@ def test_launch_without_context_instances_serves_aggregated(tmp_path, tiny):
             assert got.choices[0].text == want.text
         gen_conf = yaml.safe_load((tmp_path / "logs" / "gen0.yaml").read_text())
         assert "cache_transceiver_config" not in gen_conf  # nothing moves KV
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 0, out
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
-
-def test_a_launch_killed_with_sigkill_takes_its_servers_with_it(tmp_path, tiny):
-    """SIGKILL gives `pdserve launch` no chance to stop its members (each in its own session); the kernel
-    sends them SIGTERM when it dies (PR_SET_PDEATHSIG). Before, they ran on, holding their ports."""
-    cluster = {"model": tiny, "port": free_port(), "log_dir": str(tmp_path / "logs"), "context": [],
-               "generation": [{"port": free_port()}]}
-    proc = _launch(tmp_path, cluster)
-    try:
-        wait_for_line(proc, "ready: OpenAI API", timeout=180)
         members = psutil.Process(proc.pid).children()
-        assert len(members) == 2  # gen0 and the orchestrator
+        assert len(members) == 3  # gen0, gen1 and the orchestrator
         proc.kill()
         proc.wait(timeout=10)
         _, alive = psutil.wait_procs(members, timeout=60)
         assert not alive, f"{[m.cmdline() for m in alive]} outlived a killed pdserve launch"
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def test_launch_refuses_a_bad_cluster_config(tmp_path):
@@ -145,8 +121,7 @@ def test_launch_restarts_a_member_that_dies(tmp_path, tiny):
                "restart_backoff_s": 0.5, "orchestrator": {"health_check_interval": 0.5},
                "context": [{"port": ctx_port, "config": {"tokens_per_block": 8}}],
                "generation": [{"port": free_port(), "config": {"tokens_per_block": 8}}]}
-    proc = _launch(tmp_path, cluster)
-    try:
+    with reaped(_launch(tmp_path, cluster)) as proc:
         wait_for_line(proc, "ready: OpenAI API", timeout=180)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
         ask = dict(model="m", prompt=list(range(5, 60)), max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
@@ -163,9 +138,4 @@ def test_launch_restarts_a_member_that_dies(tmp_path, tiny):
             except Exception:  # 503/502 until the restarted instance is ready and routed to again
                 time.sleep(0.5)
         assert answer == before
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 0, out
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_cleanly(proc)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -19,7 +18,7 @@ from pdserve.distributed import free_port
 from pdserve.launch import load_cluster_config, worker_configs
 from pdserve.plan.profile import Profile, load_or_measure, thread_counts, usable_cores
 from pdserve.testing.tiny import make_tiny_model
-from pdserve.testing.wait import wait_for_line
+from pdserve.testing.wait import reaped, stop_cleanly, wait_for_line
 
 pytestmark = pytest.mark.skipif(len(usable_cores()) < 2, reason="the serving probe pins two instances to two cores")
 
@@ -98,22 +97,15 @@ def test_launch_refuses_an_slo_nothing_here_meets(tiny, planned, capsys):
 
 def test_launch_with_an_slo_starts_the_pick_and_serves(tiny, planned, tmp_path):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "launch", "--model", tiny,
-                             "--slo", "ttft:5000,tpot:500", "--input-len", "256", "--output-len", "16",
-                             "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
+    argv = [sys.executable, "-m", "pdserve.cli", "launch", "--model", tiny, "--slo", "ttft:5000,tpot:500",
+            "--input-len", "256", "--output-len", "16", "--port", str(port)]
+    with reaped(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 start_new_session=True)) as proc:
         banner = wait_for_line(proc, "ready: OpenAI API", timeout=180)
         pick = json.loads((planned / "plan.json").read_text())["pick"]
         assert "(cached:" in banner and "pdserve launch: launching " in banner
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
-        got = client.completions.create(
-            model=client.models.list().data[0].id, prompt="The quick brown fox", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+        got = client.completions.create(model=client.models.list().data[0].id, prompt="The quick brown fox",
+                                        max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
         assert got.usage.completion_tokens == 5, pick
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 0, out
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_cleanly(proc)
