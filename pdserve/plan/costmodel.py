@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from pdserve.plan.profile import Profile, StepTimings
+from pdserve.plan.measurements import Profile, StepTimings
 
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:

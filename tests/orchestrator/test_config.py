@@ -44,7 +44,7 @@ def test_documented_example_parses():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"context_servers": {"urls": ["h:1"], "minimal_instances": 0}}, "context_servers.minimal_instances"),
+    ({"context_servers": {"urls": ["h:1"], "minimal_instances": -1}}, "context_servers.minimal_instances"),
     ({"lease_ttl_s": 0}, "lease_ttl_s"),
     ({"context_servers": {"urls": ["http://h"]}}, "must look like http://host:port"),
     ({"context_servers": {"urls": ["http://h:1/v1"]}}, "must not have a path"),
