@@ -218,7 +218,7 @@ def cluster_text(cand: Candidate, doc: dict[str, Any], slo: PlanSLO, args: argpa
                  goodput: float) -> str:
     head = (f"# Written by `pdserve plan` on {datetime.now(UTC):%Y-%m-%d}: {cand.name} ({cand.layout}).\n"
             f"# Predicted goodput {goodput:.3g} req/s at {slo}, {args.input_len} prompt / {args.output_len} output "
-            f"tokens.\n# Start it with: pdserve launch {args.out if hasattr(args, 'out') else 'this file'}\n")
+            f"tokens.\n# Start it with: pdserve launch {args.out}\n")
     return head + yaml.safe_dump(doc, sort_keys=False)
 
 

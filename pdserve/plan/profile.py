@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.plan.measurements import Profile, StepTimings
+from pdserve.weights.resolve import CACHE_ENV
 
 PREFILL_TOKENS = (16, 64, 128, 256, 512, 1024, 2048, 4096)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -83,7 +84,7 @@ def profile_key(model_dir: Path, dtype: str, device: str) -> dict[str, Any]:
 
 
 def profiles_dir() -> Path:
-    base = os.environ.get("PDSERVE_CACHE_DIR")
+    base = os.environ.get(CACHE_ENV)
     return (Path(base).expanduser() if base else Path.home() / ".cache" / "pdserve") / "profiles"
 
 
@@ -93,7 +94,7 @@ def cache_path(key: dict[str, Any]) -> Path:
 
 
 def load_or_measure(model: str | None, dtype: str = "float32", device: str = "cpu", *, refresh: bool = False,
-                    units: list[int] | None = None, progress: bool = True) -> tuple[Profile, Path, bool]:
+                    progress: bool = True) -> tuple[Profile, Path, bool]:
     """The cached profile for this model and machine, measured first when there is none (or `refresh`).
     Returns (profile, its file, whether it was measured now)."""
     from pdserve.weights import resolve_model
@@ -102,10 +103,8 @@ def load_or_measure(model: str | None, dtype: str = "float32", device: str = "cp
     key = profile_key(model_dir, dtype, device)
     path = cache_path(key)
     if path.exists() and not refresh:
-        profile = Profile.from_dict(json.loads(path.read_text()))
-        if units is None or set(units) <= set(profile.units):
-            return profile, path, False
-    profile = measure(model_dir, dtype, device, key, units=units, progress=progress)
+        return Profile.from_dict(json.loads(path.read_text())), path, False
+    profile = measure(model_dir, dtype, device, key, progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(profile.to_dict(), indent=1))
@@ -113,8 +112,7 @@ def load_or_measure(model: str | None, dtype: str = "float32", device: str = "cp
     return profile, path, True
 
 
-def measure(model_dir: Path, dtype: str, device: str, key: dict[str, Any], *, units: list[int] | None = None,
-            progress: bool = True) -> Profile:
+def measure(model_dir: Path, dtype: str, device: str, key: dict[str, Any], *, progress: bool = True) -> Profile:
     from datetime import datetime
 
     from pdserve.models.config import ModelConfig
@@ -125,14 +123,13 @@ def measure(model_dir: Path, dtype: str, device: str, key: dict[str, Any], *, un
     model = {"num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
              "element_bytes": elt, "kv_bytes_per_token": cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elt,
              "max_model_len": cfg.max_position_embeddings}
-    if units is None:
-        units = [1] if device == "cuda" else thread_counts(len(usable_cores()))
+    units = [1] if device == "cuda" else thread_counts(len(usable_cores()))
     grid = _grid(cfg.max_position_embeddings, model["kv_bytes_per_token"])
     t0 = time.monotonic()
     steps = {}
     for n in units:
-        steps[n] = StepTimings.from_dict(_in_child(_measure_steps, str(model_dir), dtype, device, n, grid, progress))
-    transfer = _in_child(_measure_transfers, model["kv_bytes_per_token"], grid["transfer_mb"], progress)
+        steps[n] = StepTimings.from_dict(_in_child(_step_timings, str(model_dir), dtype, device, n, grid, progress))
+    transfer = _in_child(_transfer_timings, model["kv_bytes_per_token"], grid["transfer_mb"], progress)
     profile = Profile(key, model, steps, {b: [tuple(p) for p in pts] for b, pts in transfer.items()})
     if device == "cpu" and 1 in steps and len(usable_cores()) >= 2:
         from pdserve.plan.serving_probe import measure_serving
@@ -153,11 +150,19 @@ def _grid(max_len: int, kv_bytes_per_token: int) -> dict[str, Any]:
             "reps": 3, "serving_prompts": [128, 512] if max_len > 1024 else [max_len // 8, max_len // 2]}
 
 
+def _answer(fn, args: tuple, answer) -> None:
+    """In the child: fn(*args), or the error it raised, put on `answer` for the parent."""
+    try:
+        answer.put(("ok", fn(*args)))
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
+        answer.put(("error", f"{type(e).__name__}: {e}"))
+
+
 def _in_child(fn, *args):
-    """fn(*args, answer) in a fresh spawned process (its own torch threads and core affinity); its answer."""
+    """fn(*args) in a fresh spawned process (its own torch threads and core affinity); its result."""
     ctx = mp.get_context("spawn")
     answer = ctx.Queue()
-    proc = ctx.Process(target=fn, args=(*args, answer), daemon=True)
+    proc = ctx.Process(target=_answer, args=(fn, args, answer), daemon=True)
     proc.start()
     try:
         kind, value = answer.get(timeout=_CHILD_TIMEOUT_S)
@@ -171,14 +176,6 @@ def _in_child(fn, *args):
     if kind == "error":
         raise RuntimeError(f"profiling ({fn.__name__}) failed: {value}")
     return value
-
-
-def _measure_steps(model_dir: str, dtype: str, device: str, threads: int, grid: dict[str, Any], progress: bool,
-                   answer) -> None:
-    try:
-        answer.put(("ok", _step_timings(model_dir, dtype, device, threads, grid, progress)))
-    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
-        answer.put(("error", f"{type(e).__name__}: {e}"))
 
 
 def _step_timings(model_dir: str, dtype: str, device: str, threads: int, grid: dict[str, Any],
@@ -255,13 +252,6 @@ def nixl_installed() -> bool:
     import importlib.util
 
     return any(importlib.util.find_spec(m) is not None for m in ("nixl_cu12", "nixl_cu13"))
-
-
-def _measure_transfers(kv_bytes_per_token: int, sizes_mb: list[int], progress: bool, answer) -> None:
-    try:
-        answer.put(("ok", _transfer_timings(kv_bytes_per_token, sizes_mb, progress)))
-    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
-        answer.put(("error", f"{type(e).__name__}: {e}"))
 
 
 def _transfer_timings(kv_bytes_per_token: int, sizes_mb: list[int], progress: bool) -> dict[str, list]:

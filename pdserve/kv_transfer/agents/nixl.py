@@ -11,8 +11,8 @@ The progress thread. NIXL's python wrapper starts the UCX backend's progress thr
 a sched_yield loop that holds a whole core while the agent is idle (measured: an idle agent's process
 used 100% of a core; with a 1 ms delay, 2%). An instance pinned to one core then shares it with that
 loop: a 512-token prefill took 1.15 s instead of 0.59 s on one thread, and writes between two
-processes on a 2-core machine were slower too (bench_kv_transfer.py: 512 tokens 5.5 -> 4.0 ms, 8192
-tokens 95 -> 53 ms). `progress_delay_us` (cache_transceiver_config.nixl_progress_delay_us, default
+processes on a 2-core machine were slower too (bench_kv_transfer.py: 512 tokens 8.44 -> 4.43 ms, 8192
+tokens 86.7 -> 55.8 ms, docs/benchmarks.md). `progress_delay_us` (cache_transceiver_config.nixl_progress_delay_us, default
 1000) is the time the thread waits between passes; 0 keeps NIXL's own.
 """
 
