@@ -1,9 +1,15 @@
 """An asyncio front for `LLMEngine`: the engine steps in its own thread; callers await outputs.
 
-The step thread is the only one that touches the engine. Callers talk to it through a command queue
-(add, abort) and get results through one asyncio.Queue per request, filled with
-`loop.call_soon_threadsafe`. The loop never blocks on a caller, and an idle engine sleeps on the
-command queue, not in a poll.
+The step thread is the only one that touches the engine, and it builds the engine too: OpenMP keeps one
+team of worker threads per thread that starts parallel work, and once a process holds more OpenMP
+threads than cores, libgomp's workers barely spin before sleeping between parallel regions. A model
+loaded in the main thread and stepped in another left two teams on a 2-core machine: 1.6-1.8x the
+decode time of the same engine built and stepped in one thread (docs/benchmarks.md, "One thread per
+engine").
+
+Callers talk to the step thread through a command queue (add, abort) and get results through one
+asyncio.Queue per request, filled with `loop.call_soon_threadsafe`. The loop never blocks on a caller,
+and an idle engine sleeps on the command queue, not in a poll.
 """
 
 from __future__ import annotations
@@ -55,22 +61,23 @@ class _Call:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, kv_events: KVEventPublisher | None = None):
-        self.engine = engine
+    def __init__(self, build: Callable[[], LLMEngine], kv_events: KVEventPublisher | None = None):
+        """`build` makes the engine, on the engine thread; its exception is raised here."""
         self.kv_events = kv_events
+        self._commands: queue.Queue = queue.Queue()
+        self._sinks: dict[str, Callable[[RequestOutput], bool]] = {}
+        self._stop = threading.Event()
+        self.error: str | None = None  # set if the step loop died; /health reports it
+        self.on_step: Callable[[list[RequestOutput]], None] | None = None
+        built: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(build, built), name="pdserve-engine", daemon=True)
+        self._thread.start()
+        engine = self.engine = built.result()
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.sampling_defaults = engine.sampling_defaults
         self.kv_endpoint = engine.kv_endpoint
-        self._commands: queue.Queue = queue.Queue()
-        self._sinks: dict[str, Callable[[RequestOutput], bool]] = {}
-        self._stop = threading.Event()
-        self.error: str | None = None  # set if the step loop died; /health reports it
-        self.stats = engine.stats()
-        self.on_step: Callable[[list[RequestOutput]], None] | None = None
-        self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
-        self._thread.start()
 
     @classmethod
     def from_config(cls, ecfg: EngineConfig, kv_events_port: int | None = None, **kwargs) -> "AsyncEngine":
@@ -78,7 +85,12 @@ class AsyncEngine:
         publisher = None
         if kv_events_port is not None:
             publisher = KVEventPublisher(ecfg.cache_transceiver_config.host, kv_events_port)
-        return cls(LLMEngine(ecfg, on_kv_event=publisher, **kwargs), publisher)
+        try:
+            return cls(lambda: LLMEngine(ecfg, on_kv_event=publisher, **kwargs), publisher)
+        except BaseException:
+            if publisher is not None:
+                publisher.close()
+            raise
 
     # -- caller side (any thread, usually the event loop) -------------------------------------------
 
@@ -135,6 +147,16 @@ class AsyncEngine:
             self.kv_events.close()
 
     # -- engine thread ------------------------------------------------------------------------------
+
+    def _run(self, build: Callable[[], LLMEngine], built: Future) -> None:
+        try:
+            self.engine = build()
+            self.stats = self.engine.stats()
+        except BaseException as e:
+            built.set_exception(e)
+            return
+        built.set_result(self.engine)
+        self._loop()
 
     def _loop(self) -> None:
         try:
