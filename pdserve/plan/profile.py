@@ -14,8 +14,9 @@ one agent's registered memory into another's, one block per fragment, timed unti
 it done.
 
 The profile is a JSON file under ~/.cache/pdserve/profiles/, keyed by the model's files, the dtype,
-the device, this CPU and core count, and the pdserve and torch versions: a change of any of them
-measures again (`pdserve plan --reprofile` does it on demand).
+the device, this CPU and core count, the pdserve and torch versions and MEASURES (raised when a change
+to pdserve makes the cached figures wrong): a change of any of them measures again (`pdserve plan
+--reprofile` does it on demand).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ from pdserve.weights.resolve import CACHE_ENV
 PREFILL_TOKENS = (16, 64, 128, 256, 512, 1024, 2048, 4096)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 DECODE_CONTEXTS = (128, 1024)
+# 2: the serving probe after two fixes that cut what serving adds to a step (the engine built on its own
+# thread; the shm pool faulted in at start-up).
+MEASURES = 2
 CHUNK = (512, 1536)  # (chunk tokens, offset): one prefill chunk after 1536 cached tokens
 TRANSFER_MB = (1, 4, 16, 64)
 KV_POOL_CAP_BYTES = 3 << 30  # decode points whose KV would not fit are left out
@@ -80,7 +84,7 @@ def profile_key(model_dir: Path, dtype: str, device: str) -> dict[str, Any]:
     else:
         machine, units = cpu_model(), len(usable_cores())
     return {"model": str(model_dir), "model_digest": digest, "dtype": dtype, "device": device, "machine": machine,
-            "units": units, "pdserve": pdserve.__version__, "torch": torch.__version__}
+            "units": units, "pdserve": pdserve.__version__, "torch": torch.__version__, "measures": MEASURES}
 
 
 def profiles_dir() -> Path:

@@ -18,6 +18,7 @@ the same memory there.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -47,6 +48,13 @@ logger = logging.getLogger(__name__)
 
 _SHM_DIR = "/dev/shm"
 _DESCRIPTOR_VERSION = 1
+# The owner's mapping comes with its pages allocated and its page tables filled. Left to fault in on first
+# touch, the KV pool's pages were faulted in by the requests: a peer's write into blocks never used
+# before took 160-240 ms for 23 MB instead of 15 ms, and a prefill into them ran up to 1.4x slower
+# (docs/benchmarks.md, "The shm KV pool, faulted in up front"). A peer's mapping of the same pages
+# fills its page tables as it writes (~7 ms per 23 MB the first time), which is cheaper than filling
+# them all at first contact.
+_MAP_SHARED_POPULATED = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 def host_identity() -> tuple[str, str]:
@@ -77,7 +85,8 @@ class SharedBuffer:
         os.unlink(name)
         try:
             os.ftruncate(fd, nbytes)
-            self._mmap = mmap.mmap(fd, nbytes)
+            _reserve(fd, nbytes)
+            self._mmap = mmap.mmap(fd, nbytes, flags=_MAP_SHARED_POPULATED)
         except BaseException:
             os.close(fd)
             raise
@@ -105,6 +114,21 @@ class SharedBuffer:
         """Stop publishing the buffer (peers that mapped it keep their mapping)."""
         _ALLOCATIONS.pop(self.ptr, None)
         self._close_fd()
+
+
+def _reserve(fd: int, nbytes: int) -> None:
+    """Allocate the file's pages now: a /dev/shm too small for the pool is a clear error here, not a
+    SIGBUS at the first write past its end (Docker gives containers 64 MiB unless told --shm-size)."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+            raise
+        st = os.statvfs(_SHM_DIR)
+        raise MemoryError(
+            f"cannot allocate {nbytes / 2**30:.2f} GiB in {_SHM_DIR} for shared KV memory: "
+            f"{st.f_bavail * st.f_frsize / 2**30:.2f} GiB free there ({exc.strerror}). Lower kv_cache_memory_gb "
+            f"(or num_kv_blocks), or give {_SHM_DIR} more room (docker run --shm-size)") from None
 
 
 def allocate_shared(nbytes: int) -> SharedBuffer:
