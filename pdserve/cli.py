@@ -69,6 +69,7 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...
             extra = {"choices": list(typing.get_args(kind))}
         else:
             extra = {"metavar": {int: "N", float: "X", str: "TEXT"}[kind]}
+        help_text = help_text.replace("%", "%%")  # argparse %-formats help
         parser.add_argument(f"--{name.replace('_', '-')}", *_ALIASES.get(name, []), dest=name,
                             default=argparse.SUPPRESS, help=help_text, **extra)
 

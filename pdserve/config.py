@@ -114,6 +114,11 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(64, ge=1, description="max requests in one batch")
     max_num_tokens: int = Field(1024, ge=1, description="token budget of one forward step")
     enable_chunked_prefill: bool = True
+    tpot_slo_ms: float | None = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="when set, a step that decodes requests takes only as many prefill tokens as keep each of them "
+                    "within this mean time per output token (aiming 10% under it), learning a step's cost from the "
+                    "steps it runs; a prompt still moves at least one KV block a step (docs/configuration.md)")
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)

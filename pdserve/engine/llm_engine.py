@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing as mp
+import time
 import uuid
 from pathlib import Path
 from typing import Callable
@@ -31,6 +32,7 @@ from pdserve.engine.scheduler import ScheduledSeq, Scheduler
 from pdserve.engine.kv.exchange import KVExchange
 from pdserve.engine.kv.wire import KVCommand
 from pdserve.engine.sequence import DisaggInfo, RequestType, Sequence
+from pdserve.engine.step_budget import TpotBudget, attention_work
 from pdserve.engine.worker import pick_device, set_threads, worker_main
 from pdserve.models.config import ModelConfig
 from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -65,8 +67,10 @@ class LLMEngine:
         self.runner = self._start_ranks(pool_allocator)
         self.blocks = BlockManager(self.runner.num_blocks, ecfg.tokens_per_block, ecfg.enable_prefix_caching,
                                    on_kv_event)
+        self.tpot_budget = (TpotBudget(ecfg.tpot_slo_ms, ecfg.max_num_tokens, ecfg.tokens_per_block)
+                            if ecfg.tpot_slo_ms is not None else None)
         self.scheduler = Scheduler(self.blocks, ecfg.max_num_seqs, ecfg.max_num_tokens, ecfg.enable_chunked_prefill,
-                                   self.eos_token_ids, self.max_model_len)
+                                   self.eos_token_ids, self.max_model_len, self.tpot_budget)
         self.seqs = self.scheduler.seqs  # every request in flight, by id (read-only here: the scheduler owns it)
         self._ids = itertools.count()
         self.kv = KVExchange(self.scheduler, self.runner.connector, ecfg)
@@ -188,11 +192,15 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
         kv = self.kv.commands()
         if batch or kv or self.scheduler.parked or self.kv.poll_due():
+            shape = _step_shape(batch) if self.tpot_budget is not None and batch else None
             batch, sampled, reports = self._run(batch, kv)
             self.scheduler.postprocess(batch, sampled)
+            if shape is not None:  # timed before settle, which sleeps when the step ran nothing
+                self.tpot_budget.model.observe(*shape, time.perf_counter() - start)
             self.kv.settle(batch, reports)
         return self.scheduler.take_outputs()
 
@@ -288,6 +296,14 @@ class LLMEngine:
             "kv_blocks_total": self.blocks.num_blocks,
             "kv_blocks_free": self.blocks.num_free_blocks,
         }
+
+
+def _step_shape(batch: list[ScheduledSeq]) -> tuple[int, float, bool]:
+    """What StepTimeModel times a step by: its rows, its attention work, and whether it prefilled."""
+    decode = [s for s in batch if s.num_new_tokens == 1 and s.samples and s.seq.output_token_ids]
+    chunks = [(s.num_new_tokens, s.start) for s in batch if s not in decode]
+    rows = sum(s.num_new_tokens for s in batch)
+    return rows, attention_work(chunks, [s.start + 1 for s in decode]), bool(chunks)
 
 
 def _default_name(spec: str | None, model_dir: Path) -> str:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -50,6 +51,7 @@ from pdserve.engine.block_manager import BlockManager, block_hashes
 from pdserve.engine.kv.wire import FirstToken
 from pdserve.engine.output import ContextResult, OutputTracker, RequestOutput
 from pdserve.engine.sequence import FinishReason, RequestType, Sequence, SeqState
+from pdserve.engine.step_budget import TpotBudget
 
 if TYPE_CHECKING:
     from pdserve.engine.sampler import SampleResult
@@ -90,8 +92,10 @@ def transfer_stage(seq: Sequence) -> str:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_tokens: int, chunked_prefill: bool,
-                 eos_token_ids: frozenset[int] = frozenset(), max_model_len: int = sys.maxsize):
+                 eos_token_ids: frozenset[int] = frozenset(), max_model_len: int = sys.maxsize,
+                 tpot_budget: TpotBudget | None = None):
         self.blocks = blocks
+        self.tpot_budget = tpot_budget  # None: every step may fill max_num_tokens with prefill
         self.max_num_seqs = max_num_seqs
         self.max_num_tokens = max_num_tokens
         self.chunked_prefill = chunked_prefill
@@ -127,12 +131,14 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_tokens
+        prefill = self._prefill_allowance()
         out: list[ScheduledSeq] = []
         preempted = False
         for seq in list(self.running):
             if seq not in self.running:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            left = seq.num_tokens - seq.num_computed_tokens
+            n = min(left, budget) if left <= 1 else min(left, budget, prefill)
             if n <= 0:
                 continue
             grown = True
@@ -148,9 +154,22 @@ class Scheduler:
             if seq in self.running and grown:
                 out.append(ScheduledSeq(seq, n))
                 budget -= n
+                if left > 1:
+                    prefill -= n
         if not preempted:
-            self._admit(out, budget)
+            self._admit(out, min(budget, prefill))
         return out
+
+    def _prefill_allowance(self) -> int:
+        """Prefill tokens this step may take beside the requests it decodes (step_budget.py)."""
+        if self.tpot_budget is None:
+            return self.max_num_tokens
+        decoding = [(len(seq.output_token_ids), max(seq.params.max_tokens - len(seq.output_token_ids) - 1, 0),
+                     seq.first_token_time, seq.num_tokens) for seq in self.running
+                    if seq.num_tokens - seq.num_computed_tokens == 1 and seq.first_token_time is not None]
+        offset = next((seq.num_computed_tokens for seq in self.running
+                       if seq.num_tokens - seq.num_computed_tokens > 1), 0)
+        return self.tpot_budget.prefill_tokens(decoding, offset, time.monotonic())
 
     def _admit(self, out: list[ScheduledSeq], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -247,6 +266,8 @@ class Scheduler:
 
     def _take_token(self, seq: Sequence, token: int, logprob: float | None, top: list | None) -> None:
         seq.output_token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
         if logprob is not None:
             seq.output_logprobs.append({"token_id": token, "logprob": logprob, "top": top or []})
         self._check_stop(seq, token)
@@ -297,6 +318,7 @@ class Scheduler:
         """generation_only: the prompt's KV is in place; decode resumes from the first generated token.
         generation_first: `first` came with the KV."""
         seq.disagg.transfer_settled = True
+        seq.first_token_time = time.monotonic()  # decoding starts here: the first token came from elsewhere
         del self.parked[seq.request_id]
         assert seq.state is SeqState.GEN_AWAITING_KV, f"{seq.request_id} is {seq.state.name}, not awaiting KV"
         seq.num_computed_tokens = seq.num_prompt_tokens
