@@ -40,7 +40,7 @@ def run(cmd: list[str], **kw) -> None:
 
 def predicted(args, out: Path) -> dict:
     path = out / "plan.json"
-    run([sys.executable, "-m", "pdserve.cli", "plan", "--slo", f"ttft:{max(args.ttft)},tpot:{max(args.tpot)}",
+    run([sys.executable, "-m", "pdserve.cli", "plan", "--slo", f"ttft:{max(args.ttft)},tpot:{args.plan_tpot}",
          "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--backend", args.backend,
          "--rates", *map(str, args.rates), "--grid-ttft", *map(str, args.ttft), "--grid-tpot", *map(str, args.tpot),
          "--num-requests", str(args.num_prompts), "--sim-seeds", str(args.sim_seeds),
@@ -142,12 +142,19 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1000)
     p.add_argument("--model-name", default="SmolLM2-135M-Instruct")
     p.add_argument("--out-dir", default="benchmarks/results/plan-check")
+    p.add_argument("--plan-tpot", type=float,
+                   help="the TPOT of the SLO the plan ranks by, and the budget of its `-t` candidates (default: the "
+                        "largest --tpot)")
     p.add_argument("--compare-only", action="store_true", help="reuse OUT_DIR's plan.json and grid.json")
+    p.add_argument("--repredict", action="store_true",
+                   help="plan again (the current model and profile) and compare with OUT_DIR's grid.json")
     args = p.parse_args()
+    args.plan_tpot = args.plan_tpot or max(args.tpot)
     out = Path(args.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    if args.compare_only:
-        plan, grid = json.loads((out / "plan.json").read_text()), json.loads((out / "grid.json").read_text())
+    if args.compare_only or args.repredict:
+        plan = predicted(args, out) if args.repredict else json.loads((out / "plan.json").read_text())
+        grid = json.loads((out / "grid.json").read_text())
     else:
         plan = predicted(args, out)
         grid = measure(args, out, plan)

@@ -26,7 +26,7 @@ Nothing is decoding: the whole max_num_tokens, since no request's TPOT is at sta
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -83,8 +83,36 @@ def attention_work(chunks: Iterable[tuple[int, int]], context_lens: Iterable[int
     return pairs / 1e6
 
 
+# (tokens generated, tokens max_tokens allows after this step's, time of the first one, context length)
+Decoding = tuple[int, int, float, int]
+
+
+def prefill_allowance(tpot_s: float, max_tokens: int, min_tokens: int, decoding: list[Decoding], now: float,
+                      step_seconds: Callable[[int, list[int]], float]) -> int:
+    """The policy, on any step cost: `step_seconds(n, contexts)` is a step of n prefill tokens beside the
+    decode rows of `contexts` (the engine's learnt model; the planner's profile)."""
+    if not decoding:
+        return max_tokens
+    contexts = [c for *_, c in decoding]
+    step = step_seconds(0, contexts)  # a step that only decodes
+    # The request's TPOT at its end, if every later step only decodes: (elapsed + this step + after x
+    # step) / (generated + after). Capping it at the SLO bounds this step.
+    allowed = min(tpot_s * (generated + after) - (now - first) - after * step
+                  for generated, after, first, _ in decoding)
+    if step_seconds(max_tokens, contexts) <= allowed:
+        return max_tokens
+    lo, hi = 0, max_tokens  # lo fits (or is 0), hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if step_seconds(mid, contexts) <= allowed:
+            lo = mid
+        else:
+            hi = mid
+    return max(lo, min(min_tokens, max_tokens))
+
+
 class TpotBudget:
-    """How many prefill tokens a step may take beside its decoding requests."""
+    """The engine's budget: the policy on the step costs it learns."""
 
     def __init__(self, tpot_slo_ms: float, max_tokens: int, min_tokens: int):
         self.tpot_s = tpot_slo_ms / 1000 * MARGIN
@@ -93,31 +121,16 @@ class TpotBudget:
         self.model = StepTimeModel()
         self.capped_steps = 0  # steps that got less than max_num_tokens of prefill
 
-    def prefill_tokens(self, decoding: list[tuple[int, int, float, int]], offset: int, now: float) -> int:
-        """decoding: (tokens generated, tokens max_tokens allows after this step's, time of the first
-        one, context length) of each request this step decodes; offset: where the next prefill chunk
-        starts in its prompt."""
-        if not decoding or self.model.coef is None:
+    def prefill_tokens(self, decoding: list[Decoding], offset: int, now: float) -> int:
+        """`decoding`: each request this step decodes; offset: where the next prefill chunk starts in its
+        prompt."""
+        if self.model.coef is None:
             return self.max_tokens
-        contexts = [c for *_, c in decoding]
-        batch = len(decoding)
-        step = self.model.seconds(batch, attention_work([], contexts))  # a step that only decodes
-        # The request's TPOT at its end, if every later step only decodes: (elapsed + this step + after x
-        # step) / (generated + after). Capping it at the SLO bounds this step.
-        allowed = min(self.tpot_s * (generated + after) - (now - first) - after * step
-                      for generated, after, first, _ in decoding)
+        model = self.model
 
-        def fits(n: int) -> bool:
-            return self.model.seconds(batch + n, attention_work([(n, offset)], contexts)) <= allowed
+        def step_seconds(n: int, contexts: list[int]) -> float:
+            return model.seconds(len(contexts) + n, attention_work([(n, offset)] if n else [], contexts))
 
-        if fits(self.max_tokens):
-            return self.max_tokens
-        self.capped_steps += 1
-        lo, hi = 0, self.max_tokens  # fits(lo) or lo == 0; not fits(hi)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
-        return max(lo, self.min_tokens)
+        n = prefill_allowance(self.tpot_s, self.max_tokens, self.min_tokens, decoding, now, step_seconds)
+        self.capped_steps += n < self.max_tokens
+        return n

@@ -2,7 +2,8 @@
 
 On a CPU machine of C cores (the profile's thread counts t = 1, 2, 4, ..., C):
 
-- aggregated: C // t instances of t threads each, for each prefill chunk budget (max_num_tokens);
+- aggregated: C // t instances of t threads each, for each prefill chunk budget (max_num_tokens), and
+  each of those again with the engine's tpot_slo_ms set to the SLO's TPOT (engine/step_budget.py);
 - disaggregated: context instances of tc threads and generation instances of tg threads that fill
   the cores, under context_first (the whole prompt in one step) and generation_first (pipelined
   transfer: each chunk's KV leaves while the next is computed).
@@ -31,6 +32,7 @@ class Role:
     units: int  # threads (CPU) or GPUs per instance
     max_num_tokens: int
     pipelined: bool = False
+    tpot_slo_ms: float | None = None  # the engine's TPOT budget for prefill chunks
 
 
 @dataclass
@@ -47,7 +49,8 @@ class Candidate:
         """In words, e.g. 'ctx 1x1t step 512 + gen 1x1t, gen-first' (instances x threads each)."""
         g = self.generation
         if self.kind == "aggregated":
-            return f"{g.count}x{g.units}t, chunk {g.max_num_tokens}"
+            budget = f", TPOT budget {g.tpot_slo_ms:g} ms" if g.tpot_slo_ms else ""
+            return f"{g.count}x{g.units}t, chunk {g.max_num_tokens}{budget}"
         c = self.context
         style = "gen-first, pipelined" if self.schedule_style == "generation_first" else "ctx-first"
         return f"ctx {c.count}x{c.units}t step {c.max_num_tokens} + gen {g.count}x{g.units}t, {style}"
@@ -67,7 +70,7 @@ class Candidate:
         if self.kind == "aggregated":
             # The probe's prefill slope is taken as slower prefill steps: on the instance's own time.
             factor = {"prefill_factor": probe.get("prefill_factor", 1.0)} if probe else {}
-            inst = InstanceSpec(costs[g.units], g.max_num_tokens, **gen_extra, **factor)
+            inst = InstanceSpec(costs[g.units], g.max_num_tokens, **gen_extra, **factor, tpot_slo_ms=g.tpot_slo_ms)
             return Deployment("aggregated", [inst] * g.count, **timing)
         # Disaggregated, the slope through the orchestrator is latency outside the context instance's steps:
         # measured, 1+1 cores sustained 3.5 req/s of 256-token prompts, what its bare prefill allows
@@ -88,6 +91,8 @@ class Candidate:
             out = []
             for _ in range(role.count if role else 0):
                 conf: dict[str, Any] = {"max_num_tokens": role.max_num_tokens, **extra}
+                if role.tpot_slo_ms:
+                    conf["tpot_slo_ms"] = role.tpot_slo_ms
                 spec: dict[str, Any] = {"config": conf}
                 if device == "cpu":
                     conf["num_threads"] = role.units
@@ -106,8 +111,10 @@ class Candidate:
         return doc
 
 
-def enumerate_candidates(units: list[int], total: int, input_len: int) -> list[Candidate]:
-    """Every deployment of `total` units (cores or GPUs) from instances of the profiled sizes `units`."""
+def enumerate_candidates(units: list[int], total: int, input_len: int,
+                         tpot_slo_ms: float | None = None) -> list[Candidate]:
+    """Every deployment of `total` units (cores or GPUs) from instances of the profiled sizes `units`;
+    `tpot_slo_ms`: the SLO's TPOT, for the aggregated instances that budget their prefill by it."""
     out: list[Candidate] = []
     for t in units:
         k = total // t
@@ -117,6 +124,9 @@ def enumerate_candidates(units: list[int], total: int, input_len: int) -> list[C
             if chunk > max(input_len, AGG_CHUNKS[0]) * 2 and chunk != AGG_CHUNKS[0]:
                 continue  # a budget past twice the prompt behaves as the one below it
             out.append(Candidate(f"agg{k}x{t}-c{chunk}", "aggregated", Role(k, t, chunk)))
+            if tpot_slo_ms:
+                out.append(Candidate(f"agg{k}x{t}-c{chunk}-t{tpot_slo_ms:g}", "aggregated",
+                                     Role(k, t, chunk, tpot_slo_ms=tpot_slo_ms)))
     whole = max(2048, input_len)
     for tc in units:
         for tg in units:

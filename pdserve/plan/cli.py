@@ -115,7 +115,7 @@ def plan(args: argparse.Namespace, slo: PlanSLO, profile: Profile) -> tuple[list
                          f"measured: {', '.join(transfers) or 'none'}")
     wl = Workload(args.input_len, args.output_len, getattr(args, "num_requests", 200))
     preds = []
-    for cand in enumerate_candidates(profile.units, int(profile.key["units"]), args.input_len):
+    for cand in enumerate_candidates(profile.units, int(profile.key["units"]), args.input_len, slo.tpot_ms):
         dep = cand.deployment(costs, transfer, profile.kv_bytes_per_token, profile.serving)
         good, points = search_goodput(dep, wl, slo, capacity(dep, wl), args.attainment, getattr(args, "rates", None))
         preds.append(Prediction(cand, good, points))

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdserve.engine.step_budget import MARGIN, prefill_allowance
 from pdserve.plan.costmodel import StepCost, TransferCost
 
 # Used when the profile has no serving probe (one core, CUDA); otherwise the probe's figures replace them.
@@ -54,6 +55,27 @@ class InstanceSpec:
     max_num_seqs: int = 64
     step_extra_s: float = STEP_OVERHEAD_S  # serving's time per step beyond the forward pass
     prefill_factor: float = 1.0  # a step with prefill rows takes this times the profile's bare step
+    tpot_slo_ms: float | None = None  # the engine's tpot_slo_ms (step_budget.py), on the profile's step costs
+    min_prefill: int = 32  # ... and its floor, one KV block
+
+    def step_seconds(self, chunks: list[tuple[int, int]], batch: int, context_tokens: int) -> float:
+        step = self.cost.step(chunks, batch, context_tokens)
+        return (step * self.prefill_factor if chunks else step) + self.step_extra_s
+
+    def prefill_cap(self, running: list[list[int]], first: np.ndarray, prompt: int, outputs: int, computed: int,
+                    now: float) -> int:
+        """The engine's tpot_slo_ms budget for this step (max_num_tokens without one)."""
+        if self.tpot_slo_ms is None:
+            return self.max_num_tokens
+        decoding = [(seq[2], max(outputs - seq[2] - 1, 0), float(first[seq[0]]), prompt + seq[2])
+                    for seq in running if seq[1] >= prompt]
+        offset = next((seq[1] for seq in running if seq[1] < prompt), computed)
+
+        def seconds(n: int, contexts: list[int]) -> float:
+            return self.step_seconds([(n, offset)] if n else [], len(contexts), sum(contexts))
+
+        return prefill_allowance(self.tpot_slo_ms / 1000 * MARGIN, self.max_num_tokens, self.min_prefill, decoding,
+                                 now, seconds)
 
 
 def run_instance(spec: InstanceSpec, ready: np.ndarray, prompt: int, outputs: int,
@@ -77,6 +99,7 @@ def run_instance(spec: InstanceSpec, ready: np.ndarray, prompt: int, outputs: in
             t = float(ready[order[nxt]])
             continue
         budget = budget_max
+        prefill = spec.prefill_cap(running, first, prompt, outputs, computed, t)
         chunks: list[tuple[int, int]] = []
         work: list[tuple[list[int], int]] = []
         batch = ctx_tokens = 0
@@ -84,7 +107,10 @@ def run_instance(spec: InstanceSpec, ready: np.ndarray, prompt: int, outputs: in
             if budget <= 0:
                 break
             if seq[1] < prompt:  # prefill chunk
-                k = min(prompt - seq[1], budget)
+                k = min(prompt - seq[1], budget, prefill)
+                if k <= 0:
+                    continue
+                prefill -= k
                 chunks.append((k, seq[1]))
             else:  # decode: one token, reading prompt + generated tokens of KV
                 k = 1
@@ -92,7 +118,7 @@ def run_instance(spec: InstanceSpec, ready: np.ndarray, prompt: int, outputs: in
                 ctx_tokens += prompt + seq[2]
             work.append((seq, k))
             budget -= k
-        while waiting and budget > 0 and len(running) < spec.max_num_seqs:
+        while waiting and budget > 0 and prefill > 0 and len(running) < spec.max_num_seqs:
             req = waiting.popleft()
             seq = [req, computed, 1 if computed >= prompt else 0]
             running.append(seq)
@@ -103,14 +129,14 @@ def run_instance(spec: InstanceSpec, ready: np.ndarray, prompt: int, outputs: in
                     running.remove(seq)
                     done += 1
                 continue
-            k = min(prompt - computed, budget)
+            k = min(prompt - computed, budget, prefill)
+            prefill -= k
             chunks.append((k, computed))
             work.append((seq, k))
             budget -= k
         if not work:
             continue
-        step = spec.cost.step(chunks, batch, ctx_tokens)
-        t += (step * spec.prefill_factor if chunks else step) + spec.step_extra_s
+        t += spec.step_seconds(chunks, batch, ctx_tokens)
         for seq, k in work:
             if seq[1] < prompt:
                 seq[1] += k
