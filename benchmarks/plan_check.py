@@ -4,15 +4,18 @@
         --input-len 256 --output-len 32 --rates 0.5 1 1.5 2 2.5 3 3.5 --num-prompts 30 \
         --ttft 300 500 1000 2500 --tpot 25 30 40 60 100 --out-dir benchmarks/results/plan-check
 
-1. Plans once (the cached profile; `pdserve plan --rates ...`): every candidate's predicted goodput at
-   every (TTFT, TPOT) cell, scored at exactly the swept rates.
+1. Plans twice (the cached profile; `pdserve plan --rates ...`): every candidate's predicted goodput at
+   every (TTFT, TPOT) cell, scored at exactly the swept rates, once on the very arrival times the sweep
+   will send (its --seed: the model's error on this experiment) and once pooled over --sim-seeds other
+   draws (what a run of this length gives on average; a 30-request run is one draw, and one burst of
+   arrivals in it decides its tail).
 2. For each named candidate, one at a time: writes its cluster.yaml (the plan's own), starts it with
    `pdserve launch`, sweeps it with `pdserve bench sweep` (same workload and rates), stops it.
 3. Scores the runs with `pdserve bench grid` and compares, cell by cell, among the measured systems:
    - pick: the system the plan ranks first in that cell; right when its measured goodput is the best
      measured or within 10% of it;
    - error: |predicted - measured| / measured goodput of the pick (0 when both are 0).
-Prints both grids and the two shares (the issue's bar: pick right in >= 80% of the cells, predicted
+Prints the grids and, for each prediction, the two shares (the issue's bar: pick right in >= 80% of the cells, predicted
 goodput within 25% of the measured one). Nothing here is timed by a test; this is a benchmark.
 """
 
@@ -38,12 +41,15 @@ def run(cmd: list[str], **kw) -> None:
     subprocess.run(cmd, check=True, cwd=ROOT, **kw)
 
 
-def predicted(args, out: Path) -> dict:
-    path = out / "plan.json"
+def predicted(args, out: Path, replay: bool) -> dict:
+    """replay: simulate the very arrivals the sweep sends (its seed, one draw): how well the model predicts this
+    experiment. Otherwise --sim-seeds other draws pooled: the expected attainment of a run of this length."""
+    path = out / ("plan-replay.json" if replay else "plan.json")
+    seeds = ["--seed", str(args.seed), "--sim-seeds", "1"] if replay else ["--sim-seeds", str(args.sim_seeds)]
     run([sys.executable, "-m", "pdserve.cli", "plan", "--slo", f"ttft:{max(args.ttft)},tpot:{args.plan_tpot}",
          "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--backend", args.backend,
          "--rates", *map(str, args.rates), "--grid-ttft", *map(str, args.ttft), "--grid-tpot", *map(str, args.tpot),
-         "--num-requests", str(args.num_prompts), "--sim-seeds", str(args.sim_seeds),
+         "--num-requests", str(args.num_prompts), *seeds,
          "--out", str(out / "plan-cluster.yaml"), "--json", str(path), "--top", "20"])
     return json.loads(path.read_text())
 
@@ -134,7 +140,8 @@ def main() -> None:
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1, 1.5, 2, 2.5, 3, 3.5])
     p.add_argument("--num-prompts", type=int, default=30, help="measured requests per rate")
     p.add_argument("--sim-seeds", type=int, default=16,
-                   help="simulated runs of --num-prompts requests per rate, pooled into the prediction")
+                   help="simulated runs of --num-prompts requests per rate, pooled into the second prediction (the "
+                        "first replays the sweep's own arrivals)")
     p.add_argument("--ttft", type=float, nargs="+", default=[300, 500, 1000, 2500])
     p.add_argument("--tpot", type=float, nargs="+", default=[25, 30, 40, 60, 100])
     p.add_argument("--backend", default="shm")
@@ -145,20 +152,23 @@ def main() -> None:
     p.add_argument("--plan-tpot", type=float,
                    help="the TPOT of the SLO the plan ranks by, and the budget of its `-t` candidates (default: the "
                         "largest --tpot)")
-    p.add_argument("--compare-only", action="store_true", help="reuse OUT_DIR's plan.json and grid.json")
+    p.add_argument("--compare-only", action="store_true", help="reuse OUT_DIR's plan*.json and grid.json")
     p.add_argument("--repredict", action="store_true",
                    help="plan again (the current model and profile) and compare with OUT_DIR's grid.json")
     args = p.parse_args()
     args.plan_tpot = args.plan_tpot or max(args.tpot)
     out = Path(args.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    if args.compare_only or args.repredict:
-        plan = predicted(args, out) if args.repredict else json.loads((out / "plan.json").read_text())
-        grid = json.loads((out / "grid.json").read_text())
+    if args.compare_only:
+        plans = {replay: json.loads((out / ("plan-replay.json" if replay else "plan.json")).read_text())
+                 for replay in (True, False)}
     else:
-        plan = predicted(args, out)
-        grid = measure(args, out, plan)
-    print(compare(plan, grid, args.systems))
+        plans = {replay: predicted(args, out, replay) for replay in (True, False)}
+    grid = json.loads((out / "grid.json").read_text()) if args.compare_only or args.repredict \
+        else measure(args, out, plans[False])
+    for replay, title in ((True, f"the sweep's own arrivals (seed {args.seed})"),
+                          (False, f"{args.sim_seeds} other arrival draws pooled (the expected run)")):
+        print(f"\npredicted from {title}:\n" + compare(plans[replay], grid, args.systems))
 
 
 if __name__ == "__main__":

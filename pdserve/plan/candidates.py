@@ -58,14 +58,14 @@ class Candidate:
     def deployment(self, costs: dict[int, StepCost], transfer: TransferCost | None, kv_bytes_per_token: int,
                    serving: dict[str, dict[str, float]] | None = None) -> Deployment:
         """What the simulator runs. `serving`: the profile's serving probe (per kind, the extra time of a
-        request and of a decode step); without it the simulator's defaults stand."""
+        request, of a decode step and of each decode row); without it the simulator's defaults stand."""
         probe = (serving or {}).get(self.kind)
         g = self.generation
         if probe is None:
             gen_extra: dict = {}
             timing: dict = {}
         else:
-            gen_extra = {"step_extra_s": probe["itl_s"]}
+            gen_extra = {"step_extra_s": probe["itl_s"], "row_extra_s": probe.get("itl_row_s", 0.0)}
             timing = {"request_extra_s": probe["ttft_s"], "hop_s": 0.0}
         if self.kind == "aggregated":
             # The probe's prefill slope is taken as slower prefill steps: on the instance's own time.

@@ -75,8 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", type=float, nargs="+", default=None,
                    help="score goodput at exactly these rates (as a sweep does) instead of searching")
     p.add_argument("--num-requests", type=int, default=200, help="simulated requests per rate")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the simulated Poisson arrivals; `pdserve bench --seed S` draws the same ones")
     p.add_argument("--sim-seeds", type=int, default=1,
-                   help="with --grid-*: arrival draws per rate, pooled (to predict runs of --num-requests each)")
+                   help="with --grid-*: arrival draws per rate (seeds --seed, --seed + 1, ...), pooled: the expected "
+                        "attainment of runs of --num-requests each")
     p.add_argument("--ctx-layout", default=None, help="transfer plan: the context instance's layout, e.g. tp2")
     p.add_argument("--gen-layout", default=None, help="transfer plan: the generation instance's layout, e.g. pp2")
     p.add_argument("--bounce", action="store_true", help="transfer plan: with the bounce buffer on")
@@ -113,7 +116,7 @@ def plan(args: argparse.Namespace, slo: PlanSLO, profile: Profile) -> tuple[list
     if transfer is None:
         raise ValueError(f"the profile has no {args.backend} transfer timings (is it installed?); "
                          f"measured: {', '.join(transfers) or 'none'}")
-    wl = Workload(args.input_len, args.output_len, getattr(args, "num_requests", 200))
+    wl = Workload(args.input_len, args.output_len, getattr(args, "num_requests", 200), getattr(args, "seed", 0))
     preds = []
     for cand in enumerate_candidates(profile.units, int(profile.key["units"]), args.input_len, slo.tpot_ms):
         dep = cand.deployment(costs, transfer, profile.kv_bytes_per_token, profile.serving)
@@ -167,7 +170,7 @@ def predicted_grid(args: argparse.Namespace, profile: Profile, preds: list[Predi
     from pdserve.bench.sweep import distserve_goodput
 
     costs, transfer = step_costs(profile), transfer_costs(profile)[args.backend]
-    wl = Workload(args.input_len, args.output_len, args.num_requests)
+    wl = Workload(args.input_len, args.output_len, args.num_requests, args.seed)
     outcomes = {}
     for p in preds:
         dep = p.candidate.deployment(costs, transfer, profile.kv_bytes_per_token, profile.serving)
@@ -185,7 +188,8 @@ def predicted_grid(args: argparse.Namespace, profile: Profile, preds: list[Predi
 def pooled(dep, wl: Workload, rate: float, seeds: int) -> Outcome:
     """The outcomes of `seeds` independent arrival draws at `rate`, as one: the expected attainment of a
     run of wl.num_requests requests (a short run builds a shorter queue than a long one)."""
-    runs = [simulate(dep, Workload(wl.input_len, wl.output_len, wl.num_requests, seed), rate) for seed in range(seeds)]
+    runs = [simulate(dep, Workload(wl.input_len, wl.output_len, wl.num_requests, wl.seed + i), rate)
+            for i in range(seeds)]
     return Outcome(np.concatenate([o.ttft for o in runs]), np.concatenate([o.tpot for o in runs]))
 
 

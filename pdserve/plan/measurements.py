@@ -36,7 +36,8 @@ class Profile:
     steps: dict[int, StepTimings]  # threads (CPU) or GPUs (CUDA) -> timings
     transfer: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # backend -> [(bytes, s)]
     # Serving beyond the forward steps, from real servers (see measure_serving): per deployment kind,
-    # {"ttft_s": extra s per request before its first token, "itl_s": extra s per decode step}
+    # {"ttft_s": extra s per request before its first token, "itl_s": extra s per decode step,
+    #  "itl_row_s": extra s per decode row of a step, "prefill_factor": server prefill / bare prefill}
     serving: dict[str, dict[str, float]] = field(default_factory=dict)
     date: str = ""
     seconds: float = 0.0  # how long profiling took

@@ -40,8 +40,8 @@ PREFILL_TOKENS = (16, 64, 128, 256, 512, 1024, 2048, 4096)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 DECODE_CONTEXTS = (128, 1024)
 # 2: the serving probe after two fixes that cut what serving adds to a step (the engine built on its own
-# thread; the shm pool faulted in at start-up).
-MEASURES = 2
+# thread; the shm pool faulted in at start-up). 3: the probe measures the cost of each decode row too.
+MEASURES = 3
 CHUNK = (512, 1536)  # (chunk tokens, offset): one prefill chunk after 1536 cached tokens
 TRANSFER_MB = (1, 4, 16, 64)
 KV_POOL_CAP_BYTES = 3 << 30  # decode points whose KV would not fit are left out

@@ -13,7 +13,12 @@ Per kind, the median TTFT [less the KV transfer] at two prompt lengths gives TTF
 prefill_factor x prefill(n): a server's prefill runs slower than the profile's bare forward step
 (one measurement: 512 tokens in 0.55 s bare, 0.63-0.83 s in a `pdserve serve` with a KV backend, on
 one core), and the median of (inter-token latency - the profile's decode step) is the extra time of
-each decode step.
+each decode step (itl_s).
+
+Then ROWS requests of a short prompt are sent at once and decode together: every token streamed costs
+the server, the orchestrator and the client some CPU, and on a small machine that is taken from the
+forward steps. The median of (inter-token latency - the profile's decode step of ROWS sequences) less
+itl_s, over ROWS - 1, is the extra time of each decode row of a step (itl_row_s).
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from pdserve.plan.costmodel import StepCost, TransferCost
 log = logging.getLogger(__name__)
 OUTPUT_TOKENS = 16
 REPEATS = 3  # per prompt length and path, after one warm-up request
+ROWS = 8  # requests decoding together in the concurrent phase
+ROWS_PROMPT = 32  # ... each with a prompt this long: one short prefill step, then decode steps only
 
 
 def measure_serving(model_dir: Path, dtype: str, profile, prompt_lens: list[int], progress: bool) -> dict:
@@ -54,32 +61,48 @@ def measure_serving(model_dir: Path, dtype: str, profile, prompt_lens: list[int]
             cluster.start()
             name = httpx.get(f"http://127.0.0.1:{ports[2]}/v1/models", timeout=10).json()["data"][0]["id"]
             out = {}
-            for kind, port in (("aggregated", ports[2]), ("disaggregated", ports[0])):
+            for k, (kind, port) in enumerate((("aggregated", ports[2]), ("disaggregated", ports[0]))):
                 ep = EndpointConfig(f"http://127.0.0.1:{port}", name, request_timeout_s=120.0)
                 ttft: dict[int, float] = {}
                 itl_extra: list[float] = []
                 for n in prompt_lens:
-                    rng = np.random.default_rng(n)
-                    reqs = [WorkloadRequest(i, rng.integers(3, vocab, n).tolist(), n, OUTPUT_TOKENS)
-                            for i in range(REPEATS + 1)]
-                    result = asyncio.run(run_requests(ep, reqs, np.zeros(len(reqs)), max_concurrency=1,
-                                                      max_duration_s=300.0, progress=False))
-                    for r in result.records:
-                        if not r.success:
-                            raise RuntimeError(f"probe request ({kind}, {n} tokens) failed: {r.error}")
-                    done = result.records[1:]  # the first warms the path up (and runs the KV canary)
+                    # the first request warms the path up (and runs the KV canary)
+                    done = _requests(ep, vocab, n, REPEATS + 1, seed=100 * k + n, concurrency=1,
+                                     what=f"{kind}, {n} tokens")[1:]
                     moved = transfer.seconds(n * profile.kv_bytes_per_token) if kind == "disaggregated" else 0.0
                     ttft[n] = statistics.median(r.ttft for r in done) - moved
                     itl_extra += [gap - cost.decode(1, n + i + 1) for r in done for i, gap in enumerate(r.itl)]
-                out[kind] = {**_affine(ttft, cost), "itl_s": max(0.0, statistics.median(itl_extra)),
+                itl_s = max(0.0, statistics.median(itl_extra))
+                together = _requests(ep, vocab, ROWS_PROMPT, ROWS, seed=100 * k + ROWS, concurrency=ROWS,
+                                     what=f"{kind}, {ROWS} at once")
+                # Token i + 1 of every request comes from the same step, of ROWS rows each ROWS_PROMPT + i + 1 long.
+                rows_extra = [gap - cost.decode(ROWS, ROWS * (ROWS_PROMPT + i + 1))
+                              for r in together for i, gap in enumerate(r.itl)]
+                out[kind] = {**_affine(ttft, cost), "itl_s": itl_s,
+                             "itl_row_s": max(0.0, (statistics.median(rows_extra) - itl_s) / (ROWS - 1)),
                              "ttft_measured_s": {str(n): round(t, 4) for n, t in ttft.items()}}
                 if progress:
                     print(f"serving probe, {kind}: prefill x{out[kind]['prefill_factor']:.2f} "
                           f"+{1000 * out[kind]['ttft_s']:.0f} ms per request, "
-                          f"+{1000 * out[kind]['itl_s']:.1f} ms per decode step", flush=True)
+                          f"+{1000 * itl_s:.1f} ms per decode step "
+                          f"+{1000 * out[kind]['itl_row_s']:.2f} ms per decode row", flush=True)
             return out
         finally:
             cluster.stop()
+
+
+def _requests(ep, vocab: int, prompt_len: int, count: int, *, seed: int, concurrency: int, what: str) -> list:
+    """`count` streamed requests of random `prompt_len`-token prompts (new ones: no prefix-cache hits), all
+    released at once and at most `concurrency` in flight; their records, each checked successful."""
+    rng = np.random.default_rng(seed)
+    reqs = [WorkloadRequest(i, rng.integers(3, vocab, prompt_len).tolist(), prompt_len, OUTPUT_TOKENS)
+            for i in range(count)]
+    result = asyncio.run(run_requests(ep, reqs, np.zeros(count), max_concurrency=concurrency, max_duration_s=300.0,
+                                      progress=False))
+    for r in result.records:
+        if not r.success:
+            raise RuntimeError(f"probe request ({what}) failed: {r.error}")
+    return result.records
 
 
 def _affine(ttft: dict[int, float], cost: StepCost) -> dict[str, float]:

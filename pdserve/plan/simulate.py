@@ -14,9 +14,11 @@ A deployment is instances of roles fed in order:
   generation instance asked first and, with pipelined transfer, only the last chunk's KV is left to
   move), and a generation instance takes the request at its next step boundary and decodes it.
 
-Not modelled: KV memory limits (preemption), the HTTP and detokenizing time of each token, the
-orchestrator's routing beyond round robin, cores shared between instances, and prefix caching (every
-prompt is new, as in `pdserve bench sweep`).
+Serving's own time, as the profile's serving probe measured it, is added per request, per step and
+per decode row of a step (each streamed token takes CPU the steps share).
+
+Not modelled: KV memory limits (preemption), the orchestrator's routing beyond round robin, cores shared
+between instances, and prefix caching (every prompt is new, as in `pdserve bench sweep`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdserve.bench.arrivals import arrival_offsets
 from pdserve.engine.step_budget import MARGIN, prefill_allowance
 from pdserve.plan.costmodel import StepCost, TransferCost
 
@@ -43,9 +46,9 @@ class Workload:
     seed: int = 0
 
     def arrivals(self, rate: float) -> np.ndarray:
-        """Poisson arrival times at `rate` req/s: the same unit-rate draws scaled, so rates compare fairly."""
-        gaps = np.random.default_rng(self.seed).exponential(1.0, self.num_requests)
-        return np.cumsum(gaps) / rate
+        """Poisson arrival times at `rate` req/s, drawn as `pdserve bench` draws them (the same seed gives the
+        same requests' times), and the same unit-rate draws scaled at every rate, so rates compare fairly."""
+        return arrival_offsets(self.num_requests, rate, self.seed)
 
 
 @dataclass
@@ -54,13 +57,14 @@ class InstanceSpec:
     max_num_tokens: int
     max_num_seqs: int = 64
     step_extra_s: float = STEP_OVERHEAD_S  # serving's time per step beyond the forward pass
+    row_extra_s: float = 0.0  # ... and per decode row of it (streaming each token costs CPU the steps share)
     prefill_factor: float = 1.0  # a step with prefill rows takes this times the profile's bare step
     tpot_slo_ms: float | None = None  # the engine's tpot_slo_ms (step_budget.py), on the profile's step costs
     min_prefill: int = 32  # ... and its floor, one KV block
 
     def step_seconds(self, chunks: list[tuple[int, int]], batch: int, context_tokens: int) -> float:
         step = self.cost.step(chunks, batch, context_tokens)
-        return (step * self.prefill_factor if chunks else step) + self.step_extra_s
+        return (step * self.prefill_factor if chunks else step) + self.step_extra_s + self.row_extra_s * batch
 
     def prefill_cap(self, running: list[list[int]], first: np.ndarray, prompt: int, outputs: int, computed: int,
                     now: float) -> int:

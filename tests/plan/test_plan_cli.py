@@ -59,7 +59,8 @@ def test_the_profile_holds_every_measurement_and_is_cached(tiny, planned):
     assert "shm" in profile.transfer and all(s > 0 for _, s in profile.transfer["shm"])
     for kind in ("aggregated", "disaggregated"):
         probe = profile.serving[kind]
-        assert probe["ttft_s"] >= 0 and probe["itl_s"] >= 0 and 0.8 <= probe["prefill_factor"] <= 3
+        assert probe["ttft_s"] >= 0 and probe["itl_s"] >= 0 and probe["itl_row_s"] >= 0
+        assert 0.8 <= probe["prefill_factor"] <= 3
 
 
 def test_the_pick_is_a_cluster_yaml_launch_accepts(planned):

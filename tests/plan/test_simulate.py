@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 
+from pdserve.bench.arrivals import arrival_offsets
 from pdserve.bench.sweep import distserve_goodput
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.sampler import SampleResult
@@ -107,6 +108,21 @@ def test_one_request_alone_costs_its_steps(cost):
     np.testing.assert_allclose(out.ttft, prefill + 0.1)
     decode = np.mean([cost.decode(1, 512 + k) for k in range(1, 5)])
     np.testing.assert_allclose(out.tpot, decode)
+
+
+def test_the_simulated_arrivals_are_the_bench_s_own():
+    """Same seed, same request times as `pdserve bench`: a prediction can replay a measured sweep."""
+    want = arrival_offsets(30, 2.5, seed=1000)
+    np.testing.assert_array_equal(Workload(256, 32, 30, seed=1000).arrivals(2.5), want)
+    assert not np.array_equal(Workload(256, 32, 30, seed=1001).arrivals(2.5), want)
+
+
+def test_each_decode_row_adds_its_serving_time(cost):
+    plain, rowed = InstanceSpec(cost, 256, step_extra_s=0.0), InstanceSpec(cost, 256, step_extra_s=0.0,
+                                                                            row_extra_s=0.002)
+    for batch in (1, 4, 16):
+        extra = rowed.step_seconds([], batch, 100 * batch) - plain.step_seconds([], batch, 100 * batch)
+        assert extra == pytest.approx(0.002 * batch)
 
 
 def test_disaggregated_ttft_holds_the_transfer_and_decode_is_never_behind_a_prefill(cost):
