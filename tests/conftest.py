@@ -29,6 +29,16 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_reference(smollm2_path):
+    """transformers' own GGUF loading of SmolLM2: (model, tokenizer), loaded once per session (~30 s)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    kw = {"gguf_file": smollm2_path.name}
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_path.parent, dtype=torch.float32, **kw)
+    return model, transformers.AutoTokenizer.from_pretrained(smollm2_path.parent, **kw)
+
+
+@pytest.fixture(scope="session")
 def pdserve_cache(tmp_path_factory) -> Path:
     """One converted-model cache per test session, so GGUF conversion runs once."""
     return tmp_path_factory.mktemp("pdserve-cache")

@@ -7,7 +7,6 @@ pdserve's GGUF conversion end to end.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.llm import LLM
@@ -33,10 +32,8 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_path, hf_greedy):
-    tok = transformers.AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name,
-                                                              torch_dtype=torch.float32)
+def reference(smollm2_reference, hf_greedy):
+    model, tok = smollm2_reference
     prompts = [tok(p).input_ids for p in PROMPTS]
     return prompts, hf_greedy(model, prompts, MAX_NEW)
 

@@ -4,7 +4,6 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-import torch
 
 from gguf_writers import write_tiny_gguf
 from pdserve.testing import make_tiny_model
@@ -39,18 +38,8 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(smollm2_gguf, tmp_path_factory) -> Path:
-    """SmolLM2 converted once per test session into a temporary cache."""
+def smollm2_dir(smollm2_gguf, pdserve_cache) -> Path:
+    """SmolLM2 converted once per test session, into the session's shared cache."""
     from pdserve.weights.resolve import resolve_model
 
-    return resolve_model(str(smollm2_gguf), cache_dir=tmp_path_factory.mktemp("pdserve_cache"))
-
-
-@pytest.fixture(scope="session")
-def smollm2_reference(smollm2_gguf):
-    """transformers' own GGUF loading of SmolLM2: (model, tokenizer)."""
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    kw = {"gguf_file": smollm2_gguf.name}
-    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, dtype=torch.float32, **kw)
-    return model, transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, **kw)
+    return resolve_model(str(smollm2_gguf), cache_dir=pdserve_cache)
