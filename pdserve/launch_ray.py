@@ -357,6 +357,9 @@ def _existing_controller():
 
 def scale(role: str, n: int, address: str | None) -> int:
     """Entry point of `pdserve scale ROLE N`."""
+    if n < 1:  # no cluster needed to say so (the controller checks again)
+        print(f"pdserve scale: error: a cluster needs at least one {role} instance; got {n}", file=sys.stderr)
+        return 1
     try:
         import ray
     except ImportError:

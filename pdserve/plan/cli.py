@@ -147,19 +147,28 @@ def format_table(preds: list[Prediction], slo: PlanSLO, at: float, top: int) -> 
     return "\n".join(lines)
 
 
-def transfer_section(args: argparse.Namespace, profile: Profile, preds: list[Prediction]) -> str:
+def layout_transfer(args: argparse.Namespace, profile: Profile) -> tuple:
+    """The KV transfer plan between --ctx-layout and --gen-layout: (ctx, gen, rows, bounce). Raises ValueError
+    for layouts the model cannot take."""
     from pdserve.kv_transfer.bounce import BounceConfig
-    from pdserve.plan.transfer import Layout, format_transfer_plan, transfer_plan
+    from pdserve.plan.transfer import Layout, transfer_plan
 
-    disagg = next((p.candidate for p in preds if p.candidate.kind == "disaggregated"), None)
-    if disagg is None and not (args.ctx_layout or args.gen_layout):
-        return ""
     ctx = Layout.parse(args.ctx_layout) if args.ctx_layout else Layout()
     gen = Layout.parse(args.gen_layout) if args.gen_layout else Layout()
     m = profile.model
     bounce = BounceConfig() if args.bounce else None
     rows = transfer_plan(ctx, gen, num_layers=m["num_layers"], kv_heads=m["num_kv_heads"], head_dim=m["head_dim"],
                          element_bytes=m["element_bytes"], prompt_tokens=args.input_len, bounce=bounce)
+    return ctx, gen, rows, bounce
+
+
+def transfer_section(args: argparse.Namespace, profile: Profile, preds: list[Prediction]) -> str:
+    from pdserve.plan.transfer import format_transfer_plan
+
+    disagg = next((p.candidate for p in preds if p.candidate.kind == "disaggregated"), None)
+    if disagg is None and not (args.ctx_layout or args.gen_layout):
+        return ""
+    ctx, gen, rows, bounce = layout_transfer(args, profile)
     which = "" if preds[0].candidate.kind == "disaggregated" else \
         f"(the pick is aggregated: no KV moves; for {disagg.name if disagg else 'the given layouts'})\n"
     return which + format_transfer_plan(ctx, gen, rows, args.input_len, bounce)
@@ -236,6 +245,8 @@ def run_plan(args: argparse.Namespace) -> tuple[list[Prediction], PlanSLO, Profi
         device = "cuda" if torch.cuda.is_available() else "cpu"
     profile, path, fresh = load_or_measure(args.model, args.dtype, device, refresh=args.reprofile)
     print(describe(profile) + f"\n  ({'measured now' if fresh else 'cached'}: {path})\n", flush=True)
+    if getattr(args, "ctx_layout", None) or getattr(args, "gen_layout", None):
+        layout_transfer(args, profile)  # a layout the model cannot take fails now: before the simulation, no yaml
     preds, at = plan(args, slo, profile)
     return preds, slo, profile, at, path
 

@@ -88,6 +88,7 @@ def test_the_pick_is_a_cluster_yaml_launch_accepts(planned):
 def test_a_bad_request_is_a_clear_error(tiny, planned, tmp_path, capsys, argv, error):
     assert main(["plan", "--model", tiny, "--out", str(tmp_path / "c.yaml"), *argv]) == 2
     assert error in capsys.readouterr().err
+    assert not (tmp_path / "c.yaml").exists(), "a failed plan wrote a cluster.yaml"
 
 
 def test_launch_refuses_an_slo_nothing_here_meets(tiny, planned, capsys):
