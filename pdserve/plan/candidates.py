@@ -65,7 +65,10 @@ class Candidate:
             gen_extra: dict = {}
             timing: dict = {}
         else:
-            gen_extra = {"step_extra_s": probe["itl_s"], "row_extra_s": probe.get("itl_row_s", 0.0)}
+            # itl_s was measured on steps of one row, itl_row_s as the slope from there: a step of b rows
+            # gets itl_s + (b - 1) x itl_row_s, as the probe saw it at 1 and at ROWS rows.
+            row = probe.get("itl_row_s", 0.0)
+            gen_extra = {"step_extra_s": max(0.0, probe["itl_s"] - row), "row_extra_s": row}
             timing = {"request_extra_s": probe["ttft_s"], "hop_s": 0.0}
         if self.kind == "aggregated":
             # The probe's prefill slope is taken as slower prefill steps: on the instance's own time.

@@ -17,9 +17,11 @@ from pdserve.engine.sampler import SampleResult
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import RequestType, Sequence
+from pdserve.plan.candidates import enumerate_candidates
 from pdserve.plan.costmodel import StepCost, TransferCost
 from pdserve.plan.planner import PlanSLO, attainment, search_goodput
 from pdserve.plan.profile import StepTimings
+from pdserve.plan.serving_probe import ROWS
 from pdserve.plan.simulate import (
     Deployment,
     InstanceSpec,
@@ -123,6 +125,17 @@ def test_each_decode_row_adds_its_serving_time(cost):
     for batch in (1, 4, 16):
         extra = rowed.step_seconds([], batch, 100 * batch) - plain.step_seconds([], batch, 100 * batch)
         assert extra == pytest.approx(0.002 * batch)
+
+
+def test_a_planned_instance_adds_what_the_serving_probe_measured(cost):
+    """The probe read itl_s on steps of one decode row and itl_row_s as the slope up to ROWS rows: the
+    simulated instance adds exactly that at 1 and at ROWS rows."""
+    probe = {"ttft_s": 0.0, "itl_s": 0.004, "itl_row_s": 0.001, "prefill_factor": 1.0}
+    cand = next(c for c in enumerate_candidates([1], 1, input_len=256) if c.kind == "aggregated")
+    inst = cand.deployment({1: cost}, None, 0, {"aggregated": probe}).instances[0]
+    for rows, extra in ((1, 0.004), (ROWS, 0.004 + (ROWS - 1) * 0.001)):
+        bare = cost.step([], rows, 100 * rows)
+        assert inst.step_seconds([], rows, 100 * rows) - bare == pytest.approx(extra)
 
 
 def test_disaggregated_ttft_holds_the_transfer_and_decode_is_never_behind_a_prefill(cost):
