@@ -43,34 +43,23 @@ Y
 sed -e 's/^port: 8000/port: 8600/' -e 's/port: 8001/port: 8601/' -e 's/port: 8002/port: 8602/' \
     examples/cluster_generation_first.yaml > "$R/gf.yaml"
 
+# pdserve's servers stop on SIGTERM (launch takes its instances down); vLLM's are started and stopped by
+# vllm_serving.sh around the sweep.
 pids=()
-stop_all() {
-  for p in "${pids[@]}"; do kill -TERM -- "-$p" 2>/dev/null || true; done
-  for _ in $(seq 30); do
-    alive=0; for p in "${pids[@]}"; do kill -0 -- "-$p" 2>/dev/null && alive=1; done
-    ((alive)) || break; sleep 1
-  done
-  for p in "${pids[@]}"; do kill -KILL -- "-$p" 2>/dev/null || true; done
-  pids=()
-}
-trap stop_all EXIT
-start() { local name=$1; shift; setsid "$@" > "$R/$name.log" 2>&1 & pids+=($!); }
-
-MODEL=$(python -c "from pdserve.weights import resolve_model; print(resolve_model(None))")
-start agg pdserve serve --config "$R/agg.yaml"
-start disagg_cf pdserve launch "$R/cf.yaml"
-start disagg_gf pdserve launch "$R/gf.yaml"
-start vllm_agg env VLLM_CPU_OMP_THREADS_BIND=0-$(($(nproc) - 1)) VLLM_CPU_KVCACHE_SPACE=2 "$VLLM_PYTHON" \
-  -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name SmolLM2-135M-Instruct \
-  --dtype float32 --max-model-len 4096 --host 127.0.0.1 --port 8300
-for port in 8100 8200 8600 8300; do
-  for _ in $(seq 900); do curl -sf "127.0.0.1:$port/health" > /dev/null && break; sleep 1; done
+stop_pdserve() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done; wait || true; pids=(); }
+trap stop_pdserve EXIT
+pdserve serve --config "$R/agg.yaml" > "$R/agg.log" 2>&1 & pids+=($!)
+pdserve launch "$R/cf.yaml" > "$R/disagg_cf.log" 2>&1 & pids+=($!)
+pdserve launch "$R/gf.yaml" > "$R/disagg_gf.log" 2>&1 & pids+=($!)
+for port in 8100 8200 8600; do
+  for _ in $(seq 600); do curl -sf "127.0.0.1:$port/health" > /dev/null && break; sleep 1; done
   curl -sf "127.0.0.1:$port/health" > /dev/null || { echo "not ready: :$port (logs in $R)" >&2; exit 1; }
 done
-pdserve bench sweep --endpoint agg=http://127.0.0.1:8100 --endpoint disagg_cf=http://127.0.0.1:8200 \
+SYSTEMS=agg VLLM_PYTHON=$VLLM_PYTHON benchmarks/vllm_serving.sh run "$R/vllm-agg-logs" -- \
+  pdserve bench sweep --endpoint agg=http://127.0.0.1:8100 --endpoint disagg_cf=http://127.0.0.1:8200 \
   --endpoint disagg_gf=http://127.0.0.1:8600 --endpoint vllm_agg=http://127.0.0.1:8300 --request-rates $RATES \
   "${C[@]}" --out "$R/sweep-pdserve.json" --run-dir "$R/runs"
-stop_all
+stop_pdserve
 
 SYSTEMS=pd VLLM_PYTHON=$VLLM_PYTHON benchmarks/vllm_serving.sh run "$R/vllm-pd-logs" -- \
   pdserve bench sweep --endpoint vllm_pd=http://127.0.0.1:8400 --request-rates $RATES "${C[@]}" \
