@@ -127,10 +127,7 @@ def test_a_cluster_on_ray_serves_survives_a_killed_actor_and_scales(ray_cluster,
         out, _ = scale.communicate(timeout=120)
         assert scale.returncode == 1 and "no room for a context instance" in out and "spread" in out, out
         assert len(ray.get(controller.status.remote())["context"]) == 2
-        for bad, why in [("0", "at least one context instance"), ("-1", "at least one context instance")]:
-            scale = _pdserve("scale", "context", bad, "--ray", ray_cluster.address)
-            out, _ = scale.communicate(timeout=120)
-            assert scale.returncode == 1 and why in out, out
+        # (a count below 1: tests/launch/test_launch.py, no cluster needed)
 
         # 2 -> 1: the newest one drains (leaves, finishes, exits) and is gone
         started = time.monotonic()

@@ -65,7 +65,14 @@ class Worker:
 
 
 def start_workers(model_dir: Path, workdir: Path, n: int, extra: dict | None = None) -> list[Worker]:
-    workers = [Worker(model_dir, workdir, extra) for _ in range(n)]  # start all, then wait: they load in parallel
+    return start_each(model_dir, workdir, [extra] * n)
+
+
+def start_each(model_dir: Path, workdir: Path, extras: list[dict | None]) -> list[Worker]:
+    """One worker per entry of `extras` (merged into its worker.yaml). All start, then all are waited
+    for: they load in parallel. A worker that needs a port of its own beside its HTTP one asks for
+    port 0 (e.g. `kv_events_port: 0`), so none has to be up before the next one starts."""
+    workers = [Worker(model_dir, workdir, extra) for extra in extras]
     try:
         return [w.wait_ready() for w in workers]
     except Exception:

@@ -23,15 +23,7 @@ GREEDY = {"temperature": 0.0, "max_tokens": 8, "extra_body": {"ignore_eos": True
 
 
 def _transceiver_workers(model_dir, workdir, n: int) -> list:
-    ws = []
-    try:
-        for _ in range(n):  # one at a time: each needs its own kv_events_port
-            ws += start_workers(model_dir, workdir, 1, {"cache_transceiver_config": {"backend": "shm"},
-                                                        "kv_events_port": free_port()})
-    except BaseException:  # start_workers stops its own; stop the ones started before it
-        for w in ws:
-            w.stop()
-        raise
+    ws = start_workers(model_dir, workdir, n, {"cache_transceiver_config": {"backend": "shm"}, "kv_events_port": 0})
     without = [w.url for w in ws if not worker_supports_disagg(w.url)]
     if without:
         for w in ws:
@@ -234,9 +226,7 @@ def test_workers_with_their_own_api_key(tiny_model_dir, tmp_path_factory):
     keyed = {"cache_transceiver_config": {"backend": "shm"}, "api_key": "worker-secret"}
     ws = []
     try:
-        for _ in range(2):
-            ws += start_workers(tiny_model_dir, tmp_path_factory.mktemp("keyed"), 1,
-                                {**keyed, "kv_events_port": free_port()})
+        ws = start_workers(tiny_model_dir, tmp_path_factory.mktemp("keyed"), 2, {**keyed, "kv_events_port": 0})
         ctx, gen = ws
         with AppThread(build_app(cfg_for([ctx.url], [gen.url], health_check_interval=0.2))) as orch:
             time.sleep(1.0)

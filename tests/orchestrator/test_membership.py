@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from harness import MODEL_NAME, AppThread, free_port_pair, log_of, run_cli, start_workers, wait_healthy
+from harness import MODEL_NAME, AppThread, free_port_pair, log_of, run_cli, start_each, start_workers, wait_healthy
 
 from pdserve.distributed import host_id
 from pdserve.orchestrator.app import build_app
@@ -172,8 +172,7 @@ def test_instances_join_serve_leave_on_drain_and_are_dropped_when_lost(tiny_mode
         assert httpx.get(orch.url + "/health", timeout=5).status_code == 503  # nothing has joined
         join = {"cache_transceiver_config": {"backend": "shm"}, "join": orch.url}
         workdir = tmp_path_factory.mktemp("membership")
-        ctx, gen = (start_workers(tiny_model_dir, workdir, 1, {**join, "role": role})[0]
-                    for role in ("context", "generation"))
+        ctx, gen = start_each(tiny_model_dir, workdir, [{**join, "role": role} for role in ("context", "generation")])
         replacement = None
         try:
             wait_healthy(orch.url)
@@ -255,8 +254,7 @@ def test_instances_join_a_fleet_through_any_of_its_processes(tiny_model_dir, tmp
     workdir = tmp_path_factory.mktemp("fleet-membership")
     ctx = gen = None
     try:
-        ctx, gen = (start_workers(tiny_model_dir, workdir, 1, {**join, "role": role})[0]
-                    for role in ("context", "generation"))
+        ctx, gen = start_each(tiny_model_dir, workdir, [{**join, "role": role} for role in ("context", "generation")])
         wait_healthy(url, timeout=30)
         processes = set()
         for _ in range(20):  # a new connection each time: both processes answer

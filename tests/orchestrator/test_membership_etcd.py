@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from harness import MODEL_NAME, free_port_pair, log_of, run_cli, start_workers, wait_healthy
+from harness import MODEL_NAME, free_port_pair, log_of, run_cli, start_each, wait_healthy
 
 from pdserve.orchestrator.config import DisaggConfig
 from pdserve.orchestrator.etcd_store import EtcdStore, parse_etcd_url
@@ -128,8 +128,8 @@ def test_the_membership_outlives_an_orchestrator_killed_and_a_fleet_reads_it_wit
     join = {"cache_transceiver_config": {"backend": "shm"}, "join": url}
     ctx = gen = fleet = None
     try:
-        ctx, gen = (start_workers(tiny_model_dir, tmp, 1, {**join, "role": role, "kv_events_port": 0})[0]
-                    for role in ("context", "generation"))
+        ctx, gen = start_each(tiny_model_dir, tmp, [{**join, "role": role, "kv_events_port": 0}
+                                                    for role in ("context", "generation")])
         wait_healthy(url, timeout=30)
         expected = httpx.post(gen.url + "/v1/completions", json=BODY, timeout=60).json()["choices"][0]["text"]
         r = httpx.post(url + "/v1/completions", json=BODY, timeout=60)

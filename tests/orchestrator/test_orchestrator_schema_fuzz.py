@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import schemathesis
-from harness import AppThread, free_port, start_workers, wait_healthy
+from harness import AppThread, start_workers, wait_healthy
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
@@ -19,10 +19,8 @@ pytestmark = pytest.mark.faults
 
 @pytest.fixture(scope="module")
 def pair(tiny_model_dir, tmp_path_factory):
-    ws = []
-    for _ in range(2):
-        ws += start_workers(tiny_model_dir, tmp_path_factory.mktemp("fuzz"), 1,
-                            {"cache_transceiver_config": {"backend": "shm"}, "kv_events_port": free_port()})
+    ws = start_workers(tiny_model_dir, tmp_path_factory.mktemp("fuzz"), 2,
+                       {"cache_transceiver_config": {"backend": "shm"}, "kv_events_port": 0})
     yield ws
     for w in ws:
         w.stop()

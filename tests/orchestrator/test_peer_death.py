@@ -15,7 +15,7 @@ import time
 
 import httpx
 import pytest
-from harness import MODEL_NAME, AppThread, Occupied, free_port, start_workers, wait_healthy
+from harness import MODEL_NAME, AppThread, Occupied, start_each, wait_healthy
 
 from pdserve.orchestrator.app import build_app
 from pdserve.orchestrator.config import DisaggConfig
@@ -45,11 +45,9 @@ def _holds_kv(worker) -> bool:
 @contextlib.contextmanager
 def _workers(model_dir, workdir, *extras: dict, **common):
     """One worker per entry of `extras` (its own config keys beside `common`), killed on the way out."""
-    ws = []
+    ws = start_each(model_dir, workdir, [{"cache_transceiver_config": TRANSCEIVER, "kv_events_port": 0,
+                                          **common, **extra} for extra in extras])
     try:
-        for extra in extras:
-            ws += start_workers(model_dir, workdir, 1, {"cache_transceiver_config": TRANSCEIVER,
-                                                        "kv_events_port": free_port(), **common, **extra})
         yield ws
     finally:
         for w in ws:
