@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -275,8 +276,27 @@ def _head_node_id() -> str:
     raise RuntimeError("the Ray cluster has no live head node")
 
 
+def unreachable(address: str | None, timeout_s: float = 5.0) -> str | None:
+    """Why nothing answers at a `--ray HOST:PORT` address, or None. ray.init retries an address where
+    nothing listens for minutes before it gives up; one TCP connect says so in seconds."""
+    if address in (None, "auto"):
+        return None
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return None  # not HOST:PORT: ray.init judges it
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        return f"nothing answers at {address}: {e}"
+    return None
+
+
 def _connect(address: str | None) -> None:
     import ray
+
+    why = unreachable(address)
+    if why is not None:
+        raise ConnectionError(why)
 
     if address in (None, "auto"):
         try:
@@ -308,7 +328,12 @@ def launch_ray(path: str | None, address: str | None) -> int:
     def on_signal(signum, _frame):
         stop["now"] = True
 
-    _connect(address)
+    try:
+        _connect(address)
+    except ConnectionError as e:
+        print(f"pdserve launch: error: cannot reach a Ray cluster ({e}); pass the head node's address "
+              "(`ray start --head` prints it)", file=sys.stderr)
+        return 1
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     controller = None
     try:
@@ -366,6 +391,9 @@ def scale(role: str, n: int, address: str | None) -> int:
         print("pdserve scale: error: needs Ray: pip install 'pdserve[ray]'", file=sys.stderr)
         return 1
     try:
+        why = unreachable(address)
+        if why is not None:
+            raise ConnectionError(why)
         ray.init(address=address or "auto", namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
     except ConnectionError as e:
         print(f"pdserve scale: error: cannot reach a Ray cluster ({e}); pass --ray ADDRESS", file=sys.stderr)

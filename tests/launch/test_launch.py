@@ -14,6 +14,7 @@ import pytest
 import yaml
 from openai import OpenAI
 
+from pdserve.cli import main
 from pdserve.config import EngineConfig
 from pdserve.distributed import free_port
 from pdserve.engine.llm import LLM
@@ -100,6 +101,27 @@ def test_launch_refuses_a_bad_cluster_config(tmp_path):
                          timeout=120)
     assert out.returncode == 1
     assert "tensor_parallel_size" in out.stderr
+
+
+@pytest.mark.parametrize("n", ["0", "-1"])
+def test_scale_refuses_an_empty_role_before_it_looks_for_a_cluster(n, capsys):
+    """Nothing listens at the address: a count below 1 is refused without trying to reach it."""
+    started = time.monotonic()
+    assert main(["scale", "context", n, "--ray", f"127.0.0.1:{free_port()}"]) == 1
+    assert "at least one context instance" in capsys.readouterr().err
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("command", ["scale", "launch"])
+def test_a_ray_address_where_nothing_listens_is_an_error_in_seconds(command, tmp_path, tiny):
+    """ray.init retries such an address for minutes (it hung past 5 min here); pdserve says so at once."""
+    pytest.importorskip("ray")
+    address = f"127.0.0.1:{free_port()}"
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump({"model": tiny, "context": [{}], "generation": [{}]}))
+    args = ["scale", "context", "2", "--ray", address] if command == "scale" else ["launch", "--ray", address, str(path)]
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and f"nothing answers at {address}" in out.stderr, out.stderr
 
 
 def test_context_instances_keep_one_copy_of_their_weights():
