@@ -119,8 +119,9 @@ def test_a_ray_address_where_nothing_listens_is_an_error_in_seconds(command, tmp
     address = f"127.0.0.1:{free_port()}"
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump({"model": tiny, "context": [{}], "generation": [{}]}))
-    args = ["scale", "context", "2", "--ray", address] if command == "scale" else ["launch", "--ray", address, str(path)]
-    out = subprocess.run([sys.executable, "-m", "pdserve.cli", *args], capture_output=True, text=True, timeout=60)
+    args = {"scale": ["scale", "context", "2", "--ray", address], "launch": ["launch", "--ray", address, str(path)]}
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", *args[command]], capture_output=True, text=True,
+                         timeout=60)
     assert out.returncode == 1 and f"nothing answers at {address}" in out.stderr, out.stderr
 
 
