@@ -1,14 +1,16 @@
-"""A batch-1 CPU decode step through a stage's layers in one native call (csrc/decode_layers.c).
+"""A CPU decode step through a stage's layers in one native call (csrc/decode_layers.c).
 
-With one sequence in the batch, a decode step is ~120 matrix-vector products and ~150 small kernels
-and PyTorch ops; the Python around them (module calls, views, wrapper checks) is a large share of a
-small model's step (docs/benchmarks.md). `StageDecoder` hands the whole layer stack to C, which
-calls the same kernels in the same order as `llama.DecoderLayer` (docs/architecture.md).
+With a few sequences in the batch, one token each, a decode step is ~120 skinny matrix products and
+~150 small kernels and PyTorch ops; the Python around them (module calls, views, wrapper checks) is
+a large share of a small model's step (docs/benchmarks.md). `StageDecoder` hands the whole layer
+stack to C, which calls the same kernels in the same order as `llama.DecoderLayer`
+(docs/architecture.md).
 
 It applies only where those kernels would all run anyway: on CPU, without tensor parallelism (a
 row-parallel linear's all-reduce sits between kernels), with every linear keeping its plain weight
 for the GEMV (`layers.pack_for_cpu(gemv=True)`, the `cpu_decode_gemv` config key), and for a step
-of exactly one decode token. Anything else takes the module path, which stays the reference.
+of decode tokens only, as many as the module path sends to the GEMV (`cpu_kernels.SKINNY_ROWS`: up
+to 16). Anything else takes the module path, which stays the reference.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class _StepArgs(ctypes.Structure):
         ("eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
         (name, ctypes.c_void_p) for name in ("cos", "signed_sin", "slot_block", "slot_offset", "block_table",
                                              "context_len")] + [
-        ("max_blocks", ctypes.c_int64)]
+        ("max_blocks", ctypes.c_int64), ("rows", ctypes.c_int64)]
 
 
 class StageDecoder:
@@ -84,12 +86,13 @@ class StageDecoder:
 
     def __call__(self, h: torch.Tensor, rope_table: tuple[torch.Tensor, torch.Tensor], cache: PagedKVCache,
                  md: AttentionMetadata) -> torch.Tensor | None:
-        """h: [1, hidden], the one decode token's input to the first local layer -> the last local layer's
-        output, [1, hidden]; None where the step is not a single decode token or a kernel refused it
-        (the caller then runs the modules)."""
+        """h: [rows, hidden], each decode token's input to the first local layer -> the last local layer's
+        output, [rows, hidden]; None where the step is not decode tokens only, of a row count the module
+        path gives the GEMV, or a kernel refused it (the caller then runs the modules)."""
         cos, signed_sin = rope_table
         indices = (md.slot_blocks, md.slot_offsets, md.decode_blocks, md.decode_lens)
-        if (h.shape[0] != 1 or not md.decode_only or cache.pool.dtype not in cpu_kernels._KV_DTYPES
+        if (not md.decode_only or h.shape[0] not in cpu_kernels.SKINNY_ROWS.get(h.dtype, ())
+                or h.shape[0] != md.decode_lens.numel() or cache.pool.dtype not in cpu_kernels._KV_DTYPES
                 or not cos.is_contiguous() or not signed_sin.is_contiguous()
                 or any(t.dtype != torch.int64 or not t.is_contiguous() for t in indices)):
             return None
@@ -100,7 +103,7 @@ class StageDecoder:
         step = _StepArgs(h.shape[1], attn.qkv_proj.num_heads, attn.head_dim, first.mlp.down_proj.gemv_weight.shape[1],
                          first.input_layernorm.eps, attn.scale, cos.data_ptr(), signed_sin.data_ptr(),
                          md.slot_blocks.data_ptr(), md.slot_offsets.data_ptr(), md.decode_blocks.data_ptr(),
-                         md.decode_lens.data_ptr(), md.decode_blocks.shape[1])
+                         md.decode_lens.data_ptr(), md.decode_blocks.shape[1], h.shape[0])
         args = self._layer_args(cache)
         status = self.lib.decode_layers(args, len(self.layers), ctypes.byref(step), h.data_ptr(), out.data_ptr(),
                                         cpu_kernels._FLOAT_DTYPES[h.dtype], cpu_kernels._KV_DTYPES[cache.pool.dtype],

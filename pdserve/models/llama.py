@@ -110,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
         MLP run on those rows only (every row still attends, and its K and V are cached)."""
         h = self.embed_tokens(ids_or_hidden) if self.embed_tokens is not None else ids_or_hidden
         rope_table = self.rope.table(positions)
-        if self.stage_decoder is not None:  # one decode token on CPU: the same layers in one native call
+        if self.stage_decoder is not None:  # decode tokens only, on CPU: the same layers in one native call
             out = self.stage_decoder(h, rope_table, cache, md)
             if out is not None:
                 return out if out_rows is None else out[out_rows]

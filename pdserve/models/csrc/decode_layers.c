@@ -1,8 +1,9 @@
-/* A batch-1 decode step through a pipeline stage's layers in one call.
+/* A decode step of a few sequences (one token each) through a pipeline stage's layers in one call.
  *
  * With one sequence a decode step is ~120 small GEMVs and ~150 small kernels and PyTorch ops, and
  * on the 2-core development machine the Python around them (module calls, views, wrappers) cost
- * ~2.5 ms of a 10 ms bf16 SmolLM2 step (same-process A/B, docs/benchmarks.md). This function runs
+ * ~2.5 ms of a 10 ms bf16 SmolLM2 step (same-process A/B, docs/benchmarks.md); with a few sequences
+ * the kernels are the same and so is that cost. This function runs
  * the decoder block of every layer in C, calling the same kernels in the same order as the model's
  * PyTorch code does:
  *
@@ -13,7 +14,7 @@
  * Sleef's: the two may differ in the last bit of an fp32 (tests/models/test_cpu_decode.py measures
  * how far that carries). Every product and sum is rounded to the model dtype where PyTorch rounds it.
  *
- * h_in, h_out: [hidden] in the model dtype (fp32 or bf16); h_in is left as it is, so a caller may
+ * h_in, h_out: [rows, hidden] in the model dtype (fp32 or bf16); h_in is left as it is, so a caller may
  * still take another path after a failure. Returns 0; -1 where a kernel refused its inputs (nothing
  * is then half-done that the other path does not redo: it rewrites every pool slot written here);
  * -2 for a slot, block id or length outside the pool or table; -3 out of memory.
@@ -43,10 +44,11 @@ typedef struct {
 typedef struct {
     int64_t hidden, heads, head_dim, intermediate;
     float eps, scale;
-    const float *cos, *signed_sin;             /* [head_dim]: the rotary table's row for the position */
-    const int64_t *slot_block, *slot_offset;   /* [1]: where the new token's K and V go */
-    const int64_t *block_table, *context_len;  /* [max_blocks], [1] */
+    const float *cos, *signed_sin;             /* [rows, head_dim]: the rotary table's row for each position */
+    const int64_t *slot_block, *slot_offset;   /* [rows]: where each new token's K and V go */
+    const int64_t *block_table, *context_len;  /* [rows, max_blocks], [rows] */
     int64_t max_blocks;
+    int64_t rows;                              /* sequences in the step, one token each */
 } step_args;
 
 /* act = silu(gate) * up, rounded as F.silu(gate).mul_(up) rounds: the silu to the dtype, then the product. */
@@ -83,11 +85,12 @@ static void add(const void *a, const void *b, void *out, int64_t n, int dtype) {
 
 int decode_layers(const layer_args *layers, int64_t num_layers, const step_args *s, const void *h_in, void *h_out,
                   int dtype, int kv_dtype, int num_threads) {
-    if ((dtype != MODEL_F32 && dtype != MODEL_BF16) || num_layers < 1) return -1;
+    if ((dtype != MODEL_F32 && dtype != MODEL_BF16) || num_layers < 1 || s->rows < 1) return -1;
     const int64_t H = s->hidden, d = s->head_dim, kv = layers[0].cache.kv_heads, I = s->intermediate;
-    const int64_t width = s->heads + 2 * kv, esize = dtype == MODEL_F32 ? 4 : 2;
-    /* x, h2, o, down: [H]; qkv: [width d]; qk: [(heads + kv) d]; attn: [heads d]; gu: [2 I]; act: [I] */
-    const int64_t sizes[] = {H, H, H, H, width * d, (s->heads + kv) * d, s->heads * d, 2 * I, I};
+    const int64_t width = s->heads + 2 * kv, esize = dtype == MODEL_F32 ? 4 : 2, R = s->rows;
+    /* per row: x, h2, o, down: [H]; qkv: [width d]; qk: [(heads + kv) d]; attn: [heads d]; gu: [2 I]; act: [I] */
+    const int64_t sizes[] = {R * H, R * H, R * H, R * H, R * width * d, R * (s->heads + kv) * d, R * s->heads * d,
+                             R * 2 * I, R * I};
     int64_t total = 0;
     for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) total += (sizes[i] * esize + 63) & ~(int64_t)63;
     char *scratch = aligned_alloc(64, (size_t)total);
@@ -99,23 +102,23 @@ int decode_layers(const layer_args *layers, int64_t num_layers, const step_args 
     }
     char *x = buf[0], *h2 = buf[1], *o = buf[2], *down = buf[3], *qkv = buf[4], *qk = buf[5], *attn = buf[6];
     char *gu = buf[7], *act = buf[8];
-    memcpy(h_out, h_in, (size_t)(H * esize)); /* h_out carries the residual stream from here on */
+    memcpy(h_out, h_in, (size_t)(R * H * esize)); /* h_out carries the residual stream from here on */
     for (int64_t l = 0; l < num_layers; l++) {
         const layer_args *L = layers + l;
-        CHECK(rms_norm(h_out, NULL, NULL, L->input_norm, x, 1, H, s->eps, dtype, num_threads));
-        CHECK(skinny_linear(x, L->qkv, L->qkv_bias, qkv, 1, width * d, H, H, width * d, dtype, num_threads));
-        const rope_cache_args rope = {L->cache, qkv, 1, s->heads, s->cos, s->signed_sin, s->slot_block,
+        CHECK(rms_norm(h_out, NULL, NULL, L->input_norm, x, R, H, s->eps, dtype, num_threads));
+        CHECK(skinny_linear(x, L->qkv, L->qkv_bias, qkv, R, width * d, H, H, width * d, dtype, num_threads));
+        const rope_cache_args rope = {L->cache, qkv, R, s->heads, s->cos, s->signed_sin, s->slot_block,
                                       s->slot_offset, qk};
         CHECK(rope_cache_write(&rope, dtype, kv_dtype, num_threads));
-        const decode_args att = {L->cache, s->block_table, s->max_blocks, s->context_len, 1, s->heads, s->scale,
+        const decode_args att = {L->cache, s->block_table, s->max_blocks, s->context_len, R, s->heads, s->scale,
                                  qk, (s->heads + kv) * d, attn, dtype, L->window};
         CHECK(paged_decode_attention(&att, kv_dtype, num_threads));
-        CHECK(skinny_linear(attn, L->o, NULL, o, 1, H, s->heads * d, s->heads * d, H, dtype, num_threads));
-        CHECK(rms_norm(o, h_out, h2, L->post_norm, x, 1, H, s->eps, dtype, num_threads)); /* h2 = h + o */
-        CHECK(skinny_linear(x, L->gate_up, NULL, gu, 1, 2 * I, H, H, 2 * I, dtype, num_threads));
-        silu_mul(gu, act, I, dtype);
-        CHECK(skinny_linear(act, L->down, NULL, down, 1, H, I, I, H, dtype, num_threads));
-        add(h2, down, h_out, H, dtype);
+        CHECK(skinny_linear(attn, L->o, NULL, o, R, H, s->heads * d, s->heads * d, H, dtype, num_threads));
+        CHECK(rms_norm(o, h_out, h2, L->post_norm, x, R, H, s->eps, dtype, num_threads)); /* h2 = h + o */
+        CHECK(skinny_linear(x, L->gate_up, NULL, gu, R, 2 * I, H, H, 2 * I, dtype, num_threads));
+        for (int64_t r = 0; r < R; r++) silu_mul(gu + r * 2 * I * esize, act + r * I * esize, I, dtype);
+        CHECK(skinny_linear(act, L->down, NULL, down, R, H, I, I, H, dtype, num_threads));
+        add(h2, down, h_out, R * H, dtype);
     }
     free(scratch);
     return 0;
