@@ -276,28 +276,24 @@ def _head_node_id() -> str:
     raise RuntimeError("the Ray cluster has no live head node")
 
 
-def unreachable(address: str | None, timeout_s: float = 5.0) -> str | None:
-    """Why nothing answers at a `--ray HOST:PORT` address, or None. ray.init retries an address where
-    nothing listens for minutes before it gives up; one TCP connect says so in seconds."""
+def check_reachable(address: str | None, timeout_s: float = 5.0) -> None:
+    """ConnectionError where nothing answers at a `--ray HOST:PORT` address. ray.init retries such an
+    address for minutes before it gives up; one TCP connect says so in seconds."""
     if address in (None, "auto"):
-        return None
+        return
     host, _, port = address.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
-        return None  # not HOST:PORT: ray.init judges it
+        return  # not HOST:PORT: ray.init judges it
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as e:
-        return f"nothing answers at {address}: {e}"
-    return None
+        raise ConnectionError(f"nothing answers at {address}: {e}") from None
 
 
 def _connect(address: str | None) -> None:
     import ray
 
-    why = unreachable(address)
-    if why is not None:
-        raise ConnectionError(why)
-
+    check_reachable(address)
     if address in (None, "auto"):
         try:
             ray.init(address="auto", namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
@@ -391,9 +387,7 @@ def scale(role: str, n: int, address: str | None) -> int:
         print("pdserve scale: error: needs Ray: pip install 'pdserve[ray]'", file=sys.stderr)
         return 1
     try:
-        why = unreachable(address)
-        if why is not None:
-            raise ConnectionError(why)
+        check_reachable(address)
         ray.init(address=address or "auto", namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
     except ConnectionError as e:
         print(f"pdserve scale: error: cannot reach a Ray cluster ({e}); pass --ray ADDRESS", file=sys.stderr)
