@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from pdserve.config import EngineConfig
-from pdserve.engine.llm_engine import LLMEngine, RequestError
+from pdserve.engine.llm_engine import LLMEngine, RequestError, StepRecord
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.kv.events import KVEventPublisher
@@ -69,6 +69,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self.error: str | None = None  # set if the step loop died; /health reports it
         self.on_step: Callable[[list[RequestOutput]], None] | None = None
+        self.on_step_record: Callable[[StepRecord], None] | None = None  # each step that ran sequences
         built: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(build, built), name="pdserve-engine", daemon=True)
         self._thread.start()
@@ -166,6 +167,8 @@ class AsyncEngine:
                     break
                 if self.engine.has_unfinished():
                     self._dispatch(self.engine.step())
+                    if self.on_step_record is not None and self.engine.last_step is not None:
+                        self.on_step_record(self.engine.last_step)
                 self.stats = self.engine.stats()
         except Exception as e:
             # A failure that one request's outcome cannot contain (ranks out of step, or a scheduler

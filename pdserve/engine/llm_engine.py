@@ -17,6 +17,7 @@ import logging
 import multiprocessing as mp
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -50,6 +51,23 @@ class ConflictError(RequestError):
     """A second in-flight request with the same disaggregated request id (HTTP 409)."""
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """What one forward step ran and how long it took (scheduling and bookkeeping included, the KV
+    exchange's settling not): the server's step metrics read it."""
+
+    seconds: float
+    prefill_tokens: int  # prompt tokens computed (prefill chunks, and the tokens a resumed request recomputes)
+    decode_rows: int  # requests that each decoded one token
+
+    @property
+    def kind(self) -> str:
+        """"prefill", "decode" or "mixed" (both in one step)."""
+        if self.prefill_tokens and self.decode_rows:
+            return "mixed"
+        return "prefill" if self.prefill_tokens else "decode"
+
+
 class LLMEngine:
     def __init__(self, ecfg: EngineConfig, on_kv_event: Callable[[KVEvent], None] | None = None,
                  pool_allocator=None):
@@ -71,6 +89,7 @@ class LLMEngine:
                             if ecfg.tpot_slo_ms is not None else None)
         self.scheduler = Scheduler(self.blocks, ecfg.max_num_seqs, ecfg.max_num_tokens, ecfg.enable_chunked_prefill,
                                    self.eos_token_ids, self.max_model_len, self.tpot_budget)
+        self.last_step: StepRecord | None = None  # the latest step that ran sequences (None: it ran none)
         self.seqs = self.scheduler.seqs  # every request in flight, by id (read-only here: the scheduler owns it)
         self._ids = itertools.count()
         self.kv = KVExchange(self.scheduler, self.runner.connector, ecfg)
@@ -195,12 +214,18 @@ class LLMEngine:
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         kv = self.kv.commands()
+        self.last_step = None
         if batch or kv or self.scheduler.parked or self.kv.poll_due():
             shape = _step_shape(batch) if self.tpot_budget is not None and batch else None
+            decode_rows = sum(_decodes(s) for s in batch)
+            prefill_tokens = sum(s.num_new_tokens for s in batch) - decode_rows
             batch, sampled, reports = self._run(batch, kv)
             self.scheduler.postprocess(batch, sampled)
-            if shape is not None:  # timed before settle, which sleeps when the step ran nothing
-                self.tpot_budget.model.observe(*shape, time.perf_counter() - start)
+            seconds = time.perf_counter() - start  # before settle, which sleeps when the step ran nothing
+            if shape is not None:
+                self.tpot_budget.model.observe(*shape, seconds)
+            if prefill_tokens or decode_rows:
+                self.last_step = StepRecord(seconds, prefill_tokens, decode_rows)
             self.kv.settle(batch, reports)
         return self.scheduler.take_outputs()
 
@@ -298,9 +323,14 @@ class LLMEngine:
         }
 
 
+def _decodes(s: ScheduledSeq) -> bool:
+    """`s` decodes one token (as opposed to computing prompt tokens)."""
+    return s.num_new_tokens == 1 and s.samples and bool(s.seq.output_token_ids)
+
+
 def _step_shape(batch: list[ScheduledSeq]) -> tuple[int, float, bool]:
     """What StepTimeModel times a step by: its rows, its attention work, and whether it prefilled."""
-    decode = [s for s in batch if s.num_new_tokens == 1 and s.samples and s.seq.output_token_ids]
+    decode = [s for s in batch if _decodes(s)]
     chunks = [(s.num_new_tokens, s.start) for s in batch if s not in decode]
     rows = sum(s.num_new_tokens for s in batch)
     return rows, attention_work(chunks, [s.start + 1 for s in decode]), bool(chunks)

@@ -62,7 +62,8 @@ def build_app(engine, cfg: WorkerConfig) -> FastAPI:
     serving = OpenAIServing(engine, metrics)
     app.state.metrics = metrics
     app.state.serving = serving
-    _chain_step_hook(engine, metrics.on_step)
+    _chain_step_hook(engine, "on_step", metrics.on_step)
+    _chain_step_hook(engine, "on_step_record", metrics.on_step_record)
 
     if cfg.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=cfg.api_key)
@@ -265,16 +266,15 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-def _chain_step_hook(engine, hook) -> None:
-    """Install `hook` as the engine's on_step, keeping any hook already there (e.g. a second app)."""
-    previous = engine.on_step
+def _chain_step_hook(engine, name: str, hook) -> None:
+    """Install `hook` as the engine's hook `name`, keeping any hook already there (e.g. a second app)."""
+    previous = getattr(engine, name)
 
-    def both(outputs):
-        if previous is not None:
-            previous(outputs)
-        hook(outputs)
+    def both(arg):
+        previous(arg)
+        hook(arg)
 
-    engine.on_step = both if previous is not None else hook
+    setattr(engine, name, both if previous is not None else hook)
 
 
 def bind_listener(host: str, port: int) -> socket.socket:

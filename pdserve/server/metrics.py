@@ -12,6 +12,9 @@ starts when the HTTP layer hands it to the engine (`request_started`).
     pdserve_generation_tokens_total       counter    output tokens produced
     pdserve_request_success_total         counter    finished requests, label finished_reason
                                                      (stop, length, abort, error)
+    pdserve_engine_step_seconds           histogram  one forward step, label kind: prefill, decode, or mixed
+                                                     (prompt tokens and decoding requests in one step)
+    pdserve_engine_step_tokens_total      counter    tokens computed by steps, label kind: prefill, decode
     pdserve_num_requests_running          gauge      requests in the running batch
     pdserve_num_requests_waiting          gauge      requests queued for admission
     pdserve_kv_cache_blocks_used / _free / _total    gauges  KV cache blocks (rank 0's pool)
@@ -26,10 +29,13 @@ from dataclasses import dataclass
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from pdserve.engine.llm_engine import StepRecord
 from pdserve.engine.output import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                     2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_STEP_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                 1.5, 2.5, 5.0, 10.0)
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -73,6 +79,10 @@ class ServerMetrics:
         self.generation_tokens = Counter("pdserve_generation_tokens", "Output tokens generated.", registry=r)
         self.success = Counter("pdserve_request_success", "Finished requests by finish reason.",
                                ["finished_reason"], registry=r)
+        self.step = Histogram("pdserve_engine_step_seconds", "One forward step of the engine, by what it ran.",
+                              ["kind"], buckets=_STEP_BUCKETS, registry=r)
+        self.step_tokens = Counter("pdserve_engine_step_tokens", "Tokens computed by forward steps.", ["kind"],
+                                   registry=r)
         r.register(_EngineStats(engine))
         # request id -> timing; written by the event loop (start/end) and the engine thread (on_step).
         self._live: dict[str, _Live] = {}
@@ -105,6 +115,14 @@ class ServerMetrics:
                 self._observe(live, out, now)
                 if out.finished:
                     del self._live[out.request_id]
+
+    def on_step_record(self, step: StepRecord) -> None:
+        """The engine's step-record hook (engine thread)."""
+        self.step.labels(step.kind).observe(step.seconds)
+        if step.prefill_tokens:
+            self.step_tokens.labels("prefill").inc(step.prefill_tokens)
+        if step.decode_rows:
+            self.step_tokens.labels("decode").inc(step.decode_rows)
 
     def _observe(self, live: _Live, out: RequestOutput, now: float) -> None:
         n_new = len(out.new_token_ids)

@@ -8,6 +8,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.llm import LLM
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.models import cpu_kernels
 from pdserve.testing import make_tiny_model
@@ -33,6 +34,31 @@ def tiny(tmp_path_factory, hf_greedy):
     model = transformers.AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32)
     prompts = _prompts(model.config.vocab_size)
     return d, prompts, hf_greedy(model, prompts, MAX_NEW)
+
+
+def test_each_step_records_what_it_ran(tiny):
+    """LLMEngine.last_step (the server's step metrics): prompt tokens and decoding requests per step."""
+    d, prompts, _ = tiny
+    engine = LLMEngine(EngineConfig(model=str(d), tokens_per_block=8))
+    try:
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        engine.add_request(prompts[1], params)  # 17 tokens
+        records = []
+        for _ in range(2):
+            engine.step()
+            records.append(engine.last_step)
+        engine.add_request(prompts[2], params)  # 40 tokens, beside the first request's last token
+        engine.step()
+        records.append(engine.last_step)
+        assert [(r.kind, r.prefill_tokens, r.decode_rows) for r in records] == [
+            ("prefill", 17, 0), ("decode", 0, 1), ("mixed", 40, 1)]
+        assert all(r.seconds > 0 for r in records)
+        while engine.has_unfinished():
+            engine.step()
+        engine.step()  # nothing left to run
+        assert engine.last_step is None
+    finally:
+        engine.shutdown()
 
 
 def _run(model_dir, prompts, **cfg):

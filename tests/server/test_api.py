@@ -212,3 +212,10 @@ def test_metrics_count_requests(client, http):
     assert after["pdserve_prompt_tokens_total"] > before.get("pdserve_prompt_tokens_total", 0)
     key = 'pdserve_request_success_total{finished_reason="length"}'
     assert after[key] == before.get(key, 0) + 1
+    # The engine's steps: the prompt in one prefill step (256-token steps), then four decode steps.
+    grew = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert grew['pdserve_engine_step_seconds_count{kind="prefill"}'] == 1
+    assert grew['pdserve_engine_step_seconds_count{kind="decode"}'] == 4
+    assert grew['pdserve_engine_step_tokens_total{kind="decode"}'] == 4
+    assert grew['pdserve_engine_step_tokens_total{kind="prefill"}'] >= 1
+    assert grew['pdserve_engine_step_seconds_sum{kind="decode"}'] > 0
