@@ -3,7 +3,7 @@
 For one streamed request (times in seconds, measured on the client):
 
     send ──────── first chunk ── chunk ── chunk ── ... ── last chunk
-         <- TTFT ->           <-ITL->  <-ITL->          
+         <- TTFT ->           <-ITL->  <-ITL->
          <------------------------- E2E ---------------------------->
 
     TPOT = (E2E - TTFT) / (output_tokens - 1)      only when output_tokens > 1

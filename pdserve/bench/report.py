@@ -9,6 +9,9 @@ request_goodput, slo_attainment, good_requests, output_throughput, total_token_t
     config: {num_prompts, request_rate, burstiness, max_concurrency, input_len, output_len,
              random_range_ratio, prompt_kind, seed, max_duration_s, goodput: {ttft_ms, tpot_ms}},
     stopped_early: bool,
+    engine_steps: {busy_fraction, kinds: {prefill|decode|mixed: {steps, seconds}}, tokens: {prefill, decode}}
+                  | null   (a pdserve server's engine during the run: bench/server_steps.py; null for
+                  other servers and the orchestrator)
     requests: [{index, prompt_len, expected_output_len, arrival_time, send_time, success, error,
                 ttft, itl: [s, ...], e2e, output_tokens}]   (seconds since the run started)
 """
@@ -31,7 +34,8 @@ _SECTIONS = (("ttft", "Time to First Token", "TTFT"), ("tpot", "Time per Output 
 
 
 def build_result(summary: dict[str, Any], records: list[RequestRecord], *, base_url: str, model: str,
-                 endpoint: str, config: dict[str, Any], stopped_early: bool) -> dict[str, Any]:
+                 endpoint: str, config: dict[str, Any], stopped_early: bool,
+                 engine_steps: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "schema": SCHEMA,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -41,6 +45,7 @@ def build_result(summary: dict[str, Any], records: list[RequestRecord], *, base_
         "request_rate": config["request_rate"],
         "max_concurrency": config["max_concurrency"],
         "stopped_early": stopped_early,
+        "engine_steps": engine_steps,
         **summary,
         "requests": [r.to_dict() for r in records],
     }
@@ -101,6 +106,14 @@ def format_table(result: dict[str, Any]) -> str:
                             and k != f"p50_{key}_ms"),
                            key=lambda k: float(k[1:].split("_")[0])):
             lines.append(_row(f"{name.split('_')[0].upper()} {short} (ms):", result[name]))
+    steps = result.get("engine_steps")
+    if steps:
+        lines.append("{s:{c}^{n}}".format(s="Server engine steps", n=_WIDTH, c="-"))
+        if steps["busy_fraction"] is not None:
+            lines.append(_row("Engine busy (% of duration):", 100.0 * steps["busy_fraction"]))
+        for kind, k in steps["kinds"].items():
+            mean_ms = 1000.0 * k["seconds"] / k["steps"]
+            lines.append(_row(f"{kind.capitalize()} steps, mean ms ({k['steps']}):", mean_ms))
     lines.append("=" * _WIDTH)
     if result.get("stopped_early"):
         lines.append("stopped early: --max-duration ran out; unfinished requests count as failed")

@@ -25,6 +25,7 @@ import httpx
 import numpy as np
 from tqdm.auto import tqdm
 
+from pdserve.bench import server_steps
 from pdserve.bench.metrics import RequestRecord
 from pdserve.bench.workload import WorkloadRequest
 
@@ -137,6 +138,7 @@ class RunResult:
     records: list[RequestRecord]
     duration_s: float
     stopped_early: bool  # max_duration_s ran out before every request finished
+    engine_steps: dict | None = None  # a pdserve server's engine steps during the run (server_steps.py)
 
 
 async def run_requests(ep: EndpointConfig, requests: Sequence[WorkloadRequest], offsets: np.ndarray,
@@ -164,6 +166,7 @@ async def _run(ep: EndpointConfig, requests: Sequence[WorkloadRequest], offsets:
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         if warmup is not None:
             await check_endpoint(client, ep, warmup)
+        steps_before = await server_steps.scrape(client, ep.base_url)
         t0 = time.perf_counter()
 
         released: list[asyncio.Task] = []
@@ -198,6 +201,7 @@ async def _run(ep: EndpointConfig, requests: Sequence[WorkloadRequest], offsets:
         if pending:
             await asyncio.wait(pending)
         duration = time.perf_counter() - t0
+        steps = server_steps.difference(steps_before, await server_steps.scrape(client, ep.base_url), duration)
     if stopped:
         for i, r in enumerate(records):
             if r.success or r.error:
@@ -209,4 +213,4 @@ async def _run(ep: EndpointConfig, requests: Sequence[WorkloadRequest], offsets:
                            f"--max-duration {max_duration_s:g} s ran out")
             else:
                 r.error = f"not sent: --max-duration {max_duration_s:g} s ran out before its arrival time"
-    return RunResult(records, duration, stopped)
+    return RunResult(records, duration, stopped, steps)

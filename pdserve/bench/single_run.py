@@ -82,4 +82,5 @@ def run_once(args: argparse.Namespace, ep: EndpointConfig, requests: list[Worklo
                                               warmup, progress=not args.disable_tqdm))
     summary = summarize(run.records, run.duration_s, slo)
     return build_result(summary, run.records, base_url=ep.base_url, model=ep.model, endpoint=ep.endpoint,
-                        config=run_config(args, rate, slo), stopped_early=run.stopped_early)
+                        config=run_config(args, rate, slo), stopped_early=run.stopped_early,
+                        engine_steps=run.engine_steps)

@@ -39,6 +39,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench import server_steps
 from pdserve.bench.arrivals import parse_rate
 from pdserve.bench.metrics import SLO, RequestRecord, summarize
 from pdserve.bench.report import load_json, rate_json, write_json
@@ -111,7 +112,10 @@ def summary_of_file(path: str | Path, slo: SLO | None) -> dict[str, Any]:
     rate = doc.get("request_rate")
     if rate is None:
         raise ValueError(f"{path} does not record its request_rate")
-    return {"request_rate": rate, **summarize(records, float(doc["duration"]), slo), "run_file": str(path)}
+    summary = {"request_rate": rate, **summarize(records, float(doc["duration"]), slo), "run_file": str(path)}
+    if doc.get("engine_steps"):  # a pdserve run file of a pdserve server
+        summary["engine_steps"] = doc["engine_steps"]
+    return summary
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -195,6 +199,8 @@ def _sweep(args: argparse.Namespace) -> int:
                 write_json(args.out, doc)
                 print(f"   attainment {100 * result['slo_attainment']:.0f}%  mean TTFT {result['mean_ttft_ms']:.0f} ms"
                       f"  mean TPOT {result['mean_tpot_ms']:.1f} ms  p99 ITL {result['p99_itl_ms']:.0f} ms", flush=True)
+                if result.get("engine_steps"):
+                    print(f"   {server_steps.describe(result['engine_steps'])}", flush=True)
                 if args.skip_after_miss and result["slo_attainment"] < args.attainment:
                     break
                 time.sleep(args.cooldown)

@@ -166,9 +166,11 @@ class AsyncEngine:
                 if self._stop.is_set():
                     break
                 if self.engine.has_unfinished():
-                    self._dispatch(self.engine.step())
+                    outputs = self.engine.step()
+                    # Recorded before the outputs go out: whoever sees a step's tokens can see its record.
                     if self.on_step_record is not None and self.engine.last_step is not None:
                         self.on_step_record(self.engine.last_step)
+                    self._dispatch(outputs)
                 self.stats = self.engine.stats()
         except Exception as e:
             # A failure that one request's outcome cannot contain (ranks out of step, or a scheduler

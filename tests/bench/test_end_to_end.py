@@ -51,6 +51,14 @@ def test_poisson_run_results_are_complete_and_consistent(server_url, bench_model
     tpots = [(r["e2e"] - r["ttft"]) / (OUTPUT_LEN - 1) * 1000 for r in reqs]
     assert doc["mean_tpot_ms"] == pytest.approx(sum(tpots) / NUM)
 
+    # The server's engine during the run (two scrapes of its /metrics; the warm-up request is before the first).
+    steps = doc["engine_steps"]
+    assert steps["tokens"]["decode"] == NUM * (OUTPUT_LEN - 1)  # each first token is sampled by its prompt's step
+    assert 0 < steps["tokens"]["prefill"] <= NUM * INPUT_LEN  # prefix-cache hits are not computed
+    assert sum(k["steps"] for k in steps["kinds"].values()) >= OUTPUT_LEN
+    assert 0 < steps["busy_fraction"] <= 1
+    assert "Engine busy (% of duration):" in table
+
 
 def test_max_duration_stops_the_run_and_names_why(server_url, bench_model_dir, tmp_path):
     out = tmp_path / "cut.json"

@@ -66,7 +66,10 @@ def test_live_sweep_and_import(server_url, bench_model_dir, tmp_path, capsys):
     for r in pd["runs"]:
         assert json.loads(open(r["run_file"]).read())["schema"] == "pdserve.bench.run/1"
     assert doc["systems"]["other"]["goodput_rate"] == 0.0  # 1/3 attainment at its only rate
-    assert "goodput pd:" in capsys.readouterr().out
+    assert all(r["engine_steps"]["tokens"]["decode"] == 3 * 3 for r in pd["runs"])
+    assert "engine_steps" not in doc["systems"]["other"]["runs"][0]  # an imported file has no server to ask
+    printed = capsys.readouterr().out
+    assert "goodput pd:" in printed and "engine busy" in printed
 
     # the same runs scored under a grid of SLO pairs, without running anything again
     grid_file, plot = tmp_path / "grid.json", tmp_path / "scale.png"
