@@ -9,7 +9,10 @@
 
 Every system sees the same prompts and arrival times at a given rate; each rate gets its own
 prompts, so no run hits a prefix cached by an earlier one (restart the servers, or change --seed,
-before sweeping the same servers again). Results of another load generator join the same file with
+before sweeping the same servers again). The sweep goes rate by rate, each rate's systems in turn and
+in alternate order (A B C at the first rate, C B A at the next, ...), so that on a machine whose speed
+drifts during a sweep (a shared VM can drift by 30% within the hour) the systems compared at one rate
+ran close in time. Results of another load generator join the same file with
 --from-results NAME=FILE... (vLLM `bench serve` result files written with --save-detailed:
 per-request ttfts, itls, output_lens and errors), rescored under this sweep's SLOs.
 
@@ -183,26 +186,32 @@ def _sweep(args: argparse.Namespace) -> int:
         # Fresh prompts per rate (seed + k): a prompt a server already saw would be a prefix-cache
         # hit. Every system gets the same prompts at the same rate.
         workloads = [workload_of(args, tokenizer, seed=args.seed + k) for k in range(len(rates))]
-        for name, url in endpoints:
-            ep = endpoint_of(args, url)
-            runs: list[dict[str, Any]] = []
-            for rate, requests in zip(rates, workloads):
+        runs_of: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in endpoints}
+        dropped: set[str] = set()  # --skip-after-miss: systems past their first miss
+        for i, (rate, requests) in enumerate(zip(rates, workloads)):
+            # Rate by rate, the systems in turn, in alternate order (A B C, C B A, ...): on a machine whose
+            # speed drifts during the sweep, systems compared at one rate were measured close in time.
+            for name, url in endpoints if i % 2 == 0 else endpoints[::-1]:
+                if name in dropped:
+                    continue
                 print(f"== {name} at {rate:g} req/s ({args.num_prompts} requests)", flush=True)
-                result = run_once(args, ep, requests, rate, slo, tokenizer)
+                result = run_once(args, endpoint_of(args, url), requests, rate, slo, tokenizer)
                 summary = {k: v for k, v in result.items() if k != "requests"}
                 if args.run_dir:
                     run_file = Path(args.run_dir) / f"{name}-r{rate:g}.json"
                     write_json(run_file, result)
                     summary["run_file"] = str(run_file)
-                runs.append(summary)
-                doc["systems"][name] = system_entry(url, runs, args.attainment)
+                runs_of[name].append(summary)
+                for n, u in endpoints:  # in the order given, whichever ran last
+                    if runs_of[n]:
+                        doc["systems"][n] = system_entry(u, runs_of[n], args.attainment)
                 write_json(args.out, doc)
                 print(f"   attainment {100 * result['slo_attainment']:.0f}%  mean TTFT {result['mean_ttft_ms']:.0f} ms"
                       f"  mean TPOT {result['mean_tpot_ms']:.1f} ms  p99 ITL {result['p99_itl_ms']:.0f} ms", flush=True)
                 if result.get("engine_steps"):
                     print(f"   {server_steps.describe(result['engine_steps'])}", flush=True)
                 if args.skip_after_miss and result["slo_attainment"] < args.attainment:
-                    break
+                    dropped.add(name)
                 time.sleep(args.cooldown)
     write_json(args.out, doc)
     print(format_sweep(doc))

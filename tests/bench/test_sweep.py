@@ -84,6 +84,23 @@ def test_live_sweep_and_import(server_url, bench_model_dir, tmp_path, capsys):
     assert grid["slo_scale"]["other"] == [{"request_rate": 0.5, "slo_scale": "inf"}]  # 1 of 3 failed
 
 
+def test_systems_take_turns_rate_by_rate_in_alternate_order(server_url, bench_model_dir, tmp_path, capsys):
+    """Systems compared at one rate run close in time (a drifting machine falls on all of them alike)."""
+    out = tmp_path / "sweep.json"
+    rc = main_sweep(["--endpoint", f"a={server_url}", "--endpoint", f"b={server_url}",
+                     "--model", bench_model_dir.name, "--tokenizer", str(bench_model_dir),
+                     "--request-rates", "inf", "50", "100", "--num-prompts", "2", "--input-len", "8",
+                     "--output-len", "2", "--goodput", "ttft:60000", "tpot:60000", "--cooldown", "0",
+                     "--disable-tqdm", "--out", str(out)])
+    assert rc == 0
+    order = [line.split(" (")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("== ")]
+    assert order == ["== a at 50 req/s", "== b at 50 req/s", "== b at 100 req/s", "== a at 100 req/s",
+                     "== a at inf req/s", "== b at inf req/s"]
+    doc = json.loads(out.read_text())
+    assert list(doc["systems"]) == ["a", "b"]
+    assert all([r["request_rate"] for r in doc["systems"][n]["runs"]] == [50.0, 100.0, "inf"] for n in "ab")
+
+
 def test_grid_needs_a_sweep_with_per_request_records(tmp_path, capsys):
     path = tmp_path / "sweep.json"
     path.write_text(json.dumps({"schema": "pdserve.bench.sweep/1", "attainment_target": 0.9,
