@@ -61,6 +61,11 @@ class CacheTransceiverConfig(BaseModel):
         _TX.kv_transfer_timeout_ms, ge=1, description="a transfer older than this fails and frees its KV")
     rank_info_timeout_s: float = Field(
         _TX.rank_info_timeout_s, gt=0, description="first contact with a context instance")
+    peer_lost_ms: int = Field(
+        _TX.peer_lost_ms, ge=1,
+        description="generation side: a context rank whose KV control endpoint has had no connection for this "
+                    "long (killed, or cut off) fails the transfers waiting on it at once, not at "
+                    "kv_transfer_timeout_ms")
     host: str = Field("127.0.0.1", description="address the KV control endpoints bind to and advertise")
     cluster_token: str | None = Field(
         None, min_length=1, repr=False,
@@ -95,7 +100,7 @@ class CacheTransceiverConfig(BaseModel):
         return TransceiverConfig(
             kv_transfer_timeout_ms=self.kv_transfer_timeout_ms, rank_info_timeout_s=self.rank_info_timeout_s,
             bounce=self.bounce.to_bounce_config(), max_control_message_bytes=self.max_control_message_mb << 20,
-            cluster_token=self.cluster_token, checksum=self.checksum)
+            cluster_token=self.cluster_token, checksum=self.checksum, peer_lost_ms=self.peer_lost_ms)
 
 
 class EngineConfig(BaseModel):

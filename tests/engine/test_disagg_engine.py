@@ -294,6 +294,33 @@ def test_a_context_instance_that_takes_the_request_and_never_writes(tiny, caplog
         gen.shutdown()
 
 
+def test_a_context_instance_gone_after_its_answer_fails_the_transfer_at_once(tiny):
+    """The context instance answered (it holds the KV), then its process went away before the generation
+    side asked for the KV: the generation side's link to it never reconnects, so the transfer fails
+    after peer_lost_ms, naming the lost rank, instead of waiting out kv_transfer_timeout_ms (20 s here)."""
+    first, second = _prompts()[1:]
+    ctx = _engine(tiny, "shm", kv_transfer_timeout_ms=20_000)
+    gen = _engine(tiny, "shm", kv_transfer_timeout_ms=20_000, peer_lost_ms=500)
+    try:
+        context_first(ctx, gen, [first], GREEDY)  # first contact (RankInfos, canary) while it is up
+        ctx.add_request(second, GREEDY, "c", RequestType.CONTEXT_ONLY, DisaggInfo(93))
+        answer = step_until([ctx], lambda outs: len(outs) == 1)[0]
+        info = handoff(ctx, answer)
+        ctx.shutdown()  # its control endpoint closes, as a killed process's does
+        gen.add_request(second, GREEDY, "g", RequestType.GENERATION_ONLY, info)
+        start = time.monotonic()
+        outs = step_until([gen], lambda outs: any(o.finished for o in outs), limit=1_000_000)
+        waited = time.monotonic() - start
+        assert waited < 5.0, f"waited {waited:.1f} s for a context instance that was gone"
+        assert outs[-1].finish_reason == "error" and "lost" in outs[-1].error, outs[-1].error
+        assert gen.blocks.num_free_blocks == gen.blocks.num_blocks
+        assert not gen.has_unfinished()
+        print(f"failed {waited:.2f} s after the generation side asked: {outs[-1].error}")
+    finally:
+        ctx.shutdown()
+        gen.shutdown()
+
+
 def test_first_contact_counts_against_the_transfer_timeout(tiny):
     """A context endpoint that never answers: with rank_info_timeout_s far above kv_transfer_timeout_ms
     the request still fails at the transfer timeout, naming first contact."""

@@ -12,8 +12,9 @@ a sched_yield loop that holds a whole core while the agent is idle (measured: an
 used 100% of a core; with a 1 ms delay, 2%). An instance pinned to one core then shares it with that
 loop: a 512-token prefill took 1.15 s instead of 0.59 s on one thread, and writes between two
 processes on a 2-core machine were slower too (bench_kv_transfer.py: 512 tokens 8.44 -> 4.43 ms, 8192
-tokens 86.7 -> 55.8 ms, docs/benchmarks.md). `progress_delay_us` (cache_transceiver_config.nixl_progress_delay_us, default
-1000) is the time the thread waits between passes; 0 keeps NIXL's own.
+tokens 86.7 -> 55.8 ms, docs/benchmarks.md). `progress_delay_us`
+(cache_transceiver_config.nixl_progress_delay_us, default 1000) is the time the thread waits between
+passes; 0 keeps NIXL's own.
 """
 
 from __future__ import annotations

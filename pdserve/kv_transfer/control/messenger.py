@@ -10,6 +10,9 @@ Threads:
   blocks: a DEALER whose connection dropped, or that cannot queue another message, is replaced.
   libzmq does not reconnect a connecting socket after a protocol error (a frame over MAXMSGSIZE, a
   refused handshake); the old socket would swallow or block on every later message.
+* `unreachable_for(endpoint)` says how long the DEALER towards a peer has gone without a connection
+  (its monitor's HANDSHAKE_SUCCEEDED and DISCONNECTED events): a killed peer's port refuses every
+  reconnect, so the receiver learns within peer_lost_ms that a writer it waits on is gone.
 
 Every socket is made by `_socket`, which sets, before it binds or connects:
 * MAXMSGSIZE = `max_message_bytes`. libzmq reads a frame's length first and disconnects a peer that
@@ -114,13 +117,29 @@ def _monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
     return sock.get_monitor_socket(events, addr=f"inproc://pdserve-kv-monitor-{next(_monitor_ids)}")
 
 
-def _dropped(monitor: zmq.Socket) -> bool:
-    """Whether the monitored socket lost a connection since the last look (drains the events)."""
-    dropped = False
-    while monitor.poll(0):
-        monitor.recv_multipart()
-        dropped = True
-    return dropped
+class _Link:
+    """A DEALER towards one peer, its monitor, and what the monitor has told about the connection."""
+
+    EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+        self.monitor = _monitor(sock, self.EVENTS)
+        self.connected = False  # a ZMTP handshake succeeded, and no disconnect since
+        self.since = time.monotonic()  # when `connected` last changed (or the link opened)
+        self.dropped = False  # lost a connection: replaced before the next send
+
+    def update(self) -> None:
+        """Read the monitor's events (never waits)."""
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.connected, self.since = True, time.monotonic()
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.connected, self.since, self.dropped = False, time.monotonic(), True
+
+    def close(self) -> None:
+        _close_monitored(self.sock, self.monitor)
 
 
 def _close_monitored(sock: zmq.Socket, monitor: zmq.Socket) -> None:
@@ -151,7 +170,7 @@ class Messenger:
             self._release_context()
             raise
         self.endpoint: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._dealers: dict[str, tuple[zmq.Socket, zmq.Socket]] = {}  # endpoint -> (DEALER, its monitor)
+        self._dealers: dict[str, _Link] = {}  # endpoint -> the DEALER towards it
         self._send_lock = threading.Lock()
         self._stop = threading.Event()
         self.dropped_messages = 0
@@ -169,24 +188,37 @@ class Messenger:
         """Queue `message` to the peer listening at `endpoint` (fire-and-forget, ordered per endpoint)."""
         data = self._checked(message)
         with self._send_lock:
-            dealer = self._dealers.get(endpoint)
-            if dealer is None or _dropped(dealer[1]):
-                dealer = self._open_dealer(endpoint)
+            link = self._dealers.get(endpoint)
+            if link is not None:
+                link.update()
+            if link is None or link.dropped:
+                link = self._open_dealer(endpoint)
             try:
-                dealer[0].send(data, zmq.NOBLOCK)
+                link.sock.send(data, zmq.NOBLOCK)
             except zmq.Again:  # no connection left, or SNDHWM messages queued that the peer never took
                 logger.warning("control messages to %s are not being taken; reconnecting", endpoint)
-                self._open_dealer(endpoint)[0].send(data, zmq.NOBLOCK)
+                self._open_dealer(endpoint).sock.send(data, zmq.NOBLOCK)
 
-    def _open_dealer(self, endpoint: str) -> tuple[zmq.Socket, zmq.Socket]:
+    def unreachable_for(self, endpoint: str) -> float:
+        """Seconds the DEALER towards `endpoint` has gone without a connection: since it lost one, or
+        since it was opened if it never made one (a killed peer's port refuses every attempt). 0 while
+        connected, and for an endpoint this side never sent to."""
+        with self._send_lock:
+            link = self._dealers.get(endpoint)
+            if link is None:
+                return 0.0
+            link.update()
+            return 0.0 if link.connected else time.monotonic() - link.since
+
+    def _open_dealer(self, endpoint: str) -> _Link:
         """A fresh DEALER towards `endpoint` (closing the old one): never blocks, its queue is empty."""
         old = self._dealers.pop(endpoint, None)
         if old is not None:
-            _close_monitored(*old)
+            old.close()
         sock = self._socket(zmq.DEALER)  # on any error below, close() still closes it with the context
-        dealer = self._dealers[endpoint] = (sock, _monitor(sock, zmq.EVENT_DISCONNECTED))
+        link = self._dealers[endpoint] = _Link(sock)
         sock.connect(endpoint)
-        return dealer
+        return link
 
     def request(self, endpoint: str, message: Message, timeout_s: float) -> Message:
         """Send `message` and wait for the single reply. Raises TimeoutError naming the endpoint, or
@@ -223,8 +255,8 @@ class Messenger:
         self._stop.set()
         self._thread.join(timeout=5)
         with self._send_lock:
-            for dealer in self._dealers.values():
-                _close_monitored(*dealer)
+            for link in self._dealers.values():
+                link.close()
             self._dealers.clear()
         self._release_context()
 

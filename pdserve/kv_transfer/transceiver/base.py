@@ -26,12 +26,15 @@ class TransceiverConfig:
     max_control_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # a peer sending a bigger frame is disconnected
     cluster_token: str | None = field(default=None, repr=False)  # set: CURVE on the control plane (messenger.py)
     checksum: bool = False  # ask for (and send) a CRC32 per block with every write (integrity.py)
+    peer_lost_ms: int = 2_000  # a writer whose control endpoint has had no connection this long fails its sessions
 
     def __post_init__(self) -> None:
         if self.kv_transfer_timeout_ms <= 0:
             raise ValueError(f"kv_transfer_timeout_ms must be > 0, got {self.kv_transfer_timeout_ms}")
         if self.rank_info_timeout_s <= 0:
             raise ValueError(f"rank_info_timeout_s must be > 0, got {self.rank_info_timeout_s}")
+        if self.peer_lost_ms <= 0:
+            raise ValueError(f"peer_lost_ms must be > 0, got {self.peer_lost_ms}")
 
 
 class Local:

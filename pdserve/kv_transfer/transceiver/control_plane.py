@@ -80,6 +80,10 @@ class ControlPlane:
     def send(self, endpoint: str, message: Message) -> None:
         self.messenger.send(endpoint, message)
 
+    def unreachable_for(self, endpoint: str) -> float:
+        """Seconds our link to `endpoint` has been without a connection (Messenger.unreachable_for)."""
+        return self.messenger.unreachable_for(endpoint)
+
     def close(self) -> None:
         self.messenger.close()
 

@@ -7,6 +7,8 @@ lifecycle), and the first-contact canary gate in front of them.
     TRANSFER_DONE (a notification) ──> one write landed: unbounced, checked against its
                                        checksums when asked for, counted toward the writer's chunks
     TRANSFER_ERROR ──> that writer will not write
+    a writer's control endpoint without a connection for peer_lost_ms ──> that writer is lost (killed,
+                                       or unreachable): its sessions fail now, not at kv_transfer_timeout_ms
 
 The receiver plans no write: it derives only which ctx ranks will write to it
 (`write_plan.writers_for`). Checking KV checksums re-runs the sender's `plan_write` to walk the
@@ -90,6 +92,7 @@ class Receiver:
 
     def step(self) -> TransferResults:
         """Settle the canaries, and take the sessions that ended out of the table."""
+        self._mark_lost_writers()
         self._settle_canaries()
         results = TransferResults()
         ids = sorted(rid for rid in self.sessions if not canary.is_canary(rid))
@@ -164,6 +167,22 @@ class Receiver:
         session.deadline = self._local.deadline()  # chunks still arriving: not stalled
 
     # -- internals ----------------------------------------------------------------------------
+    def _mark_lost_writers(self) -> None:
+        """A writer we still wait on whose control endpoint has had no connection for peer_lost_ms: its
+        process is gone (a killed process's port refuses every reconnect) or cut off, so it will not
+        write. The sessions waiting on it fail now; they would otherwise wait kv_transfer_timeout_ms."""
+        grace = self._local.config.peer_lost_ms / 1000.0
+        for session in self.sessions.values():
+            if session.held or session.refused is not None:
+                continue  # nothing asked of the writers yet (the canary's own session is checked)
+            for key, endpoint in session.writers.items():
+                if key in session.done or key in session.errors:
+                    continue
+                lost = self._control.unreachable_for(endpoint)
+                if lost > grace:
+                    session.errors[key] = (f"lost: its control endpoint {endpoint} has had no connection for "
+                                           f"{lost:.1f} s (killed, or unreachable)")
+
     def _cancel_everywhere(self, session: RecvSession) -> None:
         for endpoint in session.all_ctx.values():
             self._control.send(endpoint, Cancel(session.request_id, self._local.own.key))

@@ -31,7 +31,7 @@ def test_default_bound_has_a_wide_margin_and_is_configurable():
         with pytest.raises(KVTransferError, match="max_control_message_mb"):
             small.send(small.endpoint, RankInfoReply([bytes(8192)]))
         small.send(small.endpoint, Cancel(1, ("g", 0)))
-        assert all(sock.getsockopt(zmq.MAXMSGSIZE) == 4096 for sock, _ in small._dealers.values())
+        assert all(link.sock.getsockopt(zmq.MAXMSGSIZE) == 4096 for link in small._dealers.values())
     finally:
         small.close()
 
