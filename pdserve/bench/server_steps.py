@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 STEP_SECONDS = "pdserve_engine_step_seconds"
 STEP_TOKENS = "pdserve_engine_step_tokens"
+_KEYS = {STEP_SECONDS + "_sum": "seconds", STEP_SECONDS + "_count": "steps", STEP_TOKENS + "_total": "tokens"}
 
 
 async def scrape(client: httpx.AsyncClient, base_url: str) -> dict[str, float] | None:
@@ -41,9 +42,7 @@ async def scrape(client: httpx.AsyncClient, base_url: str) -> dict[str, float] |
         if family.name not in (STEP_SECONDS, STEP_TOKENS):
             continue
         for sample in family.samples:
-            kind = sample.labels.get("kind")
-            key = {STEP_SECONDS + "_sum": "seconds", STEP_SECONDS + "_count": "steps",
-                   STEP_TOKENS + "_total": "tokens"}.get(sample.name)
+            kind, key = sample.labels.get("kind"), _KEYS.get(sample.name)
             if key and kind:
                 values[f"{key}:{kind}"] = sample.value
     return values or None

@@ -202,9 +202,7 @@ def _sweep(args: argparse.Namespace) -> int:
                     write_json(run_file, result)
                     summary["run_file"] = str(run_file)
                 runs_of[name].append(summary)
-                for n, u in endpoints:  # in the order given, whichever ran last
-                    if runs_of[n]:
-                        doc["systems"][n] = system_entry(u, runs_of[n], args.attainment)
+                doc["systems"][name] = system_entry(url, runs_of[name], args.attainment)  # first rate: in order given
                 write_json(args.out, doc)
                 print(f"   attainment {100 * result['slo_attainment']:.0f}%  mean TTFT {result['mean_ttft_ms']:.0f} ms"
                       f"  mean TPOT {result['mean_tpot_ms']:.1f} ms  p99 ITL {result['p99_itl_ms']:.0f} ms", flush=True)

@@ -172,13 +172,16 @@ class Receiver:
         process is gone (a killed process's port refuses every reconnect) or cut off, so it will not
         write. The sessions waiting on it fail now; they would otherwise wait kv_transfer_timeout_ms."""
         grace = self._local.config.peer_lost_ms / 1000.0
+        lost_for: dict[str, float] = {}  # per endpoint, asked once a step however many sessions wait on it
         for session in self.sessions.values():
             if session.held or session.refused is not None:
                 continue  # nothing asked of the writers yet (the canary's own session is checked)
             for key, endpoint in session.writers.items():
                 if key in session.done or key in session.errors:
                     continue
-                lost = self._control.unreachable_for(endpoint)
+                if endpoint not in lost_for:
+                    lost_for[endpoint] = self._control.unreachable_for(endpoint)
+                lost = lost_for[endpoint]
                 if lost > grace:
                     session.errors[key] = (f"lost: its control endpoint {endpoint} has had no connection for "
                                            f"{lost:.1f} s (killed, or unreachable)")
