@@ -79,6 +79,8 @@ class ParallelState:
     tp_group: object | None = field(default=None, repr=False)
     # Control messages (msgpack in CPU tensors) need gloo even when the model's collectives use NCCL.
     cpu_group: object | None = field(default=None, repr=False)
+    # On CPU, the TP group's all-reduce through shared memory where its ranks share a host (shm_collective.py).
+    tp_shm: object | None = field(default=None, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -112,6 +114,8 @@ class ParallelState:
 
     def tp_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
+            if self.tp_shm is not None and self.tp_shm.fits(x):
+                return self.tp_shm(x)
             dist.all_reduce(x, group=self.tp_group)
         return x
 
@@ -153,6 +157,11 @@ def init_parallel(tp_size: int, pp_size: int, rank: int, host: str, port: int, d
         group = dist.new_group(list(range(pp * tp_size, (pp + 1) * tp_size)))
         if pp == state.pp_rank:
             state.tp_group = group
+    if device.type == "cpu" and tp_size > 1:
+        from pdserve.shm_collective import shm_all_reduce_for
+
+        stage = list(range(state.pp_rank * tp_size, (state.pp_rank + 1) * tp_size))
+        state.tp_shm = shm_all_reduce_for(state.tp_group, stage, rank, timeout_s, host_id())
     return state
 
 
