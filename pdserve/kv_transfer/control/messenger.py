@@ -13,6 +13,11 @@ Threads:
 * `unreachable_for(endpoint)` says how long the DEALER towards a peer has gone without a connection
   (its monitor's HANDSHAKE_SUCCEEDED and DISCONNECTED events): a killed peer's port refuses every
   reconnect, so the receiver learns within peer_lost_ms that a writer it waits on is gone.
+* with `heartbeat_ms`, every DEALER pings its peer (ZMTP heartbeats, every heartbeat_ms / 4) and
+  drops a connection that answers nothing for heartbeat_ms. Without it, a peer that stopped (a
+  frozen process or host, a network cut without a reset) keeps its TCP connection up in the kernel's
+  eyes and looks connected; with it, the link drops, and the reconnect never completes a handshake
+  (a stopped process's kernel still accepts the TCP connection, but nobody answers the greeting).
 
 Every socket is made by `_socket`, which sets, before it binds or connects:
 * MAXMSGSIZE = `max_message_bytes`. libzmq reads a frame's length first and disconnects a peer that
@@ -150,10 +155,14 @@ def _close_monitored(sock: zmq.Socket, monitor: zmq.Socket) -> None:
 
 class Messenger:
     def __init__(self, handler: Handler, host: str = "127.0.0.1", port: int = 0, name: str = "kv", *,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, cluster_token: str | None = None) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, cluster_token: str | None = None,
+                 heartbeat_ms: int | None = None) -> None:
         if max_message_bytes < 1:
             raise ValueError(f"max_message_bytes must be > 0, got {max_message_bytes}")
+        if heartbeat_ms is not None and heartbeat_ms < 1:
+            raise ValueError(f"heartbeat_ms must be > 0, got {heartbeat_ms}")
         self.max_message_bytes = max_message_bytes
+        self.heartbeat_ms = heartbeat_ms
         self._keys = CurveKeys.from_token(cluster_token) if cluster_token is not None else None
         self._handler = handler
         self._ctx = zmq.Context()
@@ -269,6 +278,9 @@ class Messenger:
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        if kind == zmq.DEALER and self.heartbeat_ms is not None:
+            sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, self.heartbeat_ms // 4))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat_ms)
         if self._keys is not None:
             sock.curve_secretkey = self._keys.secret
             sock.curve_publickey = self._keys.public

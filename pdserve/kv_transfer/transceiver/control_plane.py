@@ -67,7 +67,8 @@ class ControlPlane:
         self._receiver: ReceiveSide | None = None
         self.messenger = Messenger(self._on_message, host=host, name="kv",
                                    max_message_bytes=local.config.max_control_message_bytes,
-                                   cluster_token=local.config.cluster_token)
+                                   cluster_token=local.config.cluster_token,
+                                   heartbeat_ms=local.config.peer_lost_ms)
 
     def connect(self, sender: SendSide, receiver: ReceiveSide) -> None:
         """The two sides drain() hands messages to."""

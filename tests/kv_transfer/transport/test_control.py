@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -144,3 +148,45 @@ def test_handler_runs_on_listener_thread_not_caller():
         assert done.wait(5) and threads == ["srv-control"]
     finally:
         client.close(), server.close()
+
+
+_PEER = """
+import sys, time
+from pdserve.kv_transfer.control.messenger import Messenger
+m = Messenger(lambda msg: None, name="frozen-peer")
+print(m.endpoint, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("heartbeat_ms", [500, None])
+def test_a_frozen_peer_shows_as_unreachable_only_with_heartbeats(heartbeat_ms):
+    """A peer process stopped (SIGSTOP: a frozen process or host) keeps its TCP connection up in the
+    kernel's eyes. With heartbeats the link drops and never completes a handshake again, so
+    `unreachable_for` grows and the receiver fails the transfers waiting on it after peer_lost_ms;
+    without them it reads connected for ever."""
+    peer = subprocess.Popen([sys.executable, "-c", _PEER], stdout=subprocess.PIPE, text=True)
+    m = Messenger(lambda msg: None, heartbeat_ms=heartbeat_ms)
+    try:
+        endpoint = peer.stdout.readline().strip()
+        m.send(endpoint, Cancel(1, ("gen", 0)))
+        deadline = time.monotonic() + 10
+        while m.unreachable_for(endpoint) > 0 or not m._dealers[endpoint].connected:
+            assert time.monotonic() < deadline, "never connected to the live peer"
+            time.sleep(0.01)
+        os.kill(peer.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        m.send(endpoint, Cancel(2, ("gen", 0)))  # the generation side asks the frozen peer for something
+        seen = 0.0
+        while time.monotonic() - stopped < 4.0 and seen <= 0.5:
+            seen = m.unreachable_for(endpoint)
+            time.sleep(0.05)
+        if heartbeat_ms is None:
+            assert seen == 0.0, f"without heartbeats the link dropped after {seen:.1f} s"
+        else:
+            assert seen > 0.5, "with heartbeats the frozen peer still reads as connected after 4 s"
+            print(f"unreachable for > 0.5 s at {time.monotonic() - stopped:.2f} s after the freeze")
+    finally:
+        m.close()
+        peer.kill()  # SIGKILL ends a stopped process too
+        peer.wait(timeout=10)
