@@ -3,9 +3,10 @@
 gloo's all-reduce goes through loopback TCP and wakes a thread on each call. On a 2-core VM it took
 1.2 ms for a decode step's [8, 576] fp32 between 2 ranks, 4.0 ms with 3 ranks on the 2 cores; this
 path took 12 and 118 us (benchmarks/bench_all_reduce.py, docs/benchmarks.md). A decode step of a
-30-layer model makes 60 of them. Here the group's first rank allocates one /dev/shm segment, the others map it, and each call
-is a copy into the rank's slot, a wait for the other ranks' sequence numbers, and a sum of the slots
-in rank order (csrc/shm_all_reduce.c), so every rank gets the same bits.
+30-layer model makes 60 of them. Here the group's first rank allocates one /dev/shm segment, the
+others map it, and each call is a copy into the rank's slot, a wait for the other ranks' sequence
+numbers, and a sum of the slots in rank order (csrc/shm_all_reduce.c), so every rank gets the same
+bits.
 
 Used when every rank of the group runs on this host and loaded the kernel library, and /dev/shm has
 room for the segment (4 MiB per rank), for fp32 and bf16 tensors that fit a slot (`SLOT_BYTES`);
@@ -68,18 +69,26 @@ class ShmAllReduce:
         peers = [msgpack.unpackb(b) for b in _all_gather_bytes(msgpack.packb(mine), world, group)]
         if len({p["host"] for p in peers}) != 1:
             raise ValueError("the ranks of this group run on different hosts")
+        # The segment is reached as /proc/<rank 0's pid>/fd/N, and peers are watched by pid: one pid namespace.
+        if len({p["pid_ns"] for p in peers}) != 1:
+            raise ValueError("the ranks of this group run in different pid namespaces")
         if "error" in peers[0]:
             raise ValueError(peers[0]["error"])
+        self._mapping = None
+        problem = ""
         if self._owned is not None:
-            self._mapping = None
             self.ptr = self._owned.ptr
         else:
-            self._mapping = _map(peers[0]["path"], peers[0]["inode"], nbytes)
-            self.ptr = int(np.frombuffer(self._mapping, dtype=np.uint8).ctypes.data)
-        # Peers' pids are watched only within one pid namespace (containers that share /dev/shm may not).
-        watch = len({p["pid_ns"] for p in peers}) == 1
-        self._pids = (ctypes.c_int32 * world)(*[p["pid"] if watch else 0 for p in peers])
-        dist.barrier(group=group)  # every rank mapped it before rank 0 may stop publishing its fd
+            try:
+                self._mapping = _map(peers[0]["path"], peers[0]["inode"], nbytes)
+                self.ptr = int(np.frombuffer(self._mapping, dtype=np.uint8).ctypes.data)
+            except (OSError, ValueError) as exc:
+                problem = f"rank {self.rank} cannot map rank 0's segment: {exc}"
+        # every rank mapped it before rank 0 stops publishing its fd; if one could not, all stay on gloo
+        problems = [msgpack.unpackb(b) for b in _all_gather_bytes(msgpack.packb(problem), world, group)]
+        if any(problems):
+            raise ValueError(next(p for p in problems if p))
+        self._pids = (ctypes.c_int32 * world)(*[p["pid"] for p in peers])
         if self._owned is not None:
             self._owned.free()  # the memory lives on in every rank's mapping; nothing is left in /dev/shm
 
@@ -108,7 +117,7 @@ def _pid_namespace() -> str:
     try:
         return os.readlink("/proc/self/ns/pid")
     except OSError:
-        return f"unknown-{os.getpid()}"  # unknown: never equal, so no rank's pid is watched
+        return f"unknown-{os.getpid()}"  # unknown: never equal, so the group stays on gloo
 
 
 def _map(path: str, inode: int, nbytes: int) -> mmap.mmap:
