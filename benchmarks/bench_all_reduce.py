@@ -30,6 +30,13 @@ def _shape(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split("x"))
 
 
+def _all_reduce(ps, path: str, t: torch.Tensor) -> None:
+    if path == "gloo":
+        dist.all_reduce(t, group=ps.tp_group)
+    else:
+        ps.tp_shm(t)
+
+
 def _rank(rank: int, world: int, port: int, shapes: list[str], calls: int, out) -> None:
     torch.set_num_threads(1)
     ps = init_parallel(world, 1, rank, "127.0.0.1", port, torch.device("cpu"), 60.0)
@@ -43,18 +50,13 @@ def _rank(rank: int, world: int, port: int, shapes: list[str], calls: int, out) 
         sums = {}
         for _ in range(ROUNDS):
             for path in times:
-                def call(t: torch.Tensor) -> torch.Tensor:
-                    if path == "gloo":
-                        dist.all_reduce(t, group=ps.tp_group)
-                        return t
-                    return ps.tp_shm(t)
                 for _ in range(10):
-                    call(x.clone())
+                    _all_reduce(ps, path, x.clone())
                 y = x.clone()
                 start = time.perf_counter()
                 for _ in range(calls):
                     y.copy_(x)
-                    call(y)
+                    _all_reduce(ps, path, y)
                 times[path].append((time.perf_counter() - start) / calls)
                 sums[path] = y.clone()
         # the shm sum is the same on every rank; gloo's agrees with it to rounding

@@ -37,7 +37,7 @@ ENABLE_ENV = "PDSERVE_SHM_ALL_REDUCE"
 SLOT_BYTES = 2 << 20  # a prefill chunk of 512 tokens x 1024 hidden fp32 fits; larger ones go to gloo
 FLAG_BYTES = 64  # FLAG_BYTES in csrc/shm_all_reduce.c
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_TIMEOUT, _BAD_ARGS, _PEER_GONE = 1, 2, 16  # return codes of shm_all_reduce
+_TIMEOUT, _PEER_GONE = 1, 16  # return codes of shm_all_reduce (2: arguments refused)
 
 
 class AllReduceError(RuntimeError):
