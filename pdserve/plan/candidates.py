@@ -58,9 +58,11 @@ class Candidate:
     def deployment(self, costs: dict[int, StepCost], transfer: TransferCost | None, kv_bytes_per_token: int,
                    serving: dict[str, dict[str, float]] | None = None) -> Deployment:
         """What the simulator runs. `serving`: the profile's serving probe (per kind, the extra time of a
-        request, of a decode step and of each decode row); without it the simulator's defaults stand."""
-        probe = (serving or {}).get(self.kind)
+        request, of a decode step and of each decode row; "aggregated@T" for an instance of T threads, where
+        the probe measured one); without it the simulator's defaults stand."""
         g = self.generation
+        serving = serving or {}
+        probe = serving.get(f"{self.kind}@{g.units}") or serving.get(self.kind)
         if probe is None:
             gen_extra: dict = {}
             timing: dict = {}

@@ -35,7 +35,8 @@ class Profile:
     model: dict[str, Any]  # layers, kv heads, head_dim, element bytes, kv bytes per token, max_model_len
     steps: dict[int, StepTimings]  # threads (CPU) or GPUs (CUDA) -> timings
     transfer: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # backend -> [(bytes, s)]
-    # Serving beyond the forward steps, from real servers (see measure_serving): per deployment kind,
+    # Serving beyond the forward steps, from real servers (see measure_serving): per deployment kind
+    # ("aggregated", "disaggregated": one-thread instances; "aggregated@T": one T-thread instance),
     # {"ttft_s": extra s per request before its first token, "itl_s": extra s per decode step,
     #  "itl_row_s": extra s per decode row of a step, "prefill_factor": server prefill / bare prefill}
     serving: dict[str, dict[str, float]] = field(default_factory=dict)

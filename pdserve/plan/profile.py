@@ -41,7 +41,9 @@ DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 DECODE_CONTEXTS = (128, 1024)
 # 2: the serving probe after two fixes that cut what serving adds to a step (the engine built on its own
 # thread; the shm pool faulted in at start-up). 3: the probe measures the cost of each decode row too.
-MEASURES = 3
+# 4: the engine decodes several rows in one native step (cheaper decode batches), and the probe measures
+# each larger instance size behind the orchestrator.
+MEASURES = 4
 CHUNK = (512, 1536)  # (chunk tokens, offset): one prefill chunk after 1536 cached tokens
 TRANSFER_MB = (1, 4, 16, 64)
 KV_POOL_CAP_BYTES = 3 << 30  # decode points whose KV would not fit are left out

@@ -9,6 +9,12 @@ thread each, KV over shm), and streams a few requests one at a time:
 - aggregated: straight to the generation instance, which then prefills and decodes itself;
 - disaggregated: through the orchestrator.
 
+Then, for each larger instance size T the profile holds (2, 4, ... threads), it launches one T-thread
+instance alone behind the orchestrator, as an aggregated pick is deployed, and probes that path too
+("aggregated@T"). Such an instance's threads share every core with the HTTP server, the tokenizer and
+the orchestrator, and the one-thread figures did not carry over: on 2 cores a 2-thread instance served
+a 256-token prompt in 352 ms (median TTFT at 0.5 req/s) where the one-thread figures predicted 281.
+
 Per kind, the median TTFT [less the KV transfer] at two prompt lengths gives TTFT(n) = ttft_s +
 prefill_factor x prefill(n): a server's prefill runs slower than the profile's bare forward step
 (one measurement: 512 tokens in 0.55 s bare, 0.63-0.83 s in a `pdserve serve` with a KV backend, on
@@ -45,50 +51,80 @@ ROWS_PROMPT = 32  # ... each with a prompt this long: one short prefill step, th
 
 
 def measure_serving(model_dir: Path, dtype: str, profile, prompt_lens: list[int], progress: bool) -> dict:
+    """Per path, what serving adds (see the module docstring): {"aggregated": ..., "disaggregated": ...} from
+    one-thread instances, and "aggregated@T" for each larger instance size T the profile holds."""
+    inst = {"num_threads": 1, "dtype": dtype}
+    ports = [free_port() for _ in range(3)]
+    split = dict(model=str(model_dir), port=ports[0], backend="shm", max_restarts=0,
+                 context=[{"port": ports[1], "cpus": [0], "config": inst}],
+                 generation=[{"port": ports[2], "cpus": [1], "config": inst}])
+    out = _probe_cluster(split, profile, prompt_lens, progress,
+                         [("aggregated", ports[2], 1), ("disaggregated", ports[0], 1)])
+    # A bigger instance is its own case: its threads share the cores with the HTTP server's, the tokenizer's
+    # and the orchestrator's, which a one-thread instance on its own core (and the orchestrator off it) does
+    # not. Measured behind the orchestrator, as `pdserve launch` deploys an aggregated pick.
+    for units in (u for u in profile.units if u > 1):
+        ports = [free_port() for _ in range(2)]
+        alone = dict(model=str(model_dir), port=ports[0], backend="shm", max_restarts=0, context=[],
+                     generation=[{"port": ports[1], "cpus": list(range(units)),
+                                  "config": {"num_threads": units, "dtype": dtype}}])
+        out |= _probe_cluster(alone, profile, prompt_lens, progress,
+                              [(f"aggregated@{units}", ports[0], units)])
+    return out
+
+
+def _probe_cluster(doc: dict, profile, prompt_lens: list[int], progress: bool,
+                   paths: list[tuple[str, int, int]]) -> dict:
+    """Starts the cluster `doc` describes (`pdserve launch`'s fields; its logs in a temporary directory) and
+    probes each (name, port, threads) path of it."""
     from pdserve.launch import Cluster, ClusterConfig
 
-    cost = StepCost(profile.steps[1])
     transfer = TransferCost(profile.transfer["shm"])
-    vocab = _vocab(model_dir)
+    vocab = _vocab(Path(doc["model"]))
+    out = {}
     with tempfile.TemporaryDirectory(prefix="pdserve-probe-") as logs:
-        ports = [free_port() for _ in range(3)]
-        inst = {"num_threads": 1, "dtype": dtype}
-        cfg = ClusterConfig(model=str(model_dir), port=ports[0], backend="shm", log_dir=logs, max_restarts=0,
-                            context=[{"port": ports[1], "cpus": [0], "config": inst}],
-                            generation=[{"port": ports[2], "cpus": [1], "config": inst}])
-        cluster = Cluster(cfg)
+        cluster = Cluster(ClusterConfig(**doc, log_dir=logs))
         try:
             cluster.start()
-            name = httpx.get(f"http://127.0.0.1:{ports[2]}/v1/models", timeout=10).json()["data"][0]["id"]
-            out = {}
-            for k, (kind, port) in enumerate((("aggregated", ports[2]), ("disaggregated", ports[0]))):
+            gen_port = doc["generation"][0]["port"]
+            name = httpx.get(f"http://127.0.0.1:{gen_port}/v1/models", timeout=10).json()["data"][0]["id"]
+            for k, (kind, port, units) in enumerate(paths):
                 ep = EndpointConfig(f"http://127.0.0.1:{port}", name, request_timeout_s=120.0)
-                ttft: dict[int, float] = {}
-                itl_extra: list[float] = []
-                for n in prompt_lens:
-                    # the first request warms the path up (and runs the KV canary)
-                    done = _requests(ep, vocab, n, REPEATS + 1, seed=100 * k + n, concurrency=1,
-                                     what=f"{kind}, {n} tokens")[1:]
-                    moved = transfer.seconds(n * profile.kv_bytes_per_token) if kind == "disaggregated" else 0.0
-                    ttft[n] = statistics.median(r.ttft for r in done) - moved
-                    itl_extra += [gap - cost.decode(1, n + i + 1) for r in done for i, gap in enumerate(r.itl)]
-                itl_s = max(0.0, statistics.median(itl_extra))
-                together = _requests(ep, vocab, ROWS_PROMPT, ROWS, seed=100 * k + ROWS, concurrency=ROWS,
-                                     what=f"{kind}, {ROWS} at once")
-                # Token i + 1 of every request comes from the same step, of ROWS rows each ROWS_PROMPT + i + 1 long.
-                rows_extra = [gap - cost.decode(ROWS, ROWS * (ROWS_PROMPT + i + 1))
-                              for r in together for i, gap in enumerate(r.itl)]
-                out[kind] = {**_affine(ttft, cost), "itl_s": itl_s,
-                             "itl_row_s": max(0.0, (statistics.median(rows_extra) - itl_s) / (ROWS - 1)),
-                             "ttft_measured_s": {str(n): round(t, 4) for n, t in ttft.items()}}
+                moves_kv = kind == "disaggregated"
+                out[kind] = _probe_path(ep, vocab, StepCost(profile.steps[units]), transfer,
+                                        profile.kv_bytes_per_token if moves_kv else 0, prompt_lens, seed=100 * k,
+                                        what=kind)
                 if progress:
                     print(f"serving probe, {kind}: prefill x{out[kind]['prefill_factor']:.2f} "
                           f"+{1000 * out[kind]['ttft_s']:.0f} ms per request, "
-                          f"+{1000 * itl_s:.1f} ms per decode step "
+                          f"+{1000 * out[kind]['itl_s']:.1f} ms per decode step "
                           f"+{1000 * out[kind]['itl_row_s']:.2f} ms per decode row", flush=True)
             return out
         finally:
             cluster.stop()
+
+
+def _probe_path(ep, vocab: int, cost: StepCost, transfer: TransferCost, kv_bytes_per_token: int,
+                prompt_lens: list[int], *, seed: int, what: str) -> dict:
+    """One path's figures: TTFT at each prompt length (less the KV transfer, when kv_bytes_per_token), the extra
+    time of a decode step, and of each decode row when ROWS requests decode together."""
+    ttft: dict[int, float] = {}
+    itl_extra: list[float] = []
+    for n in prompt_lens:
+        # the first request warms the path up (and runs the KV canary)
+        done = _requests(ep, vocab, n, REPEATS + 1, seed=seed + n, concurrency=1, what=f"{what}, {n} tokens")[1:]
+        moved = transfer.seconds(n * kv_bytes_per_token) if kv_bytes_per_token else 0.0
+        ttft[n] = statistics.median(r.ttft for r in done) - moved
+        itl_extra += [gap - cost.decode(1, n + i + 1) for r in done for i, gap in enumerate(r.itl)]
+    itl_s = max(0.0, statistics.median(itl_extra))
+    together = _requests(ep, vocab, ROWS_PROMPT, ROWS, seed=seed + ROWS, concurrency=ROWS,
+                         what=f"{what}, {ROWS} at once")
+    # Token i + 1 of every request comes from the same step, of ROWS rows each ROWS_PROMPT + i + 1 long.
+    rows_extra = [gap - cost.decode(ROWS, ROWS * (ROWS_PROMPT + i + 1))
+                  for r in together for i, gap in enumerate(r.itl)]
+    return {**_affine(ttft, cost), "itl_s": itl_s,
+            "itl_row_s": max(0.0, (statistics.median(rows_extra) - itl_s) / (ROWS - 1)),
+            "ttft_measured_s": {str(n): round(t, 4) for n, t in ttft.items()}}
 
 
 def _requests(ep, vocab: int, prompt_len: int, count: int, *, seed: int, concurrency: int, what: str) -> list:

@@ -57,7 +57,9 @@ def test_the_profile_holds_every_measurement_and_is_cached(tiny, planned):
         assert len(t.prefill) >= 6 and all(s > 0 for s in t.prefill.values())
         assert len(t.decode) >= 10 and t.chunk[2] > 0
     assert "shm" in profile.transfer and all(s > 0 for _, s in profile.transfer["shm"])
-    for kind in ("aggregated", "disaggregated"):
+    bigger = [f"aggregated@{t}" for t in profile.units if t > 1]  # each larger instance size, on its own
+    assert sorted(profile.serving) == sorted(["aggregated", "disaggregated", *bigger]) and bigger
+    for kind in profile.serving:
         probe = profile.serving[kind]
         assert probe["ttft_s"] >= 0 and probe["itl_s"] >= 0 and probe["itl_row_s"] >= 0
         assert 0.8 <= probe["prefill_factor"] <= 3

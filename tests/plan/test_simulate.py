@@ -138,6 +138,23 @@ def test_a_planned_instance_adds_what_the_serving_probe_measured(cost):
         assert inst.step_seconds([], rows, 100 * rows) - bare == pytest.approx(extra)
 
 
+def test_an_instance_of_t_threads_takes_the_probe_of_its_own_size(cost):
+    """The probe measures a bigger instance on its own ("aggregated@2"): its threads share the cores with the
+    server's. A 2-thread candidate takes those figures, a 1-thread one the one-thread figures, and a size the
+    probe did not measure falls back to them too."""
+    one = {"ttft_s": 0.010, "itl_s": 0.0, "itl_row_s": 0.0, "prefill_factor": 1.0}
+    two = {"ttft_s": 0.060, "itl_s": 0.008, "itl_row_s": 0.001, "prefill_factor": 1.2}
+    costs = {1: cost, 2: StepCost(timings(2)), 4: StepCost(timings(4))}
+    cands = [c for c in enumerate_candidates([1, 2, 4], 4, input_len=256) if c.kind == "aggregated"]
+    by_units = {c.generation.units: c for c in cands if not c.generation.tpot_slo_ms}
+    serving = {"aggregated": one, "aggregated@2": two}
+    for units, probe in ((1, one), (2, two), (4, one)):
+        dep = by_units[units].deployment(costs, None, 0, serving)
+        inst = dep.instances[0]
+        assert dep.request_extra_s == probe["ttft_s"] and inst.prefill_factor == probe["prefill_factor"]
+        assert inst.step_extra_s + inst.row_extra_s == pytest.approx(probe["itl_s"])
+
+
 def test_disaggregated_ttft_holds_the_transfer_and_decode_is_never_behind_a_prefill(cost):
     transfer = TransferCost([(1, 0.01), (10**9, 1.01)])  # 10 ms + 1 GB/s
     wl = Workload(1024, 8, num_requests=30)
