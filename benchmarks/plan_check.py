@@ -82,7 +82,11 @@ def measure(args, out: Path, plan: dict) -> dict:
                     raise SystemExit(f"{name}: not ready after 300 s")
                 time.sleep(1)
             part = out / f"sweep-{name}.json"
+            # The orchestrator runs no engine: each run records its instances' steps (ports as launch assigns them).
+            members = len(doc["context"]) + len(doc["generation"])
+            engines = ",".join(f"http://127.0.0.1:{args.port + 1 + i}" for i in range(members))
             run([sys.executable, "-m", "pdserve.cli", "bench", "sweep", "--endpoint", f"{name}={url}",
+                 "--engine-metrics", f"{name}={engines}",
                  "--model", args.model_name, "--request-rates", *map(str, args.rates),
                  "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
                  "--output-len", str(args.output_len), "--goodput", f"ttft:{max(args.ttft)}", f"tpot:{max(args.tpot)}",

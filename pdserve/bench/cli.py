@@ -27,6 +27,9 @@ from pdserve.bench.sweep import main_sweep
 def build_parser(prog: str = "pdserve bench") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    p.add_argument("--engine-metrics", nargs="+", default=None, metavar="URL",
+                   help="pdserve instances whose engine steps the run records (default: --base-url); behind "
+                        "pdserve's orchestrator, its instances' roots, e.g. http://127.0.0.1:8001 http://127.0.0.1:8002")
     p.add_argument("--request-rate", type=parse_rate, default=math.inf,
                    help="Poisson arrivals at this many req/s; inf (default) sends all at once")
     add_workload_arguments(p)
@@ -46,7 +49,7 @@ def main_bench(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         slo = SLO.parse(args.goodput)
-        ep = endpoint_of(args, args.base_url)
+        ep = endpoint_of(args, args.base_url, args.engine_metrics)
         tokenizer = load_tokenizer(args.tokenizer)
         requests = workload_of(args, tokenizer)
         result = run_once(args, ep, requests, args.request_rate, slo, tokenizer)

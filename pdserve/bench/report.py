@@ -9,7 +9,8 @@ request_goodput, slo_attainment, good_requests, output_throughput, total_token_t
     config: {num_prompts, request_rate, burstiness, max_concurrency, input_len, output_len,
              random_range_ratio, prompt_kind, seed, max_duration_s, goodput: {ttft_ms, tpot_ms}},
     stopped_early: bool,
-    engine_steps: {busy_fraction, kinds: {prefill|decode|mixed: {steps, seconds}}, tokens: {prefill, decode}}
+    engine_steps: {busy_fraction, instances, kinds: {prefill|decode|mixed: {steps, seconds}},
+                   tokens: {prefill, decode}}
                   | null   (a pdserve server's engine during the run: bench/server_steps.py; null for
                   other servers and the orchestrator)
     requests: [{index, prompt_len, expected_output_len, arrival_time, send_time, success, error,
@@ -108,9 +109,12 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(_row(f"{name.split('_')[0].upper()} {short} (ms):", result[name]))
     steps = result.get("engine_steps")
     if steps:
-        lines.append("{s:{c}^{n}}".format(s="Server engine steps", n=_WIDTH, c="-"))
+        many = steps.get("instances", 1)
+        title = f"Engine steps, {many} instances" if many > 1 else "Server engine steps"
+        lines.append("{s:{c}^{n}}".format(s=title, n=_WIDTH, c="-"))
         if steps["busy_fraction"] is not None:
-            lines.append(_row("Engine busy (% of duration):", 100.0 * steps["busy_fraction"]))
+            label = "Engine busy (% of duration):" if many == 1 else "Engine busy, mean (% of duration):"
+            lines.append(_row(label, 100.0 * steps["busy_fraction"]))
         for kind, k in steps["kinds"].items():
             mean_ms = 1000.0 * k["seconds"] / k["steps"]
             lines.append(_row(f"{kind.capitalize()} steps, mean ms ({k['steps']}):", mean_ms))

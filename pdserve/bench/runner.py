@@ -44,6 +44,12 @@ class EndpointConfig:
     fixed_output: bool = True
     extra_body: dict[str, Any] = field(default_factory=dict)
     request_timeout_s: float = 600.0
+    # pdserve servers whose engine steps the run records (server_steps.py); empty: base_url itself. Behind
+    # pdserve's orchestrator (no engine of its own), its instances.
+    engine_metrics: tuple[str, ...] = ()
+
+    def metrics_urls(self) -> list[str]:
+        return list(self.engine_metrics) or [self.base_url]
 
     def url(self) -> str:
         base = self.base_url.rstrip("/")
@@ -166,7 +172,7 @@ async def _run(ep: EndpointConfig, requests: Sequence[WorkloadRequest], offsets:
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         if warmup is not None:
             await check_endpoint(client, ep, warmup)
-        steps_before = await server_steps.scrape(client, ep.base_url)
+        steps_before = await server_steps.scrape_all(client, ep.metrics_urls())
         t0 = time.perf_counter()
 
         released: list[asyncio.Task] = []
@@ -201,7 +207,8 @@ async def _run(ep: EndpointConfig, requests: Sequence[WorkloadRequest], offsets:
         if pending:
             await asyncio.wait(pending)
         duration = time.perf_counter() - t0
-        steps = server_steps.difference(steps_before, await server_steps.scrape(client, ep.base_url), duration)
+        steps = server_steps.difference(steps_before, await server_steps.scrape_all(client, ep.metrics_urls()),
+                                        duration, len(ep.metrics_urls()))
     if stopped:
         for i, r in enumerate(records):
             if r.success or r.error:

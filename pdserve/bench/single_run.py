@@ -45,12 +45,15 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-tqdm", action="store_true")
 
 
-def endpoint_of(args: argparse.Namespace, base_url: str) -> EndpointConfig:
+def endpoint_of(args: argparse.Namespace, base_url: str, engine_metrics: list[str] | None = None) -> EndpointConfig:
     if not isinstance(args.extra_body, dict):
         raise ValueError(f"--extra-body must be a JSON object, got {args.extra_body!r}")
+    for url in engine_metrics or []:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--engine-metrics takes server roots like http://127.0.0.1:8001, got {url!r}")
     return EndpointConfig(base_url=base_url, model=args.model, api_key=args.api_key,
                           fixed_output=not args.no_fixed_output, extra_body=args.extra_body,
-                          request_timeout_s=args.request_timeout)
+                          request_timeout_s=args.request_timeout, engine_metrics=tuple(engine_metrics or ()))
 
 
 def load_tokenizer(spec: str | None) -> Tokenizer:

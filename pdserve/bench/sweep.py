@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL", help="a live system to load")
+    p.add_argument("--engine-metrics", action="append", default=[], metavar="NAME=URL[,URL...]",
+                   help="the pdserve instances behind endpoint NAME whose engine steps each run records (default: "
+                        "the endpoint itself; behind pdserve's orchestrator, name its instances)")
     p.add_argument("--from-results", action="append", nargs="+", default=[], metavar="NAME=FILE",
                    help="NAME=FILE [FILE ...]: runs of another load generator (one file per rate)")
     p.add_argument("--request-rates", nargs="+", type=parse_rate, default=[0.02, 0.05, 0.1, 0.15])
@@ -167,6 +170,11 @@ def _sweep(args: argparse.Namespace) -> int:
     names = [n for n, *_ in endpoints] + [n for n, *_ in imports]
     if len(set(names)) != len(names):
         raise ValueError(f"system names must be unique, got {names}")
+    metrics = {}
+    for name, urls in (_split(e, "--engine-metrics") for e in args.engine_metrics):
+        if name not in dict(endpoints):
+            raise ValueError(f"--engine-metrics {name}=...: no --endpoint is named {name!r}")
+        metrics[name] = urls.split(",")
     rates = sorted(args.request_rates)
     doc: dict[str, Any] = {
         "schema": SCHEMA, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -195,7 +203,7 @@ def _sweep(args: argparse.Namespace) -> int:
                 if name in dropped:
                     continue
                 print(f"== {name} at {rate:g} req/s ({args.num_prompts} requests)", flush=True)
-                result = run_once(args, endpoint_of(args, url), requests, rate, slo, tokenizer)
+                result = run_once(args, endpoint_of(args, url, metrics.get(name)), requests, rate, slo, tokenizer)
                 summary = {k: v for k, v in result.items() if k != "requests"}
                 if args.run_dir:
                     run_file = Path(args.run_dir) / f"{name}-r{rate:g}.json"

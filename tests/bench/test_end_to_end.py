@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
+import yaml
 
 from pdserve.bench.cli import main_bench
+from pdserve.bench.sweep import main_sweep
+from pdserve.distributed import free_port
+from pdserve.testing.wait import reaped, stop_cleanly, wait_for_line
 
 INPUT_LEN, OUTPUT_LEN, NUM = 32, 8, 8
 
@@ -79,3 +85,49 @@ def test_wrong_model_is_a_clear_error(server_url, bench_model_dir, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "no-such-model" in err and "HTTP 404" in err and "--model" in err
+
+
+def test_behind_the_orchestrator_the_named_instances_steps_are_recorded(bench_model_dir, tmp_path, capsys):
+    """`pdserve launch` of two aggregated instances behind the orchestrator, which runs no engine: a run
+    through it records nothing of the engines' steps unless --engine-metrics names the instances; then their
+    counters add up to the whole run (every decode token, whichever instance served it)."""
+    port = free_port()
+    inst = {"config": {"num_threads": 1}}
+    (tmp_path / "agg.yaml").write_text(yaml.safe_dump({
+        "model": str(bench_model_dir), "port": port, "context": [], "log_dir": str(tmp_path / "logs"),
+        "generation": [dict(inst, port=port + 1), dict(inst, port=port + 2)]}))
+    argv = [sys.executable, "-m", "pdserve.cli", "launch", str(tmp_path / "agg.yaml")]
+    with reaped(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 start_new_session=True)) as proc:
+        wait_for_line(proc, "ready: OpenAI API", timeout=120)
+        url = f"http://127.0.0.1:{port}"
+        instances = [f"http://127.0.0.1:{port + 1}", f"http://127.0.0.1:{port + 2}"]
+        work = ["--num-prompts", str(NUM), "--request-rate", "inf", "--input-len", str(INPUT_LEN),
+                "--output-len", str(OUTPUT_LEN)]
+        plain, named = tmp_path / "plain.json", tmp_path / "named.json"
+        assert _bench(url, bench_model_dir, *work, "--result-json", str(plain)) == 0
+        assert json.loads(plain.read_text())["engine_steps"] is None
+        assert _bench(url, bench_model_dir, *work, "--seed", "1", "--engine-metrics", *instances,
+                      "--result-json", str(named)) == 0
+        steps = json.loads(named.read_text())["engine_steps"]
+        assert steps["instances"] == 2 and steps["tokens"]["decode"] == NUM * (OUTPUT_LEN - 1)
+        assert 0 < steps["busy_fraction"] <= 1
+        assert "Engine steps, 2 instances" in capsys.readouterr().out
+
+        out = tmp_path / "sweep.json"
+        assert main_sweep(["--endpoint", f"agg={url}", "--engine-metrics", "agg=" + ",".join(instances),
+                           "--model", bench_model_dir.name, "--tokenizer", str(bench_model_dir), "--seed", "2",
+                           "--request-rates", "inf", "--num-prompts", "4", "--input-len", str(INPUT_LEN),
+                           "--output-len", "4", "--goodput", "ttft:60000", "tpot:60000", "--cooldown", "0",
+                           "--disable-tqdm", "--out", str(out)]) == 0
+        run = json.loads(out.read_text())["systems"]["agg"]["runs"][0]
+        assert run["engine_steps"]["instances"] == 2 and run["engine_steps"]["tokens"]["decode"] == 4 * 3
+        stop_cleanly(proc)
+
+
+def test_engine_metrics_must_name_servers_and_endpoints(bench_model_dir, tmp_path, capsys):
+    assert _bench("http://127.0.0.1:9", bench_model_dir, "--engine-metrics", "127.0.0.1:8001") == 2
+    assert "--engine-metrics takes server roots" in capsys.readouterr().err
+    assert main_sweep(["--endpoint", "a=http://127.0.0.1:9", "--engine-metrics", "b=http://127.0.0.1:8001",
+                       "--model", "m", "--goodput", "ttft:1", "--out", str(tmp_path / "s.json")]) == 2
+    assert "no --endpoint is named 'b'" in capsys.readouterr().err
