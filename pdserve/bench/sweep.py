@@ -171,8 +171,9 @@ def _sweep(args: argparse.Namespace) -> int:
     if len(set(names)) != len(names):
         raise ValueError(f"system names must be unique, got {names}")
     metrics = {}
+    live = dict(endpoints)
     for name, urls in (_split(e, "--engine-metrics") for e in args.engine_metrics):
-        if name not in dict(endpoints):
+        if name not in live:
             raise ValueError(f"--engine-metrics {name}=...: no --endpoint is named {name!r}")
         metrics[name] = urls.split(",")
     rates = sorted(args.request_rates)

@@ -53,34 +53,32 @@ ROWS_PROMPT = 32  # ... each with a prompt this long: one short prefill step, th
 def measure_serving(model_dir: Path, dtype: str, profile, prompt_lens: list[int], progress: bool) -> dict:
     """Per path, what serving adds (see the module docstring): {"aggregated": ..., "disaggregated": ...} from
     one-thread instances, and "aggregated@T" for each larger instance size T the profile holds."""
+    common = {"model": str(model_dir), "backend": "shm", "max_restarts": 0}
+    vocab, transfer = _vocab(model_dir), TransferCost(profile.transfer["shm"])
     inst = {"num_threads": 1, "dtype": dtype}
     ports = [free_port() for _ in range(3)]
-    split = dict(model=str(model_dir), port=ports[0], backend="shm", max_restarts=0,
-                 context=[{"port": ports[1], "cpus": [0], "config": inst}],
+    split = dict(common, port=ports[0], context=[{"port": ports[1], "cpus": [0], "config": inst}],
                  generation=[{"port": ports[2], "cpus": [1], "config": inst}])
-    out = _probe_cluster(split, profile, prompt_lens, progress,
+    out = _probe_cluster(split, profile, vocab, transfer, prompt_lens, progress,
                          [("aggregated", ports[2], 1), ("disaggregated", ports[0], 1)])
     # A bigger instance is its own case: its threads share the cores with the HTTP server's, the tokenizer's
     # and the orchestrator's, which a one-thread instance on its own core (and the orchestrator off it) does
     # not. Measured behind the orchestrator, as `pdserve launch` deploys an aggregated pick.
     for units in (u for u in profile.units if u > 1):
         ports = [free_port() for _ in range(2)]
-        alone = dict(model=str(model_dir), port=ports[0], backend="shm", max_restarts=0, context=[],
-                     generation=[{"port": ports[1], "cpus": list(range(units)),
-                                  "config": {"num_threads": units, "dtype": dtype}}])
-        out |= _probe_cluster(alone, profile, prompt_lens, progress,
+        alone = dict(common, port=ports[0], context=[], generation=[
+            {"port": ports[1], "cpus": list(range(units)), "config": {"num_threads": units, "dtype": dtype}}])
+        out |= _probe_cluster(alone, profile, vocab, transfer, prompt_lens, progress,
                               [(f"aggregated@{units}", ports[0], units)])
     return out
 
 
-def _probe_cluster(doc: dict, profile, prompt_lens: list[int], progress: bool,
+def _probe_cluster(doc: dict, profile, vocab: int, transfer: TransferCost, prompt_lens: list[int], progress: bool,
                    paths: list[tuple[str, int, int]]) -> dict:
     """Starts the cluster `doc` describes (`pdserve launch`'s fields; its logs in a temporary directory) and
     probes each (name, port, threads) path of it."""
     from pdserve.launch import Cluster, ClusterConfig
 
-    transfer = TransferCost(profile.transfer["shm"])
-    vocab = _vocab(Path(doc["model"]))
     out = {}
     with tempfile.TemporaryDirectory(prefix="pdserve-probe-") as logs:
         cluster = Cluster(ClusterConfig(**doc, log_dir=logs))
