@@ -138,16 +138,27 @@ class Member:
             return "(no log)"
 
     def stop(self, grace_s: float) -> None:
-        if self.proc.poll() is not None:
-            return
+        self.terminate()
+        self.reap(time.monotonic() + grace_s)
+
+    def terminate(self) -> None:
+        """SIGTERM to the member's process group: it drains and exits (see `reap`)."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def reap(self, deadline: float) -> None:
+        """Wait for the terminated member until the monotonic `deadline`, then SIGKILL what is left."""
         try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=grace_s)
+            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             self.proc.wait(timeout=10)
-        except ProcessLookupError:
-            pass
 
 
 class Cluster:
@@ -222,8 +233,17 @@ class Cluster:
         return None
 
     def stop(self, grace_s: float = 15.0) -> None:
-        for m in reversed(self.members):  # the orchestrator first, so no new work reaches the workers
-            m.stop(grace_s)
+        """The orchestrator first, so no new work reaches the workers; then every worker at once (each drains
+        on its own), all within `grace_s` of that."""
+        workers = [m for m in self.members if m.name != "orchestrator"]
+        for m in self.members:
+            if m.name == "orchestrator":
+                m.stop(grace_s)
+        for m in workers:
+            m.terminate()
+        deadline = time.monotonic() + grace_s
+        for m in workers:
+            m.reap(deadline)
 
 
 def instances(cfg: ClusterConfig) -> list[tuple[str, int, InstanceSpec]]:
