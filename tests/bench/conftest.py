@@ -31,7 +31,7 @@ def server_url(bench_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("bench-server") / "serve.log"
     with open(log, "w") as log_file:
         proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "serve",
-                                 str(bench_model_dir), "--port", str(port)],
+                                 str(bench_model_dir), "--port", str(port), "--kv-cache-memory-gb", "0.0625"],
                                 stdout=log_file, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:

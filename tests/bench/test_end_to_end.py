@@ -92,7 +92,7 @@ def test_behind_the_orchestrator_the_named_instances_steps_are_recorded(bench_mo
     through it records nothing of the engines' steps unless --engine-metrics names the instances; then their
     counters add up to the whole run (every decode token, whichever instance served it)."""
     port = free_port()
-    inst = {"config": {"num_threads": 1}}
+    inst = {"config": {"num_threads": 1, "kv_cache_memory_gb": 0.0625}}  # a small pool: quick to start
     (tmp_path / "agg.yaml").write_text(yaml.safe_dump({
         "model": str(bench_model_dir), "port": port, "context": [], "log_dir": str(tmp_path / "logs"),
         "generation": [dict(inst, port=port + 1), dict(inst, port=port + 2)]}))

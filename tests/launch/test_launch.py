@@ -24,6 +24,10 @@ from pdserve.launch import ClusterConfig, worker_configs
 from pdserve.testing import make_tiny_model
 from pdserve.testing.wait import reaped, stop_cleanly, wait_for_line
 
+# A KV pool of 64 MiB: a server zeroes its whole pool at start, and the default 1 GiB took ~1.5 s of it here.
+POOL = {"kv_cache_memory_gb": 0.0625}
+SMALL_POOL = {"tokens_per_block": 8, **POOL}
+
 
 def _launch(tmp_path, cluster: dict) -> subprocess.Popen:
     """`pdserve launch` over `cluster` written as cluster.yaml, its stdout and stderr in one text pipe."""
@@ -41,8 +45,8 @@ def tiny(tmp_path):
 def test_launch_serves_disaggregated_and_stops_cleanly(tmp_path, tiny):
     port = free_port()
     cluster = {"model": tiny, "port": port, "log_dir": str(tmp_path / "logs"), "backend": "shm",
-               "context": [{"port": free_port(), "config": {"tokens_per_block": 8}}],
-               "generation": [{"port": free_port(), "config": {"tokens_per_block": 8}}]}
+               "context": [{"port": free_port(), "config": SMALL_POOL}],
+               "generation": [{"port": free_port(), "config": SMALL_POOL}]}
     with reaped(_launch(tmp_path, cluster)) as proc:
         banner = wait_for_line(proc, "ready: OpenAI API", timeout=180)
         assert "ctx0" in banner and "gen0" in banner and "orchestrator" in banner
@@ -72,7 +76,7 @@ def test_launch_without_context_instances_serves_aggregated_and_dies_with_its_se
     kernel sends them SIGTERM when it dies (PR_SET_PDEATHSIG). Before, they ran on, holding their ports."""
     port = free_port()
     cluster = {"model": tiny, "port": port, "log_dir": str(tmp_path / "logs"), "context": [],
-               "generation": [{"port": free_port()}, {"port": free_port()}]}
+               "generation": [{"port": free_port(), "config": POOL}, {"port": free_port(), "config": POOL}]}
     with reaped(_launch(tmp_path, cluster)) as proc:
         banner = wait_for_line(proc, "ready: OpenAI API", timeout=180)
         assert "aggregated, 2 instance(s)" in banner and "gen1" in banner and "ctx0" not in banner
@@ -144,8 +148,8 @@ def test_launch_restarts_a_member_that_dies(tmp_path, tiny):
     port, ctx_port = free_port(), free_port()
     cluster = {"model": tiny, "port": port, "log_dir": str(tmp_path / "logs"), "backend": "shm",
                "restart_backoff_s": 0.5, "orchestrator": {"health_check_interval": 0.5},
-               "context": [{"port": ctx_port, "config": {"tokens_per_block": 8}}],
-               "generation": [{"port": free_port(), "config": {"tokens_per_block": 8}}]}
+               "context": [{"port": ctx_port, "config": SMALL_POOL}],
+               "generation": [{"port": free_port(), "config": SMALL_POOL}]}
     with reaped(_launch(tmp_path, cluster)) as proc:
         wait_for_line(proc, "ready: OpenAI API", timeout=180)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)

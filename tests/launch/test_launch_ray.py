@@ -66,8 +66,9 @@ def test_a_cluster_on_ray_serves_survives_a_killed_actor_and_scales(ray_cluster,
     port = free_port()
     # a generation instance waiting for KV from a context instance that was killed gives up after 4 s
     # (the orchestrator then prefills again), as in tests/orchestrator/test_peer_death.py
-    worker = {"tokens_per_block": 8, "cache_transceiver_config": {"kv_transfer_timeout_ms": 4000,
-                                                                  "rank_info_timeout_s": 2.0}}
+    # (and a KV pool of 64 MiB, quick to zero at start)
+    worker = {"tokens_per_block": 8, "kv_cache_memory_gb": 0.0625,
+              "cache_transceiver_config": {"kv_transfer_timeout_ms": 4000, "rank_info_timeout_s": 2.0}}
     cluster = {"model": str(model), "port": port, "backend": "nixl", "log_dir": str(tmp_path / "logs"),
                "context": [{"config": worker}], "generation": [{"config": worker}],
                "orchestrator": {"lease_ttl_s": 3, "health_check_interval": 0.5}, "max_restarts": 2,

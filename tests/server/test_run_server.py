@@ -17,7 +17,7 @@ from pdserve.testing.servers import wait_for_health
 def test_pdserve_serve_answers_and_shuts_down_gracefully(tiny_model_dir):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "serve",
-                             str(tiny_model_dir), "--port", str(port)],
+                             str(tiny_model_dir), "--port", str(port), "--kv-cache-memory-gb", "0.0625"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
