@@ -16,7 +16,12 @@
      measured or within 10% of it;
    - error: |predicted - measured| / measured goodput of the pick (0 when both are 0).
 Prints the grids and, for each prediction, the two shares (the issue's bar: pick right in >= 80% of the cells, predicted
-goodput within 25% of the measured one). Nothing here is timed by a test; this is a benchmark.
+goodput within 25% of the measured one).
+4. With --repeats N, every system is swept N times (every other round in reverse order) and the rounds are set side
+   by side: in how many cells the pick's measured goodput of the rounds lies within 25% of each other (what this
+   machine repeats; no prediction can be held to a tighter bar than that), and in how many the prediction lies within
+   25% of the span the rounds measured.
+Nothing here is timed by a test; this is a benchmark.
 """
 
 from __future__ import annotations
@@ -54,13 +59,29 @@ def predicted(args, out: Path, replay: bool) -> dict:
     return json.loads(path.read_text())
 
 
-def measure(args, out: Path, plan: dict) -> dict:
+def grid_path(out: Path, round_: int) -> Path:
+    return out / ("grid.json" if round_ == 0 else f"grid-r{round_}.json")
+
+
+def measure(args, out: Path, plan: dict) -> list[dict]:
+    """Every system swept --repeats times: round k goes through them in turn, every other round in reverse order
+    (so no system always runs first or last). The grid of each round."""
     clusters = {c["name"]: c["cluster"] for c in plan["candidates"]}
     missing = [s for s in args.systems if s not in clusters]
     if missing:
         raise SystemExit(f"not candidates of this plan: {missing}; candidates: {sorted(clusters)}")
-    sweep = out / "sweep.json"
-    for i, name in enumerate(args.systems):
+    grids = []
+    for k in range(args.repeats):
+        order = args.systems if k % 2 == 0 else args.systems[::-1]
+        grids.append(measure_round(args, out, clusters, order, k))
+    return grids
+
+
+def measure_round(args, out: Path, clusters: dict, order: list[str], round_: int) -> dict:
+    tag = "" if round_ == 0 else f"-r{round_}"
+    sweep = out / f"sweep{tag}.json"
+    sweep.unlink(missing_ok=True)
+    for name in order:
         doc = dict(clusters[name], port=args.port, log_dir=str(out / f"logs-{name}"))
         path = out / f"{name}.yaml"
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -81,7 +102,7 @@ def measure(args, out: Path, plan: dict) -> dict:
                 if time.monotonic() > deadline:
                     raise SystemExit(f"{name}: not ready after 300 s")
                 time.sleep(1)
-            part = out / f"sweep-{name}.json"
+            part = out / f"sweep-{name}{tag}.json"
             # The orchestrator runs no engine: each run records its instances' steps (ports as launch assigns them).
             members = len(doc["context"]) + len(doc["generation"])
             engines = ",".join(f"http://127.0.0.1:{args.port + 1 + i}" for i in range(members))
@@ -90,7 +111,7 @@ def measure(args, out: Path, plan: dict) -> dict:
                  "--model", args.model_name, "--request-rates", *map(str, args.rates),
                  "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
                  "--output-len", str(args.output_len), "--goodput", f"ttft:{max(args.ttft)}", f"tpot:{max(args.tpot)}",
-                 "--seed", str(args.seed), "--out", str(part), "--run-dir", str(out / "runs")])
+                 "--seed", str(args.seed), "--out", str(part), "--run-dir", str(out / f"runs{tag}")])
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=60)
@@ -101,23 +122,60 @@ def measure(args, out: Path, plan: dict) -> dict:
         else:
             merged["systems"].update(one["systems"])
         sweep.write_text(json.dumps(merged, indent=1))
-    grid = out / "grid.json"
+    grid = grid_path(out, round_)
     run([sys.executable, "-m", "pdserve.cli", "bench", "grid", str(sweep), "--ttft", *map(str, args.ttft),
          "--tpot", *map(str, args.tpot), "--out", str(grid)])
     return json.loads(grid.read_text())
 
 
-def compare(plan: dict, measured: dict, systems: list[str]) -> str:
-    pred_cells = {(c["ttft_ms"], c["tpot_ms"]): c["goodput"] for c in plan["grid"]["cells"]}
+def predictions(plan: dict, systems: list[str]) -> dict[tuple, tuple[str, dict[str, float]]]:
+    """Per (TTFT, TPOT) cell: the plan's pick among `systems` and its predicted goodput of each."""
     order = [c["name"] for c in plan["candidates"]]  # the plan's ranking at its own SLO breaks ties
+    out = {}
+    for c in plan["grid"]["cells"]:
+        pred = {s: float(c["goodput"][s]) for s in systems}
+        out[(c["ttft_ms"], c["tpot_ms"])] = (max(systems, key=lambda s: (pred[s], -order.index(s))), pred)
+    return out
+
+
+def repeatability(plan: dict, grids: list[dict], systems: list[str]) -> str:
+    """The same deployments measured again: how far apart two sweeps of one system land, cell by cell (the floor
+    under any prediction's error on this machine), and whether the prediction falls within 25% of the span the
+    rounds measured."""
+    preds = predictions(plan, systems)
+    n = len(grids)
+    lines = ["| TTFT ms | TPOT ms | pick | " + " | ".join(f"round {k}" for k in range(n))
+             + " | rounds within 25% | predicted | within 25% of the span |", "|---|---|---|" + "---|" * (n + 3)]
+    agree = within = 0
+    for cell in grids[0]["cells"]:
+        key = (cell["ttft_ms"], cell["tpot_ms"])
+        pick, pred = preds[key]
+        meas = [float(next(c for c in g["cells"] if (c["ttft_ms"], c["tpot_ms"]) == key)["goodput"][pick])
+                for g in grids]
+        lo, hi = min(meas), max(meas)
+        close = hi == lo or (lo > 0 and hi <= 1.25 * lo)
+        near = 0.75 * lo <= pred[pick] <= 1.25 * hi if hi > 0 else pred[pick] == 0
+        agree += close
+        within += near
+        lines.append(f"| {key[0]:g} | {key[1]:g} | {pick} | " + " | ".join(f"{m:g}" for m in meas)
+                     + f" | {'yes' if close else 'no'} | {pred[pick]:g} | {'yes' if near else 'no'} |")
+    cells = len(grids[0]["cells"])
+    lines += ["", f"the pick's goodput, {n} rounds within 25% of each other: {agree} of {cells} cells "
+                  f"({100 * agree / cells:.0f}%)",
+              f"predicted goodput within 25% of the span the rounds measured: {within} of {cells} cells "
+              f"({100 * within / cells:.0f}%)"]
+    return "\n".join(lines)
+
+
+def compare(plan: dict, measured: dict, systems: list[str]) -> str:
+    preds = predictions(plan, systems)
     lines = ["| TTFT ms | TPOT ms | " + " | ".join(f"{s} meas / pred" for s in systems) + " | pick | right | error |",
              "|---|---|" + "---|" * (len(systems) + 3)]
     right = within = cells = 0
     for cell in measured["cells"]:
         key = (cell["ttft_ms"], cell["tpot_ms"])
         meas = {s: float(cell["goodput"][s]) for s in systems}
-        pred = {s: float(pred_cells[key][s]) for s in systems}
-        pick = max(systems, key=lambda s: (pred[s], -order.index(s)))
+        pick, pred = preds[key]
         best = max(meas.values())
         ok = meas[pick] >= 0.9 * best
         if meas[pick] == pred[pick]:
@@ -143,6 +201,9 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1, 1.5, 2, 2.5, 3, 3.5])
     p.add_argument("--num-prompts", type=int, default=30, help="measured requests per rate")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="sweep every system this many times (rounds in alternating order): the spread between rounds "
+                        "is the machine's own, which no prediction can beat")
     p.add_argument("--sim-seeds", type=int, default=16,
                    help="simulated runs of --num-prompts requests per rate, pooled into the second prediction (the "
                         "first replays the sweep's own arrivals)")
@@ -168,11 +229,17 @@ def main() -> None:
                  for replay in (True, False)}
     else:
         plans = {replay: predicted(args, out, replay) for replay in (True, False)}
-    grid = json.loads((out / "grid.json").read_text()) if args.compare_only or args.repredict \
-        else measure(args, out, plans[False])
-    for replay, title in ((True, f"the sweep's own arrivals (seed {args.seed})"),
-                          (False, f"{args.sim_seeds} other arrival draws pooled (the expected run)")):
-        print(f"\npredicted from {title}:\n" + compare(plans[replay], grid, args.systems))
+    if args.compare_only or args.repredict:
+        grids = [json.loads(grid_path(out, k).read_text()) for k in range(100) if grid_path(out, k).exists()]
+    else:
+        grids = measure(args, out, plans[False])
+    for k, grid in enumerate(grids):
+        for replay, title in ((True, f"the sweep's own arrivals (seed {args.seed})"),
+                              (False, f"{args.sim_seeds} other arrival draws pooled (the expected run)")):
+            print(f"\nround {k}, predicted from {title}:\n" + compare(plans[replay], grid, args.systems))
+    if len(grids) > 1:
+        print("\nthe rounds side by side, the pooled prediction's pick:\n"
+              + repeatability(plans[False], grids, args.systems))
 
 
 if __name__ == "__main__":
