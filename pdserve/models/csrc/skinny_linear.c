@@ -55,17 +55,24 @@ INLINE void reduce_rows(const __m512 *acc, int nr, float *out) {
 /* fp32: 16 values of K per step. */
 INLINE __m512 load_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 
-/* Asks for the next tile's weights at this step's offset. With several rows of x a tile is compute
- * for a while after its weights arrive, and without this the memory sat idle meanwhile (a SmolLM2
- * step's linears at 16 bf16 rows: 12.7 ms without, 7.9 ms with, in two runs). Past the last tile it
- * asks for nothing useful, and a prefetch never faults. */
-#define PREFETCH_NEXT_TILE(w, k, kk) \
-    _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) _mm_prefetch((const char *)((w) + (NR + j) * (k) + (kk)), _MM_HINT_T0)
+/* Asks for the weights PREFETCH_AHEAD bytes past the NR cache lines a step reads, counting a tile's rows
+ * as the one run of memory they are (a thread's tiles follow each other in W). The hardware's own
+ * prefetch follows each of the tile's NR row streams on its own and stops at each 4 KiB page, and it fell
+ * behind: on one Zen 4 core SmolLM2's decode linears read their weights at 14.9 GB/s at one row of x,
+ * where a plain sum reads 34. One row asks into L1 (the line is needed at once); several rows into L2,
+ * since they work on a tile for a while and later passes over it (more than MR rows) must still find
+ * it in L1. On that core, with the weights in huge pages (host_malloc.huge_page_buffer), a fp32 decode
+ * step took 1.5-1.7x less time at 1-4 rows and 1.3x less at 8 (docs/benchmarks.md). Past the last
+ * tile a prefetch asks for nothing useful, and it never faults. */
+#define PREFETCH_AHEAD 16384
+#define PREFETCH_FLAT(w, step, hint) \
+    _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) \
+        _mm_prefetch((const char *)(w) + PREFETCH_AHEAD + ((step) * NR + j) * 64, hint)
 
 /* One step along K: rows of x times rows of w, under `mask` (all ones but in the last step). */
 INLINE void step_f32(__m512 acc[MR][NR], const float *x, int64_t ldx, const float *w, int64_t k, int64_t kk,
                      __mmask16 mask, int mr, int nr) {
-    PREFETCH_NEXT_TILE(w, k, kk);
+    PREFETCH_FLAT(w, kk / 16, _MM_HINT_T1);
     _Pragma("GCC unroll 4") for (int i = 0; i < mr; i++) {
         const __m512 xv = load_f32(x + i * ldx + kk, mask);
         _Pragma("GCC unroll 4") for (int j = 0; j < nr; j++)
@@ -82,6 +89,7 @@ INLINE void block_f32(const float *x, int64_t ldx, const float *w, int64_t k, in
         _Pragma("GCC unroll 4") for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
     if (mr == 1) /* as in block_bf16 */
         for (int64_t kk = 0; kk < full; kk += 16) {
+            PREFETCH_FLAT(w, kk / 16, _MM_HINT_T0);
             const __m512 xv = _mm512_loadu_ps(x + kk);
             _Pragma("GCC unroll 4") for (int j = 0; j < nr; j++)
                 acc[0][j] = _mm512_fmadd_ps(_mm512_loadu_ps(w + j * k + kk), xv, acc[0][j]);
@@ -108,7 +116,7 @@ INLINE __m512 dot_bf16(__m512 acc, __m512i a, __m512i b) {
 
 INLINE void step_bf16(__m512 acc[MR][NR], const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t k,
                       int64_t kk, __mmask32 mask, int mr, int nr) {
-    PREFETCH_NEXT_TILE(w, k, kk);
+    PREFETCH_FLAT(w, kk / 32, _MM_HINT_T1);
     _Pragma("GCC unroll 4") for (int i = 0; i < mr; i++) {
         const __m512i xv = load_bf16(x + i * ldx + kk, mask);
         _Pragma("GCC unroll 4") for (int j = 0; j < nr; j++)
@@ -124,12 +132,14 @@ INLINE void block_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_
         _Pragma("GCC unroll 4") for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
     if (mr == 1) /* one row of x: plain loads indexed from the row starts (measured faster than the general step) */
         for (int64_t kk = 0; kk < full; kk += 32) {
+            PREFETCH_FLAT(w, kk / 32, _MM_HINT_T0);
             const __m512i xv = _mm512_loadu_si512(x + kk);
             _Pragma("GCC unroll 4") for (int j = 0; j < nr; j++)
                 acc[0][j] = dot_bf16(acc[0][j], _mm512_loadu_si512(w + j * k + kk), xv);
         }
     else
-        for (int64_t kk = 0; kk < full; kk += 32) step_bf16(acc, x, ldx, w, k, kk, (__mmask32)0xffffffffu, mr, nr);
+        for (int64_t kk = 0; kk < full; kk += 32)
+            step_bf16(acc, x, ldx, w, k, kk, (__mmask32)0xffffffffu, mr, nr);
     if (full < k) step_bf16(acc, x, ldx, w, k, full, (__mmask32)((1ull << (k - full)) - 1ull), mr, nr);
     _Pragma("GCC unroll 4") for (int i = 0; i < mr; i++) reduce_rows(acc[i], nr, out[i]);
 }
