@@ -61,9 +61,9 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     asked of the kernel in transparent huge pages (madvise MADV_HUGEPAGE) before anything touches it.
 
     Why: a decode step streams every weight once, and in 4 KiB pages the hardware's prefetch stops at each
-    page's end and every page costs a TLB walk. On one Zen 4 core the native GEMV read SmolLM2's decode
-    weights at 18.9 GB/s in 4 KiB pages and at 24.0 GB/s in 2 MiB ones (docs/benchmarks.md). Where the
-    kernel grants none (THP off), this is ordinary memory, aligned the same."""
+    page's end and every page costs a TLB walk. On one Zen 4 core a fp32 SmolLM2 decode step of one row
+    took 31.7 ms with the weights where torch put them and 22.9-27.4 ms with them here (one thread,
+    docs/benchmarks.md). Where the kernel grants none (THP off), this is ordinary memory, aligned the same."""
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` mapped while any view lives
     start = -whole.data_ptr() % HUGE_PAGE

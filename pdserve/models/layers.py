@@ -114,8 +114,7 @@ def pack_for_cpu(model: nn.Module, gemv: bool = False) -> None:
 
 def _in_huge_pages(weights: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of `weights` side by side in one buffer of transparent huge pages (host_malloc), each on a
-    cache line: the GEMV streams them at a step's every layer, and in 4 KiB pages it read them 1.7x
-    slower on one Zen 4 core (docs/benchmarks.md)."""
+    cache line: the GEMV streams them at a step's every layer (why: host_malloc.huge_page_buffer)."""
     line = 64
     sizes = [-(-w.numel() * w.element_size() // line) * line for w in weights]
     buf = huge_page_buffer(sum(sizes))

@@ -62,7 +62,7 @@ INLINE __m512 load_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_
  * where a plain sum reads 34. One row asks into L1 (the line is needed at once); several rows into L2,
  * since they work on a tile for a while and later passes over it (more than MR rows) must still find
  * it in L1. On that core, with the weights in huge pages (host_malloc.huge_page_buffer), a fp32 decode
- * step took 1.5-1.7x less time at 1-4 rows and 1.3x less at 8 (docs/benchmarks.md). Past the last
+ * step took 1.4-1.8x less time at 1-4 rows and 1.4x less at 8 (docs/benchmarks.md). Past the last
  * tile a prefetch asks for nothing useful, and it never faults. */
 #define PREFETCH_AHEAD 16384
 #define PREFETCH_FLAT(w, step, hint) \
