@@ -22,6 +22,13 @@ from pdserve.testing.disagg import context_first, handoff, step_until
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
+def ref_device(backend: str = "shm") -> str:
+    """Where an aggregated reference runs: where the split engines do. shm moves host memory only, so
+    `device: auto` puts shm engines on the CPU even on a GPU host; logprobs are compared exactly, and a
+    CUDA reference differs from a CPU split in the last bits."""
+    return "cpu" if backend == "shm" else "auto"
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", num_layers=3, num_heads=4, num_kv_heads=2,
@@ -50,7 +57,7 @@ def _assert_everything_freed(ctx, gen):
                                                             ("nixl", 16, 8, "HND"), ("shm", 8, 8, "NHD")])
 def test_disaggregated_equals_aggregated(tiny, backend, ctx_tpb, gen_tpb, layout):
     prompts = _prompts()
-    with LLM(EngineConfig(model=tiny, tokens_per_block=8)) as llm:
+    with LLM(EngineConfig(model=tiny, device=ref_device(backend), tokens_per_block=8)) as llm:
         expected = [c.token_ids for c in llm.generate(prompts, GREEDY)]
     ctx = _engine(tiny, backend, ctx_tpb, layout)
     gen = _engine(tiny, backend, gen_tpb, layout)
@@ -63,7 +70,7 @@ def test_disaggregated_equals_aggregated(tiny, backend, ctx_tpb, gen_tpb, layout
 
 
 def test_disaggregated_requests_need_a_backend(tiny):
-    with LLM(EngineConfig(model=tiny, tokens_per_block=8)) as llm:
+    with LLM(EngineConfig(model=tiny, device=ref_device(), tokens_per_block=8)) as llm:
         with pytest.raises(RequestError, match="cache_transceiver_config.backend"):
             llm.engine.add_request([5, 6, 7], GREEDY, request_type=RequestType.CONTEXT_ONLY, disagg=DisaggInfo(1))
 
@@ -89,7 +96,7 @@ def test_first_token_logprobs_travel_with_the_request(tiny):
     instance (opaque_state), so a split answer has one logprob entry per token."""
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
     prompt = _prompts()[1]
-    with LLM(EngineConfig(model=tiny, tokens_per_block=8)) as llm:
+    with LLM(EngineConfig(model=tiny, device=ref_device(), tokens_per_block=8)) as llm:
         llm.engine.add_request(prompt, params, "agg")
         agg = [lp for o in step_until([llm.engine], lambda outs: any(o.finished for o in outs))
                for lp in o.new_logprobs]
@@ -136,7 +143,7 @@ def _generation_first(tiny, prompts, params, *, pipelined, ctx_max_tokens=16, ct
 @pytest.mark.parametrize("pipelined", [False, True], ids=["whole", "pipelined"])
 def test_generation_first_equals_aggregated_and_frees_everything(tiny, pipelined):
     prompts = _prompts()  # 5, 21 and 40 tokens: 40 prefills in 3 chunks of 16 on the context side
-    with LLM(EngineConfig(model=tiny, tokens_per_block=8)) as llm:
+    with LLM(EngineConfig(model=tiny, device=ref_device(), tokens_per_block=8)) as llm:
         expected = [c.token_ids for c in llm.generate(prompts, GREEDY)]
     outs, ctx, gen = _generation_first(tiny, prompts, GREEDY, pipelined=pipelined)
     try:
@@ -155,7 +162,7 @@ def test_generation_first_first_token_ending_the_request_and_its_logprobs(tiny):
     """The first token comes with the KV: with max_tokens=1 it is the whole answer, logprob included."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2)
     prompt = _prompts()[2]
-    with LLM(EngineConfig(model=tiny, tokens_per_block=8)) as llm:
+    with LLM(EngineConfig(model=tiny, device=ref_device(), tokens_per_block=8)) as llm:
         llm.engine.add_request(prompt, params, "agg")
         agg = [o for o in step_until([llm.engine], lambda outs: any(o.finished for o in outs))]
     outs, ctx, gen = _generation_first(tiny, [prompt], params, pipelined=True)

@@ -22,7 +22,8 @@ def _steps(model_dir, prompt_lens=(5, 30), max_num_seqs=1, **cfg) -> list[tuple[
     """Generate prompts of `prompt_lens` tokens, `max_num_seqs` at a time; at every native step also
     run the modules on the same input (they rewrite the same cache slots) and keep both outputs."""
     seen = []
-    with LLM(EngineConfig(model=str(model_dir), tokens_per_block=8, max_num_seqs=max_num_seqs, **cfg)) as llm:
+    with LLM(EngineConfig(model=str(model_dir), device="cpu", tokens_per_block=8, max_num_seqs=max_num_seqs,
+                          **cfg)) as llm:
         model = llm.engine.runner.model
         native = model.stage_decoder
         assert native is not None
@@ -77,11 +78,11 @@ def test_steps_it_does_not_take(tmp_path):
     model; and a step of more decode rows than the module path gives the GEMV (9 fp32 rows) goes to
     the modules, while one of 2 rows takes the native step."""
     d = make_tiny_model(tmp_path / "m", num_layers=2)
-    with LLM(EngineConfig(model=str(d), cpu_decode_gemv=False)) as llm:
+    with LLM(EngineConfig(model=str(d), device="cpu", cpu_decode_gemv=False)) as llm:
         assert llm.engine.runner.model.stage_decoder is None
-    with LLM(EngineConfig(model=str(d), dtype="float16")) as llm:
+    with LLM(EngineConfig(model=str(d), device="cpu", dtype="float16")) as llm:
         assert llm.engine.runner.model.stage_decoder is None
-    with LLM(EngineConfig(model=str(d), tokens_per_block=8)) as llm:
+    with LLM(EngineConfig(model=str(d), device="cpu", tokens_per_block=8)) as llm:
         model = llm.engine.runner.model
         native, calls = model.stage_decoder, []
 

@@ -79,7 +79,7 @@ def test_the_engine_keeps_its_decode_weights_in_huge_pages(tmp_path):
     of huge pages and holds the layer's weight (the greedy-output tests run the engine on them)."""
     d = make_tiny_model(tmp_path / "m", num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
                         intermediate_size=2048, vocab_size=512)
-    with LLM(EngineConfig(model=str(d), tokens_per_block=8)) as llm:
+    with LLM(EngineConfig(model=str(d), device="cpu", tokens_per_block=8)) as llm:
         model = llm.engine.runner.model
         linears = [m for m in model.modules() if isinstance(m, layers._LINEARS)]
         plain = [m.gemv_weight for m in linears]
