@@ -1,6 +1,6 @@
 """Engine throughput and latency on this machine: pdserve beside transformers on the same weights.
 
-    python benchmarks/bench_engine.py [--dtypes float32 bfloat16] [--decode-tokens 64]
+    python benchmarks/bench_engine.py [--dtypes float32 bfloat16] [--decode-tokens 64] [--device cpu|cuda]
 
 Prints one table per weight dtype: prefill tokens/s at 512 and 2048 prompt tokens, time to first
 token at 1024, decode tokens/s at batch 1 and with 16 concurrent requests, and the ratio
@@ -11,6 +11,10 @@ vLLM is an optional peer row. It usually lives in its own venv (its torch pins c
 the row runs this same file in a child process under that interpreter (`--vllm-python`, default
 $VLLM_PYTHON, else this interpreter when it can import vllm) and reads back one JSON line. The child
 uses measure_generate and random_prompt from this file, so it sends the very same prompts.
+
+--device cuda runs pdserve and transformers on the first CUDA device (no vLLM row) and reads the
+device's own memory bandwidth for the roofline. The embedded model does not travel to a GPU host, so
+there give --model a directory (`--tiny-smollm2` writes random weights of SmolLM2-135M's shape).
 """
 
 from __future__ import annotations
@@ -44,14 +48,22 @@ PROMPT_DECODE = 128
 REPEATS = 3
 
 
-def read_bandwidth_gbs() -> float:
-    """Memory-read bandwidth with the threads torch uses: sum a buffer far larger than the caches."""
-    x = torch.ones(256 * 2**20 // 4, dtype=torch.float32)
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def read_bandwidth_gbs(device: str = "cpu") -> float:
+    """Memory-read bandwidth with the threads torch uses (or the GPU's): sum a buffer far larger than
+    the caches."""
+    x = torch.ones((256 if device == "cpu" else 4096) * 2**20 // 4, dtype=torch.float32, device=device)
     x.sum()
     best = float("inf")
     for _ in range(5):
+        sync(device)
         t = time.perf_counter()
         x.sum()
+        sync(device)
         best = min(best, time.perf_counter() - t)
     return x.numel() * 4 / best / 1e9
 
@@ -96,12 +108,12 @@ def decode_bytes(model) -> int:
     return total
 
 
-def bench_pdserve(dtype: str, decode_tokens: int, model: str | None) -> dict:
+def bench_pdserve(dtype: str, decode_tokens: int, model: str | None, device: str = "cpu") -> dict:
     from pdserve.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype, max_num_tokens=4096, enable_prefix_caching=False,
-                                    kv_cache_memory_gb=2.0))
+                                    kv_cache_memory_gb=2.0, device=device))
     vocab = engine.model_cfg.vocab_size
     row = {}
     _drive(engine, [random_prompt(64, vocab, 0)], 4)  # warm-up
@@ -139,18 +151,20 @@ def measure_generate(run, vocab: int, decode_tokens: int) -> dict:
 
 # -- transformers -------------------------------------------------------------------------------------
 
-def bench_transformers(model_dir: Path, dtype: str, decode_tokens: int) -> dict:
+def bench_transformers(model_dir: Path, dtype: str, decode_tokens: int, device: str = "cpu") -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=getattr(torch, dtype)).to(device)
     vocab = model.config.vocab_size
 
     def gen(batch: list[list[int]], new: int) -> float:
-        ids = torch.tensor(batch)
+        ids = torch.tensor(batch, device=device)
+        sync(device)
         t = time.perf_counter()
         with torch.inference_mode():
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                            do_sample=False, pad_token_id=0)
+        sync(device)
         return time.perf_counter() - t
 
     return measure_generate(gen, vocab, decode_tokens)  # the model is freed on return
@@ -261,31 +275,46 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every system this many times, in turn, and keep each figure's best (the machine's "
                          "slow spells then fall on all systems alike)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where pdserve and transformers run (cuda: no vLLM row)")
+    ap.add_argument("--tiny-smollm2", metavar="DIR", default=None,
+                    help="write random weights of SmolLM2-135M's shape to DIR and bench those (for a GPU host, "
+                         "where the embedded model is not installed)")
     ap.add_argument("--vllm-child", metavar="MODEL_DIR", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.vllm_child:
         vllm_child(args.vllm_child, args.dtypes[0], args.decode_tokens)
         return
-    vllm_python = resolve_vllm_python(args.vllm_python)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda, but torch sees no CUDA device")
+    if args.tiny_smollm2:
+        from pdserve.testing.tiny import make_tiny_model
+
+        args.model = str(make_tiny_model(args.tiny_smollm2, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                                         intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
+                                         rope_theta=100000.0, max_position_embeddings=8192))
+    vllm_python = None if args.device == "cuda" else resolve_vllm_python(args.vllm_python)
     if vllm_python is None:
         print("note: no vLLM row (pass --vllm-python or set VLLM_PYTHON to an interpreter with vllm)")
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     torch.set_num_threads(os.cpu_count() or 1)
-    bandwidth = read_bandwidth_gbs()
+    bandwidth = read_bandwidth_gbs(args.device)
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads"
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; memory-read bandwidth {bandwidth:.1f} GB/s"
+          f"{where}; {args.device} memory-read bandwidth {bandwidth:.1f} GB/s"
           + (f"; best of {args.rounds} rounds" if args.rounds > 1 else ""))
     for dtype in args.dtypes:
         runs: dict[str, list[dict]] = {}
         for _ in range(args.rounds):
-            ours = bench_pdserve(dtype, args.decode_tokens, args.model)
+            ours = bench_pdserve(dtype, args.decode_tokens, args.model, args.device)
             runs.setdefault("pdserve", []).append(ours)
-            runs.setdefault("transformers", []).append(bench_transformers(ours["model_dir"], dtype, args.decode_tokens))
+            runs.setdefault("transformers", []).append(
+                bench_transformers(ours["model_dir"], dtype, args.decode_tokens, args.device))
             v = bench_vllm(vllm_python, ours["model_dir"], dtype, args.decode_tokens) if vllm_python else None
             if v is not None:
                 runs.setdefault("vllm", []).append(v)
-            bandwidth = max(bandwidth, read_bandwidth_gbs())  # the roofline against the best bandwidth seen
+            bandwidth = max(bandwidth, read_bandwidth_gbs(args.device))  # the roofline against the best bandwidth seen
         rows = {name: best_of(rounds) for name, rounds in runs.items()}
         print_table(dtype, rows, bandwidth)
         if "vllm" in rows:

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_kv_transfer.py [--tokens 512 2048 8192] [--dtypes fp32 bf16]
         [--backend nixl|shm] [--reps 5] [--contiguous-reps 21] [--case-timeout 240]
-        [--tables contiguous nhd checksum] [--nixl-progress-delay-us US]
+        [--tables contiguous nhd checksum] [--nixl-progress-delay-us US] [--device cpu|cuda]
 
 KV of SmolLM2-135M's shape (30 layers, 3 KV heads, head_dim 64, 16 tokens per block). Every case
 runs in two fresh spawned processes: a context instance (tp1) and a generation instance, started and
@@ -29,6 +29,9 @@ Table 3 (tp1 -> tp1, HND contiguous, and tp1 -> tp3 NHD), checksum off vs on (in
   same transfer with a CRC32 per block digested on ctx and checked on gen, reps alternating off / on;
   the checksum stage seconds are summed over both sides.
 The load average is printed with each table: absolute figures on a shared machine are noisy.
+--device cuda puts every pool in GPU memory (VRAM -> VRAM over NIXL, both processes on device 0);
+the copy column is then a device-to-device torch copy. Bounce and checksum stage host memory, so
+with cuda only the direct cases run.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import time
 import numpy as np
 
 from pdserve.kv_transfer.agents import make_agent
+from pdserve.kv_transfer.agents.base import MemoryRegion
 from pdserve.kv_transfer.agents.shm import allocate_shared
 from pdserve.kv_transfer.bounce import BounceConfig
 from pdserve.kv_transfer.page_table import MapperKind, page_table_for_block_major_pool
@@ -65,14 +69,38 @@ def load() -> str:
     return "load %.1f %.1f %.1f" % os.getloadavg()
 
 
+class DevicePool:
+    """A pool in GPU memory with the face of a SharedBuffer that build() and ctx_main use."""
+
+    def __init__(self, nbytes: int) -> None:
+        import torch
+
+        self.tensor = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+        self.ptr, self.nbytes = self.tensor.data_ptr(), nbytes
+        self.region = MemoryRegion(self.ptr, nbytes, device_id=self.tensor.device.index or 0)
+
+    def fill_random(self) -> None:
+        import torch
+
+        self.tensor.copy_(torch.randint(0, 255, (self.nbytes,), dtype=torch.uint8, device="cuda"))
+        torch.cuda.synchronize()
+
+
+def make_pool(nbytes: int, device: str):
+    if device == "cuda":
+        return DevicePool(nbytes)
+    pool = allocate_shared(nbytes)
+    pool.numpy()[:] = 0  # fault the pages in now, not inside the first timed write
+    return pool
+
+
 def build(name: str, tp: int, blocks: int, elt: int, layout: str, backend: str, bounce, checksum: bool = False,
-          nixl_delay: int | None = None) -> list:
+          nixl_delay: int | None = None, device: str = "cpu") -> list:
     """One instance in this process: [(transceiver, pool)] per TP rank, pools pre-touched."""
     ranks, infos = [], []
     heads = max(1, HEADS // tp)
     for tp_rank in range(tp):
-        pool = allocate_shared(blocks * LAYERS * 2 * heads * TPB * HEAD_DIM * elt)
-        pool.numpy()[:] = 0  # fault the pages in now, not inside the first timed write
+        pool = make_pool(blocks * LAYERS * 2 * heads * TPB * HEAD_DIM * elt, device)
         agent = make_agent(backend, f"bench-{name}-{tp_rank}-{os.getpid()}", nixl_progress_delay_us=nixl_delay)
         agent.register_memory(pool.region)
         tx = KVTransceiver(agent, TransceiverConfig(kv_transfer_timeout_ms=600_000, bounce=bounce, checksum=checksum))
@@ -91,9 +119,12 @@ def ctx_main(case: dict, inbox, outbox) -> None:
     stage seconds); ("raw", gen RankInfo bytes list) -> ("raw", seconds); None -> exit."""
     blocks = -(-case["tokens"] // TPB)
     ranks, infos = build("ctx", 1, blocks, case["elt"], case["layout"], case["backend"], case["bounce"],
-                         case.get("checksum", False), case.get("nixl_delay"))
+                         case.get("checksum", False), case.get("nixl_delay"), case.get("device", "cpu"))
     tx, pool = ranks[0]
-    pool.numpy()[:] = np.random.default_rng(0).integers(0, 255, pool.nbytes, dtype=np.uint8)
+    if isinstance(pool, DevicePool):
+        pool.fill_random()
+    else:
+        pool.numpy()[:] = np.random.default_rng(0).integers(0, 255, pool.nbytes, dtype=np.uint8)
     outbox.put(tx.endpoint)
     while True:
         cmd = inbox.get(timeout=_STEP_S)
@@ -138,7 +169,7 @@ def gen_main(case: dict, results) -> None:
     try:
         blocks = -(-case["tokens"] // TPB)
         gen, infos = build("gen", case["gen_tp"], blocks, case["elt"], case["layout"], case["backend"], case["bounce"],
-                           case.get("checksum", False), case.get("nixl_delay"))
+                           case.get("checksum", False), case.get("nixl_delay"), case.get("device", "cpu"))
         endpoint = outbox.get(timeout=_STEP_S)
         seen = {"scatter": 0.0, "checksum": 0.0}  # gen-side stage seconds attributed to earlier requests
 
@@ -251,15 +282,18 @@ def run_case(case: dict, timeout_s: float) -> dict:
     return out
 
 
-def torch_copy_s(nbytes: int, reps: int) -> float:
+def torch_copy_s(nbytes: int, reps: int, device: str = "cpu") -> float:
     import torch
 
-    src = torch.ones(nbytes, dtype=torch.uint8)
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.zeros_like(src)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times = []
     for _ in range(reps + 1):
+        sync()
         t0 = time.perf_counter()
         dst.copy_(src)
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 
@@ -280,12 +314,12 @@ def contiguous_table(args) -> None:
         for tokens in args.tokens:
             nbytes = kv_bytes(tokens, DTYPES[dtype])
             case = {"tokens": tokens, "elt": DTYPES[dtype], "layout": "HND", "gen_tp": 1, "backend": args.backend,
-                    "nixl_delay": args.nixl_progress_delay_us,
+                    "nixl_delay": args.nixl_progress_delay_us, "device": args.device,
                     "bounce": None, "reps": args.contiguous_reps, "raw": True, "warm_full": True}
             r = run_case(case, args.case_timeout)
             ours, raw = _median(r["ours"]), _median(r["raw"])
             descs = f"{r['stats'].get('fragments_written', 0)}/{r['frags_raw']}"  # ours/raw, per request
-            copy = torch_copy_s(nbytes, args.reps)
+            copy = torch_copy_s(nbytes, args.reps, args.device)
             bw = lambda s: None if s is None else nbytes / s / 1e9  # noqa: E731
             ratio = None if ours is None or raw is None else raw / ours
             best = None if ours is None or raw is None else min(r["raw"]) / min(r["ours"])
@@ -305,13 +339,13 @@ def nhd_table(args) -> None:
         for tokens in args.tokens:
             nbytes = kv_bytes(tokens, DTYPES[dtype])
             rows = {}
-            for mode in ("direct", "bounce"):
+            for mode in ("direct",) if args.device == "cuda" else ("direct", "bounce"):
                 bounce = BounceConfig(staging_bytes=3 * nbytes) if mode == "bounce" else None
                 case = {"tokens": tokens, "elt": DTYPES[dtype], "layout": "NHD", "gen_tp": 3, "backend": args.backend,
-                        "nixl_delay": args.nixl_progress_delay_us,
+                        "nixl_delay": args.nixl_progress_delay_us, "device": args.device,
                         "bounce": bounce, "reps": args.reps, "raw": False, "warm_full": mode == "bounce"}
                 rows[mode] = run_case(case, args.case_timeout)
-            direct, bounced = (_median(rows[m]["ours"]) for m in ("direct", "bounce"))
+            direct, bounced = (_median(rows[m]["ours"]) if m in rows else None for m in ("direct", "bounce"))
             for mode, r in rows.items():
                 stats = r["stats"]
                 writes = stats.get("direct_writes", 0) + stats.get("bounced_writes", 0)
@@ -361,9 +395,13 @@ def main() -> None:
     parser.add_argument("--case-timeout", type=float, default=240.0,
                         help="seconds per case (processes started, warm-up, reps); past half of it no new rep starts")
     parser.add_argument("--tables", nargs="+", default=["contiguous", "nhd"], choices=["contiguous", "nhd", "checksum"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where the KV pools live (cuda: VRAM -> VRAM; needs --backend nixl, no checksum table)")
     args = parser.parse_args()
-    print(f"backend={args.backend}  SmolLM2 KV: {LAYERS} layers x {HEADS} KV heads x head_dim {HEAD_DIM}, "
-          f"{TPB} tokens/block, medians, {os.cpu_count()} CPUs\n")
+    if args.device == "cuda" and (args.backend != "nixl" or "checksum" in args.tables):
+        parser.error("--device cuda moves VRAM with NIXL only and has no checksum table (CRC32 reads host memory)")
+    print(f"backend={args.backend}  device={args.device}  SmolLM2 KV: {LAYERS} layers x {HEADS} KV heads x "
+          f"head_dim {HEAD_DIM}, {TPB} tokens/block, medians, {os.cpu_count()} CPUs\n")
     if "contiguous" in args.tables:
         contiguous_table(args)
     if "nhd" in args.tables:
