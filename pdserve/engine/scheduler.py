@@ -72,6 +72,25 @@ class ScheduledSeq:
         self.start = self.seq.num_computed_tokens
         self.samples = self.start + self.num_new_tokens == self.seq.num_tokens
 
+    @property
+    def prefills(self) -> bool:
+        """Computes prompt tokens (a chunk, or a whole prompt), not one decode token."""
+        return self.num_new_tokens > 1 or self.seq.num_tokens - self.start > 1
+
+
+def sliver_waits(rest: int, max_num_tokens: int, step_prefills: bool) -> bool:
+    """Should a new prompt wait rather than take a chunk that leaves it `rest` tokens? Yes when `rest` is
+    under an eighth of the budget and the step already prefills another prompt: the prompt then heads
+    the next step whole.
+
+    Its first token comes from the next step either way, but the chunk would lengthen this one, and with
+    it the first token of every prompt that finishes here. It happens whenever prompts sum to about the
+    budget: two 256-token prompts in a 512-token step beside one decode row got 256 and 255 tokens, and
+    the second waited a whole further step for its last token. A step that prefills no other prompt
+    takes the chunk, so every prompt gets under way. The planner's simulator (plan/simulate.py) applies
+    the same rule."""
+    return step_prefills and rest < max_num_tokens // 8
+
 
 def _pinned(seq: Sequence) -> bool:
     """A pipelined context_only prefill: its finished blocks are offered to a peer as it goes."""
@@ -187,7 +206,8 @@ class Scheduler:
             cached = self.blocks.match_prefix(hashes)
             num_cached = len(cached) * tpb
             n = min(seq.num_tokens - num_cached, budget)
-            if n < seq.num_tokens - num_cached and not self.chunked_prefill:
+            if n < seq.num_tokens - num_cached and (not self.chunked_prefill or sliver_waits(
+                    seq.num_tokens - num_cached - n, self.max_num_tokens, any(b.prefills for b in out))):
                 break
             # A pipelined prefill holds its whole prompt's blocks from the start: it is never preempted
             # (its blocks may be mid-transfer) and so must never need to grow.

@@ -2,7 +2,8 @@
 
 An instance runs the engine's schedule (scheduler.py): each step, every running sequence in
 admission order takes its next tokens (a decode token, or the next prefill chunk) while the step's
-token budget (max_num_tokens) lasts, then waiting requests are admitted into what is left. The step
+token budget (max_num_tokens) lasts, then waiting requests are admitted into what is left (a prompt
+that would be left a sliver waits, scheduler.sliver_waits). The step
 takes StepCost.step seconds; a sequence whose prompt is complete gets its first token at the end of
 that step, a decoding one its next token.
 
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdserve.bench.arrivals import arrival_offsets
+from pdserve.engine.scheduler import sliver_waits
 from pdserve.engine.step_budget import MARGIN, prefill_allowance
 from pdserve.plan.costmodel import StepCost, TransferCost
 
@@ -123,6 +125,9 @@ def run_instance(spec: InstanceSpec, ready: np.ndarray, prompt: int, outputs: in
             work.append((seq, k))
             budget -= k
         while waiting and budget > 0 and prefill > 0 and len(running) < spec.max_num_seqs:
+            k = min(prompt - computed, budget, prefill)
+            if 0 < prompt - computed - k and sliver_waits(prompt - computed - k, budget_max, bool(chunks)):
+                break  # it heads the next step whole (the engine's rule)
             req = waiting.popleft()
             seq = [req, computed, 1 if computed >= prompt else 0]
             running.append(seq)
@@ -133,7 +138,6 @@ def run_instance(spec: InstanceSpec, ready: np.ndarray, prompt: int, outputs: in
                     running.remove(seq)
                     done += 1
                 continue
-            k = min(prompt - computed, budget, prefill)
             prefill -= k
             chunks.append((k, computed))
             work.append((seq, k))

@@ -24,6 +24,11 @@ def _seq(rid: str, n: int, max_tokens: int = 8, rtype=RequestType.CONTEXT_AND_GE
     return Sequence(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, **params), rtype, disagg=disagg)
 
 
+def _distinct(rid: str, n: int, first: int) -> Sequence:
+    """A prompt that shares no prefix with _seq's."""
+    return Sequence(rid, list(range(first, first + n)), SamplingParams(max_tokens=8))
+
+
 def _tokens(*ids: int) -> SampleResult:
     """What the sampler returns: one row per sequence of the batch that samples."""
     return SampleResult(list(ids), [None] * len(ids), [None] * len(ids))
@@ -92,6 +97,31 @@ def test_chunked_prefill_takes_the_token_budget_and_samples_on_the_last_chunk():
         s.postprocess(batch, _tokens(*[7 for b in batch if b.samples]))
     assert views == [("a", 4, 0, False), ("a", 4, 4, False), ("a", 2, 8, True)]
     assert a.output_token_ids == [7] and len(a.block_ids) == 3
+
+
+def test_a_prompt_that_would_leave_a_sliver_waits_for_the_next_step_rather_than_lengthen_this_one():
+    """Two 256-token prompts in a 512-token step beside a decode row: the second would get 255 tokens and
+    wait a whole further step for its last one. It waits instead, and heads the next step whole."""
+    s = _sched(num_blocks=200, max_num_tokens=512)
+    d, a, b = _seq("d", 4, max_tokens=30), _distinct("a", 256, 1000), _distinct("b", 256, 2000)
+    s.add(d)
+    s.postprocess(s.schedule(), _tokens(7))  # d decodes from now on
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()
+    assert _view(batch) == [("d", 1, 4, True), ("a", 256, 0, True)] and b.state is W
+    s.postprocess(batch, _tokens(7, 7))
+    assert _view(s.schedule()) == [("d", 1, 5, True), ("a", 1, 256, True), ("b", 256, 0, True)]
+
+
+def test_a_prompt_alone_beside_decode_rows_is_still_chunked_to_the_budget():
+    """The same sliver with no other prompt in the step: the chunk runs (else it could wait forever)."""
+    s = _sched(num_blocks=40, max_num_tokens=64)
+    d, a = _seq("d", 4, max_tokens=30), _distinct("a", 66, 1000)
+    s.add(d)
+    s.postprocess(s.schedule(), _tokens(7))
+    s.add(a)
+    assert _view(s.schedule()) == [("d", 1, 4, True), ("a", 63, 0, False)]
 
 
 def test_without_chunked_prefill_a_prompt_over_the_budget_waits():

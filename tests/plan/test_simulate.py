@@ -93,7 +93,8 @@ def scheduler_times(cost: StepCost, arrivals: np.ndarray, prompt: int, outputs: 
     return first, last
 
 
-@pytest.mark.parametrize("prompt,outputs,budget,rate", [(300, 8, 128, 2.0), (100, 16, 1024, 5.0), (600, 4, 256, 0.5)])
+@pytest.mark.parametrize("prompt,outputs,budget,rate", [(300, 8, 128, 2.0), (100, 16, 1024, 5.0), (600, 4, 256, 0.5),
+                                                        (256, 32, 512, 1.5)])  # the last leaves slivers
 def test_an_instance_steps_as_the_engines_scheduler_does(cost, prompt, outputs, budget, rate):
     arrivals = Workload(prompt, outputs, 40, seed=3).arrivals(rate)
     want_first, want_last = scheduler_times(cost, arrivals, prompt, outputs, budget)
