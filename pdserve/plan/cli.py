@@ -43,7 +43,7 @@ from pdserve.plan.planner import (
     rank,
     search_goodput,
 )
-from pdserve.plan.profile import Profile, describe, load_or_measure
+from pdserve.plan.profile import Profile, default_backend, describe, load_or_measure
 from pdserve.plan.simulate import Outcome, Workload, simulate
 
 SCHEMA = "pdserve.plan/1"
@@ -58,7 +58,8 @@ def add_plan_arguments(p: argparse.ArgumentParser, *, slo_required: bool) -> Non
                                                              "(default: the pick's goodput)")
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--backend", default="shm", choices=["shm", "nixl"], help="KV transfer backend (default shm)")
+    p.add_argument("--backend", default=None, choices=["shm", "nixl"],
+                   help="KV transfer backend (default: shm on CPU; nixl on CUDA, whose pools shm cannot move)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="what instances compute on: auto takes CUDA when a GPU is visible (a unit is then a GPU)")
     p.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet the SLO")
@@ -113,12 +114,13 @@ def plan(args: argparse.Namespace, slo: PlanSLO, profile: Profile) -> tuple[list
                          f"context window ({max_len} tokens)")
     costs, transfers = step_costs(profile), transfer_costs(profile)
     transfer = transfers.get(args.backend)
-    if transfer is None:
+    candidates = enumerate_candidates(profile.units, int(profile.key["units"]), args.input_len, slo.tpot_ms)
+    if transfer is None and any(c.kind == "disaggregated" for c in candidates):
         raise ValueError(f"the profile has no {args.backend} transfer timings (is it installed?); "
                          f"measured: {', '.join(transfers) or 'none'}")
     wl = Workload(args.input_len, args.output_len, getattr(args, "num_requests", 200), getattr(args, "seed", 0))
     preds = []
-    for cand in enumerate_candidates(profile.units, int(profile.key["units"]), args.input_len, slo.tpot_ms):
+    for cand in candidates:
         dep = cand.deployment(costs, transfer, profile.kv_bytes_per_token, profile.serving)
         good, points = search_goodput(dep, wl, slo, capacity(dep, wl), args.attainment, getattr(args, "rates", None))
         preds.append(Prediction(cand, good, points))
@@ -178,7 +180,7 @@ def predicted_grid(args: argparse.Namespace, profile: Profile, preds: list[Predi
     """Each candidate's goodput at every (TTFT, TPOT) pair, scored at exactly --rates (as bench grid)."""
     from pdserve.bench.sweep import distserve_goodput
 
-    costs, transfer = step_costs(profile), transfer_costs(profile)[args.backend]
+    costs, transfer = step_costs(profile), transfer_costs(profile).get(args.backend)
     wl = Workload(args.input_len, args.output_len, args.num_requests, args.seed)
     outcomes = {}
     for p in preds:
@@ -243,6 +245,9 @@ def run_plan(args: argparse.Namespace) -> tuple[list[Prediction], PlanSLO, Profi
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and args.backend == "shm":
+        raise ValueError("--backend shm moves host memory only; on CUDA the KV pools are in VRAM: use --backend nixl")
+    args.backend = args.backend or default_backend(device)
     profile, path, fresh = load_or_measure(args.model, args.dtype, device, refresh=args.reprofile)
     print(describe(profile) + f"\n  ({'measured now' if fresh else 'cached'}: {path})\n", flush=True)
     if getattr(args, "ctx_layout", None) or getattr(args, "gen_layout", None):

@@ -9,7 +9,8 @@ cores, the real engine's forward step (ModelRunner.step, the very call serving m
   sequence's KV, so it grows with the context).
 
 The KV cache holds whatever the pool holds: attention costs the same for any values. Then, for each
-transfer backend installed (shm; nixl when nixl_cu12 / nixl_cu13 imports), one write of N bytes from
+transfer backend installed that can move the device's memory (on CPU: shm, and nixl when nixl_cu12 /
+nixl_cu13 imports; on CUDA: nixl, VRAM to VRAM, as the instances' pools are), one write of N bytes from
 one agent's registered memory into another's, one block per fragment, timed until the initiator sees
 it done.
 
@@ -33,6 +34,7 @@ from datetime import UTC
 from pathlib import Path
 from typing import Any
 
+from pdserve.kv_transfer.agents.base import MemoryRegion
 from pdserve.plan.measurements import Profile, StepTimings
 from pdserve.weights.resolve import CACHE_ENV
 
@@ -42,8 +44,9 @@ DECODE_CONTEXTS = (128, 1024)
 # 2: the serving probe after two fixes that cut what serving adds to a step (the engine built on its own
 # thread; the shm pool faulted in at start-up). 3: the probe measures the cost of each decode row too.
 # 4: the engine decodes several rows in one native step (cheaper decode batches), and the probe measures
-# each larger instance size behind the orchestrator.
-MEASURES = 4
+# each larger instance size behind the orchestrator. 5: on CUDA the KV writes are timed VRAM to VRAM (nixl), not
+# in host memory.
+MEASURES = 5
 CHUNK = (512, 1536)  # (chunk tokens, offset): one prefill chunk after 1536 cached tokens
 TRANSFER_MB = (1, 4, 16, 64)
 KV_POOL_CAP_BYTES = 3 << 30  # decode points whose KV would not fit are left out
@@ -135,7 +138,7 @@ def measure(model_dir: Path, dtype: str, device: str, key: dict[str, Any], *, pr
     steps = {}
     for n in units:
         steps[n] = StepTimings.from_dict(_in_child(_step_timings, str(model_dir), dtype, device, n, grid, progress))
-    transfer = _in_child(_transfer_timings, model["kv_bytes_per_token"], grid["transfer_mb"], progress)
+    transfer = _in_child(_transfer_timings, model["kv_bytes_per_token"], grid["transfer_mb"], progress, device)
     profile = Profile(key, model, steps, {b: [tuple(p) for p in pts] for b, pts in transfer.items()})
     if device == "cpu" and 1 in steps and len(usable_cores()) >= 2:
         from pdserve.plan.serving_probe import measure_serving
@@ -260,18 +263,51 @@ def nixl_installed() -> bool:
     return any(importlib.util.find_spec(m) is not None for m in ("nixl_cu12", "nixl_cu13"))
 
 
-def _transfer_timings(kv_bytes_per_token: int, sizes_mb: list[int], progress: bool) -> dict[str, list]:
-    """Per backend, [(bytes, s)]: one write of a request's KV, one block (32 tokens) per fragment."""
+def transfer_backends(device: str) -> list[str]:
+    """The backends whose writes the profile times on `device`: shm moves host memory only, so on CUDA
+    (the instances' KV pools in VRAM) only nixl can."""
+    if device == "cuda":
+        return ["nixl"] if nixl_installed() else []
+    return ["shm"] + (["nixl"] if nixl_installed() else [])
+
+
+def default_backend(device: str) -> str:
+    """`pdserve plan`'s --backend when none is named: what the device's pools can be moved with."""
+    return "nixl" if device == "cuda" else "shm"
+
+
+class _Pool:
+    """A registered buffer for the transfer timings: host shared memory, or VRAM on CUDA."""
+
+    def __init__(self, nbytes: int, device: str, fill: int):
+        if device == "cuda":
+            import torch
+
+            self._tensor = torch.full((nbytes,), fill, dtype=torch.uint8, device="cuda")
+            torch.cuda.synchronize()
+            self.ptr = self._tensor.data_ptr()
+            self.region = MemoryRegion(self.ptr, nbytes, device_id=self._tensor.device.index or 0)
+        else:
+            from pdserve.kv_transfer.agents.shm import allocate_shared
+
+            self._buffer = allocate_shared(nbytes)
+            self._buffer.numpy()[:] = fill  # the pages faulted in now, not inside the first timed write
+            self.ptr, self.region = self._buffer.ptr, self._buffer.region
+
+
+def _transfer_timings(kv_bytes_per_token: int, sizes_mb: list[int], progress: bool,
+                      device: str = "cpu") -> dict[str, list]:
+    """Per backend, [(bytes, s)]: one write of a request's KV, one block (32 tokens) per fragment, between
+    two pools in the device's memory."""
     import logging
 
     import numpy as np
     from tqdm.auto import tqdm
 
     from pdserve.kv_transfer.agents import TransferState, make_agent
-    from pdserve.kv_transfer.agents.shm import allocate_shared
 
     logging.disable(logging.WARNING)
-    backends = ["shm"] + (["nixl"] if nixl_installed() else [])
+    backends = transfer_backends(device)
     frag = kv_bytes_per_token * 32
     largest = max(sizes_mb) << 20
     out: dict[str, list] = {}
@@ -279,9 +315,7 @@ def _transfer_timings(kv_bytes_per_token: int, sizes_mb: list[int], progress: bo
     for backend in backends:
         src_agent = make_agent(backend, f"plan-src-{os.getpid()}")
         dst_agent = make_agent(backend, f"plan-dst-{os.getpid()}")
-        src, dst = allocate_shared(largest + frag), allocate_shared(largest + frag)
-        src.numpy()[:] = 1
-        dst.numpy()[:] = 0
+        src, dst = _Pool(largest + frag, device, 1), _Pool(largest + frag, device, 0)
         src_agent.register_memory(src.region)
         dst_agent.register_memory(dst.region)
         peer = src_agent.load_remote(dst_agent.local_descriptor())
@@ -323,7 +357,11 @@ def describe(profile: Profile) -> str:
                      f"{1000 * t.prefill[longest]:.0f} ms{decode}")
     for backend, pts in profile.transfer.items():
         n, s = pts[-1]
-        lines.append(f"  KV transfer {backend}: {n / 2**20:.0f} MiB in {1000 * s:.1f} ms ({n / s / 1e9:.1f} GB/s)")
+        where = "VRAM to VRAM" if k["device"] == "cuda" else "host memory"
+        lines.append(f"  KV transfer {backend} ({where}): {n / 2**20:.0f} MiB in {1000 * s:.1f} ms "
+                     f"({n / s / 1e9:.1f} GB/s)")
+    if not profile.transfer:
+        lines.append("  KV transfer: not measured (on CUDA only nixl moves VRAM; install nixl-cu12 or nixl-cu13)")
     return "\n".join(lines)
 
 

@@ -86,11 +86,40 @@ def test_the_pick_is_a_cluster_yaml_launch_accepts(planned):
     (["--slo", "ttft:100,tpot:10", "--input-len", "4000"], "exceeds the model's context window"),
     (["--slo", "ttft:100,tpot:10", "--rate", "nan"], "positive number"),
     (["--slo", "ttft:100,tpot:10", "--ctx-layout", "tp3"], "one must divide the other"),
+    (["--slo", "ttft:100,tpot:10", "--device", "cuda", "--backend", "shm"], "use --backend nixl"),
 ])
 def test_a_bad_request_is_a_clear_error(tiny, planned, tmp_path, capsys, argv, error):
     assert main(["plan", "--model", tiny, "--out", str(tmp_path / "c.yaml"), *argv]) == 2
     assert error in capsys.readouterr().err
     assert not (tmp_path / "c.yaml").exists(), "a failed plan wrote a cluster.yaml"
+
+
+def test_a_plan_whose_candidates_move_no_kv_needs_no_transfer_timings(tiny, planned):
+    # One unit (a single GPU, or one core) has no disaggregated candidate: a profile without the backend's
+    # timings (CUDA without nixl) still plans. Before, every plan failed on the missing timings.
+    from argparse import Namespace
+
+    from pdserve.plan.cli import plan
+    from pdserve.plan.planner import PlanSLO
+
+    profile, _, _ = load_or_measure(tiny, progress=False)
+    one = Profile.from_dict(json.loads(json.dumps(profile.to_dict())))
+    one.steps = {1: one.steps[1]}
+    one.key = dict(one.key, units=1)
+    one.transfer = {}
+    args = Namespace(input_len=256, output_len=16, backend="nixl", attainment=0.9, rate=None, rates=[1, 4])
+    preds, _ = plan(args, PlanSLO(2000, 200), one)
+    assert preds and all(p.candidate.kind == "aggregated" for p in preds)
+    with pytest.raises(ValueError, match="no nixl transfer timings"):
+        plan(args, PlanSLO(2000, 200), Profile.from_dict(dict(profile.to_dict(), transfer={})))
+
+
+def test_the_transfer_timings_are_of_the_memory_the_device_pools_are_in():
+    from pdserve.plan.profile import default_backend, transfer_backends
+
+    assert "shm" not in transfer_backends("cuda"), "shm moves host memory: on CUDA it times the wrong memory"
+    assert transfer_backends("cpu")[0] == "shm"
+    assert (default_backend("cpu"), default_backend("cuda")) == ("shm", "nixl")
 
 
 def test_launch_refuses_an_slo_nothing_here_meets(tiny, planned, capsys):

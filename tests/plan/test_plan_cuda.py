@@ -22,6 +22,12 @@ def test_a_gpu_profile_and_plan(tmp_path, monkeypatch):
     assert fresh and profile.key["device"] == "cuda" and profile.units == [1]
     t = profile.steps[1]
     assert all(s > 0 for s in t.prefill.values()) and all(s > 0 for s in t.decode.values())
+    from pdserve.plan.profile import describe, nixl_installed
+
+    # The KV writes are timed between two VRAM pools (nixl), as the instances' pools are; shm moves host memory only.
+    assert sorted(profile.transfer) == (["nixl"] if nixl_installed() else [])
+    assert ("VRAM to VRAM" if nixl_installed() else "not measured") in describe(profile)
+    print(describe(profile))
     print(f"\nGPU profile {profile.key['machine']}: " + ", ".join(
         f"prefill {n} {1000 * s:.2f} ms" for n, s in sorted(t.prefill.items())))
     out = tmp_path / "cluster.yaml"
