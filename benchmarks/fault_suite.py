@@ -46,7 +46,8 @@ class Proc:
     def __init__(self, args: list[str], log: Path):
         self.log_path = log
         self._log = open(log, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "--log-level", os.environ.get("PDSERVE_LOG_LEVEL", "WARNING"), *args],
+        level = os.environ.get("PDSERVE_LOG_LEVEL", "WARNING")
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "--log-level", level, *args],
                                      stdout=self._log, stderr=subprocess.STDOUT)
 
     def kill(self, sig=signal.SIGKILL) -> None:

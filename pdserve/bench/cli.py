@@ -29,7 +29,8 @@ def build_parser(prog: str = "pdserve bench") -> argparse.ArgumentParser:
     p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
     p.add_argument("--engine-metrics", nargs="+", default=None, metavar="URL",
                    help="pdserve instances whose engine steps the run records (default: --base-url); behind "
-                        "pdserve's orchestrator, its instances' roots, e.g. http://127.0.0.1:8001 http://127.0.0.1:8002")
+                        "pdserve's orchestrator, its instances' roots, e.g. http://127.0.0.1:8001 "
+                        "http://127.0.0.1:8002")
     p.add_argument("--request-rate", type=parse_rate, default=math.inf,
                    help="Poisson arrivals at this many req/s; inf (default) sends all at once")
     add_workload_arguments(p)

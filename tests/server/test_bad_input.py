@@ -133,8 +133,9 @@ CASES = [
      ["nests too deeply"], None),
     ("empty-body", COMPLETIONS, b"", 400, ["the request body is empty"], None),
     ("opaque-state-not-from-a-context-worker", COMPLETIONS,
-     completion(disaggregated_params={"request_type": "generation_only", "disagg_request_id": 5, "first_gen_tokens": [7],
-                                      "ctx_info_endpoint": "tcp://127.0.0.1:9", "opaque_state": "not base64!"}),
+     completion(disaggregated_params={"request_type": "generation_only", "disagg_request_id": 5,
+                                      "first_gen_tokens": [7], "ctx_info_endpoint": "tcp://127.0.0.1:9",
+                                      "opaque_state": "not base64!"}),
      400, ["opaque_state is not what a pdserve context worker sent"], "disaggregated_params.opaque_state"),
 ]
 
