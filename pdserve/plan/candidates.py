@@ -73,8 +73,14 @@ class Candidate:
             gen_extra = {"step_extra_s": max(0.0, probe["itl_s"] - row), "row_extra_s": row}
             timing = {"request_extra_s": probe["ttft_s"], "hop_s": 0.0}
         if self.kind == "aggregated":
-            # The probe's prefill slope is taken as slower prefill steps: on the instance's own time.
-            factor = {"prefill_factor": probe.get("prefill_factor", 1.0)} if probe else {}
+            # Served prefill steps as the engine's own timer measured them (serving_probe.py), the rest of the
+            # TTFT outside them; from a probe without it, the TTFT's slope is taken as slower prefill steps.
+            factor = {}
+            if probe and "step_factor" in probe:
+                factor = {"prefill_factor": probe["step_factor"]}
+                timing["request_extra_s"] = probe["step_ttft_s"]
+            elif probe:
+                factor = {"prefill_factor": probe.get("prefill_factor", 1.0)}
             inst = InstanceSpec(costs[g.units], g.max_num_tokens, **gen_extra, **factor, tpot_slo_ms=g.tpot_slo_ms)
             return Deployment("aggregated", [inst] * g.count, **timing)
         # Disaggregated, the slope through the orchestrator is latency outside the context instance's steps:

@@ -45,8 +45,8 @@ DECODE_CONTEXTS = (128, 1024)
 # thread; the shm pool faulted in at start-up). 3: the probe measures the cost of each decode row too.
 # 4: the engine decodes several rows in one native step (cheaper decode batches), and the probe measures
 # each larger instance size behind the orchestrator. 5: on CUDA the KV writes are timed VRAM to VRAM (nixl), not
-# in host memory.
-MEASURES = 5
+# in host memory. 6: the probe reads the engine's own prefill step times (step_factor).
+MEASURES = 6
 CHUNK = (512, 1536)  # (chunk tokens, offset): one prefill chunk after 1536 cached tokens
 TRANSFER_MB = (1, 4, 16, 64)
 KV_POOL_CAP_BYTES = 3 << 30  # decode points whose KV would not fit are left out

@@ -21,6 +21,14 @@ prefill_factor x prefill(n): a server's prefill runs slower than the profile's b
 one core), and the median of (inter-token latency - the profile's decode step) is the extra time of
 each decode step (itl_s).
 
+A line through two medians of three requests cannot tell slower steps from a longer wait outside them,
+and the two differ under load: only the steps queue the requests behind them. So the probe also reads
+the prefilling engine's own step timer (its /metrics, as `pdserve bench` does): step_factor is the
+served prefill step over the bare one, and step_ttft_s the rest of the TTFT. An aggregated candidate is
+simulated with these. They were added when the line's slope came out at 0.83 (bf16, two threads: 148 ms
+at 128 tokens, 350 ms at 512) while the served steps ran at 1.04-1.2x the bare ones, and the plan
+over-predicted aggregated goodput up to 2.7x (docs/benchmarks.md, "pdserve plan against measurement").
+
 Then ROWS requests of a short prompt are sent at once and decode together: every token streamed costs
 the server, the orchestrator and the client some CPU, and on a small machine that is taken from the
 forward steps. The median of (inter-token latency - the profile's decode step of ROWS sequences) less
@@ -64,7 +72,7 @@ def measure_serving(model_dir: Path, dtype: str, profile, prompt_lens: list[int]
     split = dict(common, port=ports[0], context=[{"port": ports[1], "cpus": [0], "config": inst}],
                  generation=[{"port": ports[2], "cpus": [1], "config": inst}])
     out = _probe_cluster(split, profile, vocab, transfer, prompt_lens, progress,
-                         [("aggregated", ports[2], 1), ("disaggregated", ports[0], 1)])
+                         [("aggregated", ports[2], ports[2], 1), ("disaggregated", ports[0], ports[1], 1)])
     # A bigger instance is its own case: its threads share the cores with the HTTP server's, the tokenizer's
     # and the orchestrator's, which a one-thread instance on its own core (and the orchestrator off it) does
     # not. Measured behind the orchestrator, as `pdserve launch` deploys an aggregated pick.
@@ -73,14 +81,14 @@ def measure_serving(model_dir: Path, dtype: str, profile, prompt_lens: list[int]
         alone = dict(common, port=ports[0], context=[], generation=[
             {"port": ports[1], "cpus": list(range(units)), "config": {"num_threads": units, "dtype": dtype, **pool}}])
         out |= _probe_cluster(alone, profile, vocab, transfer, prompt_lens, progress,
-                              [(f"aggregated@{units}", ports[0], units)])
+                              [(f"aggregated@{units}", ports[0], ports[1], units)])
     return out
 
 
 def _probe_cluster(doc: dict, profile, vocab: int, transfer: TransferCost, prompt_lens: list[int], progress: bool,
                    paths: list[tuple[str, int, int]]) -> dict:
     """Starts the cluster `doc` describes (`pdserve launch`'s fields; its logs in a temporary directory) and
-    probes each (name, port, threads) path of it."""
+    probes each (name, port, port of the instance that prefills, threads) path of it."""
     from pdserve.launch import Cluster, ClusterConfig
 
     out = {}
@@ -90,8 +98,9 @@ def _probe_cluster(doc: dict, profile, vocab: int, transfer: TransferCost, promp
             cluster.start()
             gen_port = doc["generation"][0]["port"]
             name = httpx.get(f"http://127.0.0.1:{gen_port}/v1/models", timeout=10).json()["data"][0]["id"]
-            for k, (kind, port, units) in enumerate(paths):
-                ep = EndpointConfig(f"http://127.0.0.1:{port}", name, request_timeout_s=120.0)
+            for k, (kind, port, engine_port, units) in enumerate(paths):
+                ep = EndpointConfig(f"http://127.0.0.1:{port}", name, request_timeout_s=120.0,
+                                    engine_metrics=(f"http://127.0.0.1:{engine_port}",))
                 moves_kv = kind == "disaggregated"
                 out[kind] = _probe_path(ep, vocab, StepCost(profile.steps[units]), transfer,
                                         profile.kv_bytes_per_token if moves_kv else 0, prompt_lens, seed=100 * k,
@@ -100,7 +109,8 @@ def _probe_cluster(doc: dict, profile, vocab: int, transfer: TransferCost, promp
                     print(f"serving probe, {kind}: prefill x{out[kind]['prefill_factor']:.2f} "
                           f"+{1000 * out[kind]['ttft_s']:.0f} ms per request, "
                           f"+{1000 * out[kind]['itl_s']:.1f} ms per decode step "
-                          f"+{1000 * out[kind]['itl_row_s']:.2f} ms per decode row", flush=True)
+                          f"+{1000 * out[kind]['itl_row_s']:.2f} ms per decode row; its engine's prefill "
+                          f"steps x{out[kind].get('step_factor', float('nan')):.2f}", flush=True)
             return out
         finally:
             cluster.stop()
@@ -111,12 +121,18 @@ def _probe_path(ep, vocab: int, cost: StepCost, transfer: TransferCost, kv_bytes
     """One path's figures: TTFT at each prompt length (less the KV transfer, when kv_bytes_per_token), the extra
     time of a decode step, and of each decode row when ROWS requests decode together."""
     ttft: dict[int, float] = {}
+    step: dict[int, float] = {}  # the prefilling engine's own mean prefill step, by prompt length
     itl_extra: list[float] = []
     for n in prompt_lens:
-        # the first request warms the path up (and runs the KV canary)
-        done = _requests(ep, vocab, n, REPEATS + 1, seed=seed + n, concurrency=1, what=f"{what}, {n} tokens")[1:]
+        # one request first warms the path up (and runs the KV canary)
+        _requests(ep, vocab, n, 1, seed=seed + n + 1000, concurrency=1, what=f"{what}, {n} tokens, warm-up")
+        done, steps = _requests(ep, vocab, n, REPEATS, seed=seed + n, concurrency=1, what=f"{what}, {n} tokens",
+                                with_steps=True)
         moved = transfer.seconds(n * kv_bytes_per_token) if kv_bytes_per_token else 0.0
         ttft[n] = statistics.median(r.ttft for r in done) - moved
+        prefill = ((steps or {}).get("kinds") or {}).get("prefill")
+        if prefill and prefill["steps"] == REPEATS:  # one step per prompt: n fits a step
+            step[n] = prefill["seconds"] / prefill["steps"]
         itl_extra += [gap - cost.decode(1, n + i + 1) for r in done for i, gap in enumerate(r.itl)]
     itl_s = max(0.0, statistics.median(itl_extra))
     together = _requests(ep, vocab, ROWS_PROMPT, ROWS, seed=seed + ROWS, concurrency=ROWS,
@@ -124,14 +140,19 @@ def _probe_path(ep, vocab: int, cost: StepCost, transfer: TransferCost, kv_bytes
     # Token i + 1 of every request comes from the same step, of ROWS rows each ROWS_PROMPT + i + 1 long.
     rows_extra = [gap - cost.decode(ROWS, ROWS * (ROWS_PROMPT + i + 1))
                   for r in together for i, gap in enumerate(r.itl)]
-    return {**_affine(ttft, cost), "itl_s": itl_s,
-            "itl_row_s": max(0.0, (statistics.median(rows_extra) - itl_s) / (ROWS - 1)),
-            "ttft_measured_s": {str(n): round(t, 4) for n, t in ttft.items()}}
+    out = {**_affine(ttft, cost), "itl_s": itl_s,
+           "itl_row_s": max(0.0, (statistics.median(rows_extra) - itl_s) / (ROWS - 1)),
+           "ttft_measured_s": {str(n): round(t, 4) for n, t in ttft.items()}}
+    if len(step) == len(ttft):
+        out |= _by_steps(ttft, step, cost)
+    return out
 
 
-def _requests(ep, vocab: int, prompt_len: int, count: int, *, seed: int, concurrency: int, what: str) -> list:
+def _requests(ep, vocab: int, prompt_len: int, count: int, *, seed: int, concurrency: int, what: str,
+              with_steps: bool = False):
     """`count` streamed requests of random `prompt_len`-token prompts (new ones: no prefix-cache hits), all
-    released at once and at most `concurrency` in flight; their records, each checked successful."""
+    released at once and at most `concurrency` in flight; their records, each checked successful (with_steps:
+    and what the engine's steps did meanwhile, server_steps.py's dict, None where it publishes none)."""
     rng = np.random.default_rng(seed)
     reqs = [WorkloadRequest(i, rng.integers(3, vocab, prompt_len).tolist(), prompt_len, OUTPUT_TOKENS)
             for i in range(count)]
@@ -140,7 +161,7 @@ def _requests(ep, vocab: int, prompt_len: int, count: int, *, seed: int, concurr
     for r in result.records:
         if not r.success:
             raise RuntimeError(f"probe request ({what}) failed: {r.error}")
-    return result.records
+    return (result.records, result.engine_steps) if with_steps else result.records
 
 
 def _affine(ttft: dict[int, float], cost: StepCost) -> dict[str, float]:
@@ -151,6 +172,16 @@ def _affine(ttft: dict[int, float], cost: StepCost) -> dict[str, float]:
     factor = (ttft[hi] - ttft[lo]) / span if hi > lo and span > 0 else 1.0
     factor = min(max(factor, 0.8), 3.0)
     return {"prefill_factor": factor, "ttft_s": max(0.0, ttft[lo] - factor * cost.prefill(lo))}
+
+
+def _by_steps(ttft: dict[int, float], step: dict[int, float], cost: StepCost) -> dict[str, float]:
+    """The engine's served prefill steps over the bare ones (step_factor), and the TTFT beyond them
+    (step_ttft_s: HTTP, tokenizing, queueing for the step loop), the median over the prompt lengths."""
+    factor = sum(step.values()) / sum(cost.prefill(n) for n in step)
+    factor = min(max(factor, 0.8), 3.0)
+    rest = statistics.median(ttft[n] - factor * cost.prefill(n) for n in ttft)
+    return {"step_factor": factor, "step_ttft_s": max(0.0, rest),
+            "step_measured_s": {str(n): round(s, 4) for n, s in step.items()}}
 
 
 def _vocab(model_dir: Path) -> int:

@@ -63,6 +63,10 @@ def test_the_profile_holds_every_measurement_and_is_cached(tiny, planned):
         probe = profile.serving[kind]
         assert probe["ttft_s"] >= 0 and probe["itl_s"] >= 0 and probe["itl_row_s"] >= 0
         assert 0.8 <= probe["prefill_factor"] <= 3
+        # the prefilling engine's own step timer, at each probed prompt length
+        assert 0.8 <= probe["step_factor"] <= 3 and probe["step_ttft_s"] >= 0
+        assert sorted(probe["step_measured_s"]) == sorted(probe["ttft_measured_s"])
+        assert all(s > 0 for s in probe["step_measured_s"].values())
 
 
 def test_the_pick_is_a_cluster_yaml_launch_accepts(planned):

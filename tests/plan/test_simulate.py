@@ -156,6 +156,29 @@ def test_an_instance_of_t_threads_takes_the_probe_of_its_own_size(cost):
         assert inst.step_extra_s + inst.row_extra_s == pytest.approx(probe["itl_s"])
 
 
+def test_an_aggregated_instance_steps_at_the_speed_its_engine_timed(cost):
+    """Two TTFT medians put a line with slope 0.83 through a 2-thread bf16 server whose own prefill steps ran
+    at 1.04-1.2x the bare ones: simulated on the slope, its steps were too short, and the plan over-predicted
+    aggregated goodput up to 2.7x. The probe now reads the engine's step timer; an aggregated candidate steps
+    at that speed and keeps the rest of the TTFT as latency outside the steps."""
+    from pdserve.plan.serving_probe import _affine, _by_steps
+
+    n_lo, n_hi = 128, 512
+    step = {n_lo: 1.05 * cost.prefill(n_lo), n_hi: 1.05 * cost.prefill(n_hi)}
+    ttft = {n_lo: step[n_lo] + 0.055, n_hi: step[n_hi] + 0.014}  # the server's fixed cost moved between them
+    probe = {**_affine(ttft, cost), **_by_steps(ttft, step, cost), "itl_s": 0.0, "itl_row_s": 0.0}
+    assert probe["prefill_factor"] < 1.0  # the line's slope: faster than bare, which no served step is
+    assert probe["step_factor"] == pytest.approx(1.05)
+    assert probe["step_ttft_s"] == pytest.approx((0.055 + 0.014) / 2)
+    cand = next(c for c in enumerate_candidates([1], 1, input_len=256) if c.kind == "aggregated")
+    dep = cand.deployment({1: cost}, None, 0, {"aggregated": probe})
+    assert dep.instances[0].prefill_factor == pytest.approx(1.05)
+    assert dep.request_extra_s == pytest.approx(probe["step_ttft_s"])
+    alone = simulate(dep, Workload(256, 4, num_requests=5), rate=1e-4)
+    np.testing.assert_allclose(alone.ttft, probe["step_ttft_s"] + 1.05 * cost.prefill(256)
+                               + dep.instances[0].step_extra_s, rtol=1e-6)
+
+
 def test_disaggregated_ttft_holds_the_transfer_and_decode_is_never_behind_a_prefill(cost):
     transfer = TransferCost([(1, 0.01), (10**9, 1.01)])  # 10 ms + 1 GB/s
     wl = Workload(1024, 8, num_requests=30)
