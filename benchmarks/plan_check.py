@@ -21,6 +21,9 @@ goodput within 25% of the measured one).
    by side: in how many cells the pick's measured goodput of the rounds lies within 25% of each other (what this
    machine repeats; no prediction can be held to a tighter bar than that), and in how many the prediction lies within
    25% of the span the rounds measured.
+5. With --measured GRID, step 2 is skipped: the plan is checked against a grid another sweep already measured (a
+   `pdserve bench grid --out` file, e.g. from benchmarks/slo_grid_vs_vllm.sh), whose systems --systems names as
+   CANDIDATE=NAME. That sweep must have run this workload, these rates and --seed for the replay to be its arrivals.
 Nothing here is timed by a test; this is a benchmark.
 """
 
@@ -53,6 +56,7 @@ def predicted(args, out: Path, replay: bool) -> dict:
     seeds = ["--seed", str(args.seed), "--sim-seeds", "1"] if replay else ["--sim-seeds", str(args.sim_seeds)]
     run([sys.executable, "-m", "pdserve.cli", "plan", "--slo", f"ttft:{max(args.ttft)},tpot:{args.plan_tpot}",
          "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--backend", args.backend,
+         "--dtype", args.dtype,
          "--rates", *map(str, args.rates), "--grid-ttft", *map(str, args.ttft), "--grid-tpot", *map(str, args.tpot),
          "--num-requests", str(args.num_prompts), *seeds,
          "--out", str(out / "plan-cluster.yaml"), "--json", str(path), "--top", "20"])
@@ -128,6 +132,18 @@ def measure_round(args, out: Path, clusters: dict, order: list[str], round_: int
     return json.loads(grid.read_text())
 
 
+def measured_grid(path: Path, aliases: dict[str, str]) -> dict:
+    """A grid another sweep measured, its systems renamed to the plan's candidates (aliases: candidate -> name)."""
+    grid = json.loads(path.read_text())
+    names = set(grid["cells"][0]["goodput"])
+    missing = sorted(n for n in aliases.values() if n not in names)
+    if missing:
+        raise SystemExit(f"{path} has no system {missing}; it has {sorted(names)}")
+    for cell in grid["cells"]:
+        cell["goodput"] = {cand: cell["goodput"][name] for cand, name in aliases.items()}
+    return grid
+
+
 def predictions(plan: dict, systems: list[str]) -> dict[tuple, tuple[str, dict[str, float]]]:
     """Per (TTFT, TPOT) cell: the plan's pick among `systems` and its predicted goodput of each."""
     order = [c["name"] for c in plan["candidates"]]  # the plan's ranking at its own SLO breaks ties
@@ -196,7 +212,9 @@ def compare(plan: dict, measured: dict, systems: list[str]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--systems", nargs="+", required=True, help="candidate names of the plan to deploy and measure")
+    p.add_argument("--systems", nargs="+", required=True,
+                   help="candidate names of the plan to deploy and measure (with --measured: CANDIDATE=NAME, NAME "
+                        "the system's name in that grid)")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1, 1.5, 2, 2.5, 3, 3.5])
@@ -210,6 +228,10 @@ def main() -> None:
     p.add_argument("--ttft", type=float, nargs="+", default=[300, 500, 1000, 2500])
     p.add_argument("--tpot", type=float, nargs="+", default=[25, 30, 40, 60, 100])
     p.add_argument("--backend", default="shm")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--measured", type=Path,
+                   help="a grid already measured (`pdserve bench grid --out`): check the plan against it, "
+                        "sweep nothing")
     p.add_argument("--port", type=int, default=8300)
     p.add_argument("--seed", type=int, default=1000)
     p.add_argument("--model-name", default="SmolLM2-135M-Instruct")
@@ -221,6 +243,10 @@ def main() -> None:
     p.add_argument("--repredict", action="store_true",
                    help="plan again (the current model and profile) and compare with OUT_DIR's grid.json")
     args = p.parse_args()
+    aliases = dict(s.split("=", 1) if "=" in s else (s, s) for s in args.systems)
+    if args.measured is None and any(c != n for c, n in aliases.items()):
+        p.error("CANDIDATE=NAME in --systems needs --measured")
+    args.systems = list(aliases)
     args.plan_tpot = args.plan_tpot or max(args.tpot)
     out = Path(args.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -229,7 +255,9 @@ def main() -> None:
                  for replay in (True, False)}
     else:
         plans = {replay: predicted(args, out, replay) for replay in (True, False)}
-    if args.compare_only or args.repredict:
+    if args.measured is not None:
+        grids = [measured_grid(args.measured, aliases)]
+    elif args.compare_only or args.repredict:
         grids = [json.loads(grid_path(out, k).read_text()) for k in range(100) if grid_path(out, k).exists()]
     else:
         grids = measure(args, out, plans[False])
