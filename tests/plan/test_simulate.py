@@ -158,7 +158,7 @@ def test_an_instance_of_t_threads_takes_the_probe_of_its_own_size(cost):
 
 def test_an_aggregated_instance_steps_at_the_speed_its_engine_timed(cost):
     """Two TTFT medians put a line with slope 0.83 through a 2-thread bf16 server whose own prefill steps ran
-    at 1.04-1.2x the bare ones: simulated on the slope, its steps were too short, and the plan over-predicted
+    at 1.0-1.25x the bare ones: simulated on the slope, its steps were too short, and the plan over-predicted
     aggregated goodput up to 2.7x. The probe now reads the engine's step timer; an aggregated candidate steps
     at that speed and keeps the rest of the TTFT as latency outside the steps."""
     from pdserve.plan.serving_probe import _affine, _by_steps
