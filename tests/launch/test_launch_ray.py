@@ -20,7 +20,7 @@ from openai import OpenAI
 from pdserve.distributed import free_port
 from pdserve.launch_ray import CONTROLLER, NAMESPACE
 from pdserve.testing import make_tiny_model
-from pdserve.testing.wait import wait_for_line
+from pdserve.testing.wait import wait_for_line, wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -55,8 +55,26 @@ def _pdserve(*args: str) -> subprocess.Popen:
 
 
 def _served(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=5).text
+    try:
+        text = httpx.get(url + "/metrics", timeout=5).text
+    except httpx.TransportError:  # a restarted actor knows its port before its server listens
+        return 0.0
     return sum(float(v) for v in re.findall(r"^pdserve_request_success_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+def _gone(pid: int) -> bool:
+    """The process exited (a zombie waiting for its reaper counts: it runs nothing)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _restarted(controller, before: dict) -> bool:
+    import ray
+
+    (now,) = ray.get(controller.status.remote())["context"]
+    return "dead" not in now and now["actor_pid"] != before["actor_pid"]
 
 
 def test_a_cluster_on_ray_serves_survives_a_killed_actor_and_scales(ray_cluster, tmp_path):
@@ -104,9 +122,18 @@ def test_a_cluster_on_ray_serves_survives_a_killed_actor_and_scales(ray_cluster,
             assert time.monotonic() < deadline, f"no answer {time.monotonic() - killed:.0f} s after the kill"
             time.sleep(0.2)
         resumed_after = time.monotonic() - killed
+        # that answer may still have come from the old server, its SIGTERM (PR_SET_PDEATHSIG) on the way:
+        # it drains and exits, and Ray's new actor starts a server that joins and takes the requests
+        assert wait_until(lambda: _gone(ctx["server_pid"]), timeout_s=60, poll_s=0.1), \
+            f"the killed actor's server {ctx['server_pid']} still runs 60 s after its actor died"
+        assert wait_until(lambda: _restarted(controller, ctx), timeout_s=120, poll_s=0.5), \
+            ray.get(controller.status.remote())["context"]
         (ctx2,) = ray.get(controller.status.remote())["context"]
-        assert "dead" not in ctx2, ctx2
-        assert ctx2["actor_pid"] != ctx["actor_pid"] and not psutil.pid_exists(ctx["server_pid"])
+        deadline = time.monotonic() + 60
+        while _served(ctx2["url"]) == 0:
+            assert client.completions.create(**body).choices[0].text == expected
+            assert time.monotonic() < deadline, "the restarted context instance took no request in 60 s"
+        restarted_after = time.monotonic() - killed
 
         # context 1 -> 2 while serving: a third node comes up, `pdserve scale` places an instance there
         ray_cluster.add_node(**NODE)
@@ -137,10 +164,11 @@ def test_a_cluster_on_ray_serves_survives_a_killed_actor_and_scales(ray_cluster,
         assert scale.returncode == 0, out
         down_after = time.monotonic() - started
         (left,) = ray.get(controller.status.remote())["context"]
-        assert left["url"] == contexts[0]["url"] and not psutil.pid_exists(contexts[1]["server_pid"])
+        assert left["url"] == contexts[0]["url"] and _gone(contexts[1]["server_pid"])
         for _ in range(4):
             assert client.completions.create(**body).choices[0].text == expected
-        print(f"killed context actor -> serving again after {resumed_after:.1f} s; pdserve scale context 2 "
+        print(f"killed context actor -> answering after {resumed_after:.1f} s, its restart serving after "
+              f"{restarted_after:.1f} s; pdserve scale context 2 "
               f"took {scaled_after:.1f} s, scale context 1 {down_after:.1f} s (Ray connect, Python start and "
               "model load included)")
     finally:
@@ -150,4 +178,4 @@ def test_a_cluster_on_ray_serves_survives_a_killed_actor_and_scales(ray_cluster,
         finally:
             ray.shutdown()
     assert launch.returncode == 0, out
-    assert not [pid for pid in servers if psutil.pid_exists(pid)], "a server outlived pdserve launch --ray"
+    assert not [pid for pid in servers if not _gone(pid)], "a server outlived pdserve launch --ray"
