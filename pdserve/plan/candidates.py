@@ -83,13 +83,17 @@ class Candidate:
                 factor = {"prefill_factor": probe.get("prefill_factor", 1.0)}
             inst = InstanceSpec(costs[g.units], g.max_num_tokens, **gen_extra, **factor, tpot_slo_ms=g.tpot_slo_ms)
             return Deployment("aggregated", [inst] * g.count, **timing)
-        # Disaggregated, the slope through the orchestrator is latency outside the context instance's steps:
-        # measured, 1+1 cores sustained 3.5 req/s of 256-token prompts, what its bare prefill allows
-        # (docs/benchmarks.md, "pdserve plan against measurement").
-        if probe:
+        # Disaggregated: the context instance steps at the speed its engine timed, as an aggregated one. From a
+        # probe without the step timer, the TTFT's slope through the orchestrator is taken as latency outside
+        # the context instance's steps (a line through two medians cannot tell the two apart).
+        ctx_factor = {}
+        if probe and "step_factor" in probe:
+            ctx_factor = {"prefill_factor": probe["step_factor"]}
+            timing["request_extra_s"] = probe["step_ttft_s"]
+        elif probe:
             timing["prefill_extra"] = max(0.0, probe.get("prefill_factor", 1.0) - 1.0)
         gen = [InstanceSpec(costs[g.units], g.max_num_tokens, **gen_extra)] * g.count
-        ctx = [InstanceSpec(costs[self.context.units], self.context.max_num_tokens)] * self.context.count
+        ctx = [InstanceSpec(costs[self.context.units], self.context.max_num_tokens, **ctx_factor)] * self.context.count
         return Deployment("disaggregated", gen, ctx, transfer, kv_bytes_per_token, self.schedule_style,
                           self.context.max_num_tokens if self.context.pipelined else None, **timing)
 

@@ -179,6 +179,30 @@ def test_an_aggregated_instance_steps_at_the_speed_its_engine_timed(cost):
                                + dep.instances[0].step_extra_s, rtol=1e-6)
 
 
+def test_a_context_instance_steps_at_the_speed_its_engine_timed(cost):
+    """As an aggregated instance: a disaggregated candidate's context instance steps at the probe's
+    step_factor, the rest of the TTFT outside its steps. Before, the line's slope through the orchestrator
+    was all latency outside the steps, so a context instance near its capacity queued too little: replaying
+    an fp32 sweep, the plan gave 1+1 cores 0.5 req/s within a 1 s TTFT where none was measured."""
+    from pdserve.plan.serving_probe import _affine, _by_steps
+
+    n_lo, n_hi = 128, 512
+    step = {n: 1.3 * cost.prefill(n) for n in (n_lo, n_hi)}
+    ttft = {n_lo: step[n_lo] + 0.03, n_hi: step[n_hi] + 0.01}
+    probe = {**_affine(ttft, cost), **_by_steps(ttft, step, cost), "itl_s": 0.0, "itl_row_s": 0.0}
+    cand = next(c for c in enumerate_candidates([1], 2, input_len=256) if c.kind == "disaggregated")
+    transfer = TransferCost([(1, 0.001), (10**9, 1.001)])
+    dep = cand.deployment({1: cost}, transfer, 1000, {"disaggregated": probe})
+    assert dep.context[0].prefill_factor == pytest.approx(1.3) and dep.prefill_extra == 0.0
+    assert dep.request_extra_s == pytest.approx(0.02)
+    # at capacity the slower steps queue: a burst of 6 prompts waits 1.3x as long behind them
+    burst = Workload(256, 4, num_requests=6)
+    slow = simulate(dep, burst, rate=1e4)
+    bare = simulate(cand.deployment({1: cost}, transfer, 1000, {"disaggregated": {**probe, "step_factor": 1.0}}),
+                    burst, rate=1e4)
+    assert slow.ttft.max() - bare.ttft.max() == pytest.approx(0.3 * 6 * cost.prefill(256), rel=0.2)
+
+
 def test_disaggregated_ttft_holds_the_transfer_and_decode_is_never_behind_a_prefill(cost):
     transfer = TransferCost([(1, 0.01), (10**9, 1.01)])  # 10 ms + 1 GB/s
     wl = Workload(1024, 8, num_requests=30)
