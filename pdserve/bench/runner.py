@@ -17,7 +17,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +81,19 @@ def _error_text(status: int, body: bytes) -> str:
     return f"HTTP {status}: {msg}"
 
 
+async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
+    """The lines of an SSE stream, split where the SSE spec ends a line (LF, CRLF) and nowhere else.
+    httpx's aiter_lines splits like str.splitlines, also at U+2028, U+2029 and U+0085, which a JSON
+    string in an event may hold unescaped: a generated line separator would cut the event in two."""
+    rest = ""
+    async for text in resp.aiter_text():
+        *lines, rest = (rest + text).split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if rest:
+        yield rest.removesuffix("\r")
+
+
 async def stream_one(client: httpx.AsyncClient, ep: EndpointConfig, req: WorkloadRequest,
                      record: RequestRecord, t0: float) -> RequestRecord:
     """Send `req`, read its SSE stream and fill `record` (times relative to t0)."""
@@ -93,7 +106,7 @@ async def stream_one(client: httpx.AsyncClient, ep: EndpointConfig, req: Workloa
             if resp.status_code != 200:
                 record.error = _error_text(resp.status_code, await resp.aread())
                 return record
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp):
                 # SSE: "data: {...}" events; blank lines separate them, ":" lines are comments.
                 if not line.startswith("data:"):
                     continue

@@ -57,8 +57,15 @@ SSE_DONE = "data: [DONE]\n\n"
 _TOKEN_ID = re.compile(r"[0-9]{1,18}")
 
 
+# Characters JSON may leave raw inside a string that str.splitlines (httpx's aiter_lines, requests'
+# iter_lines with decode_unicode) takes for line ends; escaped, an event stays one line for such clients.
+_LINE_ENDS_IN_JSON = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(payload) -> str:
     body = payload if isinstance(payload, str) else payload.model_dump_json()
+    if not body.isascii():
+        body = body.translate(_LINE_ENDS_IN_JSON)
     return f"data: {body}\n\n"
 
 
