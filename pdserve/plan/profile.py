@@ -28,6 +28,7 @@ import multiprocessing as mp
 import os
 import platform
 import queue
+import signal
 import statistics
 import time
 from datetime import UTC
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.kv_transfer.agents.base import MemoryRegion
+from pdserve.launch import die_with_parent
 from pdserve.plan.measurements import Profile, StepTimings
 from pdserve.weights.resolve import CACHE_ENV
 
@@ -159,8 +161,12 @@ def _grid(max_len: int, kv_bytes_per_token: int) -> dict[str, Any]:
             "reps": 3, "serving_prompts": [128, 512] if max_len > 1024 else [max_len // 8, max_len // 2]}
 
 
-def _answer(fn, args: tuple, answer) -> None:
-    """In the child: fn(*args), or the error it raised, put on `answer` for the parent."""
+def _answer(fn, args: tuple, answer, parent: int) -> None:
+    """In the child: fn(*args), or the error it raised, put on `answer` for the parent. The child dies with
+    the parent: `pdserve plan` killed mid-profile must not leave it computing on every core for minutes."""
+    die_with_parent(signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the line above
+        return
     try:
         answer.put(("ok", fn(*args)))
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
@@ -171,7 +177,7 @@ def _in_child(fn, *args):
     """fn(*args) in a fresh spawned process (its own torch threads and core affinity); its result."""
     ctx = mp.get_context("spawn")
     answer = ctx.Queue()
-    proc = ctx.Process(target=_answer, args=(fn, args, answer), daemon=True)
+    proc = ctx.Process(target=_answer, args=(fn, args, answer, os.getpid()), daemon=True)
     proc.start()
     try:
         kind, value = answer.get(timeout=_CHILD_TIMEOUT_S)
