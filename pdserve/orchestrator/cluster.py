@@ -294,7 +294,11 @@ class LocalCluster:
             self.status[url] = reason
 
     def _no_ready(self, role: str) -> OrchestratorError:
-        why = "; ".join(f"{u}: {self.status.get(u, 'starting')}" for u in self.routers[role].urls)
+        urls = self.routers[role].urls
+        if not urls:  # the last one left or was dropped, or none has joined yet
+            return OrchestratorError(503, f"no {role} server is in the cluster: start one, or wait for a restarted "
+                                     "one to join", "no_ready_instance")
+        why = "; ".join(f"{u}: {self.status.get(u, 'starting')}" for u in urls)
         return OrchestratorError(503, f"no ready {role} server ({why})", "no_ready_instance")
 
     # -- the routing interface the orchestrator uses (RemoteCluster has the same) --------------------

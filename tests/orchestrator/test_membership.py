@@ -191,6 +191,8 @@ def test_instances_join_serve_leave_on_drain_and_are_dropped_when_lost(tiny_mode
             lost_after = time.monotonic() - killed
             assert lost_after < 2 * ttl + 1, f"dropped {lost_after:.2f} s after the kill, lease {ttl} s"
             assert httpx.get(orch.url + "/health", timeout=5).status_code == 503
+            r = httpx.post(orch.url + "/v1/completions", json=BODY, timeout=60)  # says why, not "()"
+            assert r.status_code == 503 and "no generation server is in the cluster" in r.text, r.text
 
             replacement = start_workers(tiny_model_dir, workdir, 1, {**join, "role": "generation"})[0]
             wait_healthy(orch.url)
