@@ -97,7 +97,8 @@ class DisaggConfig(BaseModel):
     server_start_timeout: float = Field(180.0, gt=0, description="s to wait for the coordinator / first ready worker")
     request_timeout: float = Field(180.0, gt=0, description="s a worker may take to answer one request")
     health_check_interval: float = Field(2.0, gt=0, description="s between /health probes of each worker")
-    max_retries: int = Field(1, ge=0, description="other instances tried when one cannot be reached")
+    max_retries: int = Field(1, ge=0, description="other instances tried when one cannot be reached or is lost "
+                                                 "before its answer began")
     lease_ttl_s: float = Field(10.0, gt=0, description="s a joined instance stays a member without a heartbeat "
                                                        "(it heartbeats every lease_ttl_s / 3)")
     cluster_storage: str | None = Field(None, description="where joined instances are kept: unset for this "

@@ -5,7 +5,7 @@
                                                            context_finished (first token ended it)
     pdserve_orchestrator_worker_requests_total{role}       requests sent to context / generation workers
     pdserve_orchestrator_worker_errors_total{role,status}  worker calls that failed, by the client's status
-    pdserve_orchestrator_retries_total{role}               another instance tried after one was unreachable
+    pdserve_orchestrator_retries_total{role}               another instance tried after one was unreachable or lost
     pdserve_orchestrator_client_errors_total{status}       error answers to clients
     pdserve_orchestrator_queue_latency_seconds             arrival -> first worker request sent
                                                            (tokenize + routing + coordinator hop)

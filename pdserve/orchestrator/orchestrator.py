@@ -15,11 +15,15 @@ the prefill ends and receives the first token with it; with pipelined_transfer o
 each prefill chunk's KV moves while the next is computed. The context answer then only matters when
 it is an error, which cancels the generation request.
 
-A worker that cannot be reached is marked not ready and another instance is tried (max_retries). A
-context instance lost while it prefills or holds a request's KV (killed, restarted, draining) or whose
-KV transfer failed costs the client nothing under either schedule style: both halves run again, under
-a fresh id (_prefill_again). Every other failure ends the request with an OpenAI-style error
-(errors.py); mid-stream, an error event and [DONE]. Workers' bodies are forwarded as they are: they
+A worker that cannot be reached is marked not ready and another instance is tried (max_retries). An
+instance lost before the client's response started costs the client nothing, under either schedule
+style: a context instance lost while it prefills or holds a request's KV (killed, restarted, draining)
+or whose KV transfer failed, and a generation instance lost mid-request (its connection dropped) before
+its answer or stream began. A context_and_generation request is sent again to another instance; a
+disaggregated one runs both halves again, under a fresh id (_run_again). Each costs one of max_retries,
+so a request that kills every instance it reaches kills at most max_retries + 1. Every other failure
+ends the request with an OpenAI-style error (errors.py); mid-stream, an error event and [DONE]: what a
+streaming client already received cannot be taken back. Workers' bodies are forwarded as they are: they
 validate the request.
 """
 
@@ -136,7 +140,7 @@ class Orchestrator:
                 return await self._generate(req, params, gen_route, cached)
             except OrchestratorError as e:
                 self._release_kv(req)  # nobody pulls this KV now, should its instance still be alive
-                if not await self._prefill_again(req, req.ctx_url, "generation", e, attempt):
+                if not await self._run_again(req, req.ctx_url, "generation", e, attempt):
                     raise
                 gen_route = None
             except BaseException:  # client gone: nobody pulls the KV
@@ -144,18 +148,19 @@ class Orchestrator:
                 raise
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    async def _prefill_again(self, req: _Request, ctx_url: str, role: str, e: BaseException, attempt: int) -> bool:
+    async def _run_again(self, req: _Request, ctx_url: str, role: str, e: BaseException, attempt: int) -> bool:
         """Whether a request whose half on `role` failed with `e` runs both halves again (the caller has
-        stopped and released this attempt; the client's response has not started). Yes when the context
-        instance at ctx_url was lost or the KV transfer from it failed, and retries are left; that instance
-        leaves routing when it does not answer /health (a transient failure keeps it), and the request
-        gets a fresh id, since the old one may still be in flight there."""
-        if not _context_lost(role, e) or attempt == self.cfg.max_retries:
+        stopped and released this attempt; the client's response has not started). Yes when an instance
+        was lost (_lost) and retries are left. A lost context instance at ctx_url leaves routing when it
+        does not answer /health (a transient failure keeps it); a lost generation instance has left it
+        already (_call). The request gets a fresh id, since the old one may still be in flight there."""
+        lost = _lost(role, e)
+        if lost is None or attempt == self.cfg.max_retries:
             return False
-        if not await self._alive(ctx_url):
+        if lost == "context" and not await self._alive(ctx_url):
             await self.cluster.unreachable("context", ctx_url, str(e))
             self._kv_endpoints.pop(ctx_url, None)  # it may come back with another endpoint
-        self.metrics.retries.labels("context").inc()
+        self.metrics.retries.labels(lost).inc()
         req.request_id, req.ctx_url = self.ids.next_id(), None
         return True
 
@@ -230,9 +235,10 @@ class Orchestrator:
         return uncached <= self.cfg.conditional_disagg.max_local_prefill_length
 
     async def _call(self, role: str, req: _Request, send: Callable[[str], Awaitable[T]],
-                    route: Route | None = None) -> tuple[Route, T]:
-        """send(url) on an instance of `role`; an unreachable one is retried elsewhere. On success the
-        route stays reserved (the caller finishes it); on failure it is finished here."""
+                    route: Route | None = None, whole: bool = True) -> tuple[Route, T]:
+        """send(url) on an instance of `role`; an unreachable one is retried elsewhere, and so is one lost
+        mid-request when the request is `whole` (it needs no other instance: not generation_only). On
+        success the route stays reserved (the caller finishes it); on failure it is finished here."""
         retries = 0
         while True:
             if route is None:
@@ -249,14 +255,14 @@ class Orchestrator:
             except OrchestratorError as e:
                 self.metrics.worker_errors.labels(role, str(e.status)).inc()
                 await self.cluster.finish(role, route.url, req.route_req)
-                # A context instance lost mid-request (connection dropped) answered nothing the client
-                # saw, and a dropped connection aborts the request on the worker: another may prefill.
-                lost = role == "context" and e.code == "worker_failed"
-                # A draining instance refused the request before doing anything with it.
+                # An instance lost mid-request (connection dropped; a streaming answer had not begun)
+                # answered nothing the client saw, and a dropped connection aborts the request on the
+                # worker. A draining instance refused the request before doing anything with it.
+                lost = e.code == "worker_failed"
                 if not (isinstance(e, WorkerUnreachable) or lost or e.code == "draining"):
                     raise
                 await self.cluster.unreachable(role, route.url, e.message)
-                if retries >= self.cfg.max_retries:
+                if retries >= self.cfg.max_retries or (lost and not whole):
                     raise
                 retries += 1
                 self.metrics.retries.labels(role).inc()
@@ -291,8 +297,8 @@ class Orchestrator:
 
     async def _generation_first(self, req: _Request, gen_route: Route | None) -> dict | AsyncIterable[bytes]:
         """Both halves at once. When the context instance is lost (its request dropped or refused, or the
-        generation side's pull from it failed), the generation stream has not opened, so nothing has
-        reached the client: both halves run again, as under context_first (_prefill_again)."""
+        generation side's pull from it failed), or the generation instance before its stream opened,
+        nothing has reached the client: both halves run again, as under context_first (_run_again)."""
         for attempt in range(self.cfg.max_retries + 1):
             try:
                 ctx_route, endpoint = await self._call("context", req, self._kv_endpoint)
@@ -318,7 +324,7 @@ class Orchestrator:
             await _cancel_both(ctx, gen)
             self._release_kv(req)
             role, e = failed[0]
-            if not await self._prefill_again(req, ctx_route.url, role, e, attempt):
+            if not await self._run_again(req, ctx_route.url, role, e, attempt):
                 raise e
             gen_route = None
         raise AssertionError("unreachable: the last attempt returns or raises")
@@ -384,9 +390,10 @@ class Orchestrator:
         count in a non-streaming answer's usage."""
         body = {**req.body, "disaggregated_params": params}
         timeout = self.cfg.request_timeout
+        whole = params["request_type"] == "context_and_generation"  # sent again as it is, if its instance is lost
         if not req.stream:
             route, answer = await self._call("generation", req, lambda url: post_json(
-                self.http, "generation", url, req.api, body, timeout), route)
+                self.http, "generation", url, req.api, body, timeout), route, whole)
             await self.cluster.finish("generation", route.url, req.route_req)
             answer.pop("disaggregated_params", None)
             details = (answer.get("usage") or {}).get("prompt_tokens_details")
@@ -395,7 +402,7 @@ class Orchestrator:
             self.metrics.e2e.observe(time.monotonic() - req.arrival)
             return answer
         route, response = await self._call("generation", req, lambda url: open_stream(
-            self.http, "generation", url, req.api, body, timeout), route)
+            self.http, "generation", url, req.api, body, timeout), route, whole)
         return _Relay(self, req, route, response)
 
 
@@ -448,15 +455,16 @@ class _Relay:
             self.orch.metrics.e2e.observe(time.monotonic() - self.req.arrival)
 
 
-def _context_lost(role: str, e: BaseException) -> bool:
-    """Whether `e`, from a request's half on `role`, means its context instance (or the KV it holds) was
-    lost: the context request could not be sent, dropped its connection or was refused by a draining
-    instance, or the generation side's KV pull failed."""
+def _lost(role: str, e: BaseException) -> str | None:
+    """Which instance `e`, from a request's half on `role`, says was lost, if one was: the context
+    instance (or the KV it holds) when the context request could not be sent, dropped its connection
+    or was refused by a draining instance, or when the generation side's KV pull failed; the generation
+    instance when its request dropped its connection before the answer began."""
     if not isinstance(e, OrchestratorError):
-        return False
+        return None
     if role == "generation":
-        return e.code == "kv_transfer_failed"
-    return isinstance(e, WorkerUnreachable) or e.code in ("worker_failed", "draining")
+        return {"kv_transfer_failed": "context", "worker_failed": "generation"}.get(e.code)
+    return "context" if isinstance(e, WorkerUnreachable) or e.code in ("worker_failed", "draining") else None
 
 
 async def _cancel_both(ctx: asyncio.Task, gen: asyncio.Task) -> None:

@@ -2,13 +2,15 @@
 KV, or before it prefilled it: the orchestrator sends the request again, to the surviving instance, and
 the client, whose response had not started, gets its answer (200), equal to the aggregated greedy
 output, under either schedule style. Sent SIGTERM: it drains, and no request fails. A generation
-instance killed with -9 mid-stream: the client gets an error event and [DONE], and the next request is
-answered by the surviving generation instance."""
+instance killed with -9 before its answer began (a non-streaming one): the request runs again, and the
+client gets its answer. Killed mid-stream: the client gets an error event and [DONE], and the next
+request is answered by the surviving generation instance."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 import signal
 import threading
 import time
@@ -186,7 +188,8 @@ def test_a_generation_instance_killed_mid_stream(long_model_dir, tmp_path_factor
     orchestrator stays up, the context instance holds no KV, and the next requests are answered by the
     other generation instance. The dead one is still in routing (no /health probe ran), so one of the two
     is sent there first: its refused connection takes it out and the request goes to the survivor. Then
-    the survivor is killed mid-decode of a non-streaming request: a 502 naming it, not a hang or a 500."""
+    the survivor is killed mid-decode of a non-streaming request: no generation instance is left to run it
+    again, so a 503 naming the failure, not a hang or a 500."""
     # one context instance, two generation instances
     with _workers(long_model_dir, tmp_path_factory.mktemp("gen-death"), {}, {}, {}, **LONG_WORKER) as ws:
         ctx, gens = ws[0], ws[1:]
@@ -240,9 +243,53 @@ def test_a_generation_instance_killed_mid_stream(long_model_dir, tmp_path_factor
             sender.join(30)
             answered = time.monotonic() - killed
             r = answer["r"]
-            assert r.status_code == 502, r.text
+            assert r.status_code == 503, r.text
             error = r.json()["error"]
-            assert error["code"] == "worker_failed" and f"generation server {survivor.url} failed" in error["message"]
+            assert error["code"] == "no_ready_instance" and f"{survivor.url}: generation server {survivor.url} " \
+                "failed mid-request" in error["message"], error
             _wait(lambda: not _holds_kv(ctx), 5, "the context instance frees its KV")
             assert client.get("/v1/models").status_code == 200  # still up
-            print(f"generation instance killed mid-decode of a non-streaming request: 502 {answered:.3f} s after")
+            print(f"generation instance killed mid-decode of a non-streaming request: 503 {answered:.3f} s after")
+
+
+@pytest.mark.parametrize("style", ["context_first", "generation_first", "aggregated"])
+def test_a_generation_instance_killed_before_its_answer_began_is_replaced(long_model_dir, tmp_path_factory, style):
+    """kill -9 of the generation instance decoding a non-streaming request: nothing has reached the
+    client, so the orchestrator runs the request again (disaggregated: both halves, under a fresh id;
+    aggregated: on the other instance as it is), and the client gets a 200 equal to the aggregated
+    greedy answer. The dead instance leaves routing at once, and no instance holds KV afterwards."""
+    # (a context instance unless aggregated) and two generation instances
+    roles = ([] if style == "aggregated" else ["context"]) + ["generation"] * 2
+    with _workers(long_model_dir, tmp_path_factory.mktemp("gen-loss"), *({} for _ in roles), **LONG_WORKER) as ws:
+        ctxs, gens = ws[:-2], ws[-2:]
+        body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": LONG_TOKENS, "temperature": 0,
+                "ignore_eos": True}
+        expected = _aggregated(gens[0], body)
+        context = {"urls": [c.url for c in ctxs], "minimal_instances": len(ctxs)}
+        cfg = DisaggConfig(context_servers=context, generation_servers={"urls": [g.url for g in gens]},
+                           max_retries=1, health_check_interval=60,
+                           schedule_style="context_first" if style == "aggregated" else style)
+        with AppThread(build_app(cfg)) as orch, httpx.Client(base_url=orch.url, timeout=60) as client:
+            wait_healthy(orch.url)
+            answer = {}
+            sender = threading.Thread(target=lambda: answer.update(r=client.post("/v1/completions", json=body)))
+            sender.start()
+            _wait(lambda: any(_holds_kv(g) for g in gens), 10, "a generation instance takes the request")
+            doomed = next(g for g in gens if _holds_kv(g))
+            survivor = next(g for g in gens if g is not doomed)
+            time.sleep(0.2)  # mid-decode
+            assert answer == {}, "the request ended before the kill"
+            killed = time.monotonic()
+            doomed.stop()  # SIGKILL
+            sender.join(60)
+            answered = time.monotonic() - killed
+            r = answer["r"]
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == expected
+            members = client.get("/cluster_info").json()["generation_servers"]["instances"]
+            assert {m["url"]: m["state"] for m in members}[doomed.url] != "ready", members
+            retries = re.search(r'^pdserve_orchestrator_retries_total{role="generation"} (\S+)$',
+                                client.get("/metrics").text, re.M)
+            assert float(retries.group(1)) == 1
+            _wait(lambda: not any(_holds_kv(w) for w in [*ctxs, survivor]), 5, "every instance frees the KV")
+        print(f"{style}: a generation instance killed mid-decode, answered {answered:.2f} s after the kill")
