@@ -25,6 +25,20 @@ _handed_out: set[int] = set()
 HOST_ID_ENV = "PDSERVE_HOST_ID"
 
 
+def no_named_semaphores() -> None:
+    """For a spawned child that starts no processes itself (a rank, a profiling child). A spawned
+    child's default start method is spawn, under which each multiprocessing lock is a named POSIX
+    semaphore in /dev/shm that only the parent's resource tracker unlinks; kill -9 of the whole process
+    group (a launch that gave up waiting for its members, a test's teardown) takes the tracker too and
+    leaves the semaphores behind. tqdm makes one such lock on first use, for disabled bars too: give it
+    a thread lock."""
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+
+
 def host_id() -> str:
     """Which host (kernel) this process runs on, for "can these two share memory?": hostname and boot id.
     Two containers of one machine differ by hostname, as their /dev/shm usually does; two Ray nodes

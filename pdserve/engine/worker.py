@@ -47,11 +47,12 @@ def set_threads(ecfg) -> None:
 def worker_main(rank: int, ecfg, model_dir: str, port: int, max_model_len: int, instance_name: str) -> None:
     from pathlib import Path
 
-    from pdserve.distributed import init_parallel
+    from pdserve.distributed import init_parallel, no_named_semaphores
     from pdserve.engine.model_runner import ModelRunner
     from pdserve.models.config import ModelConfig
     from pdserve.weights.hf_dir import read_config
 
+    no_named_semaphores()
     logging.basicConfig(level=logging.WARNING)
     set_threads(ecfg)
     device = pick_device(ecfg, rank)

@@ -35,6 +35,7 @@ from datetime import UTC
 from pathlib import Path
 from typing import Any
 
+from pdserve.distributed import no_named_semaphores
 from pdserve.kv_transfer.agents.base import MemoryRegion
 from pdserve.launch import die_with_parent
 from pdserve.plan.measurements import Profile, StepTimings
@@ -165,6 +166,7 @@ def _answer(fn, args: tuple, answer, parent: int) -> None:
     """In the child: fn(*args), or the error it raised, put on `answer` for the parent. The child dies with
     the parent: `pdserve plan` killed mid-profile must not leave it computing on every core for minutes."""
     die_with_parent(signal.SIGKILL)
+    no_named_semaphores()
     if os.getppid() != parent:  # the parent died before the line above
         return
     try:
