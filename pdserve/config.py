@@ -183,6 +183,8 @@ class WorkerConfig(EngineConfig):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     api_key: str | None = Field(None, description="when set, /v1/* requires 'Authorization: Bearer <key>'")
+    max_request_body_mb: float = Field(32.0, gt=0, description="a request body over this many MiB is refused (413) "
+                                                               "before it is read into memory")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM/SIGINT: refuse new requests, let running ones "
                                                            "and their KV transfers finish for up to this long, "
                                                            "then exit (0: at once; a second signal: at once)")

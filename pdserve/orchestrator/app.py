@@ -28,6 +28,7 @@ from pdserve.orchestrator.metrics import OrchestratorMetrics
 from pdserve.orchestrator.orchestrator import CHAT, COMPLETIONS, Orchestrator
 from pdserve.orchestrator.request_id import RequestIdGenerator
 from pdserve.orchestrator.upstream import make_client
+from pdserve.server.body_limit import BodyLimitMiddleware
 from pdserve.server.json_body import MalformedBody, parse_json_object
 from pdserve.server.streaming import ClosingStreamingResponse
 
@@ -96,6 +97,8 @@ def build_app(cfg: DisaggConfig, *, process_id: int = 0, cluster=None) -> FastAP
             await http.aclose()
 
     app = FastAPI(title="pdserve orchestrator", lifespan=lifespan)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=int(cfg.max_request_body_mb * (1 << 20)),
+                       setting="max_request_body_mb")
     app.add_middleware(AuthMiddleware, api_key=cfg.api_key, cluster_token=cfg.cluster_token)
     app.state.metrics = metrics
 

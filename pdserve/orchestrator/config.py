@@ -104,6 +104,8 @@ class DisaggConfig(BaseModel):
     cluster_storage: str | None = Field(None, description="where joined instances are kept: unset for this "
                                                           "orchestrator's memory, or etcd://host:port[,...][/prefix]")
     api_key: str | None = Field(None, description="when set, /v1/* requires 'Authorization: Bearer <key>'")
+    max_request_body_mb: float = Field(32.0, gt=0, description="a request body over this many MiB is refused (413) "
+                                                               "before it is read into memory")
     cluster_token: str | None = Field(None, description="when set, internal endpoints require 'X-Cluster-Token'")
     worker_api_key: str | None = Field(None, description="sent to every worker as 'Authorization: Bearer <key>' "
                                                          "(the workers' own api_key)")

@@ -31,6 +31,7 @@ from pdserve.orchestrator.config import DisaggConfig
 from pdserve.orchestrator.errors import OrchestratorError
 from pdserve.orchestrator.routers import NoReadyInstance, RoundRobinRouter, Route, RouteRequest
 from pdserve.orchestrator.upstream import make_client
+from pdserve.server.body_limit import BodyLimitMiddleware
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ def build_coordinator_app(cfg: DisaggConfig) -> FastAPI:
             await http.aclose()
 
     app = FastAPI(title="pdserve coordinator", lifespan=lifespan)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=int(cfg.max_request_body_mb * (1 << 20)),
+                       setting="max_request_body_mb")
     app.add_middleware(AuthMiddleware, api_key=None, cluster_token=cfg.cluster_token, internal_paths=COORDINATOR_PATHS)
     started = time.time()
 

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.config import HTTP_KEEP_ALIVE_S, WorkerConfig
 from pdserve.distributed import host_id
+from pdserve.server.body_limit import BodyLimitMiddleware
 from pdserve.server.errors import APIError
 from pdserve.server.json_body import MalformedBody, parse_json_object
 from pdserve.server.membership import ClusterMember
@@ -65,7 +66,9 @@ def build_app(engine, cfg: WorkerConfig) -> FastAPI:
     _chain_step_hook(engine, "on_step", metrics.on_step)
     _chain_step_hook(engine, "on_step_record", metrics.on_step_record)
 
-    if cfg.api_key:
+    app.add_middleware(BodyLimitMiddleware, max_bytes=int(cfg.max_request_body_mb * (1 << 20)),
+                       setting="max_request_body_mb")
+    if cfg.api_key:  # outside the body limit: a 401 wins over a 413
         app.add_middleware(ApiKeyMiddleware, api_key=cfg.api_key)
     v1 = APIRouter(prefix="/v1", route_class=StrictJSONRoute)
 
