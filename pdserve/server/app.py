@@ -161,7 +161,10 @@ def build_app(engine, cfg: WorkerConfig) -> FastAPI:
 
 class StrictJSONRoute(APIRoute):
     """A route whose JSON body is parsed by `parse_json_object` (json_body.py) before FastAPI reads it,
-    so NaN, lone surrogates or deep nesting are a 400 naming the field, whatever the content type."""
+    so NaN, lone surrogates or deep nesting are a 400 naming the field, whatever the content type. A
+    JSON body is taken under any content type (none, `curl -d`'s form type, text/plain), as the
+    orchestrator takes it: FastAPI would hand such a body on as bytes, and the client would read that
+    its JSON object is not one."""
 
     def get_route_handler(self):
         handler = super().get_route_handler()
@@ -169,7 +172,9 @@ class StrictJSONRoute(APIRoute):
             return handler
 
         async def parse_first(request: Request):
-            request = _ParsedRequest(request.scope, request.receive)
+            headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
+            scope = {**request.scope, "headers": [*headers, (b"content-type", b"application/json")]}
+            request = _ParsedRequest(scope, request.receive)
             request.parsed = parse_json_object(await request.body())
             return await handler(request)
 

@@ -157,6 +157,21 @@ def test_bad_input_gets_4xx_with_clear_message(http, path, body, status, needles
     assert "Traceback" not in r.text
 
 
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain"])
+def test_a_json_body_is_taken_whatever_its_content_type(http, content_type):
+    """`curl -d '{...}'` sends the form type, some clients none: the body is still the JSON object it is
+    (as the orchestrator takes it). Before, FastAPI passed it on as bytes, and the client was told its
+    body "must be a JSON object"."""
+    import json
+
+    headers = {"content-type": content_type} if content_type else {}
+    r = http.post(COMPLETIONS, content=json.dumps(OK_COMPLETION).encode(), headers=headers)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == http.post(COMPLETIONS, json=OK_COMPLETION).json()["choices"][0]["text"]
+    bad = http.post(COMPLETIONS, content=b'{"model": "tiny", "prompt": NaN}', headers=headers)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt", bad.text  # still strict
+
+
 def test_unknown_route_and_method_are_openai_errors(http):
     r = http.get("/v1/nothing-here")
     assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found"
