@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from functools import cached_property
@@ -35,6 +36,78 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value if isinstance(value, str) else None
+
+
+# How much a normalizer may shorten text, in characters: None for one that may delete any amount. NFC and
+# NFKC compose (three conjoining Hangul jamo make one syllable; NFKC maps a fullwidth letter to ASCII,
+# three bytes to one, but one character to one), so 4 leaves room; the rest never shorten.
+_NORMALIZER_SHRINK = {"NFC": 4, "NFKC": 4, "NFD": 1, "NFKD": 1, "Prepend": 1, "Lowercase": 1}
+# Pre-tokenizers that keep every character (Whitespace, WhitespaceSplit, BertPreTokenizer and
+# CharDelimiterSplit drop some; Split drops its matches when its behavior is Removed).
+_KEEPS_TEXT = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts", "Split"}
+
+
+def _normalizer_shrink(normalizer: dict | None) -> int | None:
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for inner in normalizer.get("normalizers", []):
+            f = _normalizer_shrink(inner)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind == "Replace":  # a literal pattern replaced by text at least as long
+        pattern, content = normalizer.get("pattern", {}).get("String"), normalizer.get("content", "")
+        return 1 if isinstance(pattern, str) and len(content) >= len(pattern) else None
+    return _NORMALIZER_SHRINK.get(kind)
+
+
+def _keeps_text(pre: dict | None) -> bool:
+    if pre is None:
+        return True
+    if pre.get("type") == "Sequence":
+        return all(_keeps_text(inner) for inner in pre.get("pretokenizers", []))
+    return pre.get("type") in _KEEPS_TEXT and pre.get("behavior") != "Removed"
+
+
+def _byte_level_alphabet() -> dict[int, str]:
+    """Byte -> the character byte-level BPE spells it with: printable Latin-1 bytes as themselves, the
+    others as U+0100 onwards, in byte order (GPT-2's scheme, which tokenizers' ByteLevel follows)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+def _chars_holding(missing: list[int]) -> re.Pattern[str] | None:
+    """The characters whose UTF-8 form holds one of the bytes `missing`, as a pattern; None for none.
+    ValueError when a continuation byte is missing (it sits in most multi-byte characters)."""
+    ranges = []
+    for b in missing:
+        if b < 0x80:
+            ranges.append((b, b))
+        elif b < 0xC0:
+            raise ValueError(f"continuation byte {b:#x} has no token")
+        elif 0xC2 <= b <= 0xDF:  # 0xC0, 0xC1 and 0xF5-0xFF never appear in UTF-8
+            ranges.append(((b - 0xC0) << 6, ((b - 0xC0) << 6) + 0x3F))
+        elif 0xE0 <= b <= 0xEF:
+            ranges.append(((b - 0xE0) << 12, ((b - 0xE0) << 12) + 0xFFF))
+        elif 0xF0 <= b <= 0xF4:
+            ranges.append(((b - 0xF0) << 18, min(((b - 0xF0) << 18) + 0x3FFFF, 0x10FFFF)))
+    if not ranges:
+        return None
+    return re.compile("[" + "".join(f"\\U{lo:08x}-\\U{hi:08x}" for lo, hi in ranges) + "]")
+
+
+def _has(pre: dict | None, kind: str) -> bool:
+    if pre is None:
+        return False
+    return pre.get("type") == kind or any(_has(inner, kind) for inner in pre.get("pretokenizers", []))
 
 
 def _raise_exception(message: str) -> None:
@@ -115,6 +188,51 @@ class Tokenizer:
     @cached_property
     def all_special_ids(self) -> frozenset[int]:
         return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+
+    @cached_property
+    def _length_bound(self) -> tuple[int, re.Pattern[str] | None] | None:
+        """(the most characters one token stands for, the characters the model may drop) where that is
+        bounded: a BPE model, a pre-tokenizer that keeps every character and a normalizer that cannot
+        delete them (the bound allows for those that compose). A token stands for at most the UTF-8
+        bytes of its vocabulary string (a byte-level string spells a byte with one or two), and a
+        character is at least one byte. BPE drops a character it has no token for unless byte fallback
+        or an unfused unknown token catches it; a byte-level vocabulary that lacks some bytes drops the
+        characters that hold them, which the bound then leaves out. None where one token may stand for
+        any amount of text (WordPiece and Unigram map an unknown run to one token; a fused unknown
+        token; a normalizer that deletes)."""
+        spec = json.loads(self.backend.to_str())
+        model, pre = spec.get("model") or {}, spec.get("pre_tokenizer")
+        shrink = _normalizer_shrink(spec.get("normalizer"))
+        if model.get("type") != "BPE" or shrink is None or not _keeps_text(pre):
+            return None
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        unk = model.get("unk_token") is not None
+        if unk and model.get("fuse_unk"):
+            return None
+        if model.get("byte_fallback"):
+            missing = [b for b in range(256) if f"<0x{b:02X}>" not in vocab]
+        elif _has(pre, "ByteLevel"):
+            missing = [b for b, c in _BYTE_LEVEL.items() if c not in vocab]
+        elif unk:
+            missing = []
+        else:
+            return None  # a character outside the vocabulary is dropped, and any may be
+        try:
+            dropped = _chars_holding(missing)
+        except ValueError:  # a missing continuation byte: too many characters hold one to list
+            return None
+        per_token = max((len(t.encode("utf-8")) for t in vocab), default=1) * shrink
+        return per_token, dropped
+
+    def at_least_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)) that costs a pass over the text: 0 where none is known. (A
+        prompt of megabytes takes seconds to encode, all that time holding the GIL.)"""
+        bound = self._length_bound
+        if bound is None:
+            return 0
+        per_token, dropped = bound
+        kept = len(text) if dropped is None else len(dropped.sub("", text))
+        return kept // per_token
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids

@@ -230,7 +230,7 @@ class OpenAIServing:
 
     def _completion_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, str):
-            return self._encode(prompt)
+            return self._encode(prompt, param="prompt")
         if not prompt:
             raise bad_request("prompt is empty", "prompt")
         if isinstance(prompt[0], int):
@@ -238,11 +238,19 @@ class OpenAIServing:
         if len(prompt) != 1:
             raise bad_request(f"prompt holds {len(prompt)} prompts; this server takes one prompt per request",
                               "prompt")
-        return self._encode(prompt[0]) if isinstance(prompt[0], str) else list(prompt[0])
+        return self._encode(prompt[0], param="prompt") if isinstance(prompt[0], str) else list(prompt[0])
 
-    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def _encode(self, text: str, add_special_tokens: bool = True, param: str | None = None) -> list[int]:
+        """`param`: the field a prompt too long for the context window is blamed on. Such a prompt is
+        refused before encoding when its length alone proves it too long (a megabyte takes about a second
+        to encode, and the event loop waits that long)."""
         if not text:
             raise bad_request("prompt is empty", "prompt")
+        limit = self.engine.max_model_len
+        if param is not None and len(text) >= limit and (least := self.tokenizer.at_least_tokens(text)) >= limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt has at "
+                              f"least {least} tokens ({len(text)} characters), which leaves no room for a "
+                              "completion. Please shorten the prompt.", param, "context_length_exceeded")
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
@@ -265,7 +273,7 @@ class OpenAIServing:
         except Exception as e:  # jinja2 raises its own TemplateError (e.g. raise_exception in the template)
             raise bad_request(f"the chat template refused these messages: {e}", "messages") from None
         # The template already wrote any BOS it wants; encoding must not add a second one.
-        return self._encode(rendered, add_special_tokens=False)
+        return self._encode(rendered, add_special_tokens=False, param="messages")
 
     def _sampling_params(self, req: SamplingFields, ids: list[int], max_tokens: int | None, prompt_param: str,
                          logprobs: int | None, max_tokens_param: str = "max_tokens") -> SamplingParams:

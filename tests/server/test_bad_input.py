@@ -51,6 +51,11 @@ CASES = [
      [f"maximum context length is {MAX_MODEL_LEN}", "150 tokens"], "max_tokens"),
     ("chat-over-context", CHAT, chat(messages=[{"role": "user", "content": "fox " * 200}]), 400,
      ["maximum context length"], "messages"),
+    # a megabyte is refused by its length alone, not after seconds of encoding with the event loop held
+    ("prompt-megabyte", COMPLETIONS, completion(prompt="fox " * (1 << 18)), 400,
+     [f"maximum context length is {MAX_MODEL_LEN}", "at least", f"{1 << 20} characters"], "prompt"),
+    ("chat-megabyte", CHAT, chat(messages=[{"role": "user", "content": "fox " * (1 << 18)}]), 400,
+     [f"maximum context length is {MAX_MODEL_LEN}", "at least"], "messages"),
     ("max-tokens-zero", COMPLETIONS, completion(max_tokens=0), 400, ["max_tokens must be an integer >= 1, got 0"],
      "max_tokens"),
     ("max-tokens-negative", CHAT, chat(max_tokens=-3), 400, ["max_tokens", "-3"], "max_tokens"),

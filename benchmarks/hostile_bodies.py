@@ -1,0 +1,103 @@
+"""What oversized requests cost a real `pdserve serve`: bodies past the size cap, and JSON prompts of
+megabytes (valid bodies under the cap). For each: the status, the time to the answer, the server's peak
+RSS, and the slowest `/health` answer while it was handled (the event loop is shared by every request).
+
+    python benchmarks/hostile_bodies.py                 # a tiny random-weight model
+    python benchmarks/hostile_bodies.py --model DIR     # any model directory or GGUF
+
+Run it on a quiet machine; figures go to docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+import psutil
+
+from pdserve.distributed import free_port
+from pdserve.testing import make_tiny_model
+
+
+def _serve(model: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", model, "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"{url} did not come up in 300 s")
+
+
+def _measure(url: str, server: psutil.Process, send) -> tuple[httpx.Response, float, float, float]:
+    """(answer, seconds, peak RSS MiB, slowest /health in s) of send(), run in a thread."""
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(r=send()))
+    start, peak, slowest = time.monotonic(), 0, 0.0
+    thread.start()
+    while thread.is_alive():
+        peak = max(peak, server.memory_info().rss)
+        asked = time.monotonic()
+        try:
+            httpx.get(url + "/health", timeout=120)
+        except httpx.HTTPError:
+            pass
+        slowest = max(slowest, time.monotonic() - asked)
+        time.sleep(0.05)
+    return result["r"], time.monotonic() - start, peak / 2**20, slowest
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="model directory or GGUF (default: a tiny random-weight model)")
+    ap.add_argument("--body-mib", type=float, nargs="+", default=[8, 40, 120])
+    ap.add_argument("--prompt-mib", type=float, nargs="+", default=[0.5, 2, 8, 30])
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or str(make_tiny_model(f"{tmp}/tiny", num_layers=2, num_heads=4, num_kv_heads=2,
+                                                  head_dim=16))
+        proc, url = _serve(model)
+        try:
+            server = psutil.Process(proc.pid)
+            name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+            print(f"server idle RSS {server.memory_info().rss / 2**20:.0f} MiB")
+            print("| request | status | answered in | server peak RSS | slowest /health meanwhile |")
+            print("|---|---|---|---|---|")
+            rows = [(f"{mib:g} MiB body (a string field)", b'{"model": "%s", "max_tokens": 1, "pad": "' % name.encode()
+                     + b"a" * int(mib * 2**20) + b'"}') for mib in args.body_mib]
+            rows += [(f"{mib:g} MiB JSON prompt", None, mib) for mib in args.prompt_mib]
+            for row in rows:
+                if row[1] is not None:
+                    what, body = row
+
+                    def send(body=body):
+                        return httpx.post(url + "/v1/completions", content=body, timeout=600,
+                                          headers={"content-type": "application/json"})
+                else:
+                    what, _, mib = row
+                    prompt = {"model": name, "max_tokens": 1, "prompt": "fox " * int(mib * 2**18)}
+
+                    def send(prompt=prompt):
+                        return httpx.post(url + "/v1/completions", json=prompt, timeout=600)
+                r, seconds, peak, slowest = _measure(url, server, send)
+                print(f"| {what} | {r.status_code} {r.json()['error']['code'] if r.status_code >= 400 else ''} | "
+                      f"{seconds:.2f} s | {peak:.0f} MiB | {slowest:.2f} s |")
+        finally:
+            proc.kill()
+            proc.wait()
+
+
+if __name__ == "__main__":
+    main()
