@@ -1,7 +1,8 @@
 """The strict JSON request-body parser shared by `pdserve serve` and the orchestrator.
 
 Python's json module takes more than JSON: NaN, Infinity and -Infinity, numbers that overflow to inf
-(1e400), lone UTF-16 surrogates ("\\ud800", which no UTF-8 encoder or tokenizer accepts), and any
+(1e400), lone UTF-16 surrogates ("\\ud800", which no UTF-8 encoder or tokenizer accepts), integers past
+the digit limit of int() (4300), which it refuses with a message about sys, and any
 nesting depth until its recursion fails. `parse_json_object` refuses each of them as a
 `MalformedBody`, which both apps answer with a 400 naming the field the way pydantic names it
 ("temperature", "messages.0.content"), before anything else reads the body.
@@ -12,11 +13,13 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
 MAX_DEPTH = 64  # nested arrays and objects; an OpenAI request needs about 5
+_INT_DIGITS = sys.get_int_max_str_digits()  # int() refuses longer digit strings (0: no limit)
 
 # A JSON string, escapes included: the brackets inside one do not nest. An unterminated one runs to the
 # end, so that every match succeeds at once (a failing match would be retried from each later quote).
@@ -54,17 +57,31 @@ def _parse_float(text: str) -> float | _NonFinite:
     return value if math.isfinite(value) else _NonFinite(text)
 
 
+class _HugeInt:
+    """What the parser makes of an integer past Python's digit limit for int(): refused by field."""
+
+    __slots__ = ("digits",)
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+
+def _parse_int(text: str) -> int | _HugeInt:
+    digits = len(text) - text.startswith("-")
+    return _HugeInt(digits) if _INT_DIGITS and digits > _INT_DIGITS else int(text)
+
+
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     """The body as a dict, or MalformedBody saying what is wrong and where."""
     if not raw.strip():
         raise MalformedBody("the request body is empty; send a JSON object")
     _check_depth(raw)
     try:
-        body = json.loads(raw, parse_constant=_NonFinite, parse_float=_parse_float)
+        body = json.loads(raw, parse_constant=_NonFinite, parse_float=_parse_float, parse_int=_parse_int)
     except json.JSONDecodeError as e:
         raise MalformedBody(f"the request body is not valid JSON: {e.msg} at character {e.pos}",
                             code="invalid_json") from None
-    except ValueError as e:  # bytes that are not UTF-8 (nor -16, -32), an integer of over 4300 digits
+    except ValueError as e:  # bytes that are not UTF-8 (nor -16, -32)
         raise MalformedBody(f"the request body is not valid JSON: {e}", code="invalid_json") from None
     _check_values(body, ())
     if not isinstance(body, dict):
@@ -98,6 +115,9 @@ def _check_values(value: Any, path: tuple) -> None:
     elif isinstance(value, _NonFinite):
         raise MalformedBody(f"invalid value for {_where(path)}: must be a finite number, got {value.literal}",
                             _param(path), "invalid_value")
+    elif isinstance(value, _HugeInt):
+        raise MalformedBody(f"invalid value for {_where(path)}: an integer of {value.digits} digits (at most "
+                            f"{_INT_DIGITS})", _param(path), "invalid_value")
     elif isinstance(value, str):
         bad = _surrogate(value)
         if bad:

@@ -44,6 +44,8 @@ CASES = [
                                                   '"logit_bias": {"²": 1}}'.encode(),
      ["logit_bias keys must be token ids"], "logit_bias"),
     ("empty", COMPLETIONS, b"", ["the request body is empty"], None),
+    ("integer-of-5000-digits", COMPLETIONS, b'{"model": "tiny", "max_tokens": %s, "prompt": "hi"}' % (b"9" * 5000),
+     ["'max_tokens'", "an integer of 5000 digits"], "max_tokens"),
 ]
 
 

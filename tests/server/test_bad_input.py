@@ -120,6 +120,11 @@ CASES = [
                                    b'"logit_bias": {"5": NaN}}'), "logit_bias.5", "NaN"),
           ("in-unknown-field", COMPLETIONS, b'{"model": "tiny", "prompt": "hi", "extra": [1, NaN]}', "extra.1", "NaN"),
       ]],
+    # past int()'s digit limit: the field, not a hint to call sys.set_int_max_str_digits()
+    ("integer-of-5000-digits", COMPLETIONS, b'{"model": "tiny", "prompt": [1, %s]}' % (b"9" * 5000), 400,
+     ["'prompt.1'", "an integer of 5000 digits (at most 4300)"], "prompt.1"),
+    ("negative-integer-of-5000-digits", COMPLETIONS, b'{"model": "tiny", "prompt": "hi", "seed": -%s}' % (b"9" * 5000),
+     400, ["'seed'", "5000 digits"], "seed"),
     *[(f"lone-surrogate-{name}", path, body, 400, [f"'{param}'", "not valid Unicode", "lone surrogate"], param)
       for name, path, body, param in [
           ("prompt", COMPLETIONS, b'{"model": "tiny", "prompt": "\\ud800"}', "prompt"),
