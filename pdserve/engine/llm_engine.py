@@ -150,6 +150,8 @@ class LLMEngine:
             raise RequestError(f"prompt token ids must be in [0, {self.model_cfg.vocab_size})")
         if any(t >= self.model_cfg.vocab_size for t in params.logit_bias):
             raise RequestError(f"logit_bias token ids must be in [0, {self.model_cfg.vocab_size})")
+        if any(not 0 <= t < self.model_cfg.vocab_size for t in params.stop_token_ids):  # else it never stops
+            raise RequestError(f"stop_token_ids must be in [0, {self.model_cfg.vocab_size})")
         if n + params.max_tokens > self.max_model_len:
             raise RequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
