@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.config import HTTP_KEEP_ALIVE_S
 from pdserve.orchestrator.cluster import ROLES, LocalCluster
 from pdserve.orchestrator.config import DisaggConfig, server_url
-from pdserve.orchestrator.errors import OrchestratorError
+from pdserve.orchestrator.errors import NOT_A_WORKER, NOT_A_WORKER_MESSAGE, OrchestratorError
 from pdserve.orchestrator.metrics import OrchestratorMetrics
 from pdserve.orchestrator.orchestrator import CHAT, COMPLETIONS, Orchestrator
 from pdserve.orchestrator.request_id import RequestIdGenerator
@@ -152,6 +152,12 @@ def build_app(cfg: DisaggConfig, *, process_id: int = 0, cluster=None) -> FastAP
         if listing is None:
             raise OrchestratorError(503, "no worker is ready yet, so the served model is unknown", "no_ready_instance")
         return listing
+
+    @app.get("/v1/disagg_info")
+    async def not_a_worker():
+        """What a worker answers with its KV layout, an orchestrator answers with this: an orchestrator
+        listed (or joined) as a member of another, or of itself, is refused by name."""
+        raise OrchestratorError(404, NOT_A_WORKER_MESSAGE, NOT_A_WORKER)
 
     @app.get("/health")
     async def health():

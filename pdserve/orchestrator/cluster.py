@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 
 from pdserve.orchestrator.config import DisaggConfig
-from pdserve.orchestrator.errors import OrchestratorError
+from pdserve.orchestrator.errors import NOT_A_WORKER, OrchestratorError
 from pdserve.orchestrator.kv_cache_aware import KvCacheAwareRouter
 from pdserve.orchestrator.membership import Leases, MemberStore, StoreUnavailable
 from pdserve.orchestrator.metrics import OrchestratorMetrics
@@ -41,6 +41,10 @@ _TIMEOUTS_BEFORE_UNREADY = 2
 
 
 STATES = ("joining", "ready", "draining", "unready")
+
+
+class NotAWorker(Exception):
+    """The instance at a member's url is a pdserve orchestrator (this one, or another)."""
 
 
 class LocalCluster:
@@ -61,6 +65,9 @@ class LocalCluster:
         self._task: asyncio.Task | None = None
         self._http: httpx.AsyncClient | None = None
         self.started_at = time.monotonic()
+        for url in sorted(set(cfg.context_servers.urls) & set(cfg.generation_servers.urls)):
+            log.warning("%s is listed as both a context and a generation server: a request prefilled there and "
+                        "sent there for decode fails (409, its id is in flight); give each instance one role", url)
 
     async def start(self, http: httpx.AsyncClient) -> None:
         self._http = http
@@ -138,6 +145,10 @@ class LocalCluster:
                 reason = "draining"
             if ok and url not in router.ready and not learned:  # (re)joining: it may have restarted with another config
                 await self._learn(url)
+        except NotAWorker as e:  # never ready; said once, not at every probe
+            ok, reason = False, str(e)
+            if self.status.get(url) != reason:
+                log.error("%s server %s: %s", role, url, reason)
         except httpx.HTTPError as e:
             ok, reason = False, f"{type(e).__name__}: {e or 'no answer'}"
             timed_out = isinstance(e, httpx.TimeoutException)
@@ -158,9 +169,12 @@ class LocalCluster:
         router.set_ready(url, ok)
 
     async def _learn(self, url: str) -> None:
+        """Read the instance's /v1/models and /v1/disagg_info; NotAWorker when it is an orchestrator."""
         models = await self._http.get(url + "/v1/models", timeout=_PROBE_TIMEOUT_S)
         models.raise_for_status()
         info = await self._http.get(url + "/v1/disagg_info", timeout=_PROBE_TIMEOUT_S)
+        if info.status_code == 404 and _error_code(info) == NOT_A_WORKER:
+            raise NotAWorker(f"{url} is a pdserve orchestrator, not a worker: list the workers' urls instead")
         # A worker without the endpoint (404) can still serve conditional (local) requests.
         try:
             self.disagg_info[url] = info.json() if info.status_code == 200 else None
@@ -184,6 +198,9 @@ class LocalCluster:
         if held is None:
             try:
                 await self._learn(url)
+            except NotAWorker as e:
+                raise OrchestratorError(409, f"{url} cannot join as a {role} server: {e}", "incompatible_instance",
+                                        "url") from None
             except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:
                 raise OrchestratorError(502, f"cannot read /v1/models and /v1/disagg_info of {url} ({e}): is it a "
                                              "pdserve worker reachable from the orchestrator at that url?",

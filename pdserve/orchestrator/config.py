@@ -127,6 +127,12 @@ class DisaggConfig(BaseModel):
         if self.uses_coordinator and self.disagg_coordinator_url is None and self.port < 2:
             raise ValueError("the fleet's coordinator listens on port-1; "
                              "choose port >= 2 or set disagg_coordinator_url")
+        local = {self.hostname, "127.0.0.1", "localhost", "0.0.0.0"}
+        for url in (*self.context_servers.urls, *self.generation_servers.urls):
+            parts = urlsplit(url)
+            if parts.port == self.port and parts.hostname in local:
+                raise ValueError(f"server url {url} is this orchestrator's own address (port {self.port}); list the "
+                                 "workers' urls")
         if self.disagg_coordinator_url is not None:
             parts = urlsplit(self.disagg_coordinator_url)
             if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:

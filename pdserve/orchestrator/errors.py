@@ -23,5 +23,10 @@ class OrchestratorError(APIError):
         super().__init__(status, message, param, code, type)
 
 
+NOT_A_WORKER = "not_a_worker"  # the code an orchestrator answers /v1/disagg_info with
+NOT_A_WORKER_MESSAGE = ("this is a pdserve orchestrator, not a worker: list the workers' urls (pdserve serve) in "
+                        "context_servers and generation_servers")
+
+
 class WorkerUnreachable(OrchestratorError):
     """The connection to a worker could not be made: nothing was sent, so another instance may be tried."""

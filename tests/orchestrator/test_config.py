@@ -49,6 +49,7 @@ def test_documented_example_parses():
     ({"context_servers": {"urls": ["http://h"]}}, "must look like http://host:port"),
     ({"context_servers": {"urls": ["http://h:1/v1"]}}, "must not have a path"),
     ({"context_servers": {"urls": ["h:1", "http://h:1"]}}, "listed twice"),
+    ({"port": 8100, "generation_servers": {"urls": ["http://localhost:8100"]}}, "this orchestrator's own address"),
     ({"generation_servers": {"urls": ["h:2"], "router": {"type": "random"}}}, "generation_servers.router.type"),
     ({"generation_servers": {"urls": ["h:2"], "router": {"type": "load_balancing", "options": {"metric": "kv"}}}},
      "'requests' or 'tokens'"),

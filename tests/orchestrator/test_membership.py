@@ -237,6 +237,25 @@ def test_a_join_is_refused_with_the_reason(workers):
         assert r.status_code == 404 and "join again" in r.json()["error"]["message"]
 
 
+def test_an_orchestrator_is_refused_as_a_member_by_name(workers):
+    """Another orchestrator's url, joining or listed, is refused, saying what it is. Before, it was
+    taken as a generation server (it answers /health and /v1/models as a worker does): the requests
+    routed to it failed with a 400 (it sets disaggregated_params itself) while the others were served."""
+    ctx = workers[1].url
+    with _orchestrator(context_servers={"urls": [ctx]}, generation_servers={"urls": [workers[0].url]}) as other:
+        wait_healthy(other.url)
+        with _orchestrator(context_servers={"urls": [ctx]}) as orch:
+            r = httpx.post(orch.url + "/cluster/join", json={"role": "generation", "url": other.url}, timeout=10)
+            assert r.status_code == 409 and "is a pdserve orchestrator, not a worker" in r.text, r.text
+            assert other.url not in _instances(orch, "generation")
+        with _orchestrator(context_servers={"urls": [ctx]}, generation_servers={"urls": [other.url]}) as orch:
+            assert wait_until(lambda: "orchestrator" in _instances(orch, "generation")[other.url]["status"], 5)
+            assert _instances(orch, "generation")[other.url]["state"] != "ready"  # never routed to
+            assert httpx.get(orch.url + "/health", timeout=5).status_code == 503  # no generation server
+    r = httpx.get(workers[1].url + "/v1/disagg_info", timeout=5)  # a worker answers it with its layout
+    assert r.status_code == 200
+
+
 def test_membership_calls_need_the_cluster_token_when_one_is_set(workers):
     with _orchestrator(context_servers={"urls": [workers[1].url]}, cluster_token="t0k") as orch:
         body = {"role": "context", "url": workers[1].url}
