@@ -222,9 +222,12 @@ def load_yaml(path: str | Path | None, cls: type[BaseModel], **overrides) -> Bas
         p = Path(path)
         if not p.exists():
             raise ValueError(f"config file {p} does not exist")
-        loaded = yaml.safe_load(p.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"config file {p} is not valid YAML: {e}") from None
         if not isinstance(loaded, dict):
-            raise ValueError(f"config file {p} must hold a mapping of keys to values")
+            raise ValueError(f"config file {p} must hold a mapping of keys to values, not {type(loaded).__name__}")
         data.update(loaded)
     data.update({k: v for k, v in overrides.items() if v is not None})
     try:

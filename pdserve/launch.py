@@ -277,16 +277,7 @@ def _ranks(worker_conf: dict) -> int:
 
 
 def load_cluster_config(path: str | None) -> ClusterConfig:
-    data = {}
-    if path is not None:
-        p = Path(path)
-        if not p.exists():
-            raise ValueError(f"cluster config {p} does not exist")
-        data = yaml.safe_load(p.read_text()) or {}
-    try:
-        return ClusterConfig(**data)
-    except Exception as e:
-        raise ValueError(f"invalid cluster config{f' {path}' if path else ''}: {e}") from None
+    return load_yaml(path, ClusterConfig)
 
 
 def checked_cluster_config(path: str | None) -> ClusterConfig | None:
@@ -300,10 +291,27 @@ def checked_cluster_config(path: str | None) -> ClusterConfig | None:
         return None
 
 
+def unusable_cores(cfg: ClusterConfig) -> str | None:
+    """Why an instance's `cpus` cannot be honoured on this machine, or None. (The kernel would pin an
+    instance to the cores of its list that exist and say nothing of the others, or refuse a list of
+    none at the child's start.)"""
+    usable = os.sched_getaffinity(0)
+    for role, i, spec in instances(cfg):
+        missing = sorted(set(spec.cpus or ()) - usable)
+        if missing:
+            return (f"{role}{i} is pinned to cores {spec.cpus}, and {missing} {'is' if len(missing) == 1 else 'are'} "
+                    f"not among the cores this process may use ({sorted(usable)}): fix its cpus")
+    return None
+
+
 def launch(path: str | None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # health probes are not news
     cfg = checked_cluster_config(path)
     if cfg is None:
+        return 1
+    why = unusable_cores(cfg)
+    if why is not None:
+        print(f"pdserve launch: error: {why}", file=sys.stderr)
         return 1
     if cfg.model is None:  # convert the embedded model once, not once per instance
         from pdserve.weights import resolve_model

@@ -77,3 +77,13 @@ def test_the_global_log_level_flag_before_disaggregated(capsys):
             main(argv)
         assert done.value.code == 0
         assert "usage: pdserve disaggregated" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text, says", [("max_num_seqs: [4\n", "is not valid YAML"),
+                                        ("- 4\n", "must hold a mapping of keys to values, not list")])
+def test_a_config_file_that_is_not_a_mapping_is_named(tmp_path, text, says):
+    """Before, bad YAML ended `pdserve serve --config` in a traceback."""
+    path = tmp_path / "worker.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=f"config file {path} {says}"):
+        _config("--config", str(path))

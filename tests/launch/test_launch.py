@@ -99,13 +99,21 @@ def test_launch_without_context_instances_serves_aggregated_and_dies_with_its_se
         assert not alive, f"{[m.cmdline() for m in alive]} outlived a killed pdserve launch"
 
 
-def test_launch_refuses_a_bad_cluster_config(tmp_path):
+@pytest.mark.parametrize("text,says", [
+    (yaml.safe_dump({"context": [{"port": 9001, "config": {"tensor_parallel_size": 0}}]}), "tensor_parallel_size"),
+    ("model: [unclosed\n", "is not valid YAML"),  # was a traceback
+    ("- a\n- list\n", "must hold a mapping of keys to values, not list"),  # named Python's ** argument
+    # the kernel pinned to the cores that exist and said nothing of the others
+    (yaml.safe_dump({"generation": [{"cpus": [0, 4095]}]}), "gen0 is pinned to cores [0, 4095], and [4095] is not"),
+], ids=["bad-worker-key", "bad-yaml", "a-list", "missing-core"])
+def test_launch_refuses_a_bad_cluster_config(tmp_path, text, says):
     path = tmp_path / "cluster.yaml"
-    path.write_text(yaml.safe_dump({"context": [{"port": 9001, "config": {"tensor_parallel_size": 0}}]}))
+    path.write_text(text)
     out = subprocess.run([sys.executable, "-m", "pdserve.cli", "launch", str(path)], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 1
-    assert "tensor_parallel_size" in out.stderr
+    assert says in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert "ready" not in out.stdout  # nothing was started
 
 
 @pytest.mark.parametrize("n", ["0", "-1"])
