@@ -65,9 +65,6 @@ class LocalCluster:
         self._task: asyncio.Task | None = None
         self._http: httpx.AsyncClient | None = None
         self.started_at = time.monotonic()
-        for url in sorted(set(cfg.context_servers.urls) & set(cfg.generation_servers.urls)):
-            log.warning("%s is listed as both a context and a generation server: a request prefilled there and "
-                        "sent there for decode fails (409, its id is in flight); give each instance one role", url)
 
     async def start(self, http: httpx.AsyncClient) -> None:
         self._http = http

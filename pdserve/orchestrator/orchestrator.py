@@ -104,7 +104,6 @@ class Orchestrator:
                     route, gen_route = gen_route, None
                     return await self._generate(req, params, route)
             if self.cfg.schedule_style == "generation_first":
-                self.metrics.requests.labels("disaggregated").inc()
                 route, gen_route = gen_route, None
                 return await self._generation_first(req, route)
             route, gen_route = gen_route, None
@@ -133,11 +132,17 @@ class Orchestrator:
                 answer.pop("disaggregated_params", None)
                 return self._finished(req, answer)
             params = {**params, "request_type": "generation_only", "schedule_style": self.cfg.schedule_style}
-            if attempt == 0:
-                self.metrics.requests.labels("disaggregated").inc()
             cached = ((answer.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
             try:
-                return await self._generate(req, params, gen_route, cached)
+                if gen_route is None:
+                    gen_route = await self.cluster.select("generation", req.route_req)
+                if gen_route.url == req.ctx_url:
+                    route, gen_route = gen_route, None
+                    return await self._whole_where_prefilled(req, route)
+                if attempt == 0:
+                    self.metrics.requests.labels("disaggregated").inc()
+                route, gen_route = gen_route, None
+                return await self._generate(req, params, route, cached)
             except OrchestratorError as e:
                 self._release_kv(req)  # nobody pulls this KV now, should its instance still be alive
                 if not await self._run_again(req, req.ctx_url, "generation", e, attempt):
@@ -147,6 +152,16 @@ class Orchestrator:
                 self._release_kv(req)
                 raise
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def _whole_where_prefilled(self, req: _Request, route: Route) -> dict | AsyncIterable[bytes]:
+        """The generation instance chosen is the one that prefilled (an instance listed in both roles):
+        it serves the request whole, under a fresh id, from its prefix cache, and the context_only
+        request's KV is released. Sent generation_only, it would meet its own id still in flight (409)."""
+        self._release_kv(req)
+        req.request_id, req.ctx_url = self.ids.next_id(), None
+        self.metrics.requests.labels("local").inc()
+        return await self._generate(req, {"request_type": "context_and_generation",
+                                          "disagg_request_id": req.request_id}, route)
 
     async def _run_again(self, req: _Request, ctx_url: str, role: str, e: BaseException, attempt: int) -> bool:
         """Whether a request whose half on `role` failed with `e` runs both halves again (the caller has
@@ -305,6 +320,19 @@ class Orchestrator:
             except BaseException:
                 await self._unreserve(req, gen_route)
                 raise
+            try:
+                if gen_route is None:
+                    gen_route = await self.cluster.select("generation", req.route_req)
+            except BaseException:
+                await self.cluster.finish("context", ctx_route.url, req.route_req)
+                raise
+            if gen_route.url == ctx_route.url:  # an instance in both roles: nothing sent to it yet
+                await self.cluster.finish("context", ctx_route.url, req.route_req)
+                self.metrics.requests.labels("local").inc()
+                return await self._generate(req, {"request_type": "context_and_generation",
+                                                  "disagg_request_id": req.request_id}, gen_route)
+            if attempt == 0:
+                self.metrics.requests.labels("disaggregated").inc()
             params = {"request_type": "generation_only", "disagg_request_id": req.request_id,
                       "first_gen_tokens": [], "ctx_info_endpoint": endpoint, "ctx_dp_rank": 0,
                       "schedule_style": "generation_first"}

@@ -11,11 +11,20 @@ import time
 import httpx
 import openai
 import pytest
-from harness import MODEL_NAME, TOKENS_PER_BLOCK, AppThread, Occupied, free_port, start_workers, wait_healthy, \
-    worker_supports_disagg
+from harness import (
+    MODEL_NAME,
+    TOKENS_PER_BLOCK,
+    AppThread,
+    Occupied,
+    free_port,
+    start_workers,
+    wait_healthy,
+    worker_supports_disagg,
+)
 
 from pdserve.orchestrator.app import build_app
 from pdserve.orchestrator.config import DisaggConfig
+from pdserve.testing.wait import wait_until
 
 PROMPT_TEXT = "Disaggregated serving runs the prefill on one instance and the decode on another"
 PROMPT_IDS = list(range(30, 70))
@@ -73,6 +82,27 @@ def test_completions_equal_aggregated_streaming_and_not(pair, schedule_style):
     assert 'pdserve_orchestrator_requests_total{path="disaggregated"} 4.0' in metrics
     assert 'pdserve_orchestrator_worker_requests_total{role="context"} 4.0' in metrics
     assert 'pdserve_orchestrator_worker_requests_total{role="generation"} 4.0' in metrics
+
+
+@pytest.mark.parametrize("schedule_style", ["context_first", "generation_first"])
+def test_an_instance_in_both_roles_serves_its_own_requests_whole(pair, schedule_style):
+    """A worker listed as a context and a generation server: a request prefilled there and routed there
+    for decode as well is served there whole (context_and_generation), not sent its own id a second
+    time. Before, half of these requests (round robin) failed with a 409 (duplicate request id)."""
+    ctx, gen = pair
+    expected = client(gen.url).completions.create(model=MODEL_NAME, prompt=PROMPT_TEXT, **GREEDY).choices[0].text
+    cfg = cfg_for([ctx.url], [ctx.url, gen.url], schedule_style=schedule_style)
+    with AppThread(build_app(cfg)) as orch:
+        wait_healthy(orch.url)
+        c = client(orch.url)
+        for stream in (False, True, False, True):
+            out = c.completions.create(model=MODEL_NAME, prompt=PROMPT_TEXT, stream=stream, **GREEDY)
+            text = "".join(ch.choices[0].text for ch in out if ch.choices) if stream else out.choices[0].text
+            assert text == expected
+        metrics = httpx.get(orch.url + "/metrics").text
+    assert 'pdserve_orchestrator_requests_total{path="local"} 2.0' in metrics, metrics
+    assert wait_until(lambda: all(w.metric("pdserve_kv_cache_blocks_free") == w.metric("pdserve_kv_cache_blocks_total")
+                                  for w in pair), timeout_s=5), "a worker still holds KV"
 
 
 def test_chat_equals_aggregated_streaming_and_not(pair):
