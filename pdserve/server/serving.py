@@ -203,8 +203,10 @@ class OpenAIServing:
     def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("send exactly one of 'prompt' or 'messages'")
-        if req.prompt is not None:
-            ids = self._encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        if req.prompt is not None:  # (a prompt that its length proves longer than the context window is
+            # refused: encoding megabytes holds the event loop for seconds, long enough for an orchestrator
+            # that tokenizes to route to find this instance's /health silent and take it out of routing)
+            ids = self._encode(req.prompt, add_special_tokens=req.add_special_tokens, param="prompt")
         else:
             ids = self._chat_prompt(ChatCompletionRequest(model=self.engine.model_name, messages=req.messages))
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.engine.max_model_len)

@@ -189,6 +189,22 @@ def test_tokenize_and_detokenize_round_trip(http):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
 
 
+def test_tokenize_counts_past_the_window_but_refuses_what_its_length_proves_too_long(http, engine):
+    """A prompt longer than the context window is still counted (as vLLM counts it); one whose length in
+    characters alone proves it longer is refused before it is encoded: a megabyte holds the event loop
+    for about a second, and an orchestrator tokenizing a 30 MiB prompt to route it found this instance's
+    /health silent for 34 s and took it out of routing (measured by hand, 2026-12-06)."""
+    window = engine.max_model_len
+    counted = http.post("/tokenize", json={"prompt": "fox " * window})
+    assert counted.status_code == 200 and counted.json()["count"] > window
+    refused = http.post("/tokenize", json={"prompt": "fox " * (1 << 18)})
+    assert refused.status_code == 400, refused.text[:300]
+    error = refused.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "at least" in error["message"] and error["param"] == "prompt"
+    chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "fox " * (1 << 18)}]})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
+
+
 def test_concurrent_streams_match_sequential(client):
     kw = dict(model="tiny", max_tokens=16, **GREEDY)
     sequential = [client.completions.create(prompt=p, **kw).choices[0].text for p in PROMPTS]
