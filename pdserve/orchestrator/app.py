@@ -97,8 +97,7 @@ def build_app(cfg: DisaggConfig, *, process_id: int = 0, cluster=None) -> FastAP
             await http.aclose()
 
     app = FastAPI(title="pdserve orchestrator", lifespan=lifespan)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=int(cfg.max_request_body_mb * (1 << 20)),
-                       setting="max_request_body_mb")
+    app.add_middleware(BodyLimitMiddleware, max_mb=cfg.max_request_body_mb)
     app.add_middleware(AuthMiddleware, api_key=cfg.api_key, cluster_token=cfg.cluster_token)
     app.state.metrics = metrics
 

@@ -58,8 +58,7 @@ def build_coordinator_app(cfg: DisaggConfig) -> FastAPI:
             await http.aclose()
 
     app = FastAPI(title="pdserve coordinator", lifespan=lifespan)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=int(cfg.max_request_body_mb * (1 << 20)),
-                       setting="max_request_body_mb")
+    app.add_middleware(BodyLimitMiddleware, max_mb=cfg.max_request_body_mb)
     app.add_middleware(AuthMiddleware, api_key=None, cluster_token=cfg.cluster_token, internal_paths=COORDINATOR_PATHS)
     started = time.time()
 

@@ -66,8 +66,7 @@ def build_app(engine, cfg: WorkerConfig) -> FastAPI:
     _chain_step_hook(engine, "on_step", metrics.on_step)
     _chain_step_hook(engine, "on_step_record", metrics.on_step_record)
 
-    app.add_middleware(BodyLimitMiddleware, max_bytes=int(cfg.max_request_body_mb * (1 << 20)),
-                       setting="max_request_body_mb")
+    app.add_middleware(BodyLimitMiddleware, max_mb=cfg.max_request_body_mb)
     if cfg.api_key:  # outside the body limit: a 401 wins over a 413
         app.add_middleware(ApiKeyMiddleware, api_key=cfg.api_key)
     v1 = APIRouter(prefix="/v1", route_class=StrictJSONRoute)

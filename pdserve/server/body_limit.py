@@ -2,11 +2,11 @@
 
 Starlette reads a body whole into memory before anything parses it, so without a cap one client can
 send a body of any size and the process grows until the kernel kills it. `BodyLimitMiddleware` reads
-the body first, up to `max_bytes`, and hands it on; a body over the cap is answered with a 413 and
-never reaches the app. A Content-Length over the cap is refused before a byte is read (a client that
-sent `Expect: 100-continue` never sends the body at all). The rest of a refused body is read and
-thrown away, up to DRAIN_FACTOR times the cap, so that the client, still sending, reads the 413
-rather than a reset connection; past that the server closes the connection.
+the body first, up to `max_mb` MiB (the setting `max_request_body_mb`), and hands it on; a body over
+the cap is answered with a 413 and never reaches the app. A Content-Length over the cap is refused
+before a byte is read (a client that sent `Expect: 100-continue` never sends the body at all). The
+rest of a refused body is read and thrown away, up to DRAIN_FACTOR times the cap, so that the client,
+still sending, reads the 413 rather than a reset connection; past that the server closes the connection.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ DRAIN_FACTOR = 4
 class BodyLimitMiddleware:
     """Pure ASGI. Put it inside the auth middleware, so that a 401 still wins over a 413."""
 
-    def __init__(self, app, max_bytes: int, setting: str):
-        self.app, self.max_bytes, self.setting = app, max_bytes, setting
+    def __init__(self, app, max_mb: float):
+        self.app, self.max_bytes = app, int(max_mb * (1 << 20))
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -34,23 +34,23 @@ class BodyLimitMiddleware:
             waits = headers.get(b"expect", b"").lower() == b"100-continue"  # sends nothing unless asked to
             await self._refuse(scope, receive, send, f"{int(declared)} bytes", more=not waits)
             return
-        messages, size = [], 0
+        chunks, size, left = [], 0, []
         while True:
             message = await receive()
-            messages.append(message)
             if message["type"] != "http.request":
-                break  # the client left: the app sees that as it would have
-            size += len(message.get("body", b""))
+                left = [message]  # the client left: the app sees that as it would have
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
             if size > self.max_bytes:
                 await self._refuse(scope, receive, send, f"more than {self.max_bytes} bytes", size,
                                    message.get("more_body", False))
                 return
             if not message.get("more_body", False):
                 break
-        if len(messages) > 1:  # one message for the whole body, as Starlette would have joined them
-            body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
-            messages = [{"type": "http.request", "body": body, "more_body": False}] + [
-                m for m in messages if m["type"] != "http.request"]
+        # the body as one message, as Starlette would have joined it
+        messages = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}] if chunks else []
+        messages += left
 
         async def replay():
             return messages.pop(0) if messages else await receive()
@@ -67,5 +67,5 @@ class BodyLimitMiddleware:
             more = message.get("more_body", False)
         mib = self.max_bytes / (1 << 20)
         err = APIError(413, f"the request body is {what}, over the limit of {self.max_bytes} bytes ({mib:g} MiB); "
-                            f"send a smaller request or raise {self.setting}", code="request_too_large")
+                            "send a smaller request or raise max_request_body_mb", code="request_too_large")
         await JSONResponse(err.body(), status_code=413)(scope, receive, send)
