@@ -65,12 +65,13 @@ def _normalizer_shrink(normalizer: dict | None) -> int | None:
     return _NORMALIZER_SHRINK.get(kind)
 
 
-def _keeps_text(pre: dict | None) -> bool:
+def _pre_tokenizers(pre: dict | None) -> list[dict]:
+    """The pre-tokenizers of tokenizer.json's `pre_tokenizer`, Sequences opened."""
     if pre is None:
-        return True
+        return []
     if pre.get("type") == "Sequence":
-        return all(_keeps_text(inner) for inner in pre.get("pretokenizers", []))
-    return pre.get("type") in _KEEPS_TEXT and pre.get("behavior") != "Removed"
+        return [p for inner in pre.get("pretokenizers", []) for p in _pre_tokenizers(inner)]
+    return [pre]
 
 
 def _byte_level_alphabet() -> dict[int, str]:
@@ -102,12 +103,6 @@ def _chars_holding(missing: list[int]) -> re.Pattern[str] | None:
     if not ranges:
         return None
     return re.compile("[" + "".join(f"\\U{lo:08x}-\\U{hi:08x}" for lo, hi in ranges) + "]")
-
-
-def _has(pre: dict | None, kind: str) -> bool:
-    if pre is None:
-        return False
-    return pre.get("type") == kind or any(_has(inner, kind) for inner in pre.get("pretokenizers", []))
 
 
 def _raise_exception(message: str) -> None:
@@ -201,9 +196,10 @@ class Tokenizer:
         any amount of text (WordPiece and Unigram map an unknown run to one token; a fused unknown
         token; a normalizer that deletes)."""
         spec = json.loads(self.backend.to_str())
-        model, pre = spec.get("model") or {}, spec.get("pre_tokenizer")
+        model, pres = spec.get("model") or {}, _pre_tokenizers(spec.get("pre_tokenizer"))
         shrink = _normalizer_shrink(spec.get("normalizer"))
-        if model.get("type") != "BPE" or shrink is None or not _keeps_text(pre):
+        keeps_text = all(p.get("type") in _KEEPS_TEXT and p.get("behavior") != "Removed" for p in pres)
+        if model.get("type") != "BPE" or shrink is None or not keeps_text:
             return None
         vocab = self.backend.get_vocab(with_added_tokens=True)
         unk = model.get("unk_token") is not None
@@ -211,7 +207,7 @@ class Tokenizer:
             return None
         if model.get("byte_fallback"):
             missing = [b for b in range(256) if f"<0x{b:02X}>" not in vocab]
-        elif _has(pre, "ByteLevel"):
+        elif any(p.get("type") == "ByteLevel" for p in pres):
             missing = [b for b, c in _BYTE_LEVEL.items() if c not in vocab]
         elif unk:
             missing = []

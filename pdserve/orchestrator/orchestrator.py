@@ -93,16 +93,12 @@ class Orchestrator:
         gen_route: Route | None = None
         try:
             if self._aggregated():
-                self.metrics.requests.labels("local").inc()
-                return await self._generate(req, {"request_type": "context_and_generation",
-                                                  "disagg_request_id": req.request_id}, None)
+                return await self._whole(req, None)
             if self.cfg.conditional_disagg is not None or self.cfg.schedule_style == "generation_first":
                 gen_route = await self.cluster.select("generation", req.route_req)
                 if self._is_local(req, gen_route):
-                    params = {"request_type": "context_and_generation", "disagg_request_id": req.request_id}
-                    self.metrics.requests.labels("local").inc()
                     route, gen_route = gen_route, None
-                    return await self._generate(req, params, route)
+                    return await self._whole(req, route)
             if self.cfg.schedule_style == "generation_first":
                 route, gen_route = gen_route, None
                 return await self._generation_first(req, route)
@@ -153,15 +149,19 @@ class Orchestrator:
                 raise
         raise AssertionError("unreachable: the last attempt returns or raises")
 
+    async def _whole(self, req: _Request, route: Route | None) -> dict | AsyncIterable[bytes]:
+        """One generation instance serves the request whole (context_and_generation); `route` None: any."""
+        self.metrics.requests.labels("local").inc()
+        return await self._generate(req, {"request_type": "context_and_generation",
+                                          "disagg_request_id": req.request_id}, route)
+
     async def _whole_where_prefilled(self, req: _Request, route: Route) -> dict | AsyncIterable[bytes]:
         """The generation instance chosen is the one that prefilled (an instance listed in both roles):
         it serves the request whole, under a fresh id, from its prefix cache, and the context_only
         request's KV is released. Sent generation_only, it would meet its own id still in flight (409)."""
         self._release_kv(req)
         req.request_id, req.ctx_url = self.ids.next_id(), None
-        self.metrics.requests.labels("local").inc()
-        return await self._generate(req, {"request_type": "context_and_generation",
-                                          "disagg_request_id": req.request_id}, route)
+        return await self._whole(req, route)
 
     async def _run_again(self, req: _Request, ctx_url: str, role: str, e: BaseException, attempt: int) -> bool:
         """Whether a request whose half on `role` failed with `e` runs both halves again (the caller has
@@ -328,9 +328,7 @@ class Orchestrator:
                 raise
             if gen_route.url == ctx_route.url:  # an instance in both roles: nothing sent to it yet
                 await self.cluster.finish("context", ctx_route.url, req.route_req)
-                self.metrics.requests.labels("local").inc()
-                return await self._generate(req, {"request_type": "context_and_generation",
-                                                  "disagg_request_id": req.request_id}, gen_route)
+                return await self._whole(req, gen_route)
             if attempt == 0:
                 self.metrics.requests.labels("disaggregated").inc()
             params = {"request_type": "generation_only", "disagg_request_id": req.request_id,

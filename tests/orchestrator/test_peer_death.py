@@ -61,6 +61,14 @@ def _aggregated(worker, body: dict) -> str:
     return httpx.post(worker.url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
 
 
+def _kill_then_join(worker, sender: threading.Thread, timeout: float = 60) -> float:
+    """SIGKILL `worker`, wait for the client thread `sender` to get its answer; seconds from the kill."""
+    killed = time.monotonic()
+    worker.stop()  # SIGKILL
+    sender.join(timeout)
+    return time.monotonic() - killed
+
+
 def _wait(condition, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -97,10 +105,7 @@ def test_a_context_instance_killed_holding_the_kv_is_replaced(tiny_model_dir, tm
                 while not _holds_kv(doomed) and time.monotonic() < deadline:
                     time.sleep(0.01)
                 assert time.monotonic() < deadline, "the doomed instance never held the request's KV"
-                killed = time.monotonic()
-                doomed.stop()  # SIGKILL
-                sender.join(60)
-                answered = time.monotonic() - killed
+                answered = _kill_then_join(doomed, sender)
         r = response["r"]
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == expected
@@ -129,10 +134,7 @@ def test_a_context_instance_killed_while_prefilling_is_replaced(tiny_model_dir, 
             sender.start()
             time.sleep(0.5)  # round robin sent it to the doomed instance first, where it waits behind the queue
             assert doomed.metric("pdserve_num_requests_waiting") >= 2, "the doomed instance's queue ran dry"
-            killed = time.monotonic()
-            doomed.stop()  # SIGKILL
-            sender.join(60)
-            answered = time.monotonic() - killed
+            answered = _kill_then_join(doomed, sender)
         r = response["r"]
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == expected
@@ -238,10 +240,7 @@ def test_a_generation_instance_killed_mid_stream(long_model_dir, tmp_path_factor
             sender.start()
             _wait(lambda: _holds_kv(survivor), 10, "the survivor takes the non-streaming request")
             time.sleep(0.2)  # mid-decode
-            killed = time.monotonic()
-            survivor.stop()
-            sender.join(30)
-            answered = time.monotonic() - killed
+            answered = _kill_then_join(survivor, sender, 30)
             r = answer["r"]
             assert r.status_code == 503, r.text
             error = r.json()["error"]
@@ -279,10 +278,7 @@ def test_a_generation_instance_killed_before_its_answer_began_is_replaced(long_m
             survivor = next(g for g in gens if g is not doomed)
             time.sleep(0.2)  # mid-decode
             assert answer == {}, "the request ended before the kill"
-            killed = time.monotonic()
-            doomed.stop()  # SIGKILL
-            sender.join(60)
-            answered = time.monotonic() - killed
+            answered = _kill_then_join(doomed, sender)
             r = answer["r"]
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == expected
