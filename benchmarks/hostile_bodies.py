@@ -1,6 +1,7 @@
 """What oversized requests cost a real `pdserve serve`: bodies past the size cap, and JSON prompts of
 megabytes (valid bodies under the cap). For each: the status, the time to the answer, the server's peak
-RSS, and the slowest `/health` answer while it was handled (the event loop is shared by every request).
+RSS, the slowest `/health` answer while it was handled (the event loop is shared by every request), and the
+longest pause meanwhile in a stream another client is reading (the engine's thread shares the process).
 
     python benchmarks/hostile_bodies.py                 # a tiny random-weight model
     python benchmarks/hostile_bodies.py --model DIR     # any model directory or GGUF
@@ -41,8 +42,47 @@ def _serve(model: str) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"{url} did not come up in 300 s")
 
 
-def _measure(url: str, server: psutil.Process, send) -> tuple[httpx.Response, float, float, float]:
-    """(answer, seconds, peak RSS MiB, slowest /health in s) of send(), run in a thread."""
+class _Stream:
+    """A streamed completion read in a thread, each event's arrival time kept."""
+
+    def __init__(self, url: str, model: str):
+        self.arrivals: list[float] = []
+        body = {"model": model, "prompt": "Once upon a time", "max_tokens": 100_000, "ignore_eos": True,
+                "stream": True}
+        with httpx.Client(timeout=60) as c:  # as many tokens as the window leaves
+            window = c.post(url + "/tokenize", json={"prompt": "x"}).json()["max_model_len"]
+        body["max_tokens"] = window - 16
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(url, body), daemon=True)
+        self._thread.start()
+        while not self.arrivals:
+            time.sleep(0.01)
+
+    def _read(self, url: str, body: dict) -> None:
+        while not self._stop.is_set():  # a stream that reaches the window starts again
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+                for _ in r.iter_lines():
+                    self.arrivals.append(time.monotonic())
+                    if self._stop.is_set():
+                        return
+
+    def longest_pause(self, start: float, end: float) -> float:
+        """The longest gap between two events that overlaps [start, end]."""
+        deadline = time.monotonic() + 10
+        while self.arrivals[-1] <= end and time.monotonic() < deadline:
+            time.sleep(0.01)
+        times = self.arrivals[:]
+        return max(b - a for a, b in zip(times, times[1:]) if b >= start and a <= end)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+
+def _measure(url: str, server: psutil.Process, send, stream: _Stream) -> tuple[httpx.Response, float, float, float,
+                                                                               float]:
+    """(answer, seconds, peak RSS MiB, slowest /health in s, longest stream pause in s) of send(), run in a
+    thread."""
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(r=send()))
     start, peak, slowest = time.monotonic(), 0, 0.0
@@ -56,7 +96,8 @@ def _measure(url: str, server: psutil.Process, send) -> tuple[httpx.Response, fl
             pass
         slowest = max(slowest, time.monotonic() - asked)
         time.sleep(0.05)
-    return result["r"], time.monotonic() - start, peak / 2**20, slowest
+    end = time.monotonic()
+    return result["r"], end - start, peak / 2**20, slowest, stream.longest_pause(start, end)
 
 
 def main() -> None:
@@ -73,8 +114,10 @@ def main() -> None:
             server = psutil.Process(proc.pid)
             name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
             print(f"server idle RSS {server.memory_info().rss / 2**20:.0f} MiB")
-            print("| request | status | answered in | server peak RSS | slowest /health meanwhile |")
-            print("|---|---|---|---|---|")
+            stream = _Stream(url, name)
+            print("| request | status | answered in | server peak RSS | slowest /health meanwhile "
+                  "| longest pause in another stream |")
+            print("|---|---|---|---|---|---|")
             rows = [(f"{mib:g} MiB body (a string field)", b'{"model": "%s", "max_tokens": 1, "pad": "' % name.encode()
                      + b"a" * int(mib * 2**20) + b'"}') for mib in args.body_mib]
             rows += [(f"{mib:g} MiB JSON prompt", None, mib) for mib in args.prompt_mib]
@@ -91,9 +134,10 @@ def main() -> None:
 
                     def send(prompt=prompt):
                         return httpx.post(url + "/v1/completions", json=prompt, timeout=600)
-                r, seconds, peak, slowest = _measure(url, server, send)
+                r, seconds, peak, slowest, pause = _measure(url, server, send, stream)
                 print(f"| {what} | {r.status_code} {r.json()['error']['code'] if r.status_code >= 400 else ''} | "
-                      f"{seconds:.2f} s | {peak:.0f} MiB | {slowest:.2f} s |")
+                      f"{seconds:.2f} s | {peak:.0f} MiB | {slowest:.2f} s | {pause:.2f} s |")
+            stream.close()
         finally:
             proc.kill()
             proc.wait()

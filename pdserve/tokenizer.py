@@ -231,7 +231,11 @@ class Tokenizer:
         return kept // per_token
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """The token ids of `text`. The GIL is released while the text is encoded (`Tokenizer.encode` holds
+        it; the batch call lets other threads run), so a long text encoded in a worker thread leaves the
+        event loop and the engine's thread running. The ids are the same; the batch call, which computes
+        no offsets, is also faster (0.32 s against 0.59 s for a megabyte of English with SmolLM2's)."""
+        ids = self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self._prepend_bos:
             ids = [self.bos_token_id, *ids]
         return ids

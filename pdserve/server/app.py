@@ -135,7 +135,7 @@ def build_app(engine, cfg: WorkerConfig) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        return serving.tokenize(body)
+        return await serving.tokenize(body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:

@@ -12,6 +12,7 @@ before the first chunk and the SSE generator never started.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -55,6 +56,8 @@ from pdserve.server.streaming import OwnedStream
 SSE_DONE = "data: [DONE]\n\n"
 # A logit_bias key: ASCII digits, few enough for int() (str.isdigit also passes '²', which int() refuses).
 _TOKEN_ID = re.compile(r"[0-9]{1,18}")
+# Texts shorter than this (about 2 ms to encode) are encoded on the event loop, longer ones in a thread
+_ENCODE_IN_PLACE = 8192
 
 
 # Characters JSON may leave raw inside a string that str.splitlines (httpx's aiter_lines, requests'
@@ -99,7 +102,7 @@ class OpenAIServing:
             raise bad_request("suffix is not supported (this server does not do fill-in-the-middle)", "suffix")
         if req.best_of not in (None, 1):
             raise bad_request(f"best_of must be 1, got {req.best_of}", "best_of")
-        ids = self._completion_prompt(req.prompt)
+        ids = await self._completion_prompt(req.prompt)
         params = self._sampling_params(req, ids, req.max_tokens, "prompt", logprobs=req.logprobs)
         rid = random_id("cmpl")
         created = int(time.time())
@@ -148,7 +151,7 @@ class OpenAIServing:
             raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-        ids = self._chat_prompt(req)
+        ids = await self._chat_prompt(req)
         max_tokens, max_tokens_param = req.max_tokens, "max_tokens"
         if req.max_completion_tokens is not None:
             max_tokens, max_tokens_param = req.max_completion_tokens, "max_completion_tokens"
@@ -200,15 +203,15 @@ class OpenAIServing:
 
     # -- /tokenize --------------------------------------------------------------------------------
 
-    def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("send exactly one of 'prompt' or 'messages'")
         if req.prompt is not None:  # (a prompt that its length proves longer than the context window is
             # refused: encoding megabytes holds the event loop for seconds, long enough for an orchestrator
             # that tokenizes to route to find this instance's /health silent and take it out of routing)
-            ids = self._encode(req.prompt, add_special_tokens=req.add_special_tokens, param="prompt")
+            ids = await self._encode(req.prompt, add_special_tokens=req.add_special_tokens, param="prompt")
         else:
-            ids = self._chat_prompt(ChatCompletionRequest(model=self.engine.model_name, messages=req.messages))
+            ids = await self._chat_prompt(ChatCompletionRequest(model=self.engine.model_name, messages=req.messages))
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.engine.max_model_len)
 
     def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
@@ -230,9 +233,9 @@ class OpenAIServing:
         if req.logit_bias and not all(_TOKEN_ID.fullmatch(k.strip()) for k in req.logit_bias):
             raise bad_request("logit_bias keys must be token ids (non-negative integers as strings)", "logit_bias")
 
-    def _completion_prompt(self, prompt) -> list[int]:
+    async def _completion_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, str):
-            return self._encode(prompt, param="prompt")
+            return await self._encode(prompt, param="prompt")
         if not prompt:
             raise bad_request("prompt is empty", "prompt")
         if isinstance(prompt[0], int):
@@ -240,9 +243,9 @@ class OpenAIServing:
         if len(prompt) != 1:
             raise bad_request(f"prompt holds {len(prompt)} prompts; this server takes one prompt per request",
                               "prompt")
-        return self._encode(prompt[0], param="prompt") if isinstance(prompt[0], str) else list(prompt[0])
+        return await self._encode(prompt[0], param="prompt") if isinstance(prompt[0], str) else list(prompt[0])
 
-    def _encode(self, text: str, add_special_tokens: bool = True, param: str | None = None) -> list[int]:
+    async def _encode(self, text: str, add_special_tokens: bool = True, param: str | None = None) -> list[int]:
         """`param`: the field a prompt too long for the context window is blamed on. Such a prompt is
         refused before encoding when its length alone proves it too long (a megabyte takes about a second
         to encode, and the event loop waits that long)."""
@@ -253,9 +256,14 @@ class OpenAIServing:
             raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt has at "
                               f"least {least} tokens ({len(text)} characters), which leaves no room for a "
                               "completion. Please shorten the prompt.", param, "context_length_exceeded")
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        if len(text) < _ENCODE_IN_PLACE:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        # A long text is encoded in a worker thread, which lets go of the GIL meanwhile: every other request
+        # keeps its event loop and every running stream its engine steps (a megabyte took 0.5 s on this loop,
+        # and paused the streams of other clients as long)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    async def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         messages = []
         for i, m in enumerate(req.messages):
             content = m.content or ""
@@ -275,7 +283,7 @@ class OpenAIServing:
         except Exception as e:  # jinja2 raises its own TemplateError (e.g. raise_exception in the template)
             raise bad_request(f"the chat template refused these messages: {e}", "messages") from None
         # The template already wrote any BOS it wants; encoding must not add a second one.
-        return self._encode(rendered, add_special_tokens=False, param="messages")
+        return await self._encode(rendered, add_special_tokens=False, param="messages")
 
     def _sampling_params(self, req: SamplingFields, ids: list[int], max_tokens: int | None, prompt_param: str,
                          logprobs: int | None, max_tokens_param: str = "max_tokens") -> SamplingParams:

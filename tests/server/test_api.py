@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import threading
+import time
 
+import httpx
 import pytest
 
+from pdserve.config import EngineConfig, WorkerConfig
+from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.server.app import build_app
+from pdserve.testing import make_tiny_model
 
-from server_harness import MAX_MODEL_LEN, TOKENS_PER_BLOCK, scrape, wait_kv_baseline
+from server_harness import MAX_MODEL_LEN, TOKENS_PER_BLOCK, ServerThread, scrape, wait_kv_baseline
 
 PROMPTS = ["The capital of France is", "def forward(self, hidden_states):", "Numbers: 1 2 3",
            "Unicode: café naïve 日本語"]
@@ -203,6 +210,45 @@ def test_tokenize_counts_past_the_window_but_refuses_what_its_length_proves_too_
     assert error["code"] == "context_length_exceeded" and "at least" in error["message"] and error["param"] == "prompt"
     chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "fox " * (1 << 18)}]})
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
+
+
+@pytest.fixture(scope="module")
+def long_window_url(tmp_path_factory):
+    """A server whose context window (65536 positions) lets a prompt of 850 K characters past the
+    length bound, so that it is encoded."""
+    model = make_tiny_model(tmp_path_factory.mktemp("long") / "m", num_layers=1, num_heads=2, num_kv_heads=1,
+                            max_position_embeddings=1 << 16)
+    engine = AsyncEngine.from_config(EngineConfig(model=str(model), served_model_name="tiny", device="cpu",
+                                                  max_model_len=1 << 16, num_kv_blocks=16, tokens_per_block=8))
+    try:
+        with ServerThread(build_app(engine, WorkerConfig(model=str(model)))) as srv:
+            yield srv.url
+    finally:
+        engine.shutdown()
+
+
+def test_a_long_prompt_is_encoded_without_holding_the_event_loop(long_window_url):
+    """A prompt of 800 K characters is encoded (its length does not prove it too long), which takes about
+    half a second. The event loop answers /health meanwhile: before, it waited for the whole encode (and so
+    did every stream of every other client)."""
+    prompt = "fox " * 200_000
+    answer: dict = {}
+    sender = threading.Thread(target=lambda: answer.update(r=httpx.post(
+        long_window_url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1}, timeout=120)))
+    longest = 0.0
+    with httpx.Client(base_url=long_window_url, timeout=120) as http:
+        start = time.monotonic()
+        sender.start()
+        while sender.is_alive():
+            asked = time.monotonic()
+            assert http.get("/health").status_code == 200
+            longest = max(longest, time.monotonic() - asked)
+            time.sleep(0.01)
+        took = time.monotonic() - start
+    r = answer["r"]
+    assert r.status_code == 400, r.text[:300]
+    assert "your prompt has 400001 tokens" in r.json()["error"]["message"]  # encoded, not refused by its length
+    assert longest < took / 2, f"/health waited {longest:.2f} s while the prompt took {took:.2f} s"
 
 
 def test_concurrent_streams_match_sequential(client):

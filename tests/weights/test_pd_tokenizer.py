@@ -1,5 +1,8 @@
 """pdserve.tokenizer: ids and chat prompts equal transformers'; streaming emits only complete text."""
 
+import threading
+import time
+
 import jinja2
 import pytest
 from hypothesis import assume, example, given, settings
@@ -91,6 +94,33 @@ def test_streaming_flush_returns_an_incomplete_tail(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_tok(tmp_path_factory):
     return Tokenizer.from_dir(make_tiny_model(tmp_path_factory.mktemp("stream") / "m"))
+
+
+def test_encoding_lets_other_threads_run(tiny_tok):
+    """A long prompt is encoded in a worker thread so that the event loop and the engine's step thread go
+    on meanwhile; that only helps if encoding lets go of the GIL (tokenizers' single-text encode holds it:
+    a 1 MiB prompt paused another client's stream 0.42-0.62 s, benchmarks/hostile_bodies.py)."""
+    text = "the quick brown fox " * (1 << 16)  # 1.25 MiB: about half a second to encode here
+    ticks, stop = [0], threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            time.sleep(0.001)
+            ticks[0] += 1
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        while ticks[0] == 0:
+            time.sleep(0.001)
+        before, start = ticks[0], time.monotonic()
+        ids = tiny_tok.encode(text)
+        during, took = ticks[0] - before, time.monotonic() - start
+    finally:
+        stop.set()
+        ticker.join()
+    assert ids == tiny_tok.backend.encode(text).ids  # the same ids as the single-text call
+    assert during >= 10, f"a ticking thread ran {during} times in the {took:.2f} s the text took to encode"
 
 
 @settings(max_examples=60, deadline=None)
