@@ -290,7 +290,7 @@ class LLMEngine:
 
     def _banned(self, p: SamplingParams) -> list[int] | None:
         """Tokens that would end the output, which min_tokens keeps from being sampled."""
-        ending = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+        ending = p.stop_token_set if p.ignore_eos else p.stop_token_set | self.eos_token_ids
         return sorted(t for t in ending if 0 <= t < self.model_cfg.vocab_size) or None
 
     # -- shutdown --------------------------------------------------------------------------------

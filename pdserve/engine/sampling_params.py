@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 # Temperatures below this sample greedily (vLLM's threshold): logits divided by 1e-300 overflow to inf,
 # and the distribution they approach is the argmax anyway.
@@ -37,7 +38,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        # distinct and sorted: a request may repeat an id millions of times, and each step looks its token up
+        object.__setattr__(self, "stop_token_ids", tuple(sorted({int(t) for t in self.stop_token_ids})))
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
@@ -67,6 +69,11 @@ class SamplingParams:
             raise ValueError("stop must be a list of non-empty strings")
         if len(self.stop) > 16:
             raise ValueError(f"at most 16 stop strings are allowed, got {len(self.stop)}")
+
+    @cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """stop_token_ids, for the lookup of every sampled token."""
+        return frozenset(self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:

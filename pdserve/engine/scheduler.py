@@ -306,7 +306,7 @@ class Scheduler:
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
         is_eos = token in self.eos_token_ids and not p.ignore_eos
-        is_stop_id = token in p.stop_token_ids
+        is_stop_id = token in p.stop_token_set
         self.trackers[seq.request_id].on_token(token, is_eos or is_stop_id,
                                                stop_strings=len(seq.output_token_ids) >= p.min_tokens)
         if seq.is_finished:  # a stop string matched

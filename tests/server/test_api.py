@@ -156,6 +156,12 @@ def test_stop_token_ids_extension(client, engine):
                                   temperature=0.0, extra_body={"ignore_eos": True, "stop_token_ids": [tokens[at]]})
     assert r.usage.completion_tokens == at + 1
     assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == tokens[at]
+    # the same id repeated, among others the output never holds, and kept back by min_tokens at first
+    absent = [t for t in range(engine.engine.model_cfg.vocab_size) if t not in tokens][:50]
+    r = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=10, temperature=0.0,
+                                  extra_body={"ignore_eos": True, "min_tokens": at,
+                                              "stop_token_ids": (absent + [tokens[at]]) * 200})
+    assert r.usage.completion_tokens == at + 1 and r.choices[0].model_extra["stop_reason"] == tokens[at]
 
 
 def test_seed_reproducible_and_sampling_extensions(client):
