@@ -2,6 +2,7 @@
 megabytes (valid bodies under the cap). For each: the status, the time to the answer, the server's peak
 RSS, the slowest `/health` answer while it was handled (the event loop is shared by every request), and the
 longest pause meanwhile in a stream another client is reading (the engine's thread shares the process).
+Two more rows are bodies of millions of numbers: stop_token_ids, and a prompt of token ids.
 
     python benchmarks/hostile_bodies.py                 # a tiny random-weight model
     python benchmarks/hostile_bodies.py --model DIR     # any model directory or GGUF
@@ -12,6 +13,7 @@ Run it on a quiet machine; figures go to docs/reliability.md.
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import tempfile
@@ -120,20 +122,19 @@ def main() -> None:
             print("|---|---|---|---|---|---|")
             rows = [(f"{mib:g} MiB body (a string field)", b'{"model": "%s", "max_tokens": 1, "pad": "' % name.encode()
                      + b"a" * int(mib * 2**20) + b'"}') for mib in args.body_mib]
-            rows += [(f"{mib:g} MiB JSON prompt", None, mib) for mib in args.prompt_mib]
-            for row in rows:
-                if row[1] is not None:
-                    what, body = row
-
-                    def send(body=body):
-                        return httpx.post(url + "/v1/completions", content=body, timeout=600,
-                                          headers={"content-type": "application/json"})
-                else:
-                    what, _, mib = row
-                    prompt = {"model": name, "max_tokens": 1, "prompt": "fox " * int(mib * 2**18)}
-
-                    def send(prompt=prompt):
-                        return httpx.post(url + "/v1/completions", json=prompt, timeout=600)
+            rows += [(f"{mib:g} MiB JSON prompt", json.dumps({"model": name, "max_tokens": 1,
+                                                              "prompt": "fox " * int(mib * 2**18)}).encode())
+                     for mib in args.prompt_mib]
+            many = (list(range(1, 49152)) * 85)[:4_000_000]  # ids below any vocabulary's size, each seen 85 times
+            rows += [("4 M stop_token_ids, min_tokens 32", json.dumps(
+                         {"model": name, "prompt": "Hello", "max_tokens": 32, "min_tokens": 32, "ignore_eos": True,
+                          "temperature": 0, "stop_token_ids": many}).encode()),
+                     ("a prompt of 10 M token ids", json.dumps(
+                         {"model": name, "prompt": [1] * 10_000_000, "max_tokens": 1}).encode())]
+            for what, body in rows:
+                def send(body=body):
+                    return httpx.post(url + "/v1/completions", content=body, timeout=600,
+                                      headers={"content-type": "application/json"})
                 r, seconds, peak, slowest, pause = _measure(url, server, send, stream)
                 print(f"| {what} | {r.status_code} {r.json()['error']['code'] if r.status_code >= 400 else ''} | "
                       f"{seconds:.2f} s | {peak:.0f} MiB | {slowest:.2f} s | {pause:.2f} s |")

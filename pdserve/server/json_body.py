@@ -20,6 +20,8 @@ from typing import Any
 
 MAX_DEPTH = 64  # nested arrays and objects; an OpenAI request needs about 5
 _INT_DIGITS = sys.get_int_max_str_digits()  # int() refuses longer digit strings (0: no limit)
+# Digits as "1", every other byte "0": a digit run past the limit is then one bytes.find, linear in the body
+_DIGIT_MARKS = bytes(0x31 if 0x30 <= b <= 0x39 else 0x30 for b in range(256))
 
 # A JSON string, escapes included: the brackets inside one do not nest. An unterminated one runs to the
 # end, so that every match succeeds at once (a failing match would be retried from each later quote).
@@ -76,8 +78,11 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     if not raw.strip():
         raise MalformedBody("the request body is empty; send a JSON object")
     _check_depth(raw)
+    # Parsing each integer in Python takes 4x as long as json's own (1.1 s against 0.3 s for 4 M of them), so
+    # that is kept for bodies that hold a run of digits int() would refuse
+    ints = {"parse_int": _parse_int} if _may_hold_huge_int(raw) else {}
     try:
-        body = json.loads(raw, parse_constant=_NonFinite, parse_float=_parse_float, parse_int=_parse_int)
+        body = json.loads(raw, parse_constant=_NonFinite, parse_float=_parse_float, **ints)
     except json.JSONDecodeError as e:
         raise MalformedBody(f"the request body is not valid JSON: {e.msg} at character {e.pos}",
                             code="invalid_json") from None
@@ -87,6 +92,10 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise MalformedBody(f"the request body must be a JSON object, got {_json_type(body)}")
     return body
+
+
+def _may_hold_huge_int(raw: bytes) -> bool:
+    return bool(_INT_DIGITS) and raw.translate(_DIGIT_MARKS).find(b"1" * (_INT_DIGITS + 1)) != -1
 
 
 def _check_depth(raw: bytes) -> None:

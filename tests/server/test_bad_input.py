@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from server_harness import MAX_MODEL_LEN, NUM_KV_BLOCKS, wait_kv_baseline
 
-from pdserve.server.json_body import MAX_DEPTH
+from pdserve.server.json_body import MAX_DEPTH, MalformedBody, parse_json_object
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 OK_COMPLETION = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0,
@@ -183,6 +183,16 @@ def test_a_json_body_is_taken_whatever_its_content_type(http, content_type):
     assert r.json()["choices"][0]["text"] == http.post(COMPLETIONS, json=OK_COMPLETION).json()["choices"][0]["text"]
     bad = http.post(COMPLETIONS, content=b'{"model": "tiny", "prompt": NaN}', headers=headers)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt", bad.text  # still strict
+
+
+def test_integers_at_and_past_the_digit_limit():
+    """Integers are parsed by json's own code unless the body holds a run of digits past int()'s limit
+    (4300): the check is one scan of the body, and a run inside a string only costs the careful parse."""
+    limit = 4300
+    assert parse_json_object(b'{"a": [1, %s]}' % (b"7" * limit))["a"][1] == int("7" * limit)
+    with pytest.raises(MalformedBody, match=f"an integer of {limit + 1} digits"):
+        parse_json_object(b'{"a": [1, -%s]}' % (b"7" * (limit + 1)))
+    assert parse_json_object(b'{"a": "%s", "b": 12}' % (b"7" * (limit + 1))) == {"a": "7" * (limit + 1), "b": 12}
 
 
 def test_unknown_route_and_method_are_openai_errors(http):
