@@ -304,19 +304,33 @@ def unusable_cores(cfg: ClusterConfig) -> str | None:
     return None
 
 
+def unsplittable_models(cfg: ClusterConfig) -> str | None:
+    """Why an instance's model cannot be split as its tensor and pipeline parallel sizes ask, or None.
+    Each model is resolved here, before any instance starts: a GGUF is converted once for all of them, and a
+    layout that cannot work stops the launch before the other instances are up."""
+    from pdserve.models.config import ModelConfig
+    from pdserve.weights import read_config, resolve_model
+
+    for (role, i, _), conf in zip(instances(cfg), worker_configs(cfg)):
+        try:
+            model = ModelConfig.from_hf(read_config(resolve_model(conf.get("model"), cache_dir=conf.get("cache_dir"))))
+        except (ValueError, OSError) as e:
+            return f"{role}{i}: {e}"
+        why = model.layout_problem(int(conf.get("tensor_parallel_size", 1)), int(conf.get("pipeline_parallel_size", 1)))
+        if why is not None:
+            return f"{role}{i}: {why}"
+    return None
+
+
 def launch(path: str | None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # health probes are not news
     cfg = checked_cluster_config(path)
     if cfg is None:
         return 1
-    why = unusable_cores(cfg)
+    why = unusable_cores(cfg) or unsplittable_models(cfg)
     if why is not None:
         print(f"pdserve launch: error: {why}", file=sys.stderr)
         return 1
-    if cfg.model is None:  # convert the embedded model once, not once per instance
-        from pdserve.weights import resolve_model
-
-        resolve_model(None)
     cluster = Cluster(cfg)
     stop = {"now": False}
 

@@ -74,6 +74,9 @@ class LLMEngine:
         self.ecfg = ecfg
         self.model_dir = Path(resolve_model(ecfg.model, cache_dir=ecfg.cache_dir))
         self.model_cfg = ModelConfig.from_hf(read_config(self.model_dir))
+        why = self.model_cfg.layout_problem(ecfg.tensor_parallel_size, ecfg.pipeline_parallel_size)
+        if why is not None:
+            raise ValueError(why)
         self.max_model_len = self._max_model_len()
         self.model_name = ecfg.served_model_name or _default_name(ecfg.model, self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)

@@ -47,6 +47,25 @@ class ModelConfig:
         """Layer `layer`'s (global index) sliding window in positions; 0 for full attention."""
         return self.sliding_window if layer in self.sliding_layers else 0
 
+    def splits_by(self, tp: int) -> bool:
+        """Whether tensor parallelism can split this model `tp` ways: query heads and the MLP evenly, KV
+        heads evenly or replicated (one of num_kv_heads and tp divides the other)."""
+        return (self.num_heads % tp == 0 and self.intermediate_size % tp == 0
+                and (self.num_kv_heads % tp == 0 or tp % self.num_kv_heads == 0))
+
+    def layout_problem(self, tp: int, pp: int) -> str | None:
+        """Why this model cannot run with tensor_parallel_size `tp` and pipeline_parallel_size `pp`, saying
+        which sizes it can; None when it can. (Checked before any rank starts.)"""
+        if not self.splits_by(tp):
+            fits = [d for d in range(1, self.num_heads + 1) if self.splits_by(d)]
+            return (f"tensor_parallel_size={tp} cannot split this model ({self.num_heads} attention heads, "
+                    f"{self.num_kv_heads} KV heads, intermediate_size {self.intermediate_size}): "
+                    f"use one of {fits}")
+        if pp > self.num_layers:
+            return (f"pipeline_parallel_size={pp} exceeds the model's {self.num_layers} layers: "
+                    f"use at most {self.num_layers}")
+        return None
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or []

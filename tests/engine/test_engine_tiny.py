@@ -236,6 +236,22 @@ def test_a_context_longer_than_the_model_is_refused(tmp_path):
         assert llm.engine.max_model_len == 256
 
 
+@pytest.mark.parametrize("layout,says", [
+    ({"tensor_parallel_size": 3}, r"tensor_parallel_size=3 cannot split this model \(4 attention heads, 2 KV heads, "
+                                  r"intermediate_size 64\): use one of \[1, 2, 4\]"),
+    ({"tensor_parallel_size": 2, "pipeline_parallel_size": 3}, "pipeline_parallel_size=3 exceeds the model's 2 layers"),
+])
+def test_a_layout_the_model_cannot_take_is_refused_before_any_rank_starts(tmp_path, layout, says):
+    """Before, the other ranks were spawned and the model built before one of its layers refused the split."""
+    import psutil
+
+    d = make_tiny_model(tmp_path / "m", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    before = set(psutil.Process().children())
+    with pytest.raises(ValueError, match=says):
+        LLMEngine(EngineConfig(model=str(d), **layout))
+    assert set(psutil.Process().children()) == before
+
+
 def test_min_tokens_holds_back_stop_tokens_and_strings(tiny):
     d, prompts, ref = tiny
     stop_id = ref[0][1]  # greedy's second token

@@ -116,6 +116,25 @@ def test_launch_refuses_a_bad_cluster_config(tmp_path, text, says):
     assert "ready" not in out.stdout  # nothing was started
 
 
+@pytest.mark.parametrize("instance,says", [
+    ({"config": {"tensor_parallel_size": 3}}, "gen0: tensor_parallel_size=3 cannot split this model (4 attention "
+                                              "heads, 2 KV heads, intermediate_size 64): use one of [1, 2, 4]"),
+    ({"config": {"pipeline_parallel_size": 3}}, "gen0: pipeline_parallel_size=3 exceeds the model's 2 layers"),
+    ({"config": {"model": "/nonexistent/model"}}, "gen0: "),
+], ids=["tp", "pp", "no-model"])
+def test_launch_refuses_a_layout_the_model_cannot_take_before_starting_anything(tmp_path, tiny, instance, says):
+    """Before, the context instance (and the orchestrator) started, and the launch stopped them when the
+    generation instance failed."""
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump({"model": tiny, "log_dir": str(tmp_path / "logs"), "backend": "shm",
+                                    "context": [{}], "generation": [instance]}))
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "launch", str(path)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1
+    assert says in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert "logs in" not in out.stdout and not (tmp_path / "logs").exists()  # no instance was started
+
+
 @pytest.mark.parametrize("n", ["0", "-1"])
 def test_scale_refuses_an_empty_role_before_it_looks_for_a_cluster(n, capsys):
     """Nothing listens at the address: a count below 1 is refused without trying to reach it."""
