@@ -44,7 +44,12 @@ log = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
-    """A request the engine cannot take; the message says why (the HTTP layer answers 400)."""
+    """A request the engine cannot take; the message says why (the HTTP layer answers 400), `param` which
+    field of the request it blames, where one is to blame."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class ConflictError(RequestError):
@@ -148,13 +153,13 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in flight")
         n = len(prompt_token_ids)
         if n == 0:
-            raise RequestError("the prompt is empty")
+            raise RequestError("the prompt is empty", "prompt")
         if any(not 0 <= t < self.model_cfg.vocab_size for t in prompt_token_ids):
-            raise RequestError(f"prompt token ids must be in [0, {self.model_cfg.vocab_size})")
+            raise RequestError(f"prompt token ids must be in [0, {self.model_cfg.vocab_size})", "prompt")
         if any(t >= self.model_cfg.vocab_size for t in params.logit_bias):
-            raise RequestError(f"logit_bias token ids must be in [0, {self.model_cfg.vocab_size})")
+            raise RequestError(f"logit_bias token ids must be in [0, {self.model_cfg.vocab_size})", "logit_bias")
         if any(not 0 <= t < self.model_cfg.vocab_size for t in params.stop_token_ids):  # else it never stops
-            raise RequestError(f"stop_token_ids must be in [0, {self.model_cfg.vocab_size})")
+            raise RequestError(f"stop_token_ids must be in [0, {self.model_cfg.vocab_size})", "stop_token_ids")
         if n + params.max_tokens > self.max_model_len:
             raise RequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "

@@ -55,7 +55,7 @@ class SamplingFields(_Request):
     n: int = 1
     temperature: float | None = None  # None = 1.0 (OpenAI default)
     top_p: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)  # int64, as vLLM takes it
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

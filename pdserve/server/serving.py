@@ -332,7 +332,7 @@ class OpenAIServing:
         except ConflictError as e:
             raise APIError(409, str(e), "disaggregated_params.disagg_request_id", "duplicate_request_id") from None
         except RequestError as e:
-            raise bad_request(str(e)) from None
+            raise bad_request(str(e), e.param) from None
         except RuntimeError as e:
             if self.engine.error:
                 raise APIError(503, str(e)) from None
