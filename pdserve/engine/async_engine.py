@@ -27,7 +27,7 @@ from pdserve.engine.llm_engine import LLMEngine, RequestError, StepRecord
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.kv.events import KVEventPublisher
-from pdserve.engine.sequence import DisaggInfo, RequestType
+from pdserve.engine.sequence import DisaggInfo, RequestType, Resume
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ class _Add:
     request_type: RequestType
     disagg: DisaggInfo | None
     sink: Callable[[RequestOutput], bool]  # False once the caller can no longer receive
+    resume: Resume | None = None
     done: Future = field(default_factory=Future)
 
 
@@ -97,7 +98,7 @@ class AsyncEngine:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        request_type: RequestType = RequestType.CONTEXT_AND_GENERATION,
-                       disagg: DisaggInfo | None = None) -> AsyncIterator[RequestOutput]:
+                       disagg: DisaggInfo | None = None, resume: Resume | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Raises RequestError before the first output if it is refused.
         Abandoning the iterator (client gone) aborts the request and frees its KV blocks."""
         if self.error:
@@ -113,7 +114,7 @@ class AsyncEngine:
                 return False
             return True
 
-        cmd = _Add(prompt_token_ids, params, request_id, request_type, disagg, sink)
+        cmd = _Add(prompt_token_ids, params, request_id, request_type, disagg, sink, resume)
         self._commands.put(cmd)
         try:
             rid = await asyncio.wrap_future(cmd.done)
@@ -217,7 +218,7 @@ class AsyncEngine:
                 return
             try:
                 rid = self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.request_type,
-                                              cmd.disagg)
+                                              cmd.disagg, cmd.resume)
             except Exception as e:  # RequestError is a 400; anything else a 500 for this request alone
                 if not isinstance(e, RequestError):
                     log.exception("adding a request failed")

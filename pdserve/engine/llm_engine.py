@@ -32,7 +32,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler
 from pdserve.engine.kv.exchange import KVExchange
 from pdserve.engine.kv.wire import KVCommand
-from pdserve.engine.sequence import DisaggInfo, RequestType, Sequence
+from pdserve.engine.sequence import DisaggInfo, RequestType, Resume, Sequence
 from pdserve.engine.step_budget import TpotBudget, attention_work
 from pdserve.engine.worker import pick_device, set_threads, worker_main
 from pdserve.models.config import ModelConfig
@@ -145,7 +145,7 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     request_type: RequestType = RequestType.CONTEXT_AND_GENERATION,
-                    disagg: DisaggInfo | None = None) -> str:
+                    disagg: DisaggInfo | None = None, resume: Resume | None = None) -> str:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_type is not RequestType.CONTEXT_AND_GENERATION:
             self._check_disagg(request_type, disagg)
@@ -181,8 +181,33 @@ class LLMEngine:
                 seq.output_logprobs = list(disagg.first_gen_logprobs)
             for t in seq.output_token_ids:
                 tracker.on_token(t, False)
+        if resume is not None:
+            self._resume(seq, tracker, resume)
         self.scheduler.add(seq, tracker)
         return request_id
+
+    def _resume(self, seq: Sequence, tracker: OutputTracker, resume: Resume) -> None:
+        """Start `seq` with the output an earlier instance generated (see Resume); RequestError when that
+        output could not have been a stream the request was still in."""
+        p, ids = seq.params, list(resume.token_ids)
+        if seq.request_type is not RequestType.CONTEXT_AND_GENERATION:
+            raise RequestError("resume is for a request served whole: send it without disaggregated_params", "resume")
+        if any(not 0 <= t < self.model_cfg.vocab_size for t in ids):
+            raise RequestError(f"resume.token_ids must be in [0, {self.model_cfg.vocab_size})", "resume.token_ids")
+        if len(ids) >= p.max_tokens or len(seq.prompt_token_ids) + len(ids) >= self.max_model_len:
+            raise RequestError(f"resume.token_ids holds {len(ids)} tokens: nothing is left to generate within "
+                               f"max_tokens={p.max_tokens} and the context window", "resume.token_ids")
+        seq.output_token_ids = ids
+        ending = p.stop_token_set if p.ignore_eos else p.stop_token_set | self.eos_token_ids
+        for i, t in enumerate(ids):  # as the earlier instance saw them, stop checks included
+            tracker.on_token(t, t in ending, stop_strings=i + 1 >= p.min_tokens)
+            if t in ending or seq.is_finished:
+                raise RequestError(f"resume.token_ids ends the request at token {i}: there is nothing to resume",
+                                   "resume.token_ids")
+        if resume.sent_chars > len(tracker.text):
+            raise RequestError(f"resume.sent_chars={resume.sent_chars} is more than the {len(tracker.text)} "
+                               "characters resume.token_ids stand for", "resume.sent_chars")
+        tracker.sent, tracker.sent_tokens = resume.sent_chars, len(ids)
 
     def _check_disagg(self, request_type: RequestType, disagg: DisaggInfo | None) -> None:
         if self.runner.connector is None:

@@ -36,6 +36,17 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
+@dataclass(frozen=True)
+class Resume:
+    """What an earlier instance generated for a request before it was lost mid-stream: the request starts
+    with these output tokens (their KV recomputed with the prompt's), so that it goes on as it would have
+    there (max_tokens, min_tokens, penalties and a seed's draws count them), and the first `sent_chars`
+    characters of their text are not sent again."""
+
+    token_ids: tuple[int, ...]
+    sent_chars: int
+
+
 @dataclass
 class DisaggInfo:
     """Where a disaggregated request's KV comes from or goes to."""

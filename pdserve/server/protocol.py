@@ -31,6 +31,17 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class ResumeParams(_Request):
+    """Extension, sent by the orchestrator when it moves a stream whose instance was lost: go on with the
+    output that instance generated (`token_ids`), of whose text the client already has `sent_chars`
+    characters, under the stream's `id` and `created`."""
+
+    token_ids: list[int] = Field(min_length=1)
+    sent_chars: int = Field(ge=0)
+    id: str | None = Field(None, max_length=256)
+    created: int | None = Field(None, ge=0, lt=1 << 63)
+
+
 class DisaggregatedParams(_Request):
     """The disaggregated-serving handshake (docs/disaggregation.md). On a request it says which part
     this worker does; on a context_only answer it carries what the generation worker needs."""
@@ -70,6 +81,10 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     disaggregated_params: DisaggregatedParams | None = None
+    # Extensions for stream migration: each streamed choice carries the token ids of its text, and a
+    # request may go on from another instance's output (ResumeParams).
+    return_token_ids: bool = False
+    resume: ResumeParams | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -22,7 +22,7 @@ from typing import AsyncIterator
 from pdserve.engine.llm_engine import ConflictError, RequestError
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.sequence import DisaggInfo, RequestType
+from pdserve.engine.sequence import DisaggInfo, RequestType, Resume
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.handoff import context_answer_params, first_gen_logprobs
 from pdserve.server.metrics import ServerMetrics
@@ -104,8 +104,7 @@ class OpenAIServing:
             raise bad_request(f"best_of must be 1, got {req.best_of}", "best_of")
         ids = await self._completion_prompt(req.prompt)
         params = self._sampling_params(req, ids, req.max_tokens, "prompt", logprobs=req.logprobs)
-        rid = random_id("cmpl")
-        created = int(time.time())
+        rid, created = self._identity(req, "cmpl")
         outputs, first = await self._start(rid, ids, params, req)
         if req.stream:
             return OwnedStream(self._stream_completion(req, rid, created, outputs, first), outputs)
@@ -122,7 +121,7 @@ class OpenAIServing:
 
     async def _stream_completion(self, req, rid, created, outputs, first) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        offset = 0
+        offset = req.resume.sent_chars if req.resume else 0
         async with aclosing(outputs):
             out = first
             while True:
@@ -132,7 +131,8 @@ class OpenAIServing:
                 choice = CompletionChoice(text=out.new_text, logprobs=self._completion_logprobs(out, offset),
                                           finish_reason=out.finish_reason, stop_reason=out.stop_reason)
                 offset += len(out.new_text)
-                yield sse(CompletionChunk(id=rid, created=created, model=self.engine.model_name, choices=[choice]))
+                yield self._with_ids(req, CompletionChunk(id=rid, created=created, model=self.engine.model_name,
+                                                          choices=[choice]), out)
                 if out.finished:
                     if include_usage:
                         yield sse(CompletionChunk(id=rid, created=created, model=self.engine.model_name,
@@ -158,8 +158,7 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling_params(req, ids, max_tokens, "messages", logprobs=logprobs,
                                        max_tokens_param=max_tokens_param)
-        rid = random_id("chatcmpl")
-        created = int(time.time())
+        rid, created = self._identity(req, "chatcmpl")
         outputs, first = await self._start(rid, ids, params, req)
         if req.stream:
             return OwnedStream(self._stream_chat(req, rid, created, outputs, first), outputs)
@@ -179,21 +178,23 @@ class OpenAIServing:
     async def _stream_chat(self, req, rid, created, outputs, first) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        def chunk(choices, usage=None) -> str:
-            return sse(ChatCompletionChunk(id=rid, created=created, model=self.engine.model_name, choices=choices,
-                                           usage=usage))
+        def chunk(choices, usage=None, out: RequestOutput | None = None) -> str:
+            return self._with_ids(req, ChatCompletionChunk(id=rid, created=created, model=self.engine.model_name,
+                                                           choices=choices, usage=usage), out)
 
         async with aclosing(outputs):
-            yield chunk([ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
+            if req.resume is None:  # a resumed stream's client has had its opening chunk
+                yield chunk([ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
             out = first
             while True:
                 if out.finish_reason == "error":
                     yield sse(self._error_body(out))
                     break
-                if out.new_text or out.new_logprobs or out.finished:
+                if out.new_text or out.new_logprobs or out.finished or (req.return_token_ids and out.new_token_ids):
                     yield chunk([ChatChunkChoice(delta=DeltaMessage(content=out.new_text or None),
                                                  logprobs=self._chat_logprobs(out),
-                                                 finish_reason=out.finish_reason, stop_reason=out.stop_reason)])
+                                                 finish_reason=out.finish_reason, stop_reason=out.stop_reason)],
+                                out=out)
                 if out.finished:
                     if include_usage:
                         yield chunk([], usage_of(out))
@@ -221,6 +222,22 @@ class OpenAIServing:
         return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens, skip_special_tokens=False))
 
     # -- shared steps -----------------------------------------------------------------------------
+
+    def _identity(self, req: SamplingFields, prefix: str) -> tuple[str, int]:
+        """The response's id and created time: a resumed stream keeps those its client has seen."""
+        resume = req.resume
+        if resume is not None and not req.stream:
+            raise bad_request("resume goes on with a stream: send stream=true", "resume")
+        return ((resume and resume.id) or random_id(prefix),
+                resume.created if resume is not None and resume.created is not None else int(time.time()))
+
+    def _with_ids(self, req: SamplingFields, chunk, out: RequestOutput | None) -> str:
+        """`chunk` as an SSE event; with return_token_ids, its choice carries the ids `out` added."""
+        if not req.return_token_ids or out is None or not chunk.choices:
+            return sse(chunk)
+        body = chunk.model_dump()
+        body["choices"][0]["token_ids"] = out.new_token_ids
+        return sse(json.dumps(body, ensure_ascii=False, separators=(",", ":")))
 
     def _check_common(self, req: SamplingFields) -> None:
         if req.model != self.engine.model_name:
@@ -326,7 +343,8 @@ class OpenAIServing:
             raise APIError(503, "this instance is draining (shutting down): send the request to another instance",
                            code="draining")
         request_type, disagg = self._disagg(req)
-        outputs = self._outputs(rid, ids, params, request_type, disagg)
+        resume = req.resume and Resume(tuple(req.resume.token_ids), req.resume.sent_chars)
+        outputs = self._outputs(rid, ids, params, request_type, disagg, resume)
         try:
             first = await anext(outputs)
         except ConflictError as e:
@@ -365,14 +383,14 @@ class OpenAIServing:
         return context_answer_params(last.context, self.engine.kv_endpoint) if last.context is not None else None
 
     async def _outputs(self, rid: str, ids: list[int], params: SamplingParams, request_type: RequestType,
-                       disagg: DisaggInfo | None) -> AsyncIterator[RequestOutput]:
+                       disagg: DisaggInfo | None, resume: Resume | None = None) -> AsyncIterator[RequestOutput]:
         # A normal finish is recorded by the engine's step hook; only requests that end outside a
         # step (client gone -> abort; dead step loop -> error) are recorded here.
         self.metrics.request_started(rid)
         how = "abort"
         try:
             async with aclosing(self.engine.generate(ids, params, request_id=rid, request_type=request_type,
-                                                     disagg=disagg)) as gen:
+                                                     disagg=disagg, resume=resume)) as gen:
                 async for out in gen:
                     if out.finished:
                         how = "error" if out.finish_reason == "error" else "finished"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import json
 import threading
 import time
 
@@ -287,3 +288,66 @@ def test_metrics_count_requests(client, http):
     assert grew['pdserve_engine_step_tokens_total{kind="decode"}'] == 4
     assert grew['pdserve_engine_step_tokens_total{kind="prefill"}'] >= 1
     assert grew['pdserve_engine_step_seconds_sum{kind="decode"}'] > 0
+
+
+def _events(http, path: str, body: dict) -> list[dict]:
+    with http.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def _text(event: dict) -> str:
+    choice = event["choices"][0]
+    return choice["text"] if "text" in choice else (choice["delta"].get("content") or "")
+
+
+@pytest.mark.parametrize("path,extra", [
+    ("/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 20}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[3]}], "max_tokens": 20}),
+    ("/v1/completions", {"prompt": PROMPTS[2], "max_tokens": 20, "temperature": 1.0, "seed": 11,
+                         "presence_penalty": 0.7}),
+], ids=["completions", "chat", "seeded"])
+def test_a_stream_resumed_from_another_instances_output_goes_on_as_it_would_have(http, path, extra):
+    """What the orchestrator sends when a stream's instance is lost: the output so far (token ids, from
+    return_token_ids) and how much of its text the client has. The rest of the stream is the rest of the
+    stream the lost instance would have sent: same ids, text, id, usage, seeded draws included."""
+    body = {"model": "tiny", "stream": True, "return_token_ids": True, "ignore_eos": True, "temperature": 0.0,
+            "stream_options": {"include_usage": True}, **extra}
+    full = _events(http, path, body)
+    rows = [e for e in full if e["choices"]]
+    opening = "delta" in rows[0]["choices"][0]  # chat's role chunk: no token
+    assert all("token_ids" in e["choices"][0] for e in rows[opening:])
+    ids = [t for e in rows[opening:] for t in e["choices"][0]["token_ids"]]
+    assert len(ids) == 20
+    for cut in (1, 7, 15):
+        head = rows[:cut + opening]
+        done = [t for e in head[opening:] for t in e["choices"][0]["token_ids"]]
+        sent = sum(len(_text(e)) for e in head)
+        rest = _events(http, path, {**body, "resume": {"token_ids": done, "sent_chars": sent, "id": full[0]["id"],
+                                                       "created": full[0]["created"]}})
+        rest_rows = [e for e in rest if e["choices"]]
+        assert done + [t for e in rest_rows for t in e["choices"][0]["token_ids"]] == ids
+        assert "".join(map(_text, head + rest_rows)) == "".join(map(_text, rows))
+        assert {(e["id"], e["created"]) for e in rest} == {(full[0]["id"], full[0]["created"])}
+        usage = {k: v for k, v in full[-1]["usage"].items() if k != "prompt_tokens_details"}  # (its cache hits)
+        assert {k: v for k, v in rest[-1]["usage"].items() if k != "prompt_tokens_details"} == usage
+        assert rest_rows[-1]["choices"][0]["finish_reason"] == "length"
+    plain = _events(http, path, {k: v for k, v in body.items() if k != "return_token_ids"})
+    assert all("token_ids" not in e["choices"][0] for e in plain if e["choices"])
+
+
+@pytest.mark.parametrize("resume,says,param", [
+    ({"token_ids": [5] * 8, "sent_chars": 0}, "nothing is left to generate", "resume.token_ids"),
+    ({"token_ids": [5, 6], "sent_chars": 10**6}, "characters resume.token_ids stand for", "resume.sent_chars"),
+    ({"token_ids": [5, 10**6], "sent_chars": 0}, "resume.token_ids must be in", "resume.token_ids"),
+    ({"token_ids": [], "sent_chars": 0}, "at least 1", "resume.token_ids"),
+], ids=["all-of-max-tokens", "more-text-than-ids", "out-of-vocab", "empty"])
+def test_a_resume_that_cannot_be_is_a_400(http, resume, says, param):
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "stream": True, "resume": resume}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == param
+    r = http.post("/v1/completions", json={**body, "stream": False, "resume": {"token_ids": [5], "sent_chars": 0}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "resume"
