@@ -98,7 +98,11 @@ class DisaggConfig(BaseModel):
     request_timeout: float = Field(180.0, gt=0, description="s a worker may take to answer one request")
     health_check_interval: float = Field(2.0, gt=0, description="s between /health probes of each worker")
     max_retries: int = Field(1, ge=0, description="other instances tried when one cannot be reached or is lost "
-                                                 "before its answer began")
+                                                 "before its answer began; with migrate_streams, also how many times "
+                                                 "one stream may move")
+    migrate_streams: bool = Field(True, description="a stream whose generation instance is lost after its first "
+                                                    "byte goes on from another instance (its output so far "
+                                                    "recomputed there); false: the client gets an error event")
     lease_ttl_s: float = Field(10.0, gt=0, description="s a joined instance stays a member without a heartbeat "
                                                        "(it heartbeats every lease_ttl_s / 3)")
     cluster_storage: str | None = Field(None, description="where joined instances are kept: unset for this "

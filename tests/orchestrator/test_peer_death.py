@@ -3,8 +3,9 @@ KV, or before it prefilled it: the orchestrator sends the request again, to the 
 the client, whose response had not started, gets its answer (200), equal to the aggregated greedy
 output, under either schedule style. Sent SIGTERM: it drains, and no request fails. A generation
 instance killed with -9 before its answer began (a non-streaming one): the request runs again, and the
-client gets its answer. Killed mid-stream: the client gets an error event and [DONE], and the next
-request is answered by the surviving generation instance."""
+client gets its answer. Killed mid-stream: the stream moves to the surviving instance, which goes on
+from the tokens sent (the client's text equals the aggregated greedy text); with migrate_streams off, the
+client gets an error event and [DONE], and the next request is answered by the surviving instance."""
 
 from __future__ import annotations
 
@@ -183,9 +184,9 @@ def test_sigterm_drains_a_context_instance_under_load(tiny_model_dir, tmp_path_f
         assert [r for r in results if r != (200, "right")] == []
 
 
-def test_a_generation_instance_killed_mid_stream(long_model_dir, tmp_path_factory):
-    """kill -9 of the generation instance that is streaming a long answer, after a few chunks: the client
-    gets an OpenAI-style error event naming the generation server, then `data: [DONE]` (what a worker
+def test_a_generation_instance_killed_mid_stream_without_migration(long_model_dir, tmp_path_factory):
+    """migrate_streams off. kill -9 of the generation instance that is streaming a long answer, after a few
+    chunks: the client gets an OpenAI-style error event naming the generation server, then `data: [DONE]` (what a worker
     sends after an error, and what clients that read to [DONE] wait for), and the stream closes. The
     orchestrator stays up, the context instance holds no KV, and the next requests are answered by the
     other generation instance. The dead one is still in routing (no /health probe ran), so one of the two
@@ -199,7 +200,7 @@ def test_a_generation_instance_killed_mid_stream(long_model_dir, tmp_path_factor
         expected = _aggregated(gens[0], short)
         long = {**short, "max_tokens": LONG_TOKENS}
         cfg = DisaggConfig(context_servers={"urls": [ctx.url]}, generation_servers={"urls": [g.url for g in gens]},
-                           max_retries=1, health_check_interval=60)
+                           max_retries=1, health_check_interval=60, migrate_streams=False)
         with AppThread(build_app(cfg)) as orch, httpx.Client(base_url=orch.url, timeout=30) as client:
             wait_healthy(orch.url)
             events: list[str] = []
@@ -289,3 +290,65 @@ def test_a_generation_instance_killed_before_its_answer_began_is_replaced(long_m
             assert float(retries.group(1)) == 1
             _wait(lambda: not any(_holds_kv(w) for w in [*ctxs, survivor]), 5, "every instance frees the KV")
         print(f"{style}: a generation instance killed mid-decode, answered {answered:.2f} s after the kill")
+
+
+def _chat(worker, body: dict) -> str:
+    return httpx.post(worker.url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"][
+        "content"]
+
+
+@pytest.mark.parametrize("style,api", [("context_first", "completions"), ("generation_first", "chat"),
+                                       ("aggregated", "completions")])
+def test_a_stream_whose_generation_instance_is_killed_moves_to_another(long_model_dir, tmp_path_factory, style, api):
+    """kill -9 of the generation instance streaming a long greedy answer, after a few chunks: the stream
+    goes on from the surviving instance, which recomputes the prompt and the tokens sent so far and
+    continues. The client sees one unbroken stream (one id, no second role chunk, no error event) whose
+    text equals the aggregated greedy text, with the usage of the whole request; no instance holds KV
+    afterwards."""
+    roles = ([] if style == "aggregated" else ["context"]) + ["generation"] * 2
+    with _workers(long_model_dir, tmp_path_factory.mktemp("gen-move"), *({} for _ in roles), **LONG_WORKER) as ws:
+        ctxs, gens = ws[:-2], ws[-2:]
+        common = {"model": MODEL_NAME, "max_tokens": LONG_TOKENS, "temperature": 0, "ignore_eos": True}
+        if api == "chat":
+            body, path = {**common, "messages": [{"role": "user", "content": "Tell me a long story."}]}, \
+                "/v1/chat/completions"
+            expected = _chat(gens[0], body)
+        else:
+            body, path = {**common, "prompt": PROMPT}, "/v1/completions"
+            expected = _aggregated(gens[0], body)
+        context = {"urls": [c.url for c in ctxs], "minimal_instances": len(ctxs)}
+        cfg = DisaggConfig(context_servers=context, generation_servers={"urls": [g.url for g in gens]},
+                           max_retries=1, health_check_interval=60,
+                           schedule_style="context_first" if style == "aggregated" else style)
+        with AppThread(build_app(cfg)) as orch, httpx.Client(base_url=orch.url, timeout=60) as client:
+            wait_healthy(orch.url)
+            stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+            with client.stream("POST", path, json=stream) as r:
+                assert r.status_code == 200
+                lines = (line[len("data: "):] for line in r.iter_lines() if line.startswith("data: "))
+                events = [next(lines) for _ in range(10)]
+                doomed = next(g for g in gens if _holds_kv(g))  # the one decoding it
+                killed = time.monotonic()
+                doomed.stop()  # SIGKILL
+                arrivals = [killed]
+                for event in lines:  # bounded: at most LONG_TOKENS + 3 events
+                    events.append(event)
+                    arrivals.append(time.monotonic())
+                closed = time.monotonic() - killed
+            pause = max(b - a for a, b in zip(arrivals, arrivals[1:]))
+            assert events[-1] == "[DONE]" and not any(e.startswith('{"error"') for e in events), events[-3:]
+            chunks = [json.loads(e) for e in events[:-1]]
+            rows = [c["choices"][0] for c in chunks if c["choices"]]
+            text = "".join((row.get("delta") or {}).get("content") or row.get("text") or "" for row in rows)
+            assert text == expected
+            assert len({c["id"] for c in chunks}) == 1
+            assert all("token_ids" not in row for row in rows)  # the orchestrator's, taken out again
+            assert sum(1 for row in rows if (row.get("delta") or {}).get("role")) == (api == "chat")
+            assert rows[-1]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == LONG_TOKENS
+            metrics = client.get("/metrics").text
+            retries = re.search(r'^pdserve_orchestrator_retries_total{role="generation"} (\S+)$', metrics, re.M)
+            assert float(retries.group(1)) == 1
+            survivor = next(g for g in gens if g is not doomed)
+            _wait(lambda: not any(_holds_kv(w) for w in [*ctxs, survivor]), 5, "every instance frees the KV")
+        print(f"{style} {api}: a stream moved after its instance was killed; its longest pause from the kill on "
+              f"{pause:.3f} s, ended {closed:.2f} s after the kill")
