@@ -192,11 +192,11 @@ class LLMEngine:
         p, ids = seq.params, list(resume.token_ids)
         if seq.request_type is not RequestType.CONTEXT_AND_GENERATION:
             raise RequestError("resume is for a request served whole: send it without disaggregated_params", "resume")
-        if any(not 0 <= t < self.model_cfg.vocab_size for t in ids):
-            raise RequestError(f"resume.token_ids must be in [0, {self.model_cfg.vocab_size})", "resume.token_ids")
         if len(ids) >= p.max_tokens or len(seq.prompt_token_ids) + len(ids) >= self.max_model_len:
             raise RequestError(f"resume.token_ids holds {len(ids)} tokens: nothing is left to generate within "
                                f"max_tokens={p.max_tokens} and the context window", "resume.token_ids")
+        if any(not 0 <= t < self.model_cfg.vocab_size for t in ids):
+            raise RequestError(f"resume.token_ids must be in [0, {self.model_cfg.vocab_size})", "resume.token_ids")
         seq.output_token_ids = ids
         ending = p.stop_token_set if p.ignore_eos else p.stop_token_set | self.eos_token_ids
         for i, t in enumerate(ids):  # as the earlier instance saw them, stop checks included
