@@ -445,7 +445,7 @@ class Orchestrator:
             await self.cluster.unreachable("generation", route.url, e.message)
         body = {k: v for k, v in req.body.items() if k != "disaggregated_params"}
         body["return_token_ids"] = True
-        if so_far.token_ids:
+        if so_far.id is not None:  # the client has had some of the stream (perhaps only chat's role chunk)
             body["resume"] = {"token_ids": so_far.token_ids, "sent_chars": so_far.chars, "id": so_far.id,
                               "created": so_far.created}
         self.metrics.retries.labels("generation").inc()

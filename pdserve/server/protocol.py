@@ -36,7 +36,7 @@ class ResumeParams(_Request):
     output that instance generated (`token_ids`), of whose text the client already has `sent_chars`
     characters, under the stream's `id` and `created`."""
 
-    token_ids: list[int] = Field(min_length=1)
+    token_ids: list[int]  # none: the stream had sent only its opening (chat's role chunk)
     sent_chars: int = Field(ge=0)
     id: str | None = Field(None, max_length=256)
     created: int | None = Field(None, ge=0, lt=1 << 63)
