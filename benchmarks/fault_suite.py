@@ -3,7 +3,8 @@ purpose, then a table of what came back.
 
     python benchmarks/fault_suite.py [--requests 1000] [--concurrency 8] [--write-failure-rate 0.05]
                                      [--drop-rate 0.0] [--corrupt-rate 0.0] [--no-checksum]
-                                     [--kill-context-at N]
+                                     [--kill-context-at N] [--stream] [--max-tokens M]
+                                     [--kill-generation-at N] [--no-migrate]
 
 It starts `pdserve serve` processes over a tiny random-weight model (two context instances and one
 generation instance, shm transfers), and the orchestrator (`pdserve disaggregated`). The context
@@ -15,12 +16,18 @@ to the generation instance's own aggregated greedy output), wrong (a 200 with ot
 error (an OpenAI error body), or a hang (no answer within the client's timeout). Afterwards every
 instance must hold no KV block. `--kill-context-at N` kills one context instance with SIGKILL once N
 requests were answered; the measured times are to its first error and until answers are right again.
+`--kill-generation-at N` starts a second generation instance and kills the one holding the most KV
+(the one decoding) the same way; with `--stream` (and a longer `--max-tokens`) that lands mid-stream, where
+the orchestrator moves each cut stream to the other instance (`--no-migrate`: migrate_streams off, and
+each cut stream ends with an error event). A streamed answer is right when its text, read to [DONE],
+equals the reference; an error event in it makes it a clear error.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import signal
@@ -108,45 +115,79 @@ async def run(args) -> None:
         proc, url = start_worker(model_dir, workdir, faults, args.timeout_ms)
         procs.append(proc)
         ctx_urls.append(url)
-    gen_proc, gen_url = start_worker(model_dir, workdir, {"drop_notification_rate": args.drop_rate,
-                                                         "seed": args.seed + 7}, args.timeout_ms,
+    gen_urls = []
+    for k in range(1 + (args.kill_generation_at is not None)):
+        gen_proc, gen_url = start_worker(model_dir, workdir, {"drop_notification_rate": args.drop_rate,
+                                                             "seed": args.seed + 7 + k}, args.timeout_ms,
                                          checksum=args.checksum)
-    procs.append(gen_proc)
+        procs.append(gen_proc)
+        gen_urls.append(gen_url)
     orch_port = free_port()
     orch_cfg = workdir / "disagg.yaml"
     orch_cfg.write_text(yaml.safe_dump({"port": orch_port, "context_servers": {"urls": ctx_urls},
-                                        "generation_servers": {"urls": [gen_url]}, "max_retries": 1,
-                                        "health_check_interval": 1.0}))
+                                        "generation_servers": {"urls": gen_urls}, "max_retries": 1,
+                                        "health_check_interval": 1.0, "migrate_streams": args.migrate}))
     orch = Proc(["disaggregated", "-c", str(orch_cfg)], workdir / "orchestrator.log")
     orch_url = f"http://127.0.0.1:{orch_port}"
     try:
-        for url in [*ctx_urls, gen_url]:
+        for url in [*ctx_urls, *gen_urls]:
             wait_ready(url)
         wait_ready(orch_url)
         limits = httpx.Limits(max_connections=args.concurrency * 2)
         async with httpx.AsyncClient(timeout=args.client_timeout, limits=limits) as http:
             prompts = [prompt_for(i) for i in range(args.distinct_prompts)]
-            body = {"model": MODEL, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-            reference = [(await http.post(gen_url + "/v1/completions", json={**body, "prompt": p})).json()
+            body = {"model": MODEL, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
+            reference = [(await http.post(gen_urls[0] + "/v1/completions", json={**body, "prompt": p})).json()
                          ["choices"][0]["text"] for p in prompts]
             outcomes: list[tuple[str, float, float]] = []  # (kind, latency s, finished at)
             killed_at: list[float] = []
+            killed: list[int] = []  # index in procs of the instance killed
             sem = asyncio.Semaphore(args.concurrency)
+
+            def kill_now() -> None:
+                killed_at.append(time.monotonic())
+                if args.kill_context_at is not None:
+                    killed.append(0)
+                else:  # the generation instance decoding the most
+                    held = [blocks_held(u) for u in gen_urls]
+                    killed.append(len(ctx_urls) + held.index(max(held)))
+                procs[killed[0]].kill()
+
+            async def answer(prompt: list[int]) -> str:
+                """The outcome of one request: right, wrong, error or unclear."""
+                request = {**body, "prompt": prompt, "stream": args.stream}
+                if not args.stream:
+                    r = await http.post(orch_url + "/v1/completions", json=request)
+                    if r.status_code != 200:
+                        return "error" if r.json().get("error", {}).get("message") else "unclear"
+                    return r.json()["choices"][0]["text"]
+                text = ""
+                async with http.stream("POST", orch_url + "/v1/completions", json=request) as r:
+                    if r.status_code != 200:
+                        await r.aread()
+                        return "error" if r.json().get("error", {}).get("message") else "unclear"
+                    async for line in r.aiter_lines():
+                        if line == "data: [DONE]":
+                            return text
+                        if line.startswith("data: "):
+                            event = json.loads(line[6:])
+                            if "error" in event:
+                                return "error" if event["error"].get("message") else "unclear"
+                            text += event["choices"][0]["text"] if event["choices"] else ""
+                return "unclear"  # closed without [DONE]
 
             async def one(i: int) -> None:
                 async with sem:
-                    if args.kill_context_at is not None and len(outcomes) >= args.kill_context_at and not killed_at:
-                        killed_at.append(time.monotonic())
-                        procs[0].kill()
+                    kill_at = args.kill_context_at if args.kill_context_at is not None else args.kill_generation_at
+                    if kill_at is not None and len(outcomes) >= kill_at and not killed_at:
+                        kill_now()
                     start = time.monotonic()
                     try:
-                        r = await http.post(orch_url + "/v1/completions",
-                                            json={**body, "prompt": prompts[i % len(prompts)]})
-                        if r.status_code == 200:
-                            right = r.json()["choices"][0]["text"] == reference[i % len(prompts)]
-                            kind = "right" if right else "wrong"
+                        got = await answer(prompts[i % len(prompts)])
+                        if got in ("error", "unclear"):
+                            kind = got
                         else:
-                            kind = "error" if r.json().get("error", {}).get("message") else "unclear"
+                            kind = "right" if got == reference[i % len(prompts)] else "wrong"
                     except httpx.TimeoutException:
                         kind = "hang"
                     except httpx.HTTPError:
@@ -156,11 +197,15 @@ async def run(args) -> None:
             started = time.monotonic()
             await asyncio.gather(*(one(i) for i in range(args.requests)))
             wall = time.monotonic() - started
-        live = [u for k, u in enumerate(ctx_urls) if not (killed_at and k == 0)] + [gen_url]
+        live = [u for k, u in enumerate([*ctx_urls, *gen_urls]) if k not in killed]
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(blocks_held(u) for u in live):
             await asyncio.sleep(0.1)
         held = {u: blocks_held(u) for u in live}
+        metrics = httpx.get(orch_url + "/metrics", timeout=5).text
+        retried = {m.group(1): float(m.group(2)) for m in
+                   re.finditer(r'^pdserve_orchestrator_retries_total{role="(\w+)"} (\S+)$', metrics, re.M)}
+        moved = float(re.search(r'^pdserve_orchestrator_stream_moves_total (\S+)$', metrics, re.M).group(1))
     finally:
         for p in [orch, *procs]:
             p.kill(signal.SIGTERM)
@@ -176,19 +221,25 @@ async def run(args) -> None:
             ("notification drop rate (generation)", args.drop_rate),
             ("corrupt write rate (context)", args.corrupt_rate),
             ("KV checksums (generation)", "on" if args.checksum else "off"),
+            ("streamed, max_tokens", f"{'yes' if args.stream else 'no'}, {args.max_tokens}"),
             ("injected: failed writes", injected.get("failed_writes", "n/a")),
             ("injected: dropped notifications", injected.get("dropped_notifications", "n/a")),
             ("injected: corrupted writes", injected.get("corrupted_writes", "n/a")),
             ("right (equal to aggregated greedy)", count["right"]), ("wrong (200, other text)", count["wrong"]),
             ("clear errors", count["error"]), ("unclear failures", count["unclear"]), ("hangs", count["hang"]),
             ("KV blocks held afterwards", int(sum(held.values()))),
+            ("orchestrator retries: context / generation", f"{retried.get('context', 0):g} / "
+                                                           f"{retried.get('generation', 0):g}"),
+            ("streams moved to another instance", f"{moved:g}"),
             ("time to error p50 / max (s)", f"{statistics.median(errors):.3f} / {max(errors):.3f}" if errors else "-"),
             ("wall time (s)", f"{wall:.1f}")]
     if killed_at:
         after = sorted(o for o in outcomes if o[2] > killed_at[0])
         first_error = next((o[2] - killed_at[0] for o in after if o[0] != "right"), None)
         last_bad = max((o[2] for o in after if o[0] != "right"), default=None)
-        rows += [("context instance killed after answers", args.kill_context_at),
+        rows += [(f"{'context' if args.kill_context_at is not None else 'generation'} instance killed after answers",
+                  args.kill_context_at if args.kill_context_at is not None else args.kill_generation_at),
+                 ("streams moved (migrate_streams)", "on" if args.migrate else "off"),
                  ("first non-right answer after the kill (s)", f"{first_error:.2f}" if first_error else "none"),
                  ("last non-right answer after the kill (s)",
                   f"{last_bad - killed_at[0]:.2f}" if last_bad else "none")]
@@ -217,8 +268,16 @@ def main() -> None:
     ap.add_argument("--timeout-ms", type=int, default=2000, help="kv_transfer_timeout_ms of every instance")
     ap.add_argument("--client-timeout", type=float, default=60.0)
     ap.add_argument("--kill-context-at", type=int, default=None)
+    ap.add_argument("--kill-generation-at", type=int, default=None)
+    ap.add_argument("--stream", action="store_true", help="stream each answer (read to [DONE])")
+    ap.add_argument("--max-tokens", type=int, default=6)
+    ap.add_argument("--no-migrate", dest="migrate", action="store_false",
+                    help="the orchestrator's migrate_streams off: a cut stream ends with an error event")
     ap.add_argument("--seed", type=int, default=0)
-    asyncio.run(run(ap.parse_args()))
+    args = ap.parse_args()
+    if args.kill_context_at is not None and args.kill_generation_at is not None:
+        ap.error("kill one instance per run: --kill-context-at or --kill-generation-at")
+    asyncio.run(run(args))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@
     pdserve_orchestrator_worker_requests_total{role}       requests sent to context / generation workers
     pdserve_orchestrator_worker_errors_total{role,status}  worker calls that failed, by the client's status
     pdserve_orchestrator_retries_total{role}               another instance tried after one was unreachable or lost
+    pdserve_orchestrator_stream_moves_total                streams moved to another generation instance after
+                                                           theirs was lost mid-stream (migrate_streams)
     pdserve_orchestrator_client_errors_total{status}       error answers to clients
     pdserve_orchestrator_queue_latency_seconds             arrival -> first worker request sent
                                                            (tokenize + routing + coordinator hop)
@@ -39,6 +41,7 @@ class OrchestratorMetrics:
         self.worker_requests = Counter(p + "worker_requests", "Requests sent to workers.", ["role"], registry=r)
         self.worker_errors = Counter(p + "worker_errors", "Failed worker calls.", ["role", "status"], registry=r)
         self.retries = Counter(p + "retries", "Retries on another instance.", ["role"], registry=r)
+        self.stream_moves = Counter(p + "stream_moves", "Streams moved after their instance was lost.", registry=r)
         self.client_errors = Counter(p + "client_errors", "Error answers to clients.", ["status"], registry=r)
         self.queue = Histogram(p + "queue_latency_seconds", "Arrival to first worker request.",
                                buckets=_LATENCY_BUCKETS, registry=r)

@@ -448,7 +448,7 @@ class Orchestrator:
         if so_far.id is not None:  # the client has had some of the stream (perhaps only chat's role chunk)
             body["resume"] = {"token_ids": so_far.token_ids, "sent_chars": so_far.chars, "id": so_far.id,
                               "created": so_far.created}
-        self.metrics.retries.labels("generation").inc()
+        self.metrics.stream_moves.inc()
         timeout = self.cfg.request_timeout
         try:
             return await self._call("generation", req, lambda url: open_stream(

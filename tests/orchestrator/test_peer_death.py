@@ -345,9 +345,8 @@ def test_a_stream_whose_generation_instance_is_killed_moves_to_another(long_mode
             assert all("token_ids" not in row for row in rows)  # the orchestrator's, taken out again
             assert sum(1 for row in rows if (row.get("delta") or {}).get("role")) == (api == "chat")
             assert rows[-1]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == LONG_TOKENS
-            metrics = client.get("/metrics").text
-            retries = re.search(r'^pdserve_orchestrator_retries_total{role="generation"} (\S+)$', metrics, re.M)
-            assert float(retries.group(1)) == 1
+            moves = re.search(r'^pdserve_orchestrator_stream_moves_total (\S+)$', client.get("/metrics").text, re.M)
+            assert float(moves.group(1)) == 1
             survivor = next(g for g in gens if g is not doomed)
             _wait(lambda: not any(_holds_kv(w) for w in [*ctxs, survivor]), 5, "every instance frees the KV")
         print(f"{style} {api}: a stream moved after its instance was killed; its longest pause from the kill on "
