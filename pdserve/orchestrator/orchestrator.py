@@ -87,6 +87,9 @@ class Orchestrator:
     async def serve(self, api: str, body: dict, conversation_id: str | None = None) -> dict | AsyncIterable[bytes]:
         """A JSON answer, or the SSE bytes of a streaming one."""
         arrival = time.monotonic()
+        if "resume" in body:  # a disaggregated request's generation half would refuse it after the prefill
+            raise OrchestratorError(400, "resume is set by the orchestrator when it moves a stream; a client may "
+                                         "not send it", "invalid_value", "resume")
         req = _Request(api, body, RouteRequest(), self._request_id(body), arrival)
         tokens = await self._tokens(req) if self.needs_tokens else None
         req.route_req = RouteRequest(num_tokens=len(tokens) if tokens else 0, token_ids=tokens,

@@ -132,6 +132,9 @@ def test_worker_errors_pass_through_and_bad_input_is_400(workers):
         r = httpx.post(orch.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT,
                                                           "disaggregated_params": {"request_type": "context_only"}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "disaggregated_params"
+        r = httpx.post(orch.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, "stream": True,
+                                                          "resume": {"token_ids": [5], "sent_chars": 0}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "resume"
         assert httpx.get(orch.url + "/v1/models").json()["data"][0]["id"] == MODEL_NAME
 
 
