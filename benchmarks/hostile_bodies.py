@@ -2,7 +2,7 @@
 megabytes (valid bodies under the cap). For each: the status, the time to the answer, the server's peak
 RSS, the slowest `/health` answer while it was handled (the event loop is shared by every request), and the
 longest pause meanwhile in a stream another client is reading (the engine's thread shares the process).
-Two more rows are bodies of millions of numbers: stop_token_ids, and a prompt of token ids.
+More rows: bodies of millions of numbers (stop_token_ids, a prompt of token ids) and of chat messages.
 
     python benchmarks/hostile_bodies.py                 # a tiny random-weight model
     python benchmarks/hostile_bodies.py --model DIR     # any model directory or GGUF
@@ -130,10 +130,15 @@ def main() -> None:
                          {"model": name, "prompt": "Hello", "max_tokens": 32, "min_tokens": 32, "ignore_eos": True,
                           "temperature": 0, "stop_token_ids": many}).encode()),
                      ("a prompt of 10 M token ids", json.dumps(
-                         {"model": name, "prompt": [1] * 10_000_000, "max_tokens": 1}).encode())]
+                         {"model": name, "prompt": [1] * 10_000_000, "max_tokens": 1}).encode()),
+                     ("800 K chat messages of one letter", json.dumps(
+                         {"model": name, "messages": [{"role": "user", "content": "a"}] * 800_000,
+                          "max_tokens": 1}).encode())]
             for what, body in rows:
-                def send(body=body):
-                    return httpx.post(url + "/v1/completions", content=body, timeout=600,
+                path = "/v1/chat/completions" if what.endswith("messages of one letter") else "/v1/completions"
+
+                def send(body=body, path=path):
+                    return httpx.post(url + path, content=body, timeout=600,
                                       headers={"content-type": "application/json"})
                 r, seconds, peak, slowest, pause = _measure(url, server, send, stream)
                 print(f"| {what} | {r.status_code} {r.json()['error']['code'] if r.status_code >= 400 else ''} | "
