@@ -198,7 +198,7 @@ class LLMEngine:
         if any(not 0 <= t < self.model_cfg.vocab_size for t in ids):
             raise RequestError(f"resume.token_ids must be in [0, {self.model_cfg.vocab_size})", "resume.token_ids")
         seq.output_token_ids = ids
-        ending = p.stop_token_set if p.ignore_eos else p.stop_token_set | self.eos_token_ids
+        ending = self._ending(p)
         for i, t in enumerate(ids):  # as the earlier instance saw them, stop checks included
             tracker.on_token(t, t in ending, stop_strings=i + 1 >= p.min_tokens)
             if t in ending or seq.is_finished:
@@ -321,10 +321,13 @@ class LLMEngine:
             steps.append(SeqStep(seq.all_token_ids[start:start + s.num_new_tokens], start, seq.block_ids, sample))
         return StepSpec(steps)
 
+    def _ending(self, p: SamplingParams) -> frozenset[int]:
+        """The tokens that end a request's output: its stop token ids, and EOS unless it ignores EOS."""
+        return p.stop_token_set if p.ignore_eos else p.stop_token_set | self.eos_token_ids
+
     def _banned(self, p: SamplingParams) -> list[int] | None:
         """Tokens that would end the output, which min_tokens keeps from being sampled."""
-        ending = p.stop_token_set if p.ignore_eos else p.stop_token_set | self.eos_token_ids
-        return sorted(t for t in ending if 0 <= t < self.model_cfg.vocab_size) or None
+        return sorted(t for t in self._ending(p) if 0 <= t < self.model_cfg.vocab_size) or None
 
     # -- shutdown --------------------------------------------------------------------------------
 

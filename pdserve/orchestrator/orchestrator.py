@@ -433,9 +433,14 @@ class Orchestrator:
             return answer
         if self.cfg.migrate_streams:  # what a move needs: the ids of the tokens streamed so far
             body["return_token_ids"] = True
-        route, response = await self._call("generation", req, lambda url: open_stream(
+        return _Relay(self, req, *await self._open_stream(req, body, route, whole))
+
+    async def _open_stream(self, req: _Request, body: dict, route: Route | None = None,
+                           whole: bool = True) -> tuple[Route, httpx.Response]:
+        """`body` sent streaming to a generation instance (`route`, or any), through _call."""
+        timeout = self.cfg.request_timeout
+        return await self._call("generation", req, lambda url: open_stream(
             self.http, "generation", url, req.api, body, timeout), route, whole)
-        return _Relay(self, req, route, response)
 
     async def _moved(self, req: _Request, route: Route, e: OrchestratorError, so_far: "_Streamed",
                      moves: int) -> tuple[Route, httpx.Response] | None:
@@ -451,14 +456,13 @@ class Orchestrator:
         if so_far.id is not None:  # the client has had some of the stream (perhaps only chat's role chunk)
             body["resume"] = {"token_ids": so_far.token_ids, "sent_chars": so_far.chars, "id": so_far.id,
                               "created": so_far.created}
-        self.metrics.stream_moves.inc()
-        timeout = self.cfg.request_timeout
         try:
-            return await self._call("generation", req, lambda url: open_stream(
-                self.http, "generation", url, req.api, body, timeout))
+            opened = await self._open_stream(req, body)
         except OrchestratorError as failed:
             log.warning("a stream lost with %s could not move: %s", route.url, failed.message)
             return None
+        self.metrics.stream_moves.inc()
+        return opened
 
 
 class _Streamed:

@@ -70,6 +70,15 @@ def _kill_then_join(worker, sender: threading.Thread, timeout: float = 60) -> fl
     return time.monotonic() - killed
 
 
+def _styled(ctxs, gens, style: str) -> DisaggConfig:
+    """An orchestrator over `ctxs` and `gens` serving in `style`: a schedule style, or aggregated (no
+    context instance); one retry, no health probe during the test."""
+    context = {"urls": [c.url for c in ctxs], "minimal_instances": len(ctxs)}
+    return DisaggConfig(context_servers=context, generation_servers={"urls": [g.url for g in gens]},
+                        max_retries=1, health_check_interval=60,
+                        schedule_style="context_first" if style == "aggregated" else style)
+
+
 def _wait(condition, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -265,11 +274,8 @@ def test_a_generation_instance_killed_before_its_answer_began_is_replaced(long_m
         body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": LONG_TOKENS, "temperature": 0,
                 "ignore_eos": True}
         expected = _aggregated(gens[0], body)
-        context = {"urls": [c.url for c in ctxs], "minimal_instances": len(ctxs)}
-        cfg = DisaggConfig(context_servers=context, generation_servers={"urls": [g.url for g in gens]},
-                           max_retries=1, health_check_interval=60,
-                           schedule_style="context_first" if style == "aggregated" else style)
-        with AppThread(build_app(cfg)) as orch, httpx.Client(base_url=orch.url, timeout=60) as client:
+        with AppThread(build_app(_styled(ctxs, gens, style))) as orch, \
+                httpx.Client(base_url=orch.url, timeout=60) as client:
             wait_healthy(orch.url)
             answer = {}
             sender = threading.Thread(target=lambda: answer.update(r=client.post("/v1/completions", json=body)))
@@ -316,11 +322,8 @@ def test_a_stream_whose_generation_instance_is_killed_moves_to_another(long_mode
         else:
             body, path = {**common, "prompt": PROMPT}, "/v1/completions"
             expected = _aggregated(gens[0], body)
-        context = {"urls": [c.url for c in ctxs], "minimal_instances": len(ctxs)}
-        cfg = DisaggConfig(context_servers=context, generation_servers={"urls": [g.url for g in gens]},
-                           max_retries=1, health_check_interval=60,
-                           schedule_style="context_first" if style == "aggregated" else style)
-        with AppThread(build_app(cfg)) as orch, httpx.Client(base_url=orch.url, timeout=60) as client:
+        with AppThread(build_app(_styled(ctxs, gens, style))) as orch, \
+                httpx.Client(base_url=orch.url, timeout=60) as client:
             wait_healthy(orch.url)
             stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
             with client.stream("POST", path, json=stream) as r:
