@@ -102,6 +102,7 @@ def test_messenger_survives_malformed_messages_and_handler_errors():
     try:
         raw = zmq.Context.instance().socket(zmq.DEALER)
         raw.setsockopt(zmq.LINGER, 0)
+        raw.setsockopt(zmq.SNDTIMEO, 5000)  # a send with no pipe to queue for would otherwise wait forever
         raw.connect(server.endpoint)
         raw.send(b"garbage")
         raw.send(_frame(42, {}))

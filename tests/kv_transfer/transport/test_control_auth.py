@@ -19,14 +19,31 @@ from pdserve.testing.wait import wait_until
 TOKEN = "s3cret-cluster-token"
 
 
-def _raw_dealer(endpoint: str, keys: tuple[bytes, bytes] | None = None, server_key: bytes | None = None):
+_RAW_TIMEOUT_MS = 1000
+
+
+def _raw_dealer(endpoint: str, keys: tuple[bytes, bytes] | None = None, server_key: bytes | None = None,
+                connect: bool = True):
+    """A DEALER whose send and recv give up after _RAW_TIMEOUT_MS: once the listener refuses its
+    handshake, libzmq drops its only pipe and a plain send would wait for a peer forever."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, _RAW_TIMEOUT_MS)
+    sock.setsockopt(zmq.RCVTIMEO, _RAW_TIMEOUT_MS)
     if keys is not None:
         sock.curve_publickey, sock.curve_secretkey = keys
         sock.curve_serverkey = server_key
-    sock.connect(endpoint)
+    if connect:
+        sock.connect(endpoint)
     return sock
+
+
+def _raw_send(sock: zmq.Socket, data: bytes) -> None:
+    """Send as a stranger would; zmq.Again means the refusal came first and dropped the pipe."""
+    try:
+        sock.send(data)
+    except zmq.Again:
+        pass
 
 
 def test_keys_are_derived_from_the_token_and_curve_is_available():
@@ -58,9 +75,9 @@ def test_peers_without_the_token_are_refused_and_logged(caplog):
             strangers = [
                 lambda n: wrong.send(server.endpoint, Cancel(n, ("wrong", 0))),
                 lambda n: none.send(server.endpoint, Cancel(n, ("none", 0))),
-                lambda n: raws.append(_raw_dealer(server.endpoint)) or raws[-1].send(Cancel(n, ("raw", 0)).to_bytes()),
+                lambda n: raws.append(_raw_dealer(server.endpoint)) or _raw_send(raws[-1], Cancel(n, ("raw", 0)).to_bytes()),
                 lambda n: raws.append(_raw_dealer(server.endpoint, zmq.curve_keypair(), keys.public))
-                or raws[-1].send(Cancel(n, ("zap", 0)).to_bytes()),
+                or _raw_send(raws[-1], Cancel(n, ("zap", 0)).to_bytes()),
             ]
             for n, stranger in enumerate(strangers, start=2):
                 before = server.auth_failures
@@ -85,6 +102,37 @@ def test_peers_without_the_token_are_refused_and_logged(caplog):
             sock.close()
         for m in (legit, wrong, none, server):
             m.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_raw_send_after_the_listener_refused_the_handshake_returns():
+    """The refusal drops the stranger's pipe (soon after the monitor reports it); a send then has no
+    peer to queue for. With the test's send timeout it gives up; without one it waits forever, and
+    only the per-test timeout ends it."""
+    server = Messenger(lambda m: None, cluster_token=TOKEN)
+    sock = _raw_dealer(server.endpoint, zmq.curve_keypair(), CurveKeys.from_token(TOKEN).public, connect=False)
+    refused = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    try:
+        sock.connect(server.endpoint)
+        assert refused.poll(5000), "the listener did not refuse the stranger's key"
+        gave_up = False
+        for n in range(20):
+            t0 = time.monotonic()
+            try:
+                sock.send(Cancel(n, ("zap", 0)).to_bytes())
+            except zmq.Again:
+                gave_up = True
+            assert time.monotonic() - t0 < 3 * _RAW_TIMEOUT_MS / 1000
+            if gave_up:
+                break
+            time.sleep(0.05)
+        assert gave_up, "the refused socket kept queueing: its pipe was never dropped"
+        assert server.alive and server.auth_failures >= 1
+    finally:
+        sock.disable_monitor()
+        refused.close()
+        sock.close()
+        server.close()
 
 
 def test_a_token_on_one_side_only_fails_fast_naming_the_key():

@@ -16,6 +16,7 @@ def test_register_peer_with_garbage_rank_info_is_a_warning_without_traceback(pai
     (ctx,), _ = pair(Topology("ctx"), Topology("gen"))
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
+    raw.setsockopt(zmq.SNDTIMEO, 5000)  # a send with no pipe to queue for would otherwise wait forever
     try:
         raw.connect(ctx.tx.endpoint)
         with caplog.at_level(logging.WARNING, logger="pdserve.kv_transfer"):
