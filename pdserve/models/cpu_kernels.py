@@ -54,6 +54,9 @@ LIBS = ["-lm"]  # libm, which pulls in libmvec for the vectorised expf
 LINK_FLAGS = ["-shared", "-fopenmp"]
 ENABLE_ENV = "PDSERVE_CPU_KERNELS"
 CACHE_ENV = "PDSERVE_KERNEL_CACHE"
+# -march for the build: `native` (the default) compiles for this CPU; e.g. `x86-64-v3` (AVX2 + FMA, no
+# AVX-512) builds the form an AVX2-only machine gets, which is how that machine's paths are tested here.
+MARCH_ENV = "PDSERVE_KERNEL_MARCH"
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _FLOAT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # activations: the first two of the same enum
 
@@ -161,9 +164,13 @@ def _cpu_signature() -> str:
     return platform.machine()
 
 
-def build(sources: list[Path] = SOURCES, cache_dir: Path | None = None, flags: list[str] = FLAGS) -> Path:
+def build(sources: list[Path] = SOURCES, cache_dir: Path | None = None, flags: list[str] | None = None) -> Path:
     """Compile `sources` into one library in the kernel cache (once per sources, flags, compiler and CPU).
-    Tests pass other `flags` to build a kernel's form for CPUs without some instructions."""
+    Tests pass other `flags` to build a kernel's form for CPUs without some instructions; the default is
+    FLAGS with `$PDSERVE_KERNEL_MARCH` for -march when set."""
+    if flags is None:
+        march = os.environ.get(MARCH_ENV, "").strip()
+        flags = [f"-march={march}" if f == "-march=native" and march else f for f in FLAGS]
     compiler = os.environ.get("CC", "cc")
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -219,6 +226,7 @@ def load() -> ctypes.CDLL | None:
         except (KernelBuildError, OSError) as exc:
             log.warning("native CPU kernels unavailable, the model runs in PyTorch only: %s", exc)
             return None
+        log.info("native CPU kernels built for -march=%s", os.environ.get(MARCH_ENV, "").strip() or "native")
         lib.paged_decode_attention.argtypes = [ctypes.POINTER(_DecodeArgs), ctypes.c_int, ctypes.c_int]
         lib.paged_decode_attention.restype = ctypes.c_int
         lib.rope_cache_write.argtypes = [ctypes.POINTER(_RopeCacheArgs), ctypes.c_int, ctypes.c_int, ctypes.c_int]

@@ -6,8 +6,8 @@ model file never does shard arithmetic.
 On CPU, `pack_for_cpu(model)` then hands every linear weight to oneDNN once, in its blocked layout
 (`torch.ops.mkldnn._reorder_linear_weight`), and `linear` runs oneDNN's GEMM on it, which streams
 the weights faster than the plain F.linear path (MKL) in decode and prefill alike
-(benchmarks/bench_engine.py, docs/benchmarks.md). Elsewhere (CUDA, fp16 on CPU) the weights stay
-plain and `linear` is F.linear.
+(benchmarks/bench_engine.py, docs/benchmarks.md). Elsewhere (CUDA, fp16 on CPU, bf16 on a CPU whose
+oneDNN cannot take it: `onednn_packs`) the weights stay plain and `linear` is F.linear.
 
 A decode step of a few sequences is the exception: oneDNN's GEMM streams the weights slower there
 than a plain loop over their rows, so `pack_for_cpu(model, gemv=True)` keeps each linear's plain
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import math
 
@@ -36,7 +37,21 @@ from pdserve.models.config import RopeScaling
 
 log = logging.getLogger(__name__)
 
-_PACKABLE = (torch.float32, torch.bfloat16)
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16)  # the dtypes oneDNN's GEMM and the native GEMV may take
+
+
+@functools.cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's CPU GEMM takes `dtype` on this machine. fp32 everywhere oneDNN is built in; bf16
+    only where torch's own check passes (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): elsewhere packing a bf16
+    weight raises, and so does oneDNN's linear on a plain one, so such a machine keeps bf16 weights plain
+    and multiplies them with F.linear."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
 
 # Whether the step being run has decode rows only. Only then do linears take the GEMV: a prefill chunk
 # keeps oneDNN's GEMM whatever its length, so a prompt's logits do not depend on how it was chunked
@@ -85,13 +100,13 @@ def pack_for_cpu(model: nn.Module, gemv: bool = False) -> None:
     keeps its plain weight for steps of a few rows (where the native GEMV runs)."""
     on_cpu = next(model.parameters()).device.type == "cpu"
     gemv = gemv and on_cpu and cpu_kernels.skinny_linear_runs()  # off CPU: no kernel build, no probe
-    packing = torch.backends.mkldnn.is_available()
     lookup = getattr(model, "embed_tokens", None)
     linears = [m for m in model.modules()
-               if isinstance(m, _LINEARS) and m.weight.device.type == "cpu" and m.weight.dtype in _PACKABLE]
+               if isinstance(m, _LINEARS) and m.weight.device.type == "cpu" and m.weight.dtype in _FLOAT_DTYPES]
     plain = _in_huge_pages([m.weight.detach() for m in linears]) if gemv else []
     kept = 0  # bytes of plain weights kept beside packed ones
     for i, m in enumerate(linears):
+        packing = onednn_packs(m.weight.dtype)
         if gemv:
             m.gemv_weight = plain[i]  # a plain tensor (not a parameter)
             kept += plain[i].numel() * plain[i].element_size() if packing else 0
@@ -100,13 +115,16 @@ def pack_for_cpu(model: nn.Module, gemv: bool = False) -> None:
         elif gemv:  # one copy: the layer reads the GEMV's
             m.weight = nn.Parameter(plain[i], requires_grad=False)
     for m in model.modules():
-        if (packing and isinstance(m, VocabParallelEmbedding) and m.weight.device.type == "cpu"
-                and m.weight.dtype in _PACKABLE):
+        if (isinstance(m, VocabParallelEmbedding) and m.weight.device.type == "cpu"
+                and onednn_packs(m.weight.dtype)):
             if m is getattr(model, "lm_head", None):
                 m.head_weight = _packed(m.weight)
                 if m is not lookup:
                     m.weight = None  # an untied head never looks rows up: drop the plain copy
             # A tied head keeps both: the lookup needs plain rows, the head the packed matrix.
+    if any(m.weight is not None and not m.weight.is_mkldnn and m.weight.dtype == torch.bfloat16 for m in linears):
+        log.warning("bf16 on this CPU: oneDNN's bf16 GEMM needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, so the "
+                    "bf16 weights stay plain and multiply through F.linear; float32 may be the faster dtype here")
     if kept:
         log.info("decode GEMV: keeping plain linear weights beside oneDNN's packed ones (+%.0f MB; "
                  "cpu_decode_gemv: false keeps one copy)", kept / 1e6)

@@ -1,0 +1,53 @@
+"""The suite's CPU paths as a machine without AVX-512 runs them, on whatever machine runs the suite.
+
+CI's machines have had AVX-512 so far, and a CPU with AVX2 alone (AMD Zen 1-3, many cloud VMs) takes
+other paths: oneDNN refuses bf16 there, ATen runs its AVX2 kernels, and the native kernels compile
+without their AVX-512 code. Three switches make such a machine of this one, for one child process:
+`ONEDNN_MAX_CPU_ISA=AVX2` (oneDNN, and torch's own bf16 check, which reads it), `ATEN_CPU_CAPABILITY=avx2`
+(ATen's kernels) and `PDSERVE_KERNEL_MARCH=x86-64-v3` (the native kernels: AVX2 + FMA, no AVX-512). The
+child runs the kernel tests and the engine's low-precision tests under them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+AVX2_MACHINE = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "PDSERVE_KERNEL_MARCH": "x86-64-v3"}
+SUITES = ["tests/models", "tests/engine/test_engine_low_precision.py"]
+
+
+def _on_avx2_machine(code: str) -> str:
+    env = {**os.environ, **AVX2_MACHINE}
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout.strip()
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64", reason="x86-64 ISA switches")
+def test_the_switches_make_a_machine_without_avx512():
+    """The premise of the module: under the switches, oneDNN takes no bf16 and the kernels no AVX-512."""
+    out = _on_avx2_machine(
+        "import torch, ctypes\n"
+        "from pdserve.models import cpu_kernels\n"
+        "print(torch.ops.mkldnn._is_mkldnn_bf16_supported(), torch.backends.cpu.get_cpu_capability())\n"
+        "print(cpu_kernels.skinny_linear_runs())\n")
+    assert out.splitlines() == ["False AVX2", "False"], out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64", reason="x86-64 ISA switches")
+def test_kernel_and_low_precision_tests_pass_without_avx512():
+    """bf16 engines start and are as accurate as transformers' bf16 (before: `pack_for_cpu` raised
+    'mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw ...' at
+    start), and every kernel test passes against the library built without AVX-512."""
+    env = {**os.environ, **AVX2_MACHINE}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *SUITES], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
