@@ -10,11 +10,15 @@ request alone, through `SampleResult.errors`, never the batch."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
 
 from pdserve.engine.sampling_params import GREEDY_BELOW
+
+_U64 = (1 << 64) - 1  # an int64 seed's two's-complement bits: -1 and 2**63 - 1 stay apart
+_DRAW_KEY = b"pdserve seeded draw v1"
 
 
 @dataclass(frozen=True)
@@ -147,8 +151,30 @@ def _draw(row: torch.Tensor, s: SampleSpec) -> int:
         raise ValueError("no token is left to sample: every token was excluded by the request's penalties, "
                          "biases or filters")
     probs = torch.softmax(row, dim=-1)
-    gen = None
-    if s.seed is not None:
-        gen = torch.Generator(device=row.device)
-        gen.manual_seed((s.seed * 1_000_003 + s.step) & 0x7FFF_FFFF_FFFF_FFFF)
-    return int(torch.multinomial(probs, 1, generator=gen))
+    if s.seed is None:
+        return int(torch.multinomial(probs, 1))
+    return _inverse_cdf(probs, seeded_uniform(s.seed, s.step))
+
+
+def seeded_uniform(seed: int, step: int) -> float:
+    """Draw number `step` of `seed`'s stream, in [0, 1) with 53 random bits.
+
+    A counter-based generator (as Philox is): a keyed hash of all 64 bits of the int64 seed and of the
+    output position. A draw depends on (seed, step) alone, not on the batch, the rank or the draws
+    before it, so a stream resumed at position N goes on as it would have; and seeds that differ only
+    above bit 32 (torch's CPU generator keeps 32 bits of its seed) or in the sign get streams of their own.
+    """
+    msg = (seed & _U64).to_bytes(8, "little") + step.to_bytes(8, "little")
+    bits = int.from_bytes(hashlib.blake2b(msg, digest_size=8, key=_DRAW_KEY).digest(), "little")
+    return (bits >> 11) * 2.0 ** -53
+
+
+def _inverse_cdf(probs: torch.Tensor, u: float) -> int:
+    """The token whose slice of the cumulative distribution holds `u` of the total mass. probs: [vocab].
+    A token with no mass has an empty slice, so it is never drawn."""
+    cdf = probs.double().cumsum(0)
+    at = torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype, device=cdf.device)
+    i = int(torch.searchsorted(cdf, at, right=True))
+    if i == probs.numel():  # u * total rounded up to the total: the last token with mass
+        i = int(probs.nonzero()[-1])
+    return i

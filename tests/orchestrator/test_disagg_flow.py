@@ -120,6 +120,32 @@ def test_chat_equals_aggregated_streaming_and_not(pair):
             expected.choices[0].message.content
 
 
+# int64 seeds in pairs that differ by 2**32, in the sign bit, and by 2**63: each once drew its partner's tokens.
+SEED_PAIRS = [(7, (1 << 32) + 7), (-1, (1 << 63) - 1), (0, -(1 << 63))]
+
+
+@pytest.mark.parametrize("schedule_style", ["context_first", "generation_first"])
+def test_seeded_draws_equal_aggregated_and_each_int64_seed_draws_its_own(pair, schedule_style):
+    """The context instance draws the first token and the generation instance the rest; a draw depends on
+    (seed, position) alone, so the split output is the aggregated one, streamed or not."""
+    ctx, gen = pair
+    kw = {"temperature": 1.0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+    seeds = [s for p in SEED_PAIRS for s in p]
+    aggregated = client(gen.url)
+    expected = {s: aggregated.completions.create(model=MODEL_NAME, prompt=PROMPT_IDS, seed=s, **kw).choices[0].text
+                for s in seeds}
+    assert all(expected[a] != expected[b] for a, b in SEED_PAIRS), expected
+    with AppThread(build_app(cfg_for([ctx.url], [gen.url], schedule_style=schedule_style))) as orch:
+        wait_healthy(orch.url)
+        c = client(orch.url)
+        for s in seeds:
+            assert c.completions.create(model=MODEL_NAME, prompt=PROMPT_IDS, seed=s, **kw).choices[0].text == expected[s]
+        chunks = list(c.completions.create(model=MODEL_NAME, prompt=PROMPT_IDS, seed=seeds[1], stream=True, **kw))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == expected[seeds[1]]
+        metrics = httpx.get(orch.url + "/metrics").text
+    assert f'pdserve_orchestrator_requests_total{{path="disaggregated"}} {len(seeds) + 1}.0' in metrics, metrics
+
+
 @pytest.mark.parametrize("schedule_style", ["context_first", "generation_first"])
 def test_degenerate_sampling_values_keep_the_cluster_serving(pair, schedule_style):
     """temperature/top_p/repetition_penalty of 1e-300 once stopped the context worker's engine (and with
