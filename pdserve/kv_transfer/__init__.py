@@ -13,6 +13,7 @@ from pdserve.kv_transfer.page_table import (
     PageTable,
     PhysicalPool,
     PoolView,
+    Section,
     page_table_for_block_major_pool,
     page_table_for_layer_major_pools,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "PageTable",
     "PhysicalPool",
     "PoolView",
+    "Section",
     "RankInfo",
     "SchemaError",
     "TransferPlan",

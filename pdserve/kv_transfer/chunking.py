@@ -15,6 +15,10 @@ slice (all its block ids once) and the sender blanks (-1) what a chunk does not 
 - Sliding-window groups whose window is shorter than the prompt ship nothing until the final
   chunk, then all their (final-window) blocks at once: their pages may leave the window between
   chunks. A window >= prompt length behaves as full attention.
+- A recurrent group (one state slot per sequence, ``recurrent``) ships its slot with the final chunk
+  only: the state is a checkpoint after exactly the tokens seen, and only the final chunk ends at one
+  that the transfer delivers (the prompt length). Before it, the slot holds a state the receiver must
+  not take as any block-rounded end.
 - The token span a chunk delivers is exact: the final chunk ends at the prompt length, not at a
   block boundary.
 """
@@ -50,12 +54,14 @@ def chunk_blocks(
     chunk_end: int,
     prompt_len: int,
     reused_len: int = 0,
+    recurrent: frozenset[int] = frozenset(),
 ) -> Chunk:
     """Blocks that the prefill chunk ``[chunk_start, chunk_end)`` ships (see module docstring).
 
     ``block_ids``: the sender's ids per layer group (block i holds tokens [i*T, (i+1)*T)).
     ``sliding_windows``: per layer group, its window in tokens or None for full attention.
     ``reused_len``: prompt tokens already in the cache before prefill (the first chunk starts there).
+    ``recurrent``: layer groups whose ids are one state slot (their window is None), shipped last.
     """
     t = tokens_per_block
     if t < 1:
@@ -75,6 +81,11 @@ def chunk_blocks(
     out = {}
     for gid, ids in block_ids.items():
         ids = np.asarray(ids)
+        if gid in recurrent:
+            if ids.shape != (1,):
+                raise ValueError(f"recurrent layer group {gid}: one state slot id, got {ids.size}")
+            out[gid] = ids.copy() if is_last else np.full_like(ids, -1)
+            continue
         if ids.ndim != 1 or ids.size * t < prompt_len:
             raise ValueError(
                 f"layer group {gid}: {ids.size} block ids of {t} tokens cannot hold a {prompt_len}-token prompt"

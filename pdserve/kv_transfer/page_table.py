@@ -11,6 +11,12 @@ axis. Defaults describe dense layer-major storage (``slot_stride = slot_bytes``,
 ``layer_stride = num_slots * slot_stride``); a block-major pool (every layer of a block in one
 slot) sets ``layer_stride = 0`` and puts the layer into the entry offset.
 
+A *recurrent* layer group (Mamba2, Gated DeltaNet state) has no blocks: a sequence holds one slot of
+it, the state after exactly the tokens it has seen, so a request names one slot id per recurrent group
+instead of a run of block ids. Its views are SECTIONED: each buffer (say one layer's conv state) is
+``[Sec0 | Sec1 | ...]``, each section a run of ``units`` (heads, groups or channels) that TP shards on
+its own (``Section``).
+
 Roles are opaque labels compared only by equality: the transfer code knows no role names.
 """
 
@@ -33,6 +39,7 @@ class MapperKind(enum.Enum):
     HND = "hnd"  # each buffer is [kv_heads, tokens_per_block, head_bytes] (head-major)
     NHD = "nhd"  # each buffer is [tokens_per_block, kv_heads, head_bytes] (token-major)
     REPLICATED = "replicated"  # identical bytes on every TP rank; no head slicing
+    SECTIONED = "sectioned"  # each buffer [Sec0 | Sec1 | ...], every section TP-sharded on its own (Section)
 
 
 def _check_range(name: str, value: int, lo: int, hi: int) -> None:
@@ -52,6 +59,47 @@ class BufferEntry:
         _check_range("BufferEntry.local_layer_id", self.local_layer_id, 0, U32)
         _check_range("BufferEntry.offset", self.offset, 0, U64)
         _check_range("BufferEntry.size", self.size, 1, U32)
+
+
+@dataclass(frozen=True)
+class Section:
+    """One section of a SECTIONED buffer: ``units`` units in the whole model (heads, groups or channels),
+    ``unit_bytes`` bytes each. A rank of ``T`` TP ranks (per DP group) holds units
+    ``[r * units / T, (r + 1) * units / T)`` when ``units >= T``, else the one unit ``r * units // T``
+    (``T / units`` ranks hold a copy), as KV heads are split; its buffer is its sections' shares laid
+    end to end:
+
+        rank 0 of 2:  [x: units 0..3 | B: group 0 | C: group 0]      (x: 8 units, B and C: 1 group each)
+        rank 1 of 2:  [x: units 4..7 | B: group 0 | C: group 0]
+    """
+
+    units: int
+    unit_bytes: int
+
+    def __post_init__(self) -> None:
+        _check_range("Section.units", self.units, 1, U32)
+        _check_range("Section.unit_bytes", self.unit_bytes, 1, U32)
+
+    def local_units(self, tp: int) -> int:
+        """Units a rank of ``tp`` TP ranks holds."""
+        if self.units >= tp and self.units % tp:
+            raise ValueError(f"a section of {self.units} units cannot be split over {tp} TP ranks")
+        if self.units < tp and tp % self.units:
+            raise ValueError(f"a section of {self.units} units cannot be copied evenly over {tp} TP ranks")
+        return max(1, self.units // tp)
+
+    def unit_range(self, tp: int, tp_rank: int) -> tuple[int, int]:
+        """The global units [lo, hi) TP rank ``tp_rank`` of ``tp`` holds."""
+        if self.units >= tp:
+            n = self.units // tp
+            return tp_rank * n, (tp_rank + 1) * n
+        lo = tp_rank * self.units // tp
+        return lo, lo + 1
+
+
+def sectioned_bytes(sections: tuple[Section, ...], tp: int) -> int:
+    """Bytes of one SECTIONED buffer on a rank of ``tp`` TP ranks."""
+    return sum(s.local_units(tp) * s.unit_bytes for s in sections)
 
 
 @dataclass(frozen=True)
@@ -96,10 +144,13 @@ class PoolView:
     role: frozenset[str]
     entries: tuple[BufferEntry, ...]
     mapper_kind: MapperKind | None = None
+    # SECTIONED views: the sections of each of a layer's buffers, in buffer order (sections[b] for buffer b)
+    sections: tuple[tuple[Section, ...], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", frozenset(self.role))
         object.__setattr__(self, "entries", tuple(self.entries))
+        object.__setattr__(self, "sections", tuple(tuple(b) for b in self.sections))
         _check_range("PoolView.pool_index", self.pool_index, 0, U32)
         if not self.entries:
             raise ValueError(f"PoolView of pool {self.pool_index} role {sorted(self.role)} has no entries")
@@ -135,6 +186,7 @@ class LayerGroup:
     global_layer_ids: tuple[int, ...]
     sliding_window: int | None
     views: tuple[PoolView, ...]
+    recurrent: bool = False  # one slot per sequence (its state), not blocks: see the module docstring
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "global_layer_ids", tuple(self.global_layer_ids))
@@ -148,6 +200,8 @@ class LayerGroup:
             _check_range(f"LayerGroup {self.group_id} global layer id", g, 0, U32)
         if self.sliding_window is not None:
             _check_range(f"LayerGroup {self.group_id} sliding_window", self.sliding_window, 1, U64)
+            if self.recurrent:
+                raise ValueError(f"LayerGroup {self.group_id}: a recurrent group has no sliding window")
         if not self.views:
             raise ValueError(f"LayerGroup {self.group_id} has no pool views")
         for v in self.views:
@@ -194,6 +248,13 @@ class PageTable:
                     raise ValueError(
                         f"LayerGroup {g.group_id}: pool_index {v.pool_index} out of range for {len(self.pools)} pools"
                     )
+                sectioned = self.kind_of(v) == MapperKind.SECTIONED
+                if sectioned != g.recurrent or sectioned != bool(v.sections):
+                    raise ValueError(
+                        f"LayerGroup {g.group_id} role {sorted(v.role)}: a recurrent group's views are SECTIONED "
+                        f"with sections, and only theirs (recurrent={g.recurrent}, "
+                        f"kind {self.kind_of(v).name}, {len(v.sections)} section lists)"
+                    )
 
     def group(self, group_id: int) -> LayerGroup:
         for g in self.layer_groups:
@@ -216,12 +277,14 @@ class PageTable:
                     "group_id": g.group_id,
                     "global_layer_ids": list(g.global_layer_ids),
                     "sliding_window": g.sliding_window,
+                    "recurrent": g.recurrent,
                     "views": [
                         {
                             "pool_index": v.pool_index,
                             "role": sorted(v.role),
                             "mapper_kind": None if v.mapper_kind is None else v.mapper_kind.value,
                             "entries": [[e.local_layer_id, e.offset, e.size] for e in v.entries],
+                            "sections": [[[s.units, s.unit_bytes] for s in b] for b in v.sections],
                         }
                         for v in g.views
                     ],
@@ -238,15 +301,19 @@ class PageTable:
             _require_keys(d, {"pools", "layer_groups", "mapper_kind", "tokens_per_block"}, "PageTable")
             groups = []
             for gd in d["layer_groups"]:
-                _require_keys(gd, {"group_id", "global_layer_ids", "sliding_window", "views"}, "LayerGroup")
+                _require_keys(gd, {"group_id", "global_layer_ids", "sliding_window", "recurrent", "views"},
+                              "LayerGroup")
                 views = []
                 for vd in gd["views"]:
-                    _require_keys(vd, {"pool_index", "role", "mapper_kind", "entries"}, "PoolView")
+                    _require_keys(vd, {"pool_index", "role", "mapper_kind", "entries", "sections"}, "PoolView")
                     kind = None if vd["mapper_kind"] is None else MapperKind(vd["mapper_kind"])
                     entries = tuple(BufferEntry(*e) for e in vd["entries"])
-                    views.append(PoolView(vd["pool_index"], frozenset(vd["role"]), entries, kind))
+                    sections = tuple(tuple(Section(*s) for s in b) for b in vd["sections"])
+                    views.append(PoolView(vd["pool_index"], frozenset(vd["role"]), entries, kind, sections))
+                if not isinstance(gd["recurrent"], bool):
+                    raise ValueError(f"LayerGroup.recurrent must be a bool, got {gd['recurrent']!r}")
                 groups.append(LayerGroup(gd["group_id"], tuple(gd["global_layer_ids"]), gd["sliding_window"],
-                                         tuple(views)))
+                                         tuple(views), gd["recurrent"]))
             pools = tuple(PhysicalPool(*p) for p in d["pools"])
             return cls(pools, tuple(groups), MapperKind(d["mapper_kind"]), d["tokens_per_block"])
         except (TypeError, ValueError, KeyError) as exc:

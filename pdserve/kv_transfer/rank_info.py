@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from pdserve.kv_transfer.errors import SchemaError
-from pdserve.kv_transfer.page_table import PageTable
+from pdserve.kv_transfer.page_table import PageTable, sectioned_bytes
 
 
 def flat_rank(pp_rank: int, tp_rank: int, cp_rank: int, tp_size: int, cp_size: int) -> int:
@@ -51,7 +51,7 @@ class RankInfo:
     control_endpoint: str  # "tcp://host:port" of this rank's ZeroMQ listener
     canary_slots: int = 0  # the last slots of every pool, kept free for the first-contact canary (canary.py)
 
-    VERSION: ClassVar[int] = 2  # bumped with any change of fields: from_bytes refuses another version
+    VERSION: ClassVar[int] = 3  # bumped with any change of fields: from_bytes refuses another version
 
     def __hash__(self) -> int:
         # RankInfos key the write plan's caches on every request, and hashing the whole page table
@@ -118,6 +118,7 @@ class RankInfo:
         if not 0 <= self.canary_slots < smallest:
             raise ValueError(f"RankInfo {self.instance_name}: canary_slots={self.canary_slots} must be in "
                              f"[0, {smallest}) (the smallest pool's slots)")
+        self._check_sections()
         lo, hi = self.layer_range
         outside = [layer for layer in self.page_table.global_layer_ids if not lo <= layer < hi]
         if outside:
@@ -125,6 +126,24 @@ class RankInfo:
                 f"RankInfo {self.instance_name} rank {self.rank}: page table layers {outside} lie outside "
                 f"PP stage {self.pp_rank}'s layers [{lo}, {hi})"
             )
+
+    def _check_sections(self) -> None:
+        """Every SECTIONED buffer holds exactly this rank's share of its sections (Section.local_units)."""
+        for g in self.page_table.layer_groups:
+            if g.recurrent and self.cp_size > 1:
+                raise ValueError(f"RankInfo {self.instance_name}: recurrent layer group {g.group_id} with "
+                                 f"cp_size={self.cp_size}; a recurrent state cannot be split over context-parallel "
+                                 "ranks")
+            for v in g.views:
+                for layer, entries in v.entries_by_layer().items() if v.sections else ():
+                    for b, (e, sections) in enumerate(zip(entries, v.sections)):
+                        want = sectioned_bytes(sections, self.tp_per_dp)
+                        if e.size != want:
+                            raise ValueError(
+                                f"RankInfo {self.instance_name} rank {self.rank}: layer group {g.group_id} role "
+                                f"{sorted(v.role)} local layer {layer} buffer {b} has {e.size} bytes, but its "
+                                f"sections {[(s.units, s.unit_bytes) for s in sections]} over "
+                                f"tp_per_dp={self.tp_per_dp} give {want}")
 
     @property
     def key(self) -> tuple[str, int]:

@@ -12,9 +12,12 @@ Three questions, answered in order for a (ctx rank, gen rank) pair:
      replica group writes (spread by the peer's dp and tp rank).
    - REPLICATED pools: a fan-in election picks one ctx TP rank among those whose TP slice
      overlaps the gen rank's, spread by the gen's dp rank.
+   - SECTIONED pools (recurrent state): each section is elected on its own, as heads are: the ctx
+     ranks holding a unit the gen rank holds, and among copies the one at ``gen.tp_rank % copies``.
    - PP: a layer lives in exactly one ctx stage. CP: every CP rank may write; each one only
      passes ids >= 0 for the blocks it holds (-1 = not mine / not this time).
-3. Bytes: a mapper (``mappers/``) expands the pair to (src, dst, size) per sub-block.
+3. Bytes: a mapper (``mappers/``) expands the pair to (src, dst, size) per sub-block, or per slot
+   for a recurrent group (one slot id per side: the state after exactly the request's tokens).
 
 All address arithmetic runs on the sender; the receiver only calls ``writers_for``.
 """
@@ -73,6 +76,11 @@ class ViewPair:
     role: frozenset[str]
     layers: tuple[int, ...]  # common global layer ids
     mapper: RegionMapper
+    units: tuple[tuple[int, int, int, int], ...] = ()  # SECTIONED: (buffer, section, lo, hi) units written
+
+    @property
+    def recurrent(self) -> bool:
+        return self.mapper.geom.kind == MapperKind.SECTIONED
 
 
 def overlapping_ranks(info: RankInfo, peer: RankInfo) -> list[int]:
@@ -104,7 +112,7 @@ def _check_same_model(ctx: RankInfo, gen: RankInfo) -> None:
 
 def _check_tokens_per_block(kind: MapperKind, ctx: RankInfo, gen: RankInfo, label: str) -> None:
     tc, tg = ctx.tokens_per_block, gen.tokens_per_block
-    if tc == tg:
+    if tc == tg or kind == MapperKind.SECTIONED:  # a recurrent state has no token axis
         return
     if kind in (MapperKind.NHD, MapperKind.REPLICATED):
         raise AlignmentError(
@@ -189,6 +197,46 @@ def _elected(ctx: RankInfo, gen: RankInfo, kind: MapperKind) -> tuple[int, int] 
     return (lo, hi) if ctx.tp_local % dup == gen.tp_rank % dup else None
 
 
+def _section_runs(ctx: RankInfo, gen: RankInfo, cv: PoolView, gv: PoolView,
+                  label: str) -> list[list[tuple[int, int, int, int, int, int]]]:
+    """Per buffer of a layer: the section runs ctx writes into gen, as (section, lo, hi, src offset,
+    dst offset, bytes) with offsets relative to the buffer. Each section is elected on its own: ctx
+    writes the units of gen's share it holds, and where several ctx ranks hold a copy of a unit
+    (fewer units than ctx TP ranks), the copy at ``gen.tp_rank % copies`` writes."""
+    if len(cv.sections) != len(gv.sections):
+        raise AlignmentError(f"{label}: {len(cv.sections)} sectioned buffers per layer on ctx, "
+                             f"{len(gv.sections)} on gen")
+    tc, tg = ctx.tp_per_dp, gen.tp_per_dp
+    runs = []
+    for b, (c_secs, g_secs) in enumerate(zip(cv.sections, gv.sections)):
+        if c_secs != g_secs:
+            raise AlignmentError(
+                f"{label}: buffer {b} sections differ: ctx {[(x.units, x.unit_bytes) for x in c_secs]}, gen "
+                f"{[(x.units, x.unit_bytes) for x in g_secs]} (units, bytes per unit); both instances must serve "
+                "the same model with the same state dtype")
+        out, c_at, g_at = [], 0, 0
+        for i, sec in enumerate(c_secs):
+            (c_lo, c_hi), (g_lo, g_hi) = sec.unit_range(tc, ctx.tp_local), sec.unit_range(tg, gen.tp_local)
+            lo, hi = max(c_lo, g_lo), min(c_hi, g_hi)
+            copies = max(1, tc // sec.units)
+            if lo < hi and ctx.tp_local % copies == gen.tp_rank % copies:
+                w = sec.unit_bytes
+                out.append((i, lo, hi, c_at + (lo - c_lo) * w, g_at + (lo - g_lo) * w, (hi - lo) * w))
+            c_at += (c_hi - c_lo) * sec.unit_bytes
+            g_at += (g_hi - g_lo) * sec.unit_bytes
+        runs.append(out)
+    return runs
+
+
+def _sectioned_geometry(runs: list[list[tuple]], num_layers: int) -> tuple[np.ndarray, ...]:
+    """PairGeometry.sections of ``runs`` (per buffer) repeated for each of ``num_layers`` layers."""
+    per = len(runs)
+    rows = [(layer * per + b, src, dst, size) for layer in range(num_layers)
+            for b, buffer_runs in enumerate(runs) for (_, _, _, src, dst, size) in buffer_runs]
+    n, src, dst, size = (np.array(col, dtype=np.int64 if k == 0 else np.uint64) for k, col in enumerate(zip(*rows)))
+    return n, src, dst, size
+
+
 @functools.lru_cache(maxsize=4096)
 def align(ctx: RankInfo, gen: RankInfo) -> tuple[ViewPair, ...]:
     """Everything ctx writes into gen, as mapped view pairs; empty when it writes nothing."""
@@ -199,24 +247,30 @@ def align(ctx: RankInfo, gen: RankInfo) -> tuple[ViewPair, ...]:
         label = f"layer group ctx {cg.group_id} -> gen {gg.group_id}, role {sorted(cv.role)}"
         _check_tokens_per_block(kind, ctx, gen, label)
         layers = tuple(sorted(set(cg.view_global_layers(cv)) & set(gg.view_global_layers(gv))))
-        heads = _elected(ctx, gen, kind) if layers else None
-        if heads is None:
-            continue
-        if cv.buffers_per_layer != gv.buffers_per_layer:
+        if cv.buffers_per_layer != gv.buffers_per_layer and layers:
             raise AlignmentError(
                 f"{label}: buffers per layer differ, ctx {cv.buffers_per_layer} vs gen {gv.buffers_per_layer}"
             )
+        runs = _section_runs(ctx, gen, cv, gv, label) if kind == MapperKind.SECTIONED and layers else []
+        if kind == MapperKind.SECTIONED:
+            heads = (0, 1) if any(runs) else None
+        else:
+            heads = _elected(ctx, gen, kind) if layers else None
+        if heads is None:
+            continue
         c_pool, g_pool = ctx.page_table.pools[cv.pool_index], gen.page_table.pools[gv.pool_index]
         src_off, src_size = _buffer_offsets(cg, cv, c_pool, layers)
         dst_off, dst_size = _buffer_offsets(gg, gv, g_pool, layers)
-        replicated = kind == MapperKind.REPLICATED
+        whole = kind in (MapperKind.REPLICATED, MapperKind.SECTIONED)  # no KV heads to slice
         geom = PairGeometry(
             label=label, kind=kind, src_offsets=src_off, dst_offsets=dst_off, src_sizes=src_size,
-            dst_sizes=dst_size, src_heads=1 if replicated else ctx.kv_heads_per_rank,
-            dst_heads=1 if replicated else gen.kv_heads_per_rank, head_lo=heads[0], head_hi=heads[1],
+            dst_sizes=dst_size, src_heads=1 if whole else ctx.kv_heads_per_rank,
+            dst_heads=1 if whole else gen.kv_heads_per_rank, head_lo=heads[0], head_hi=heads[1],
             src_tokens_per_block=ctx.tokens_per_block, dst_tokens_per_block=gen.tokens_per_block,
+            sections=_sectioned_geometry(runs, len(layers)) if runs else None,
         )
-        out.append(ViewPair(cg.group_id, gg.group_id, c_pool, g_pool, cv.role, layers, build_mapper(geom)))
+        units = tuple((b, i, lo, hi) for b, buffer_runs in enumerate(runs) for (i, lo, hi, *_) in buffer_runs)
+        out.append(ViewPair(cg.group_id, gg.group_id, c_pool, g_pool, cv.role, layers, build_mapper(geom), units))
     return tuple(out)
 
 
@@ -245,7 +299,8 @@ def plan_write(
 ) -> TransferPlan | None:
     """Fragments ctx writes into gen; None when ctx is not one of ``writers_for(gen, ...)``.
 
-    Block ids are per layer group, in each side's own tokens_per_block; -1 skips a block.
+    Block ids are per layer group, in each side's own tokens_per_block; -1 skips a block. A recurrent
+    group's ids are one slot id per side (the request's state; -1: not this time).
     Tokens are cut into sub-blocks of ``m = min(T_ctx, T_gen)`` tokens: sub-block ``s`` is token
     ``s*m`` onwards, in ctx block ``s // (T_ctx/m)`` at token ``(s % (T_ctx/m)) * m`` and likewise
     on gen. Sub-blocks run while both id lists cover them and move only where both ids are >= 0,
@@ -260,6 +315,9 @@ def plan_write(
     for pair in pairs:
         c_ids = _block_ids(ctx_block_ids, pair.ctx_group_id, "ctx")
         g_ids = _block_ids(gen_block_ids, pair.gen_group_id, "gen")
+        if pair.recurrent:
+            parts.append(_slot_write(pair, c_ids, g_ids))
+            continue
         s = np.arange(min(c_ids.size * rc, g_ids.size * rg))
         cb, gb = c_ids[s // rc], g_ids[s // rg]
         keep = (cb >= 0) & (gb >= 0)
@@ -272,6 +330,20 @@ def plan_write(
         ))
     src, dst, sizes = (np.concatenate([p[i] for p in parts]).astype(np.uint64, copy=False) for i in range(3))
     return TransferPlan(*merge_contiguous(src, dst, sizes))
+
+
+def _slot_write(pair: ViewPair, c_ids: np.ndarray, g_ids: np.ndarray) -> tuple[np.ndarray, ...]:
+    """A recurrent pair's fragments: the request's one state slot on each side, whole sections of it."""
+    for side, ids, group in (("ctx", c_ids, pair.ctx_group_id), ("gen", g_ids, pair.gen_group_id)):
+        if ids.size != 1:
+            raise KVTransferError(f"{side} ids of recurrent layer group {group} must be one slot id (the request's "
+                                  f"state), got {ids.size}")
+    if c_ids[0] < 0 or g_ids[0] < 0:
+        empty = np.zeros(0, dtype=np.uint64)
+        return empty, empty, empty
+    zero = np.zeros(1, dtype=np.uint64)
+    return pair.mapper.map(_slots(pair.ctx_pool, c_ids, "ctx", pair.ctx_group_id), zero,
+                           _slots(pair.gen_pool, g_ids, "gen", pair.gen_group_id), zero)
 
 
 def writers_for(gen: RankInfo, ctx_ranks: Sequence[RankInfo]) -> list[int]:
@@ -303,14 +375,21 @@ def _writers_for(gen: RankInfo, ctx_ranks: tuple[RankInfo, ...]) -> tuple[int, .
             writers.append(c.rank)
         for p in pairs:
             g = p.mapper.geom
+            # A KV pair covers heads; a SECTIONED pair covers (buffer, section, unit) triples.
+            units = ([(b, i, u) for b, i, lo, hi in p.units for u in range(lo, hi)] if p.recurrent
+                     else range(g.head_lo, g.head_hi))
             for layer in p.layers:
-                for h in range(g.head_lo, g.head_hi):
+                for h in units:
                     cover[(p.gen_group_id, p.role, layer, h, c.cp_rank)] += 1
     cp_size = ctx_ranks[0].cp_size
     for gg in gen.page_table.layer_groups:
         for v in gg.views:
-            replicated = gen.page_table.kind_of(v) == MapperKind.REPLICATED
-            heads = range(0, 1) if replicated else range(*gen.head_range)
+            kind = gen.page_table.kind_of(v)
+            if kind == MapperKind.SECTIONED:
+                heads = [(b, i, u) for b, secs in enumerate(v.sections) for i, sec in enumerate(secs)
+                         for u in range(*sec.unit_range(gen.tp_per_dp, gen.tp_local))]
+            else:
+                heads = range(0, 1) if kind == MapperKind.REPLICATED else range(*gen.head_range)
             for layer in gg.view_global_layers(v):
                 for h in heads:
                     for cp in range(cp_size):

@@ -15,6 +15,11 @@ Buffer convention (test-only; the transfer code knows no role names): a view wit
 or {"v"} holds only K or only V; any other K/V view lists K then V per layer. REPLICATED views
 hold ``[tokens_per_block, bytes_per_token]`` per layer, from a logical tensor
 ``replicated: [num_layers, num_tokens, bytes_per_token]``.
+
+Hybrid models (``ModelShape.recurrent_every``): every layer but each ``recurrent_every``-th is
+recurrent and holds a state in a recurrent layer group (id ``num_layer_groups``) of SECTIONED
+buffers, one slot per request. Its logical form is ``state[layer][buffer][section]``, a
+``[units, unit_bytes]`` uint8 array each; a rank holds its TP share of each section.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ from pdserve.kv_transfer.page_table import (
     PageTable,
     PhysicalPool,
     PoolView,
+    Section,
     kv_buffer_index,
+    sectioned_bytes,
     page_table_for_block_major_pool,
     page_table_for_layer_major_pools,
 )
@@ -51,6 +58,18 @@ class ModelShape:
     num_layer_groups: int = 1  # layer l is in group l % num_layer_groups
     sliding_window: int | None = None  # for groups 1.. (group 0 is full attention)
     replicated_bytes_per_token: int = 0  # > 0 adds a REPLICATED pool per layer group
+    # > 0: layers l with l % recurrent_every != recurrent_every - 1 are recurrent (Qwen3.5: 4, three
+    # DeltaNet layers, then one attention layer); each has the buffers of state_buffers, each buffer its
+    # sections as (units, unit_bytes), e.g. a Mamba2 conv state [x | B | C] and an SSM state [heads].
+    recurrent_every: int = 0
+    state_buffers: tuple[tuple[tuple[int, int], ...], ...] = (((8, 6), (2, 4), (2, 4)), ((4, 16),))
+
+    def is_recurrent(self, layer: int) -> bool:
+        return self.recurrent_every > 0 and layer % self.recurrent_every != self.recurrent_every - 1
+
+    @property
+    def sections(self) -> tuple[tuple[Section, ...], ...]:
+        return tuple(tuple(Section(*sec) for sec in buf) for buf in self.state_buffers)
 
     @property
     def head_token_bytes(self) -> int:
@@ -68,6 +87,8 @@ class Topology:
     pool_kind: str = "block_major"  # or "layer_major" (separate K and V pools)
     layers_per_pp_stage: tuple[int, ...] | None = None
     num_blocks: int = 8
+    num_state_slots: int = 4  # recurrent state slots (hybrid models)
+    state_pool: str = "layer_major"  # or "slot_major" (every recurrent layer's state of a slot together)
 
     @property
     def world_size(self) -> int:
@@ -95,13 +116,15 @@ def rank_coords(topo: Topology, rank: int) -> tuple[int, int, int]:
 
 
 def _rank_layout(topo: Topology, model: ModelShape, rank: int) -> tuple[list[tuple[int, list[int]]], int]:
-    """[(group id, global layers of this rank in that group)], kv heads per rank."""
+    """[(group id, global layers of this rank in that group)], kv heads per rank. The recurrent group
+    (hybrid models), if this rank has recurrent layers, comes last."""
     pp, _, _ = rank_coords(topo, rank)
     stages = topo.stages(model.num_layers)
     lo = sum(stages[:pp])
     layers = range(lo, lo + stages[pp])
-    groups = [(g, [layer for layer in layers if layer % model.num_layer_groups == g])
+    groups = [(g, [layer for layer in layers if layer % model.num_layer_groups == g and not model.is_recurrent(layer)])
               for g in range(model.num_layer_groups)]
+    groups.append((model.num_layer_groups, [layer for layer in layers if model.is_recurrent(layer)]))
     tp_per_dp = topo.tp // topo.dp
     return [(g, ls) for g, ls in groups if ls], max(1, model.total_kv_heads // tp_per_dp)
 
@@ -111,7 +134,10 @@ def pool_sizes(topo: Topology, model: ModelShape, rank: int) -> list[int]:
     groups, heads = _rank_layout(topo, model, rank)
     buffer = heads * topo.tokens_per_block * model.head_token_bytes
     sizes = []
-    for _, layers in groups:
+    for g, layers in groups:
+        if g == model.num_layer_groups:
+            sizes.append(topo.num_state_slots * len(layers) * _state_bytes(topo, model))
+            continue
         if topo.pool_kind == "block_major":
             sizes.append(topo.num_blocks * len(layers) * 2 * buffer)
         else:
@@ -119,6 +145,26 @@ def pool_sizes(topo: Topology, model: ModelShape, rank: int) -> list[int]:
         if model.replicated_bytes_per_token:
             sizes.append(topo.num_blocks * len(layers) * topo.tokens_per_block * model.replicated_bytes_per_token)
     return sizes
+
+
+def _state_bytes(topo: Topology, model: ModelShape) -> int:
+    """Bytes of one recurrent layer's state on a rank: its share of every buffer's sections."""
+    return sum(sectioned_bytes(buf, topo.tp // topo.dp) for buf in model.sections)
+
+
+def _state_view(topo: Topology, model: ModelShape, base: int, num_layers: int,
+                pool_index: int) -> tuple[PhysicalPool, PoolView]:
+    """The state pool of ``num_layers`` recurrent layers: layer-major (layer l of slot s at
+    ``l * num_slots * per_layer + s * per_layer``) or slot-major (``s * layers * per_layer + l * per_layer``)."""
+    per_layer, tp = _state_bytes(topo, model), topo.tp // topo.dp
+    sizes = [sectioned_bytes(buf, tp) for buf in model.sections]
+    starts = np.cumsum([0, *sizes[:-1]]).tolist()
+    slot_major = topo.state_pool == "slot_major"
+    entries = tuple(BufferEntry(layer, (layer * per_layer if slot_major else 0) + at, size)
+                    for layer in range(num_layers) for at, size in zip(starts, sizes))
+    pool = (PhysicalPool(base, num_layers * per_layer, topo.num_state_slots, layer_stride=0) if slot_major
+            else PhysicalPool(base, per_layer, topo.num_state_slots))
+    return pool, PoolView(pool_index, frozenset({"state"}), entries, MapperKind.SECTIONED, model.sections)
 
 
 def make_rank_info(
@@ -131,6 +177,12 @@ def make_rank_info(
     pools: list[PhysicalPool] = []
     layer_groups = []
     for g, layers in groups:
+        if g == model.num_layer_groups:
+            if layers:
+                pool, view = _state_view(topo, model, bases.pop(0), len(layers), len(pools))
+                pools.append(pool)
+                layer_groups.append(LayerGroup(g, tuple(layers), None, (view,), recurrent=True))
+            continue
         window = model.sliding_window if g > 0 else None
         args = (topo.num_blocks, len(layers), heads, t, model.head_dim, model.element_bytes, topo.layout, layers)
         if topo.pool_kind == "block_major":
@@ -183,6 +235,8 @@ def _walk(rank: SimRank, block_ids: BlockIds, num_tokens: int):
     info, pt = rank.info, rank.info.page_table
     t = pt.tokens_per_block
     for g in pt.layer_groups:
+        if g.recurrent:
+            continue  # per slot, not per block: _walk_state
         ids = np.asarray(block_ids[g.group_id])
         for v in g.views:
             pool, arr = pt.pools[v.pool_index], rank.pools[v.pool_index]
@@ -194,6 +248,39 @@ def _walk(rank: SimRank, block_ids: BlockIds, num_tokens: int):
                         off = local * pool.effective_layer_stride + int(blk) * pool.effective_slot_stride + e.offset
                         yield (arr[off: off + e.size], pt.kind_of(v), kv_buffer_index(v, b), g.global_layer_ids[local],
                                info.head_range, (i * t, min(i * t + t, num_tokens)), t)
+
+
+def logical_state(model: ModelShape, seed: int = 2) -> list[list[list[np.ndarray]]]:
+    """Random bytes: state[layer][buffer][section], [units, unit_bytes] uint8 (recurrent layers only;
+    [] for the others)."""
+    rng = np.random.default_rng(seed)
+    return [[[rng.integers(0, 256, size=(sec.units, sec.unit_bytes), dtype=np.uint8) for sec in buf]
+             for buf in model.sections] if model.is_recurrent(layer) else [] for layer in range(model.num_layers)]
+
+
+def _walk_state(rank: SimRank, slot_ids: BlockIds):
+    """Yield (section share bytes [n] view, global layer, buffer, section, units [lo, hi)) of the slot."""
+    info, pt = rank.info, rank.info.page_table
+    for g in pt.layer_groups:
+        if not g.recurrent or slot_ids[g.group_id][0] < 0:
+            continue
+        (slot,) = np.asarray(slot_ids[g.group_id]).tolist()
+        for v in g.views:
+            pool, arr = pt.pools[v.pool_index], rank.pools[v.pool_index]
+            for local, entries in v.entries_by_layer().items():
+                for b, (e, sections) in enumerate(zip(entries, v.sections)):
+                    at = local * pool.effective_layer_stride + slot * pool.effective_slot_stride + e.offset
+                    for i, sec in enumerate(sections):
+                        lo, hi = sec.unit_range(info.tp_per_dp, info.tp_local)
+                        n = (hi - lo) * sec.unit_bytes
+                        yield arr[at: at + n], g.global_layer_ids[local], b, i, (lo, hi)
+                        at += n
+
+
+def scatter_state(rank: SimRank, state: list, slot_ids: BlockIds) -> None:
+    """Write the rank's share of the logical state into its slot of each recurrent group."""
+    for buf, layer, b, i, (lo, hi) in _walk_state(rank, slot_ids):
+        buf[:] = state[layer][b][i][lo:hi].ravel()
 
 
 def scatter_logical_kv(
@@ -263,8 +350,10 @@ def simulate_transfer(
     """
     kv = logical_kv(model, num_tokens, seed)
     rep = logical_replicated(model, num_tokens, seed + 1) if model.replicated_bytes_per_token else None
+    state = logical_state(model, seed + 2)
     for c in ctx:
         scatter_logical_kv(c, kv, ctx_ids(c.info), num_tokens, rep)
+        scatter_state(c, state, ctx_ids(c.info))
     report = TransferReport({}, {})
     for g in gen:
         writers = writers_for(g.info, [c.info for c in ctx])
@@ -278,22 +367,29 @@ def simulate_transfer(
                 plans.append(plan)
                 report.fragments[(c.info.rank, g.info.rank)] = len(plan)
         report.writers[g.info.rank] = writers
-        _check_gen_rank(g, before, plans, kv, rep, ctx[0].info.tokens_per_block, num_tokens, gen_ids(g.info))
+        sent = {gid for gid, ids in ctx_ids(ctx[0].info).items() if len(ids) and ids[0] >= 0}
+        _check_gen_rank(g, before, plans, kv, rep, state, ctx[0].info.tokens_per_block, num_tokens, gen_ids(g.info),
+                        sent)
     return report
 
 
-def _check_gen_rank(g, before, plans, kv, rep, ctx_tpb, num_tokens, ids) -> None:
+def _check_gen_rank(g, before, plans, kv, rep, state, ctx_tpb, num_tokens, ids, sent) -> None:
     t = g.info.tokens_per_block
+    recurrent = {lg.group_id for lg in g.info.page_table.layer_groups if lg.recurrent}
+    state_ids = {gid: (b if gid in sent else np.full_like(b, -1)) for gid, b in ids.items() if gid in recurrent}
+    ids = {gid: b for gid, b in ids.items() if gid not in recurrent}
     # Tokens the transfer covers: the ctx blocks (ctx_tpb each) and the gen blocks overlap.
     covered = {gid: min(-(-num_tokens // ctx_tpb) * ctx_tpb, len(b) * t) for gid, b in ids.items()}
     mask_rank = SimRank(g.info, [np.zeros_like(p) for p in before])
-    ones_kv = np.ones((kv.shape[0], 2, kv.shape[2], max(covered.values()), kv.shape[4]), np.uint8)
+    ones_kv = np.ones((kv.shape[0], 2, kv.shape[2], max(covered.values(), default=0), kv.shape[4]), np.uint8)
     ones_rep = None if rep is None else np.ones((rep.shape[0], ones_kv.shape[3], rep.shape[2]), np.uint8)
     for gid, n in covered.items():
         scatter_logical_kv(mask_rank, ones_kv, {k: (v if k == gid else np.full_like(v, -1)) for k, v in ids.items()},
                            n, ones_rep)
+    scatter_state(mask_rank, [[[np.ones_like(sec) for sec in buf] for buf in layer] for layer in state], state_ids)
     want_rank = SimRank(g.info, [np.zeros_like(p) for p in before])
     scatter_logical_kv(want_rank, kv, ids, num_tokens, rep)
+    scatter_state(want_rank, state, state_ids)
     counts = count_writes(g, plans)
     for i, (pool, old) in enumerate(zip(g.pools, before)):
         mask = mask_rank.pools[i].astype(bool)

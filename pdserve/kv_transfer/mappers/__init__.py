@@ -5,6 +5,7 @@ from pdserve.kv_transfer.mappers.hnd_mismatch import HNDHeadMismatchMapper
 from pdserve.kv_transfer.mappers.intact import IntactMapper
 from pdserve.kv_transfer.mappers.nhd_mismatch import NHDHeadMismatchMapper
 from pdserve.kv_transfer.mappers.replicated import ReplicatedMapper
+from pdserve.kv_transfer.mappers.sectioned import SectionedMapper
 from pdserve.kv_transfer.page_table import MapperKind
 
 
@@ -12,6 +13,8 @@ def build_mapper(geom: PairGeometry) -> RegionMapper:
     """Choose the mapper of a pair: with equal head sets every layout collapses to Intact."""
     if geom.kind == MapperKind.REPLICATED:
         return ReplicatedMapper(geom)
+    if geom.kind == MapperKind.SECTIONED:
+        return SectionedMapper(geom)
     if geom.src_heads == geom.dst_heads:
         return IntactMapper(geom)
     if geom.kind == MapperKind.NHD:
@@ -26,6 +29,7 @@ __all__ = [
     "PairGeometry",
     "RegionMapper",
     "ReplicatedMapper",
+    "SectionedMapper",
     "build_mapper",
     "merge_contiguous",
 ]

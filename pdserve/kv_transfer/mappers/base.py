@@ -45,6 +45,9 @@ class PairGeometry:
     head_hi: int
     src_tokens_per_block: int
     dst_tokens_per_block: int
+    # SECTIONED pairs: the runs of section units this pair moves, per (layer, buffer) index n:
+    # (n [F] int64, src offset in the buffer [F], dst offset in the buffer [F], size [F]) uint64
+    sections: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
 
     @property
     def min_tokens_per_block(self) -> int:

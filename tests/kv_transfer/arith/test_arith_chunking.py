@@ -44,6 +44,20 @@ def test_chunks_exact():
     assert _shipped(c3, 1) == list(range(8))
 
 
+def test_a_recurrent_state_ships_with_the_final_chunk_only():
+    """The state slot is the checkpoint after exactly the prompt: chunks [0,13) and [13,22) end at no
+    token the transfer delivers as the state's, so only [22,30) ships it, and its span ends at 30, not at
+    the block boundary 32."""
+    ids = {0: np.arange(8) + 10, 2: np.array([5])}
+    kw = dict(tokens_per_block=4, prompt_len=30, recurrent=frozenset({2}))
+    chunks = [chunk_blocks(ids, {0: None, 2: None}, chunk_start=a, chunk_end=b, **kw)
+              for a, b in ((0, 13), (13, 22), (22, 30))]
+    assert [c.block_ids[2].tolist() for c in chunks] == [[-1], [-1], [5]]
+    assert chunks[-1].token_end == 30
+    with pytest.raises(ValueError, match="recurrent layer group 2: one state slot id, got 2"):
+        chunk_blocks({0: np.arange(8), 2: np.array([1, 2])}, {0: None, 2: None}, chunk_start=0, chunk_end=30, **kw)
+
+
 def test_window_not_shorter_than_prompt_is_positional():
     c = chunk_blocks(IDS, {0: None, 1: 64}, tokens_per_block=4, chunk_start=0, chunk_end=9, prompt_len=30)
     assert _shipped(c, 1) == [0, 1]
