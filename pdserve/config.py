@@ -69,7 +69,9 @@ class CacheTransceiverConfig(BaseModel):
     host: str = Field("127.0.0.1", description="address the KV control endpoints bind to and advertise")
     cluster_token: str | None = Field(
         None, min_length=1, repr=False,
-        description="when set, the KV control plane requires it (ZeroMQ CURVE); the same on every instance")
+        description="the cluster's secret, the same on every instance and as the orchestrator's cluster_token: "
+                    "the KV control plane requires it (ZeroMQ CURVE), and so do requests carrying "
+                    "disaggregated_params and /v1/disagg/* (X-Cluster-Token); joining proves it")
     max_control_message_mb: int = Field(
         _TX.max_control_message_bytes >> 20, ge=1,
         description="a KV control peer sending a larger message is disconnected, MiB")
@@ -195,9 +197,10 @@ class WorkerConfig(EngineConfig):
     role: Literal["context", "generation"] | None = Field(None, description="this instance's role when it joins")
     advertise_url: str | None = Field(None, description="the url the orchestrator reaches this instance at; "
                                                         "default: http://host:port")
-    join_token: str | None = Field(None, description="sent when joining as 'X-Cluster-Token' and as the bearer key: "
-                                                     "the orchestrator's cluster_token, or its api_key when it has "
-                                                     "no cluster_token")
+    join_token: str | None = Field(None, description="sent with every membership call as 'Authorization: Bearer': "
+                                                     "the orchestrator's api_key, for an orchestrator without a "
+                                                     "cluster_token (with one, the worker proves "
+                                                     "cache_transceiver_config.cluster_token instead)")
 
     @field_validator("join", "advertise_url")
     @classmethod

@@ -12,12 +12,18 @@ cluster, and the command exits non-zero, naming it and the end of its log.
 Without a file it starts one context and one generation instance of the embedded SmolLM2, KV over
 shared memory, and the orchestrator on 127.0.0.1:8000. `context: []` launches an aggregated
 deployment: the generation instances serve whole requests, the orchestrator routes between them.
+
+Every member gets the cluster's `cluster_token` (a new random one unless the file sets it): the
+orchestrator as its cluster_token, every instance as cache_transceiver_config.cluster_token. It travels
+in the members' config files (mode 0600, never on a command line), and launch writes it to the file
+`cluster_token` (0600) in its log directory for an operator who joins more instances by hand.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -72,6 +78,10 @@ class ClusterConfig(BaseModel):
     max_restarts: int = Field(3, ge=0, description="restarts of one member that died before the cluster stops")
     restart_backoff_s: float = Field(1.0, ge=0, description="wait before a member's first restart; doubles each time")
     ray: RayOptions = Field(default_factory=RayOptions, description="placement on a Ray cluster (--ray)")
+    cluster_token: str | None = Field(
+        None, min_length=1, repr=False,
+        description="the cluster's secret, given to every member; default: the orchestrator's or an instance's "
+                    "cluster_token if the file sets one, else a new random one")
 
     @model_validator(mode="after")
     def _ports(self) -> "ClusterConfig":
@@ -82,6 +92,25 @@ class ClusterConfig(BaseModel):
             if inst.port in taken:
                 raise ValueError(f"port {inst.port} is used twice in the cluster config")
             taken.add(inst.port)
+        return self
+
+    @model_validator(mode="after")
+    def _one_token(self) -> "ClusterConfig":
+        """Every member holds the same cluster_token: the one the file sets (anywhere), or a new one."""
+        set_on = {"cluster_token": self.cluster_token, "orchestrator": self.orchestrator.get("cluster_token")}
+        for role, i, spec in instances(self):
+            set_on[f"{role}{i}"] = (spec.config.get("cache_transceiver_config") or {}).get("cluster_token")
+        given = {k: v for k, v in set_on.items() if v is not None}
+        if len(set(given.values())) > 1:
+            raise ValueError(f"{', '.join(given)} set different cluster tokens: a cluster has one (set "
+                             "cluster_token once, at the top of the cluster config)")
+        self.cluster_token = next(iter(given.values()), None) or secrets.token_urlsafe(32)
+        self.orchestrator = {**self.orchestrator, "cluster_token": self.cluster_token}
+        for _, _, spec in instances(self):
+            transceiver = spec.config.get("cache_transceiver_config") or {}
+            if isinstance(transceiver, dict):  # anything else is the worker config's to refuse
+                spec.config = {**spec.config, "cache_transceiver_config": {**transceiver,
+                                                                           "cluster_token": self.cluster_token}}
         return self
 
 
@@ -166,17 +195,19 @@ class Cluster:
         self.cfg = cfg
         self.log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="pdserve-cluster-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.token_path = self.log_dir / "cluster_token"
         self.members: list[Member] = []
 
     def _worker(self, role: str, index: int, spec: InstanceSpec, conf: dict) -> Member:
         path = self.log_dir / f"{role}{index}.yaml"
-        path.write_text(yaml.safe_dump({k: v for k, v in conf.items() if v is not None}))
+        write_private(path, yaml.safe_dump({k: v for k, v in conf.items() if v is not None}))
         cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--config", str(path)]
         return Member(f"{role}{index}", cmd, self.log_dir / f"{role}{index}.log",
                       f"http://{self.cfg.host}:{spec.port}/health", spec.cpus)
 
     def start(self) -> None:
         cfg = self.cfg
+        write_private(self.token_path, cfg.cluster_token + "\n")
         for (role, i, spec), conf in zip(instances(cfg), worker_configs(cfg)):
             self.members.append(self._worker(role, i, spec, conf))
         self._wait_healthy(self.members)
@@ -187,7 +218,7 @@ class Cluster:
                   "generation_servers": {**cfg.orchestrator.get("generation_servers", {}),
                                          "urls": [f"http://{cfg.host}:{s.port}" for s in cfg.generation]}}
         path = self.log_dir / "disagg.yaml"
-        path.write_text(yaml.safe_dump(disagg))
+        write_private(path, yaml.safe_dump(disagg))
         orch = Member("orchestrator", [sys.executable, "-m", "pdserve.orchestrator.cli", "-c", str(path)],
                       self.log_dir / "orchestrator.log", f"http://{cfg.host}:{cfg.port}/health", None)
         self.members.append(orch)
@@ -244,6 +275,14 @@ class Cluster:
         deadline = time.monotonic() + grace_s
         for m in workers:
             m.reap(deadline)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file only its owner may read (it holds the cluster token), whatever was there before."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)
+        f.write(text)
 
 
 def instances(cfg: ClusterConfig) -> list[tuple[str, int, InstanceSpec]]:
@@ -340,7 +379,8 @@ def launch(path: str | None) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     shape = (f"{len(cfg.context)} context + {len(cfg.generation)} generation instance(s)" if cfg.context else
              f"aggregated, {len(cfg.generation)} instance(s) behind the orchestrator")
-    print(f"pdserve launch: {shape}; logs in {cluster.log_dir}", flush=True)
+    print(f"pdserve launch: {shape}; logs in {cluster.log_dir}; cluster token in {cluster.token_path} "
+          "(mode 0600; an instance joins with it as cache_transceiver_config.cluster_token)", flush=True)
     try:
         cluster.start()
         url = f"http://{cfg.host}:{cfg.port}"

@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 import yaml
 
-from pdserve.launch import ClusterConfig, checked_cluster_config, die_with_parent, worker_configs
+from pdserve.launch import ClusterConfig, checked_cluster_config, die_with_parent, worker_configs, write_private
 
 NAMESPACE = "pdserve"
 CONTROLLER = "pdserve-controller"
@@ -69,8 +69,8 @@ class ServerProcess:
             conf.update(host=self.ip, advertise_url=f"http://{self.ip}:{self.port}")
         directory = Path(log_dir)
         directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"{name}-{self.port}.yaml"
-        path.write_text(yaml.safe_dump({k: v for k, v in conf.items() if v is not None}))
+        path = directory / f"{name}-{self.port}.yaml"  # holds the cluster token: 0600, not on the command line
+        write_private(path, yaml.safe_dump({k: v for k, v in conf.items() if v is not None}))
         self.log_path = directory / f"{name}-{self.port}.log"
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", *argv, conf_flag, str(path)], stdout=log,
@@ -105,6 +105,8 @@ class Controller:
     def __init__(self, cfg_json: str, log_dir: str):
         self.cfg = ClusterConfig.model_validate_json(cfg_json)
         self.log_dir = log_dir
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        write_private(Path(log_dir) / "cluster_token", self.cfg.cluster_token + "\n")  # for members joined by hand
         confs = worker_configs(self.cfg)
         specs = self.cfg.context + self.cfg.generation
         for spec, conf in zip(specs, confs):  # threads: what Ray reserves for a rank, not this host's cores
@@ -342,7 +344,8 @@ def launch_ray(path: str | None, address: str | None) -> int:
                                                                                              soft=False),
         ).remote(cfg.model_dump_json(), log_dir)
         print(f"pdserve launch --ray: {len(cfg.context)} context + {len(cfg.generation)} generation instance(s) "
-              f"on Ray {ray.get_runtime_context().gcs_address}; logs in {log_dir} on each node", flush=True)
+              f"on Ray {ray.get_runtime_context().gcs_address}; logs in {log_dir} on each node; cluster token in "
+              f"{log_dir}/cluster_token on the head node (mode 0600)", flush=True)
         url = ray.get(controller.start.remote())
         _print_status(ray.get(controller.status.remote()))
         print(f"\nready: OpenAI API at {url}/v1 (Ctrl-C stops everything; `pdserve scale ROLE N` resizes)\n",

@@ -2,7 +2,8 @@
 
 Open: GET /health (200 once each role has minimal_instances ready, else 503 naming what is missing).
 Internal (the cluster token when one is set): GET /cluster_info; POST /cluster/join, /cluster/heartbeat,
-/cluster/leave (membership.py); GET /metrics, else open.
+/cluster/leave (membership.py: the token, or a member's proof of it, pdserve/cluster_auth.py); GET
+/metrics, else open.
 Everything else (the API key when one is set): POST /v1/completions, POST /v1/chat/completions,
 GET /v1/models, and /cluster_info when no cluster token is set.
 """
@@ -20,6 +21,7 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pdserve.cluster_auth import PROOF_HEADER, TOKEN_HEADER, proof_ok, token_ok
 from pdserve.config import HTTP_KEEP_ALIVE_S
 from pdserve.orchestrator.cluster import ROLES, LocalCluster
 from pdserve.orchestrator.config import DisaggConfig, server_url
@@ -34,7 +36,7 @@ from pdserve.server.streaming import ClosingStreamingResponse
 
 log = logging.getLogger(__name__)
 
-CLUSTER_TOKEN_HEADER = "x-cluster-token"
+CLUSTER_TOKEN_HEADER = TOKEN_HEADER.lower()  # as ASGI spells header names
 MEMBERSHIP_PATHS = ("/cluster/join", "/cluster/heartbeat", "/cluster/leave")
 INTERNAL_PATHS = ("/cluster_info", "/metrics", *MEMBERSHIP_PATHS)
 OPEN_PATHS = ("/health", "/metrics")  # /metrics: open unless a cluster token is set, as on the workers
@@ -45,6 +47,8 @@ class AuthMiddleware:
     """Pure ASGI, checked before the body is read, so a 401 wins over every other error:
     - an internal path needs X-Cluster-Token when a cluster token is set (the API key is then not enough:
       it is the clients' key, and /cluster_info lists every worker and KV endpoint);
+    - a membership path with a cluster token set is its route's to check (`member_auth`): a member
+      proves the token with an HMAC over the body's url, so the body must be read first;
     - else an open path needs nothing;
     - else, when an API key is set, the path needs 'Authorization: Bearer <api_key>'."""
 
@@ -63,6 +67,8 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
     def _refusal(self, path: str, headers: dict[bytes, bytes]) -> OrchestratorError | None:
+        if self.cluster_token is not None and path in MEMBERSHIP_PATHS:
+            return None
         if self.cluster_token is not None and path in self.internal_paths:
             if secrets.compare_digest(headers.get(CLUSTER_TOKEN_HEADER.encode(), b""), self.cluster_token):
                 return None
@@ -166,7 +172,7 @@ def build_app(cfg: DisaggConfig, *, process_id: int = 0, cluster=None) -> FastAP
             return JSONResponse(err.body(), status_code=503)
         return {"status": "ok"}
 
-    app.include_router(membership_routes(lambda: state["cluster"]))
+    app.include_router(membership_routes(lambda: state["cluster"], cfg.cluster_token))
 
     @app.get("/cluster_info")
     async def cluster_info():
@@ -181,12 +187,15 @@ def build_app(cfg: DisaggConfig, *, process_id: int = 0, cluster=None) -> FastAP
     return app
 
 
-def membership_routes(cluster) -> APIRouter:
+def membership_routes(cluster, cluster_token: str | None) -> APIRouter:
     """POST /cluster/join {role, url}, /cluster/heartbeat {url}, /cluster/leave {url} over `cluster()`
-    (a LocalCluster, or a fleet worker's RemoteCluster, which forwards them to the coordinator)."""
+    (a LocalCluster, or a fleet worker's RemoteCluster, which forwards them to the coordinator). With a
+    `cluster_token`, each needs it (X-Cluster-Token) or a member's proof of it for that url (X-Cluster-Proof)."""
     router = APIRouter()
 
     async def fields(request: Request, *names: str) -> list:
+        if cluster_token is not None and not (request.headers.get(TOKEN_HEADER) or request.headers.get(PROOF_HEADER)):
+            raise _no_cluster_token(request.url.path)  # before the body: a 401 wins over a 400
         try:
             body = parse_json_object(await request.body())
         except MalformedBody as e:
@@ -204,22 +213,39 @@ def membership_routes(cluster) -> APIRouter:
             out.append(value)
         return out
 
+    def member_auth(request: Request, purpose: str, *parts: str) -> None:
+        if cluster_token is None or token_ok(cluster_token, request.headers.get(TOKEN_HEADER)):
+            return
+        if not proof_ok(cluster_token, request.headers.get(PROOF_HEADER), purpose, *parts):
+            raise _no_cluster_token(request.url.path)
+
     @router.post("/cluster/join")
     async def join(request: Request):
         role, url = await fields(request, "role", "url")
+        member_auth(request, "join", role, url)
         return await cluster().join(role, url)
 
     @router.post("/cluster/heartbeat")
     async def heartbeat(request: Request):
         (url,) = await fields(request, "url")
+        member_auth(request, "heartbeat", url)
         return await cluster().heartbeat(url)
 
     @router.post("/cluster/leave")
     async def leave(request: Request):
         (url,) = await fields(request, "url")
+        member_auth(request, "leave", url)
         return {"left": await cluster().leave(url)}
 
     return router
+
+
+def _no_cluster_token(path: str) -> OrchestratorError:
+    return OrchestratorError(
+        401, f"{path} needs the cluster's cluster_token, and this request holds none or another: a worker proves it "
+             "when its cache_transceiver_config.cluster_token is the orchestrator's cluster_token (pdserve launch "
+             "writes the one it made to the file cluster_token in its log directory); an operator may send "
+             "'X-Cluster-Token: <cluster_token>'", "invalid_cluster_token")
 
 
 async def _unless_disconnected(request: Request, work):

@@ -10,6 +10,8 @@ checks that the instance serves the same model as the rest, over the same KV bac
 tokens_per_block the other role's instances can re-cut, and refuses it with the reason otherwise.
 Every probe round the routers are synced with the store: a member whose lease ran out is dropped,
 one that left is dropped, and one that joined through another orchestrator process (etcd) is added.
+With a cluster_token, every instance (joined or of the YAML) proves it holds the token when its
+/v1/disagg_info is read (cluster_auth.py) before it is routed to; one that cannot is never ready.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from pdserve.cluster_auth import NONCE_HEADER, new_nonce, proof_ok
 from pdserve.orchestrator.config import DisaggConfig
 from pdserve.orchestrator.errors import NOT_A_WORKER, OrchestratorError
 from pdserve.orchestrator.kv_cache_aware import KvCacheAwareRouter
@@ -45,6 +48,10 @@ STATES = ("joining", "ready", "draining", "unready")
 
 class NotAWorker(Exception):
     """The instance at a member's url is a pdserve orchestrator (this one, or another)."""
+
+
+class NoProof(Exception):
+    """The instance at a member's url did not prove that it holds this orchestrator's cluster_token."""
 
 
 class LocalCluster:
@@ -142,7 +149,7 @@ class LocalCluster:
                 reason = "draining"
             if ok and url not in router.ready and not learned:  # (re)joining: it may have restarted with another config
                 await self._learn(url)
-        except NotAWorker as e:  # never ready; said once, not at every probe
+        except (NotAWorker, NoProof) as e:  # never ready; said once, not at every probe
             ok, reason = False, str(e)
             if self.status.get(url) != reason:
                 log.error("%s server %s: %s", role, url, reason)
@@ -166,17 +173,26 @@ class LocalCluster:
         router.set_ready(url, ok)
 
     async def _learn(self, url: str) -> None:
-        """Read the instance's /v1/models and /v1/disagg_info; NotAWorker when it is an orchestrator."""
+        """Read the instance's /v1/models and /v1/disagg_info; NotAWorker when it is an orchestrator, NoProof
+        when this orchestrator has a cluster_token and the instance did not answer its challenge with it."""
         models = await self._http.get(url + "/v1/models", timeout=_PROBE_TIMEOUT_S)
         models.raise_for_status()
-        info = await self._http.get(url + "/v1/disagg_info", timeout=_PROBE_TIMEOUT_S)
+        nonce = new_nonce()
+        info = await self._http.get(url + "/v1/disagg_info", timeout=_PROBE_TIMEOUT_S, headers={NONCE_HEADER: nonce})
         if info.status_code == 404 and _error_code(info) == NOT_A_WORKER:
             raise NotAWorker(f"{url} is a pdserve orchestrator, not a worker: list the workers' urls instead")
         # A worker without the endpoint (404) can still serve conditional (local) requests.
         try:
-            self.disagg_info[url] = info.json() if info.status_code == 200 else None
+            disagg_info = info.json() if info.status_code == 200 else None
         except ValueError:
-            self.disagg_info[url] = None
+            disagg_info = None
+        proof = disagg_info.pop("cluster_proof", None) if isinstance(disagg_info, dict) else None
+        token = self.cfg.cluster_token
+        if token is not None and not proof_ok(token, proof if isinstance(proof, str) else None, "member", nonce):
+            raise NoProof(f"{url} did not prove that it holds this orchestrator's cluster_token (it answered "
+                          f"/v1/disagg_info {'with another proof' if proof else 'without one'}): set its "
+                          "cache_transceiver_config.cluster_token to the orchestrator's cluster_token")
+        self.disagg_info[url] = disagg_info
         self.models[url] = models.json()
 
     # -- membership (membership.py) -----------------------------------------------------------------
@@ -197,6 +213,11 @@ class LocalCluster:
                 await self._learn(url)
             except NotAWorker as e:
                 raise OrchestratorError(409, f"{url} cannot join as a {role} server: {e}", "incompatible_instance",
+                                        "url") from None
+            except NoProof as e:
+                log.warning("refused %s server %s: %s", role, url, e)
+                self._publish("refused", role)
+                raise OrchestratorError(403, f"{url} cannot join as a {role} server: {e}", "invalid_cluster_token",
                                         "url") from None
             except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:
                 raise OrchestratorError(502, f"cannot read /v1/models and /v1/disagg_info of {url} ({e}): is it a "

@@ -104,7 +104,7 @@ def build_coordinator_app(cfg: DisaggConfig) -> FastAPI:
     async def health():
         return {"status": "ok"}
 
-    app.include_router(membership_routes(lambda: state["cluster"]))
+    app.include_router(membership_routes(lambda: state["cluster"], cfg.cluster_token))
     return app
 
 

@@ -38,6 +38,7 @@ from typing import AsyncIterable, AsyncIterator, Awaitable, Callable, TypeVar
 
 import httpx
 
+from pdserve.cluster_auth import TOKEN_HEADER
 from pdserve.orchestrator import sse
 from pdserve.orchestrator.config import DisaggConfig
 from pdserve.orchestrator.errors import OrchestratorError, WorkerUnreachable
@@ -83,6 +84,9 @@ class Orchestrator:
                                                                       ("context", "generation"))
         self._kv_endpoints: dict[str, str] = {}  # context url -> its KV control endpoint (generation_first)
         self._releases: set[asyncio.Task] = set()  # fire-and-forget release_kv calls (kept from the GC)
+        # what a member asks of a request that carries disaggregated_params or releases KV; sent only to
+        # instances the cluster routes to, each of which proved it holds the token (cluster.py, _learn)
+        self.member_headers = {TOKEN_HEADER: cfg.cluster_token} if cfg.cluster_token else None
 
     async def serve(self, api: str, body: dict, conversation_id: str | None = None) -> dict | AsyncIterable[bytes]:
         """A JSON answer, or the SSE bytes of a streaming one."""
@@ -298,7 +302,7 @@ class Orchestrator:
         body = self._context_body(req)
         start = time.monotonic()
         route, answer = await self._call("context", req, lambda url: post_json(
-            self.http, "context", url, req.api, body, self.cfg.request_timeout))
+            self.http, "context", url, req.api, body, self.cfg.request_timeout, self.member_headers))
         await self.cluster.finish("context", route.url, req.route_req)
         req.ctx_url = route.url
         self.metrics.context.observe(time.monotonic() - start)
@@ -382,7 +386,7 @@ class Orchestrator:
         if req.ctx_url is None:
             return  # its context_only request never answered: closing that request aborted it
         url, body = req.ctx_url, {"disagg_request_id": req.request_id}
-        call = post_json(self.http, "context", url, "/v1/disagg/release", body, RELEASE_TIMEOUT_S)
+        call = post_json(self.http, "context", url, "/v1/disagg/release", body, RELEASE_TIMEOUT_S, self.member_headers)
         task = asyncio.get_running_loop().create_task(call)
         self._releases.add(task)
         task.add_done_callback(self._release_done)
@@ -397,7 +401,8 @@ class Orchestrator:
         """generation_first: the context_only request, whose answer matters only when it fails."""
         start = time.monotonic()
         try:
-            await post_json(self.http, "context", route.url, req.api, self._context_body(req), self.cfg.request_timeout)
+            await post_json(self.http, "context", route.url, req.api, self._context_body(req), self.cfg.request_timeout,
+                            self.member_headers)
             req.ctx_url = route.url
         except OrchestratorError as e:
             self.metrics.worker_errors.labels("context", str(e.status)).inc()
@@ -423,7 +428,7 @@ class Orchestrator:
         whole = params["request_type"] == "context_and_generation"  # sent again as it is, if its instance is lost
         if not req.stream:
             route, answer = await self._call("generation", req, lambda url: post_json(
-                self.http, "generation", url, req.api, body, timeout), route, whole)
+                self.http, "generation", url, req.api, body, timeout, self.member_headers), route, whole)
             await self.cluster.finish("generation", route.url, req.route_req)
             answer.pop("disaggregated_params", None)
             details = (answer.get("usage") or {}).get("prompt_tokens_details")
@@ -440,7 +445,7 @@ class Orchestrator:
         """`body` sent streaming to a generation instance (`route`, or any), through _call."""
         timeout = self.cfg.request_timeout
         return await self._call("generation", req, lambda url: open_stream(
-            self.http, "generation", url, req.api, body, timeout), route, whole)
+            self.http, "generation", url, req.api, body, timeout, self.member_headers), route, whole)
 
     async def _moved(self, req: _Request, route: Route, e: OrchestratorError, so_far: "_Streamed",
                      moves: int) -> tuple[Route, httpx.Response] | None:

@@ -50,8 +50,9 @@ def _status_error(role: str, url: str, status: int, content: bytes) -> Orchestra
     return OrchestratorError(out, f"{role} server {url} answered {status}: {message}", code or "worker_error")
 
 
-async def post_json(http: httpx.AsyncClient, role: str, url: str, path: str, body: dict, timeout: float) -> dict:
-    return await _request_json(http, "POST", role, url, path, body, timeout)
+async def post_json(http: httpx.AsyncClient, role: str, url: str, path: str, body: dict, timeout: float,
+                    headers: dict | None = None) -> dict:
+    return await _request_json(http, "POST", role, url, path, body, timeout, headers)
 
 
 async def get_json(http: httpx.AsyncClient, role: str, url: str, path: str, timeout: float) -> dict:
@@ -59,9 +60,9 @@ async def get_json(http: httpx.AsyncClient, role: str, url: str, path: str, time
 
 
 async def _request_json(http: httpx.AsyncClient, method: str, role: str, url: str, path: str, body: dict | None,
-                        timeout: float) -> dict:
+                        timeout: float, headers: dict | None = None) -> dict:
     try:
-        r = await http.request(method, url + path, json=body,
+        r = await http.request(method, url + path, json=body, headers=headers,
                                timeout=httpx.Timeout(timeout, connect=CONNECT_TIMEOUT_S))
     except httpx.HTTPError as e:
         raise _transport_error(role, url, e, timeout) from None
@@ -78,9 +79,10 @@ async def _request_json(http: httpx.AsyncClient, method: str, role: str, url: st
 
 
 async def open_stream(http: httpx.AsyncClient, role: str, url: str, path: str, body: dict,
-                      timeout: float) -> httpx.Response:
+                      timeout: float, headers: dict | None = None) -> httpx.Response:
     """POST and return the streaming response once its status is 200 (the caller must aclose it)."""
-    req = http.build_request("POST", url + path, json=body, timeout=httpx.Timeout(timeout, connect=CONNECT_TIMEOUT_S))
+    req = http.build_request("POST", url + path, json=body, headers=headers,
+                             timeout=httpx.Timeout(timeout, connect=CONNECT_TIMEOUT_S))
     try:
         r = await http.send(req, stream=True)
     except httpx.HTTPError as e:

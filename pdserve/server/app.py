@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.cluster_auth import NONCE_HEADER, TOKEN_HEADER, member_proof, token_ok
 from pdserve.config import HTTP_KEEP_ALIVE_S, WorkerConfig
 from pdserve.distributed import host_id
 from pdserve.server.body_limit import BodyLimitMiddleware
@@ -53,6 +54,9 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # Open even with an API key: load balancers probe /health, Prometheus scrapes /metrics (as vLLM leaves
 # it open). Everything else, /tokenize and /detokenize included, needs the key.
 OPEN_PATHS = ("/health", "/metrics")
+# With a cluster token, only a holder of it may use these (and send disaggregated_params): the cluster's
+# orchestrator. They read and free other requests' KV (docs/deploy.md, "Trust model").
+CLUSTER_PATH_PREFIX = "/v1/disagg/"
 
 
 def build_app(engine, cfg: WorkerConfig) -> FastAPI:
@@ -67,8 +71,17 @@ def build_app(engine, cfg: WorkerConfig) -> FastAPI:
     _chain_step_hook(engine, "on_step_record", metrics.on_step_record)
 
     app.add_middleware(BodyLimitMiddleware, max_mb=cfg.max_request_body_mb)
-    if cfg.api_key:  # outside the body limit: a 401 wins over a 413
+    cluster_token = cfg.cache_transceiver_config.cluster_token
+    if cluster_token:  # outside the body limit: a 401 wins over a 413
+        app.add_middleware(ClusterTokenMiddleware, cluster_token=cluster_token)
+    if cfg.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=cfg.api_key)
+
+    def authorize_disagg(body, request: Request) -> None:
+        """A request's own disaggregated_params reach into other requests' KV: the cluster's only."""
+        if cluster_token and body.disaggregated_params is not None \
+                and not token_ok(cluster_token, request.headers.get(TOKEN_HEADER)):
+            raise _cluster_token_refusal("disaggregated_params")
     v1 = APIRouter(prefix="/v1", route_class=StrictJSONRoute)
 
     @app.exception_handler(APIError)
@@ -94,10 +107,12 @@ def build_app(engine, cfg: WorkerConfig) -> FastAPI:
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
+        authorize_disagg(body, request)
         return await _answer(request, serving.completions(body))
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        authorize_disagg(body, request)
         return await _answer(request, serving.chat(body))
 
     @v1.get("/models")
@@ -105,10 +120,13 @@ def build_app(engine, cfg: WorkerConfig) -> FastAPI:
         return ModelList(data=[ModelCard(id=engine.model_name, max_model_len=engine.max_model_len)])
 
     @v1.get("/disagg_info")
-    async def disagg_info():
-        """What an orchestrator needs to route to this worker (docs/disaggregation.md)."""
+    async def disagg_info(request: Request):
+        """What an orchestrator needs to route to this worker (docs/disaggregation.md); with a cluster
+        token, and the orchestrator's challenge in X-Cluster-Nonce, also the proof that it holds the token."""
         ecfg = engine.engine.ecfg
-        return {"model": engine.model_name, "tokens_per_block": ecfg.tokens_per_block,
+        nonce = request.headers.get(NONCE_HEADER)
+        proof = {"cluster_proof": member_proof(cluster_token, nonce)} if cluster_token and nonce else {}
+        return {**proof, "model": engine.model_name, "tokens_per_block": ecfg.tokens_per_block,
                 "ctx_info_endpoint": engine.kv_endpoint,
                 "kv_events_endpoint": engine.kv_events.endpoint if engine.kv_events else None,
                 "backend": ecfg.cache_transceiver_config.backend,
@@ -205,6 +223,27 @@ class ApiKeyMiddleware:
                 await JSONResponse(err.body(), status_code=401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class ClusterTokenMiddleware:
+    """Pure ASGI: every path under CLUSTER_PATH_PREFIX needs 'X-Cluster-Token: <cluster_token>'."""
+
+    def __init__(self, app, cluster_token: str):
+        self.app, self.token = app, cluster_token
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith(CLUSTER_PATH_PREFIX):
+            if not token_ok(self.token, dict(scope["headers"]).get(TOKEN_HEADER.lower().encode())):
+                err = _cluster_token_refusal(scope["path"])
+                await JSONResponse(err.body(), status_code=err.status)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _cluster_token_refusal(what: str) -> APIError:
+    return APIError(401, f"{what} is for the cluster's orchestrator only: this worker has a cluster_token, and the "
+                         f"request holds none or another in the header '{TOKEN_HEADER}: <cluster_token>'",
+                    TOKEN_HEADER if what.startswith("/") else what, "invalid_cluster_token")
 
 
 # pydantic names the members of a union in the error location ("prompt", "list[int]", 0).
@@ -352,6 +391,7 @@ def run_server(engine, cfg: WorkerConfig, *, graceful_shutdown_s: float = 10.0,
     sockets = [sock] if sock is not None else None
     port = sock.getsockname()[1] if sock is not None else cfg.port
     log.info("serving %s on http://%s:%d", engine.model_name, cfg.host, port)
+    _warn_if_open(cfg)
     member = None
     if cfg.join is not None:  # joins once its own /health answers, leaves when it drains
         member = ClusterMember(cfg, _own_url(cfg.host, port), lambda: app.state.serving.draining)
@@ -361,6 +401,17 @@ def run_server(engine, cfg: WorkerConfig, *, graceful_shutdown_s: float = 10.0,
     finally:
         if member is not None:
             member.stop()
+
+
+def _warn_if_open(cfg: WorkerConfig) -> None:
+    """A cluster member without a cluster token takes disaggregated requests from anyone who reaches it."""
+    transceiver = cfg.cache_transceiver_config
+    if transceiver.cluster_token or (transceiver.backend is None and cfg.join is None):
+        return
+    log.warning("!!! NO cluster_token: this worker's internal endpoints are open to anyone who can reach "
+                "%s:%d: requests carrying disaggregated_params (they read other requests' KV), /v1/disagg/* "
+                "(KV release), and its KV control plane. Set cache_transceiver_config.cluster_token to the "
+                "cluster's token (pdserve launch makes one); docs/deploy.md, \"Trust model\" !!!", cfg.host, cfg.port)
 
 
 def _serve(server: uvicorn.Server, sockets) -> None:

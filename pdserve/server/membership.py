@@ -6,10 +6,12 @@ pdserve/orchestrator/membership.py).
                                   404 (lease lost, orchestrator restarted) ──> join again
     drain or shutdown ────────> POST /cluster/leave, then no more heartbeats
 
-A refusal (409: another model, another KV backend, a role clash; 401: the token) is logged with the
-orchestrator's reason and retried every `_RETRY_S`, so an operator who fixes the other side sees the
-instance join without restarting it. Runs on its own thread with a plain httpx client: the server's
-event loop never waits on the orchestrator.
+A refusal (409: another model, another KV backend, a role clash; 401/403: the cluster token) is logged
+with the orchestrator's reason and retried every `_RETRY_S`, so an operator who fixes the other side
+sees the instance join without restarting it. With a cluster_token, each call carries an HMAC of it
+over the call and this instance's url (X-Cluster-Proof, pdserve/cluster_auth.py), never the token
+itself: an orchestrator at a wrong --join url learns nothing it can use. Runs on its own thread with a
+plain httpx client: the server's event loop never waits on the orchestrator.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Callable
 
 import httpx
 
+from pdserve.cluster_auth import PROOF_HEADER, proof
 from pdserve.config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -36,8 +39,8 @@ class ClusterMember:
         self.orchestrator, self.role = cfg.join, cfg.role
         self.url = cfg.advertise_url or own_url
         self._own_url, self._draining = own_url, draining
-        token = cfg.join_token
-        self._headers = {"X-Cluster-Token": token, "Authorization": f"Bearer {token}"} if token else {}
+        self._token = cfg.cache_transceiver_config.cluster_token
+        self._bearer = {"Authorization": f"Bearer {cfg.join_token}"} if cfg.join_token else {}
         self._stop = threading.Event()
         self._joined = False
         self._heartbeat_s = _RETRY_S
@@ -84,7 +87,7 @@ class ClusterMember:
 
     def _join(self) -> str | None:
         """Ask to join; the orchestrator's status ("joined", "static"), or None when it did not take us."""
-        answer = self._post("/cluster/join", {"role": self.role, "url": self.url})
+        answer = self._post("/cluster/join", {"role": self.role, "url": self.url}, ("join", self.role, self.url))
         if answer is None:
             return None
         self._last_problem = None
@@ -98,7 +101,7 @@ class ClusterMember:
         return "joined"
 
     def _heartbeat(self) -> None:
-        if self._post("/cluster/heartbeat", {"url": self.url}, not_a_member_ok=True) is None:
+        if self._post("/cluster/heartbeat", {"url": self.url}, ("heartbeat", self.url), not_a_member_ok=True) is None:
             self._joined = False
 
     def _leave(self) -> None:
@@ -107,15 +110,20 @@ class ClusterMember:
         self._joined = False
         try:
             with httpx.Client(timeout=_TIMEOUT_S, trust_env=False) as http:
-                http.post(self.orchestrator + "/cluster/leave", json={"url": self.url}, headers=self._headers)
+                http.post(self.orchestrator + "/cluster/leave", json={"url": self.url},
+                          headers=self._headers("leave", self.url))
             log.info("left the cluster at %s", self.orchestrator)
         except httpx.HTTPError as e:
             log.warning("could not tell the orchestrator at %s that this instance leaves (%s); its lease runs out",
                         self.orchestrator, e)
 
-    def _post(self, path: str, body: dict, not_a_member_ok: bool = False) -> dict | None:
+    def _headers(self, purpose: str, *parts: str) -> dict[str, str]:
+        signed = {PROOF_HEADER: proof(self._token, purpose, *parts)} if self._token else {}
+        return {**self._bearer, **signed}
+
+    def _post(self, path: str, body: dict, signed: tuple[str, ...], not_a_member_ok: bool = False) -> dict | None:
         try:
-            r = self._http.post(self.orchestrator + path, json=body, headers=self._headers)
+            r = self._http.post(self.orchestrator + path, json=body, headers=self._headers(*signed))
         except httpx.HTTPError as e:
             self._problem(f"the orchestrator at {self.orchestrator} is unreachable ({type(e).__name__}: {e}); "
                           "retrying")

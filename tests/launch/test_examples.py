@@ -27,5 +27,6 @@ def test_example_cluster_is_valid(path):
 def test_the_generation_first_example_pipelines():
     cfg = load_cluster_config(str(Path(__file__).parents[2] / "examples" / "cluster_generation_first.yaml"))
     ctx = worker_configs(cfg)[0]
-    assert ctx["cache_transceiver_config"] == {"backend": "shm", "pipelined_transfer": True}
+    assert ctx["cache_transceiver_config"] == {"backend": "shm", "pipelined_transfer": True,
+                                               "cluster_token": cfg.cluster_token}  # launch's own
     assert cfg.orchestrator["schedule_style"] == "generation_first"

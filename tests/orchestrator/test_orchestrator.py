@@ -9,7 +9,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from harness import MODEL_NAME, AppThread, wait_healthy
+from harness import MODEL_NAME, AppThread, start_each, wait_healthy
 
 from pdserve.orchestrator.app import build_app
 from pdserve.orchestrator.config import DisaggConfig
@@ -151,20 +151,26 @@ def test_context_worker_without_transceiver_is_a_clear_502(workers):
     assert "cache_transceiver_config" in message
 
 
-def test_api_key_and_cluster_token(workers):
-    cfg = make_cfg([workers[0].url], [workers[1].url], conditional_disagg={"max_local_prefill_length": 64},
+def test_api_key_and_cluster_token(tiny_model_dir, tmp_path):
+    """With a cluster token, the orchestrator routes only to instances that prove they hold it (one
+    instance in both roles here, with the token)."""
+    (member,) = start_each(tiny_model_dir, tmp_path, [{"cache_transceiver_config": {"cluster_token": "inside"}}])
+    cfg = make_cfg([member.url], [member.url], conditional_disagg={"max_local_prefill_length": 64},
                    api_key="sekret", cluster_token="inside")
-    with orchestrator(cfg) as orch:
-        wait_healthy(orch.url)  # /health stays open for load balancers
-        with pytest.raises(openai.AuthenticationError):
-            client(orch.url).completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
-        out = client(orch.url, api_key="sekret").completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
-        assert out.usage.completion_tokens >= 1
-        assert httpx.get(orch.url + "/cluster_info").status_code == 401
-        assert httpx.get(orch.url + "/metrics").status_code == 401
-        assert httpx.get(orch.url + "/cluster_info", headers={"X-Cluster-Token": "inside"}).status_code == 200
-        # The cluster token guards the internal pages: the clients' key is not enough for them.
-        assert httpx.get(orch.url + "/cluster_info", headers={"Authorization": "Bearer sekret"}).status_code == 401
+    try:
+        with orchestrator(cfg) as orch:
+            wait_healthy(orch.url)  # /health stays open for load balancers
+            with pytest.raises(openai.AuthenticationError):
+                client(orch.url).completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
+            out = client(orch.url, api_key="sekret").completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
+            assert out.usage.completion_tokens >= 1
+            assert httpx.get(orch.url + "/cluster_info").status_code == 401
+            assert httpx.get(orch.url + "/metrics").status_code == 401
+            assert httpx.get(orch.url + "/cluster_info", headers={"X-Cluster-Token": "inside"}).status_code == 200
+            # The cluster token guards the internal pages: the clients' key is not enough for them.
+            assert httpx.get(orch.url + "/cluster_info", headers={"Authorization": "Bearer sekret"}).status_code == 401
+    finally:
+        member.stop()
 
 
 def test_api_key_alone_guards_every_page_but_health_and_metrics(workers):
