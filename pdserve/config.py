@@ -187,6 +187,9 @@ class WorkerConfig(EngineConfig):
     api_key: str | None = Field(None, description="when set, /v1/* requires 'Authorization: Bearer <key>'")
     max_request_body_mb: float = Field(32.0, gt=0, description="a request body over this many MiB is refused (413) "
                                                                "before it is read into memory")
+    client_read_timeout_s: float = Field(30.0, gt=0, description="a client has this long to send a request's headers "
+                                                                 "(else 408 and the connection closes), and may pause "
+                                                                 "this long at most between parts of its body")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM/SIGINT: refuse new requests, let running ones "
                                                            "and their KV transfers finish for up to this long, "
                                                            "then exit (0: at once; a second signal: at once)")

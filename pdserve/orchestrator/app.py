@@ -32,6 +32,7 @@ from pdserve.orchestrator.request_id import RequestIdGenerator
 from pdserve.orchestrator.upstream import make_client
 from pdserve.server.body_limit import BodyLimitMiddleware
 from pdserve.server.json_body import MalformedBody, parse_json_object
+from pdserve.server.read_timeout import http_protocol
 from pdserve.server.streaming import ClosingStreamingResponse
 
 log = logging.getLogger(__name__)
@@ -289,8 +290,9 @@ def bind_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
     return sock
 
 
-def run_app(app, sock: socket.socket, *, graceful_shutdown_s: float = 5.0) -> None:
+def run_app(app, sock: socket.socket, client_read_timeout_s: float, *, graceful_shutdown_s: float = 5.0) -> None:
     """Serve `app` on `sock` until SIGINT/SIGTERM (uvicorn handles both and returns)."""
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful_shutdown_s,
-                                           timeout_keep_alive=HTTP_KEEP_ALIVE_S))
+                                           timeout_keep_alive=HTTP_KEEP_ALIVE_S,
+                                           http=http_protocol(client_read_timeout_s)))
     server.run(sockets=[sock])

@@ -77,7 +77,7 @@ def _run_coordinator(cfg: DisaggConfig) -> int:
     parts = urlsplit(cfg.coordinator_url)
     sock = bind_socket(parts.hostname, parts.port, reuse_port=False)
     log.info("coordinator on %s", cfg.coordinator_url)
-    run_app(build_coordinator_app(cfg), sock)
+    run_app(build_coordinator_app(cfg), sock, cfg.client_read_timeout_s)
     return 0
 
 
@@ -104,7 +104,7 @@ def _run_worker(cfg: DisaggConfig, index: int, reuse_port: bool) -> int:
         cluster = RemoteCluster(cfg, cfg.coordinator_url)
     sock = bind_socket(cfg.hostname, cfg.port, reuse_port=reuse_port)
     log.info("orchestrator %d (pid %d) on http://%s:%d", index, os.getpid(), cfg.hostname, cfg.port)
-    run_app(build_app(cfg, process_id=index, cluster=cluster), sock)
+    run_app(build_app(cfg, process_id=index, cluster=cluster), sock, cfg.client_read_timeout_s)
     return 0
 
 

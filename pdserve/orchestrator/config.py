@@ -110,6 +110,9 @@ class DisaggConfig(BaseModel):
     api_key: str | None = Field(None, description="when set, /v1/* requires 'Authorization: Bearer <key>'")
     max_request_body_mb: float = Field(32.0, gt=0, description="a request body over this many MiB is refused (413) "
                                                                "before it is read into memory")
+    client_read_timeout_s: float = Field(30.0, gt=0, description="a client has this long to send a request's headers "
+                                                                 "(else 408 and the connection closes), and may pause "
+                                                                 "this long at most between parts of its body")
     cluster_token: str | None = Field(None, description="when set, internal endpoints require 'X-Cluster-Token'")
     worker_api_key: str | None = Field(None, description="sent to every worker as 'Authorization: Bearer <key>' "
                                                          "(the workers' own api_key)")

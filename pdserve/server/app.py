@@ -29,6 +29,7 @@ from pdserve.distributed import host_id
 from pdserve.server.body_limit import BodyLimitMiddleware
 from pdserve.server.errors import APIError
 from pdserve.server.json_body import MalformedBody, parse_json_object
+from pdserve.server.read_timeout import http_protocol
 from pdserve.server.membership import ClusterMember
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import (
@@ -386,7 +387,8 @@ def run_server(engine, cfg: WorkerConfig, *, graceful_shutdown_s: float = 10.0,
     socket from `bind_listener` (else uvicorn binds cfg.host:cfg.port itself)."""
     app = build_app(engine, cfg)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="info",
-                            timeout_graceful_shutdown=graceful_shutdown_s, timeout_keep_alive=HTTP_KEEP_ALIVE_S)
+                            timeout_graceful_shutdown=graceful_shutdown_s, timeout_keep_alive=HTTP_KEEP_ALIVE_S,
+                            http=http_protocol(cfg.client_read_timeout_s))
     server = DrainingServer(config, app.state.serving, engine, cfg.drain_timeout_s)
     sockets = [sock] if sock is not None else None
     port = sock.getsockname()[1] if sock is not None else cfg.port

@@ -11,6 +11,8 @@ from typing import Callable
 import httpx
 import uvicorn
 
+from pdserve.server.read_timeout import http_protocol
+
 
 class ClientGoneBeforeFirstByte:
     """ASGI wrapper: a streaming (text/event-stream) answer's response start fails the way it does once
@@ -36,16 +38,18 @@ class ClientGoneBeforeFirstByte:
 
 
 class UvicornThread:
-    """Serve an ASGI app on a free loopback port from a daemon thread; `with` starts and stops it."""
+    """Serve an ASGI app on a free loopback port from a daemon thread; `with` starts and stops it. It reads
+    requests as pdserve's own listeners do (read_timeout.py)."""
 
-    def __init__(self, app, name: str = "uvicorn"):
+    def __init__(self, app, name: str = "uvicorn", client_read_timeout_s: float = 30.0):
         self.name = name
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2,
+                                                    http=http_protocol(client_read_timeout_s)))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name=f"{name}-{self.port}")
 
