@@ -51,7 +51,8 @@ class NotAWorker(Exception):
 
 
 class NoProof(Exception):
-    """The instance at a member's url did not prove that it holds this orchestrator's cluster_token."""
+    """The instance at a member's url did not prove that it holds this orchestrator's cluster_token, or
+    holds one where this orchestrator has none."""
 
 
 class LocalCluster:
@@ -187,7 +188,11 @@ class LocalCluster:
         except ValueError:
             disagg_info = None
         proof = disagg_info.pop("cluster_proof", None) if isinstance(disagg_info, dict) else None
+        holds = disagg_info.pop("holds_cluster_token", False) if isinstance(disagg_info, dict) else False
         token = self.cfg.cluster_token
+        if token is None and holds:  # it would refuse every disaggregated request this orchestrator sends
+            raise NoProof(f"{url} has a cluster_token and this orchestrator has none: set the orchestrator's "
+                          "cluster_token to the workers' cache_transceiver_config.cluster_token")
         if token is not None and not proof_ok(token, proof if isinstance(proof, str) else None, "member", nonce):
             raise NoProof(f"{url} did not prove that it holds this orchestrator's cluster_token (it answered "
                           f"/v1/disagg_info {'with another proof' if proof else 'without one'}): set its "

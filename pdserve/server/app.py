@@ -126,7 +126,8 @@ def build_app(engine, cfg: WorkerConfig) -> FastAPI:
         token, and the orchestrator's challenge in X-Cluster-Nonce, also the proof that it holds the token."""
         ecfg = engine.engine.ecfg
         nonce = request.headers.get(NONCE_HEADER)
-        proof = {"cluster_proof": member_proof(cluster_token, nonce)} if cluster_token and nonce else {}
+        proof = {"holds_cluster_token": True, "cluster_proof": member_proof(cluster_token, nonce) if nonce else None} \
+            if cluster_token else {}
         return {**proof, "model": engine.model_name, "tokens_per_block": ecfg.tokens_per_block,
                 "ctx_info_endpoint": engine.kv_endpoint,
                 "kv_events_endpoint": engine.kv_events.endpoint if engine.kv_events else None,

@@ -148,6 +148,13 @@ def test_an_instance_that_cannot_prove_the_token_is_never_routed_to_even_when_li
         assert not _instances(orch.url, "generation", token)[fake.url]["ready"]
         r = httpx.post(orch.url + "/v1/completions", json=BODY, timeout=30)
         assert r.status_code == 503 and received == [], r.text
+    # the other way round: an orchestrator without the token would have every request refused by the
+    # workers, so it routes to none and says why
+    with AppThread(build_app(DisaggConfig(health_check_interval=0.2, context_servers={"urls": [ctx]},
+                                          generation_servers={"urls": [gen]}))) as orch:
+        why = lambda: _instances(orch.url, "generation", None)[gen].get("status") or ""  # noqa: E731
+        assert wait_until(lambda: "has a cluster_token and this orchestrator has none" in why(), 5), why()
+        assert httpx.post(orch.url + "/v1/completions", json=BODY, timeout=30).status_code == 503
 
 
 def test_a_member_joined_by_hand_cannot_be_removed_without_the_token(cluster, tiny_model_dir, tmp_path):
