@@ -21,6 +21,9 @@ import types
 import typing
 
 
+EXIT_ENGINE_DIED = 3  # `pdserve serve`'s exit status when its engine's step loop died
+
+
 def serve_config(args: argparse.Namespace):
     """`pdserve serve`'s WorkerConfig: the YAML file, then the flags given on the command line."""
     from pdserve.config import WorkerConfig, load_yaml
@@ -40,6 +43,9 @@ def _serve(args: argparse.Namespace) -> int:
             run_server(engine, cfg, sock=sock)
         finally:
             engine.shutdown()
+    if engine.error:  # a supervisor restarts a process that exits; one alive at 503 it leaves alone
+        logging.getLogger("pdserve.serve").error("exiting: the engine's step loop died (%s)", engine.error)
+        return EXIT_ENGINE_DIED
     return 0
 
 

@@ -69,6 +69,9 @@ class AsyncEngine:
         self._sinks: dict[str, Callable[[RequestOutput], bool]] = {}
         self._stop = threading.Event()
         self.error: str | None = None  # set if the step loop died; /health reports it
+        # Called (on the engine thread) once the step loop died: the server stops, so that the process
+        # exits non-zero and its supervisor (pdserve launch, Ray, Kubernetes) restarts it.
+        self.on_death: Callable[[str], None] | None = None
         self.on_step: Callable[[list[RequestOutput]], None] | None = None
         self.on_step_record: Callable[[StepRecord], None] | None = None  # each step that ran sequences
         built: Future = Future()
@@ -144,7 +147,8 @@ class AsyncEngine:
         self._stop.set()
         self._commands.put(None)
         self._thread.join(timeout=30)
-        self.engine.shutdown()
+        # After the loop died the other ranks may be gone or mid-step: they are killed, not asked to stop.
+        self.engine.shutdown(graceful=self.error is None)
         if self.kv_events is not None:
             self.kv_events.close()
 
@@ -182,6 +186,8 @@ class AsyncEngine:
                 sink(RequestOutput(rid, [], "", True, "error", error=self.error))
             self._sinks.clear()
             self._fail_queued()
+            if self.on_death is not None:
+                self.on_death(self.error)
 
     def _fail_queued(self) -> None:
         """After the loop died: answer every command still queued, so no caller waits forever."""

@@ -331,10 +331,14 @@ class LLMEngine:
 
     # -- shutdown --------------------------------------------------------------------------------
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
+        """`graceful`: tell the other ranks to stop and wait for them; else (a step failed, so they may be
+        dead or stuck in a collective) kill them first."""
+        if not graceful:
+            self._kill_workers()
         self.kv.close()
         if self.runner is not None:
-            self.runner.shutdown()
+            self.runner.shutdown() if graceful else self.runner.close()
         for p in self._procs:
             p.join(timeout=10)
         self._kill_workers()

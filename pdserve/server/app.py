@@ -380,9 +380,22 @@ def _busy(stats: dict) -> bool:
     return bool(stats.get("running") or stats.get("waiting") or stats.get("parked"))
 
 
+def _stop_when_the_engine_dies(engine, server: uvicorn.Server) -> None:
+    """A dead step loop is not recovered in place: the server stops (its clients have had their errors)
+    rather than answer 503 for as long as the process lives, which no supervisor would restart."""
+    def stop(error: str) -> None:
+        log.error("the engine's step loop died (%s): stopping the server", error)
+        server.should_exit = True
+
+    engine.on_death = stop
+    if engine.error:  # it died before the hook was in place
+        stop(engine.error)
+
+
 def run_server(engine, cfg: WorkerConfig, *, graceful_shutdown_s: float = 10.0,
                sock: socket.socket | None = None) -> None:
-    """Serve until SIGINT/SIGTERM; then stop accepting, give in-flight requests `graceful_shutdown_s`
+    """Serve until SIGINT/SIGTERM, or until the engine's step loop dies (the caller then exits non-zero,
+    see `engine.error`); then stop accepting, give in-flight requests `graceful_shutdown_s`
     to finish, and return normally. The caller owns the engine and shuts it down afterwards (with TP/PP
     that stops the other ranks' processes, so the signal must not kill this process first). `sock`: a
     socket from `bind_listener` (else uvicorn binds cfg.host:cfg.port itself)."""
@@ -391,6 +404,7 @@ def run_server(engine, cfg: WorkerConfig, *, graceful_shutdown_s: float = 10.0,
                             timeout_graceful_shutdown=graceful_shutdown_s, timeout_keep_alive=HTTP_KEEP_ALIVE_S,
                             http=http_protocol(cfg.client_read_timeout_s))
     server = DrainingServer(config, app.state.serving, engine, cfg.drain_timeout_s)
+    _stop_when_the_engine_dies(engine, server)
     sockets = [sock] if sock is not None else None
     port = sock.getsockname()[1] if sock is not None else cfg.port
     log.info("serving %s on http://%s:%d", engine.model_name, cfg.host, port)

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 
+import httpx
 import psutil
 import pytest
 
@@ -75,3 +76,27 @@ def test_rank_0_killed_alone_takes_the_other_ranks_with_it(model, tmp_path):
         proc.wait()
         assert wait_until(lambda: all(_gone(r.pid) for r in ranks), timeout_s=10, poll_s=0.1), \
             f"rank processes {ranks} outlived rank 0 by 10 s"
+
+
+def test_a_server_whose_step_loop_dies_exits_non_zero(model, tmp_path):
+    """Rank 1 killed alone: rank 0's next step cannot reach it and the step loop dies. The request gets
+    a 503 naming the failure, then the server exits with status 3 (a supervisor restarts a process that
+    exits; one alive answering 503 "engine is not running" it leaves alone)."""
+    from pdserve.cli import EXIT_ENGINE_DIED
+
+    proc, url, log = _start_tp2(model, tmp_path)
+    with reaped(proc):
+        wait_for_health(url, proc, log, timeout=120)
+        ranks = _ranks(proc)
+        assert ranks, "no spawned rank: the server did not start a second rank"
+        for rank in ranks:
+            rank.kill()
+        r = httpx.post(url + "/v1/completions", timeout=60,
+                       json={"model": "m", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 503, r.text
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the server still runs 60 s after its step loop died:\n{log()[-3000:]}") from None
+        assert code == EXIT_ENGINE_DIED, log()[-3000:]
+        assert "exiting: the engine's step loop died" in log()
