@@ -43,6 +43,10 @@ from pdserve.weights.resolve import resolve_model
 log = logging.getLogger(__name__)
 
 
+# Disaggregated request ids are below this (an int64, as they travel; peers' canary ids are above it)
+MAX_DISAGG_ID = 1 << 63
+
+
 class RequestError(ValueError):
     """A request the engine cannot take; the message says why (the HTTP layer answers 400), `param` which
     field of the request it blames, where one is to blame."""
@@ -100,7 +104,7 @@ class LLMEngine:
         self.last_step: StepRecord | None = None  # the latest step that ran sequences (None: it ran none)
         self.seqs = self.scheduler.seqs  # every request in flight, by id (read-only here: the scheduler owns it)
         self._ids = itertools.count()
-        self.kv = KVExchange(self.scheduler, self.runner.connector, ecfg)
+        self.kv = KVExchange(self.scheduler, self.runner.connector, ecfg, self.model_cfg.vocab_size)
 
     def _max_model_len(self) -> int:
         """The context window: the configured one, never past the model's positions."""
@@ -214,11 +218,21 @@ class LLMEngine:
             raise RequestError(
                 f"request_type {request_type.value!r} needs the KV transceiver, which is disabled on this worker: "
                 "set cache_transceiver_config.backend (nixl or shm) in its config")
-        if disagg is None or disagg.disagg_request_id <= 0:
-            raise RequestError(f"request_type {request_type.value!r} needs disaggregated_params.disagg_request_id > 0")
+        if disagg is None or not 0 < disagg.disagg_request_id < MAX_DISAGG_ID:
+            # (the id travels as a msgpack int64 between ranks and instances; above it a peer's canary ids)
+            raise RequestError(f"request_type {request_type.value!r} needs disaggregated_params.disagg_request_id in "
+                               f"[1, 2**63)", "disaggregated_params.disagg_request_id")
         if disagg.disagg_request_id in self.scheduler.by_disagg_id:
             raise ConflictError(f"disagg_request_id {disagg.disagg_request_id} is already in flight on this worker")
         if request_type is RequestType.GENERATION_ONLY:
+            vocab = self.model_cfg.vocab_size
+            if any(not 0 <= t < vocab for t in disagg.first_gen_tokens):
+                raise RequestError(f"disaggregated_params.first_gen_tokens must be token ids in [0, {vocab})",
+                                   "disaggregated_params.first_gen_tokens")
+            entries = disagg.first_gen_logprobs
+            if any(not 0 <= t < vocab for e in entries for t in [e["token_id"], *(t for t, _ in e["top"])]):
+                raise RequestError(f"the logprobs in disaggregated_params.opaque_state must be of token ids in "
+                                   f"[0, {vocab})", "disaggregated_params.opaque_state")
             if disagg.generation_first and disagg.first_gen_tokens:
                 raise RequestError("generation_only with schedule_style generation_first gets its first token with "
                                    "the KV: send disaggregated_params.first_gen_tokens empty")

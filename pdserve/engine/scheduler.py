@@ -58,6 +58,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Sequence.error_code of a generation_only request whose context instance holds no such request (never
+# had it, or its KV was already sent, released or timed out): the client's error, not the service's.
+KV_NOT_FOUND = "kv_not_found"
+
 
 @dataclass
 class ScheduledSeq:
@@ -355,11 +359,13 @@ class Scheduler:
         else:
             self.outputs.append(self.trackers[seq.request_id].flush())
 
-    def transfer_ended(self, seq: Sequence, failure: str | None) -> None:
+    def transfer_ended(self, seq: Sequence, failure: str | None, code: str | None = None) -> None:
         """Every rank settled `seq`'s transfer and its KV did not arrive here (context side: sent,
-        failed or cancelled; generation side: failed or cancelled): the request ends, its blocks freed."""
+        failed or cancelled; generation side: failed or cancelled): the request ends, its blocks freed.
+        `code`: the failure's kind when the client is told one (KV_NOT_FOUND)."""
         seq.disagg.transfer_settled = True
         if seq.state is SeqState.GEN_AWAITING_KV:
+            seq.error_code = code
             self.end(seq, FinishReason.ERROR, f"KV transfer from {seq.disagg.ctx_info_endpoint} failed: {failure}")
         elif seq.state is SeqState.RUNNING:  # a pipelined prefill whose receiver went away
             self.end(seq, FinishReason.ERROR, f"KV transfer to the generation instance failed: {failure}")

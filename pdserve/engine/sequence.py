@@ -88,6 +88,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    error_code: str | None = None  # the error's kind, when the client is told one (scheduler.KV_NOT_FOUND)
     disagg: "DisaggInfo | None" = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
