@@ -30,6 +30,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    error_code: str | None = None  # the error's kind, when the client is told one (Sequence.error_code)
     context: ContextResult | None = None  # a finished context_only request's hand-off
 
 
@@ -93,4 +94,5 @@ class OutputTracker:
             num_output_tokens=len(seq.output_token_ids),
             num_cached_tokens=seq.num_cached_tokens,
             error=seq.error,
+            error_code=seq.error_code,
         )

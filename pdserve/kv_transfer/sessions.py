@@ -16,7 +16,8 @@ Lifecycle of a receive session (generation rank):
         a failed canary refuses the held sessions, which then fail at once)
         ──> DONE when every expected writer's TRANSFER_DONE notifications all arrived (the one
             flagged last says how many chunks to expect)
-        (TRANSFER_ERROR / timeout ──> FAILED; cancel ──> CANCEL sent, removed once writers settle)
+        (TRANSFER_ERROR, UNKNOWN_REQUEST / timeout ──> FAILED; cancel ──> CANCEL sent, removed once
+        writers settle)
 
 A session entry exists exactly while the request is in flight: empty tables mean "all done".
 A session's status is this rank's alone; the executor settles a request once every rank of its
@@ -48,12 +49,14 @@ class TransferStatus(enum.IntEnum):
 class TransferResults:
     """What one status check finished: request ids that completed, and failures with reasons.
     For completed receive sessions also the prompt tokens delivered (when the sender said) and the
-    state that rode with the last chunk (when there was one)."""
+    state that rode with the last chunk (when there was one); `unknown`: the failed receive sessions
+    whose context side said it holds no such request."""
 
     completed: list[int] = field(default_factory=list)
     failed: dict[int, str] = field(default_factory=dict)
     tokens: dict[int, int] = field(default_factory=dict)
     states: dict[int, bytes] = field(default_factory=dict)
+    unknown: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.completed) + len(self.failed)
@@ -63,6 +66,7 @@ class TransferResults:
         self.failed.update(other.failed)
         self.tokens.update(other.tokens)
         self.states.update(other.states)
+        self.unknown += other.unknown
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,7 @@ class RecvSession:
     corrupted: dict[PeerKey, str] = field(default_factory=dict)  # failed checksums, an error once the writer is done
     held: list[tuple[str, RequestData]] = field(default_factory=list)  # unsent until the first-contact canary passes
     refused: str | None = None  # nothing will be written (the canary failed): fails at once
+    unknown: bool = False  # a context rank said it holds no such request (UNKNOWN_REQUEST)
 
     def on_chunk(self, sender: PeerKey, chunk: int, last: bool, token_range: tuple[int, int], state: bytes) -> None:
         """One write of `sender` landed; the writer is done once all its chunks have."""

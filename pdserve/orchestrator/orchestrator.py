@@ -584,12 +584,13 @@ class _Relay:
 def _lost(role: str, e: BaseException) -> str | None:
     """Which instance `e`, from a request's half on `role`, says was lost, if one was: the context
     instance (or the KV it holds) when the context request could not be sent, dropped its connection
-    or was refused by a draining instance, or when the generation side's KV pull failed; the generation
-    instance when its request dropped its connection before the answer began."""
+    or was refused by a draining instance, or when the generation side's KV pull failed or found the KV
+    gone (a restarted context instance holds none); the generation instance when its request dropped its
+    connection before the answer began."""
     if not isinstance(e, OrchestratorError):
         return None
     if role == "generation":
-        return {"kv_transfer_failed": "context", "worker_failed": "generation"}.get(e.code)
+        return {"kv_transfer_failed": "context", "kv_not_found": "context", "worker_failed": "generation"}.get(e.code)
     return "context" if isinstance(e, WorkerUnreachable) or e.code in ("worker_failed", "draining") else None
 
 

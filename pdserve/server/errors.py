@@ -5,7 +5,9 @@ base of the orchestrator's (orchestrator/errors.py), with one status -> type tab
                                 (405, 413 and 415 too, and any status not listed here)
     401 authentication_error    missing or wrong API key (or cluster token)
     403 permission_error        raised by no pdserve code; a passed-on 403 that names no type
-    404 not_found_error         unknown model (code "model_not_found", as OpenAI does) or route
+    404 not_found_error         unknown model (code "model_not_found", as OpenAI does) or route; a
+                                generation_only request whose context instance holds no such KV
+                                (code "kv_not_found")
     409 conflict_error          a second in-flight request with the same disagg_request_id
     500 internal_error          anything else; the message names the exception, never a traceback
     502 bad_gateway             the orchestrator: a worker is unreachable, broke the connection or failed

@@ -12,9 +12,10 @@ include_stop_str_in_output; on chat also add_generation_prompt.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -42,19 +43,37 @@ class ResumeParams(_Request):
     created: int | None = Field(None, ge=0, lt=1 << 63)
 
 
+# Values that go on into msgpack (int64), ZeroMQ or the tokenizer are bounded here, so that a forged body is a
+# 400 naming its field, never an exception in the engine's step loop. Token ids are checked against the
+# model's vocabulary by the serving layer and the engine.
+RequestId = Annotated[int, Field(ge=0, lt=1 << 63)]
+TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
+# A context instance's KV control endpoint, as its workers publish it: tcp://HOST:PORT
+_ENDPOINT = re.compile(r"tcp://[A-Za-z0-9.\-_:\[\]]{1,253}:([0-9]{1,5})")
+
+
 class DisaggregatedParams(_Request):
     """The disaggregated-serving handshake (docs/disaggregation.md). On a request it says which part
     this worker does; on a context_only answer it carries what the generation worker needs."""
 
     request_type: Literal["context_only", "generation_only", "context_and_generation"]
-    first_gen_tokens: list[int] | None = None
-    ctx_request_id: int | None = None
-    disagg_request_id: int | None = None
-    opaque_state: str | None = None
-    draft_tokens: list[int] | None = None
-    ctx_dp_rank: int = 0
-    ctx_info_endpoint: str | None = None
+    first_gen_tokens: list[TokenId] | None = Field(None, max_length=64)
+    ctx_request_id: RequestId | None = None
+    disagg_request_id: RequestId | None = None
+    opaque_state: str | None = Field(None, max_length=1 << 16)  # base64 of one token's logprob entry
+    draft_tokens: list[TokenId] | None = Field(None, max_length=64)
+    ctx_dp_rank: int = Field(0, ge=0, lt=1 << 16)
+    ctx_info_endpoint: str | None = Field(None, max_length=300)
     schedule_style: Literal["context_first", "generation_first"] | None = None
+
+    @field_validator("ctx_info_endpoint")
+    @classmethod
+    def _tcp_endpoint(cls, v: str | None) -> str | None:
+        m = v is not None and _ENDPOINT.fullmatch(v)
+        if v is not None and not (m and 0 < int(m.group(1)) < 65536):
+            raise ValueError("must be a context instance's KV endpoint tcp://HOST:PORT (its /v1/disagg_info's "
+                             "ctx_info_endpoint)")
+        return v
 
 
 class SamplingFields(_Request):

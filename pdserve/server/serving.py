@@ -22,6 +22,7 @@ from typing import AsyncIterator
 from pdserve.engine.llm_engine import ConflictError, RequestError
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import KV_NOT_FOUND
 from pdserve.engine.sequence import DisaggInfo, RequestType, Resume
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.handoff import context_answer_params, first_gen_logprobs
@@ -410,9 +411,14 @@ class OpenAIServing:
 
     def _failure(self, out: RequestOutput) -> APIError:
         """The step loop died, or the KV this request waited for never came: the service is unavailable
-        (503; code kv_transfer_failed tells an orchestrator that another context instance may do). Any
-        other failure is this request's own (500)."""
+        (503; code kv_transfer_failed tells an orchestrator that another context instance may do). The
+        context instance holds no such request (never had it, or its KV was already sent, released or timed
+        out): 404 kv_not_found. Any other failure is this request's own (500)."""
         message = f"generation failed: {out.error}"
+        if out.error_code == KV_NOT_FOUND:
+            return APIError(404, f"{message}. Send a generation_only request with the disaggregated_params of a "
+                                 "context_only answer whose KV is still held", "disaggregated_params.disagg_request_id",
+                            KV_NOT_FOUND)
         if (out.error or "").startswith("KV transfer"):
             return APIError(503, message, code="kv_transfer_failed")
         return APIError(503 if self.engine.error else 500, message)

@@ -22,7 +22,6 @@ from typing import Any, Literal
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pdserve.testing.tiny_hybrid import hybrid_config_extras, hybrid_weights
 from pdserve.weights.hf_dir import (
     CONFIG_FILE,
     GENERATION_CONFIG_FILE,
@@ -32,10 +31,9 @@ from pdserve.weights.hf_dir import (
     write_json,
 )
 
-Arch = Literal["llama", "qwen2", "mistral", "qwen3_5"]
+Arch = Literal["llama", "qwen2", "mistral"]
 
-_ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen3_5": "Qwen3_5ForCausalLM"}
+_ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 
 # ids 0, 1, 2 in every tiny vocabulary (the trainer puts special tokens first).
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -149,7 +147,7 @@ def tiny_config(
     """The config.json dict, in the legacy (rope_theta / rope_scaling) form real checkpoints use."""
     cfg: dict[str, Any] = {
         "architectures": [_ARCH_CLASSES[arch]],
-        "model_type": "qwen3_5_text" if arch == "qwen3_5" else arch,
+        "model_type": arch,
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
         "intermediate_size": intermediate_size,
@@ -167,9 +165,7 @@ def tiny_config(
         "eos_token_id": EOS_TOKEN_ID,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if arch == "qwen3_5":
-        cfg.update(hybrid_config_extras(num_layers, head_dim, rope_theta))
-    elif arch == "llama":
+    if arch == "llama":
         cfg.update(attention_bias=False, mlp_bias=False)
     elif arch == "mistral":
         cfg.update(sliding_window=sliding_window)
@@ -210,8 +206,6 @@ def tiny_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     else:
         final_gain = torch.ones(h)
     w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": randn(vocab, h, std=embed_std)}
-    if cfg["model_type"] == "qwen3_5_text":
-        return {**w, **hybrid_weights(cfg, randn, linear, logit_std)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = norm(h)
@@ -259,8 +253,7 @@ def make_tiny_model(
     hidden_size defaults to num_heads * head_dim. rope_scaling takes a llama3 dict
     ({"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
     "original_max_position_embeddings"}). sliding_window: layers attend to only that many last
-    positions (mistral: every layer; qwen2: the second half of them). arch="qwen3_5" is the hybrid
-    Qwen3.5 text model (tiny_hybrid.py: every fourth layer full attention, the others Gated DeltaNet).
+    positions (mistral: every layer; qwen2: the second half of them).
     """
     if arch not in _ARCH_CLASSES:
         raise ValueError(f"arch={arch!r} unknown; choose one of {sorted(_ARCH_CLASSES)}")

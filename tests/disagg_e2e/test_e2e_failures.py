@@ -79,9 +79,14 @@ def test_split_works_before_the_failures(fail_group, reference_kv2, e2e_dir):
         inst.wait_blocks_free(timeout=5.0)
 
 
-def _generation_only(gen_url: str, disagg_id: int, endpoint: str, ctx_request_id: int | None = None) -> httpx.Response:
-    params = {"request_type": "generation_only", "first_gen_tokens": [7], "disagg_request_id": disagg_id,
-              "ctx_request_id": disagg_id if ctx_request_id is None else ctx_request_id, "ctx_info_endpoint": endpoint}
+def _generation_only(gen_url: str, disagg_id: int, endpoint: str, ctx_request_id: int | None = None,
+                     generation_first: bool = False) -> httpx.Response:
+    """generation_first: asked before the context instance has the request, which it waits for (context_first
+    asks after the context answer, so a context instance without the request says so at once: a 404)."""
+    params = {"request_type": "generation_only", "first_gen_tokens": [] if generation_first else [7],
+              "disagg_request_id": disagg_id, "ctx_info_endpoint": endpoint,
+              "ctx_request_id": disagg_id if ctx_request_id is None else ctx_request_id,
+              "schedule_style": "generation_first" if generation_first else "context_first"}
     return _post(gen_url, {**BODY, "disaggregated_params": params})
 
 
@@ -104,16 +109,16 @@ def _ctx_endpoint(inst) -> str:
 
 
 def test_duplicate_inflight_id_is_409(fail_group):
-    """A generation_only request for a KV the (live) context instance does not hold waits, without
+    """A generation_first request for a KV the (live) context instance does not hold yet waits, without
     blocking the engine, until kv_transfer_timeout_ms. Meanwhile:
     a second request with the same id is a 409 and an aggregated request is served; then the first fails
     with a 503 naming the transfer, and both instances hold no block."""
     ctx, gen = fail_group["fail-ctx"], fail_group["fail-gen"]
     disagg_id = _unused_id()
     t0 = time.monotonic()
-    first = _InThread(lambda: _generation_only(gen.url, disagg_id, _ctx_endpoint(ctx)))
+    first = _InThread(lambda: _generation_only(gen.url, disagg_id, _ctx_endpoint(ctx), generation_first=True))
     time.sleep(0.3)  # let the first one be admitted (a 409 for the first would fail below, not pass)
-    second = _generation_only(gen.url, disagg_id, _ctx_endpoint(ctx))
+    second = _generation_only(gen.url, disagg_id, _ctx_endpoint(ctx), generation_first=True)
     plain_answer = _post(gen.url, {**BODY, "max_tokens": 2})
     plain_done = time.monotonic()
     r, first_done = first.result()

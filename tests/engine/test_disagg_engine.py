@@ -280,14 +280,73 @@ def test_aborting_a_decode_whose_kv_arrived_is_no_transfer_failure(tiny, caplog)
         gen.shutdown()
 
 
+def test_kv_the_context_instance_does_not_hold_fails_at_once_as_not_found(tiny):
+    """context_first: the context instance answered before the generation side asks, so one that holds no
+    session of the request (never had it, its KV already pulled, or released) says so at once, and the
+    generation_only request fails within a second with error_code kv_not_found, its blocks freed."""
+    prompt = _prompts()[1]
+    ctx, gen = _engine(tiny, "shm"), _engine(tiny, "shm")
+    try:
+        def ask(info: DisaggInfo, rid: str):
+            gen.add_request(prompt, GREEDY, rid, RequestType.GENERATION_ONLY, info)
+            start = time.monotonic()
+            out = [o for o in step_until([ctx, gen], lambda outs: any(o.finished and o.request_id == rid
+                                                                      for o in outs), limit=100_000)
+                   if o.request_id == rid][-1]
+            return out, time.monotonic() - start
+
+        out, took = ask(DisaggInfo(95, ctx.kv_endpoint, 0, (5,)), "never")  # first contact (canary) included
+        assert (out.finish_reason, out.error_code) == ("error", "kv_not_found") and took < 1.0, (out, took)
+        assert "holds no request 95: it never arrived here" in out.error
+        ctx.add_request(prompt, GREEDY, "c", RequestType.CONTEXT_ONLY, DisaggInfo(96))
+        answer = [o for o in step_until([ctx], lambda outs: any(o.finished for o in outs)) if o.finished][0]
+        out, _ = ask(handoff(ctx, answer), "pulled")
+        assert out.finish_reason == "length" and out.error is None
+        _assert_everything_freed(ctx, gen)
+        out, took = ask(handoff(ctx, answer), "again")
+        assert out.error_code == "kv_not_found" and took < 1.0, (out, took)
+        ctx.add_request(prompt, GREEDY, "c2", RequestType.CONTEXT_ONLY, DisaggInfo(97))
+        answer = [o for o in step_until([ctx], lambda outs: any(o.finished for o in outs)) if o.finished][0]
+        step_until([ctx], lambda _: 97 in ctx.runner.connector.tx.send_sessions, limit=1000)
+        assert ctx.release_kv(97)
+        out, took = ask(handoff(ctx, answer), "released")
+        assert out.error_code == "kv_not_found" and took < 1.0, (out, took)
+        assert "already sent, released or timed out" in out.error
+        _assert_everything_freed(ctx, gen)
+    finally:
+        ctx.shutdown()
+        gen.shutdown()
+
+
+def test_ids_outside_int64_are_refused_by_the_engine(tiny):
+    """The id travels as a msgpack int64 (between ranks, and to the context instance): one past it is a
+    RequestError naming the field, never an OverflowError in the step loop."""
+    ctx = _engine(tiny, "shm")
+    try:
+        for rid in (2**63, 2**64 + 1, 2**200):
+            for kind, info in ((RequestType.CONTEXT_ONLY, DisaggInfo(rid)),
+                               (RequestType.GENERATION_ONLY, DisaggInfo(rid, ctx.kv_endpoint, 0, (5,)))):
+                with pytest.raises(RequestError, match=r"disagg_request_id in \[1, 2\*\*63\)") as e:
+                    ctx.add_request([5, 6, 7], GREEDY, None, kind, info)
+                assert e.value.param == "disaggregated_params.disagg_request_id"
+        with pytest.raises(RequestError, match="first_gen_tokens must be token ids") as e:
+            ctx.add_request([5, 6, 7], GREEDY, None, RequestType.GENERATION_ONLY,
+                            DisaggInfo(9, ctx.kv_endpoint, 0, (-1,)))
+        assert not ctx.has_unfinished() and ctx.blocks.num_free_blocks == ctx.blocks.num_blocks
+    finally:
+        ctx.shutdown()
+
+
 def test_a_context_instance_that_takes_the_request_and_never_writes(tiny, caplog):
     """Every wait of a transfer is bounded by kv_transfer_timeout_ms from the generation side's
     admission, and the timeout says what it waited for. The context instance here never got the
-    prefill, so it parks the REQUEST_DATA; it refuses it at its own timeout instead of keeping it."""
+    prefill of this generation_first request, so it parks the REQUEST_DATA (its prefill may still come);
+    it refuses it at its own timeout instead of keeping it."""
     prompt = _prompts()[1]
     ctx, gen = _engine(tiny, "shm", kv_transfer_timeout_ms=1500), _engine(tiny, "shm", kv_transfer_timeout_ms=1500)
     try:
-        gen.add_request(prompt, GREEDY, "g", RequestType.GENERATION_ONLY, DisaggInfo(91, ctx.kv_endpoint, 0, (5,)))
+        gen.add_request(prompt, GREEDY, "g", RequestType.GENERATION_ONLY,
+                        DisaggInfo(91, ctx.kv_endpoint, 0, schedule_style="generation_first"))
         start = time.monotonic()
         outs = step_until([ctx, gen], lambda outs: any(o.finished for o in outs), limit=100_000)
         waited = time.monotonic() - start

@@ -138,7 +138,8 @@ def exchange():
     def make(fetch=None, world_size: int = 2) -> tuple[KVExchange, Scheduler]:
         s = Scheduler(BlockManager(8, 4), 8, 64, True)
         tx = SimpleNamespace(fetch_instance=fetch or (lambda ep: INFOS), control_pending=False)
-        kv = KVExchange(s, SimpleNamespace(tx=tx), EngineConfig(tensor_parallel_size=world_size, tokens_per_block=4))
+        kv = KVExchange(s, SimpleNamespace(tx=tx), EngineConfig(tensor_parallel_size=world_size, tokens_per_block=4),
+                        vocab_size=512)
         made.append(kv)
         return kv, s
 
@@ -173,7 +174,7 @@ def test_a_parked_generation_request_is_received_once_its_peer_is_known(exchange
     kv, s = exchange()
     g = _generation(s, first_gen_tokens=(42,))
     [cmd] = _recv(kv)
-    assert cmd == ReceiveKV(5, EP, (0, 1), 0, tuple(INFOS), cmd.timeout_ms) and 29_000 < cmd.timeout_ms <= 30_000
+    assert cmd == ReceiveKV(5, EP, (0, 1), 0, tuple(INFOS), cmd.timeout_ms, False) and 29_000 < cmd.timeout_ms <= 30_000
     assert g.disagg.transfer_started and g.disagg.kv_deadline is not None
     assert kv.commands() == []  # asked once
     kv.settle([], [[RankReport(done=[5], tokens={5: 5}), RankReport()]])

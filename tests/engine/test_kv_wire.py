@@ -15,7 +15,7 @@ from pdserve.engine.sampler import SampleSpec
 COMMANDS = [
     SendKV(9, (0, -1, 2), 0, 40, True, b"\x81state"),
     SendKV(9, (), 4, 10, False, b""),
-    ReceiveKV(5, "tcp://10.0.0.1:5555", (3, 4), 1, (b"rank-info-0", b"rank-info-1"), 29_000),
+    ReceiveKV(5, "tcp://10.0.0.1:5555", (3, 4), 1, (b"rank-info-0", b"rank-info-1"), 29_000, False),
     CancelKV(7),
     ForgetPeer("tcp://10.0.0.1:5555"),
 ]
@@ -37,7 +37,7 @@ def test_the_step_spec_carries_its_commands_typed():
 
 
 def test_rank_report_round_trips():
-    r = RankReport(done=[1], failed={2: "x"}, cancelled=[3], tokens={4: 5}, states={6: b"\x00"})
+    r = RankReport(done=[1], failed={2: "x"}, cancelled=[3], tokens={4: 5}, states={6: b"\x00"}, unknown=[2])
     assert RankReport.from_wire(_through_msgpack(r.to_wire())) == r
     assert RankReport.from_wire(_through_msgpack(RankReport().to_wire())) == RankReport()
 

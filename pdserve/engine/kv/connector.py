@@ -114,16 +114,20 @@ class KVConnector:
                     self.tx.add_instance(cmd.ctx_endpoint, cmd.ctx_rank_infos)
                     self.tx.request_and_receive_async(cmd.request_id, cmd.ctx_endpoint,
                                                       {LAYER_GROUP: np.asarray(cmd.block_ids, dtype=np.int64)},
-                                                      ctx_dp_rank=cmd.ctx_dp_rank, timeout_ms=cmd.timeout_ms)
+                                                      ctx_dp_rank=cmd.ctx_dp_rank, timeout_ms=cmd.timeout_ms,
+                                                      wait_for_offer=cmd.wait_for_offer)
                 elif isinstance(cmd, CancelKV):
                     self._cancelling.add(cmd.request_id)
                 elif isinstance(cmd, ForgetPeer):
                     self.tx.forget_instance(cmd.ctx_endpoint)
                 else:
                     raise AssertionError(f"unknown KV command {cmd!r}")
-            except (KVTransferError, OSError, ValueError) as e:
+            except Exception as e:  # fails this command's request only, never the step (and the engine)
                 rid = getattr(cmd, "request_id", 0)
-                log.warning("rank %d: KV %s of request %d failed: %s", self.ps.rank, cmd.KIND.name, rid, e)
+                if isinstance(e, (KVTransferError, OSError, ValueError)):
+                    log.warning("rank %d: KV %s of request %d failed: %s", self.ps.rank, cmd.KIND.name, rid, e)
+                else:
+                    log.exception("rank %d: KV %s of request %d failed", self.ps.rank, cmd.KIND.name, rid)
                 report.failed[rid] = f"{type(e).__name__}: {e}"
         if self.tx.send_sessions:
             r = self.tx.check_context_transfer_status()
@@ -137,6 +141,7 @@ class KVConnector:
             report.failed.update(r.failed)
             report.tokens.update(r.tokens)
             report.states.update(r.states)
+            report.unknown += r.unknown
         for rid in list(self._cancelling):
             if self.tx.cancel_request(rid):
                 self._cancelling.discard(rid)
@@ -191,8 +196,10 @@ class TransferTally:
         self._seen: dict[int, dict[int, str]] = {}  # disagg id -> rank -> "done" | reason
         self.tokens: dict[int, int] = {}  # from rank 0's reports: every rank receives the same prompt
         self.states: dict[int, bytes] = {}
+        self.unknown: set[int] = set()  # from any rank: the context side holds no such request
 
     def add(self, rank: int, report: RankReport) -> None:
+        self.unknown.update(report.unknown)
         if rank == 0:
             self.tokens.update(report.tokens)
             self.states.update(report.states)

@@ -21,7 +21,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.kv.connector import KVConnector, PeerDirectory, TransferTally
 from pdserve.engine.kv.wire import (CancelKV, FirstToken, ForgetPeer, KVCommand, KVWireError, RankReport, ReceiveKV,
                                     SendKV)
-from pdserve.engine.scheduler import ScheduledSeq, Scheduler, transfer_stage
+from pdserve.engine.scheduler import KV_NOT_FOUND, ScheduledSeq, Scheduler, transfer_stage
 from pdserve.engine.sequence import RequestType, Sequence, SeqState
 from pdserve.kv_transfer.chunking import chunk_blocks
 
@@ -36,8 +36,9 @@ IDLE_STEP_SLEEP_S = 0.001
 
 
 class KVExchange:
-    def __init__(self, scheduler: Scheduler, connector: KVConnector | None, ecfg: EngineConfig):
+    def __init__(self, scheduler: Scheduler, connector: KVConnector | None, ecfg: EngineConfig, vocab_size: int):
         self.scheduler = scheduler
+        self._vocab_size = vocab_size  # a first token that came with the KV is checked against it
         self._connector = connector
         self._peers = PeerDirectory(connector.tx.fetch_instance) if connector is not None else None
         self._tally = TransferTally(ecfg.world_size)
@@ -83,7 +84,7 @@ class KVExchange:
                 d.transfer_started = True
                 left_ms = max(1, int((d.kv_deadline - now) * 1000))
                 cmds.append(ReceiveKV(d.disagg_request_id, d.ctx_info_endpoint, tuple(seq.block_ids), d.ctx_dp_rank,
-                                      tuple(infos), left_ms))
+                                      tuple(infos), left_ms, wait_for_offer=d.generation_first))
             elif now > d.kv_deadline:
                 self._fail_unstarted(seq, f"timed out at first contact: the context instance at {d.ctx_info_endpoint} "
                                           f"sent no RankInfo within kv_transfer_timeout_ms={timeout_ms}")
@@ -144,24 +145,37 @@ class KVExchange:
         for rid, failure in self._tally.settled().items():
             seq = by_disagg_id.get(rid)
             delivered, state = self._tally.tokens.pop(rid, None), self._tally.states.pop(rid, None)
+            unknown = rid in self._tally.unknown
+            self._tally.unknown.discard(rid)
             if seq is None:
                 continue
-            if seq.state is SeqState.GEN_AWAITING_KV and failure is None:
-                failure, first = self._arrival(seq, delivered, state)
-                if failure is None:
-                    self.scheduler.kv_arrived(seq, first)
-                    continue
-            if failure is not None and seq.disagg.cancelled_while is not None:
-                log.info("request %d (%s) was cancelled while %s", rid, seq.request_id, seq.disagg.cancelled_while)
-            elif failure is not None:
-                log.warning("KV transfer of request %d failed while %s: %s", rid, transfer_stage(seq), failure)
-                if seq.disagg.ctx_info_endpoint:  # it may have restarted: ask again next time
-                    self._peers.forget(seq.disagg.ctx_info_endpoint)
-                    self._forget.add(seq.disagg.ctx_info_endpoint)
-            self.scheduler.transfer_ended(seq, failure)
+            try:
+                self._settle_one(seq, failure, delivered, state, unknown)
+            except Exception as e:  # one request's bookkeeping must not stop the step loop
+                log.exception("request %s: settling its KV transfer failed", seq.request_id)
+                self.scheduler.fail(seq, f"KV transfer failed: {type(e).__name__}: {e}", quiet=True)
 
-    @staticmethod
-    def _arrival(seq: Sequence, delivered: int | None,
+    def _settle_one(self, seq: Sequence, failure: str | None, delivered: int | None, state: bytes | None,
+                    unknown: bool) -> None:
+        """Every rank settled `seq`'s transfer: decode resumes, or the request ends (failure: why)."""
+        rid = seq.disagg.disagg_request_id
+        if seq.state is SeqState.GEN_AWAITING_KV and failure is None:
+            failure, first = self._arrival(seq, delivered, state)
+            if failure is None:
+                self.scheduler.kv_arrived(seq, first)
+                return
+        if failure is not None and seq.disagg.cancelled_while is not None:
+            log.info("request %d (%s) was cancelled while %s", rid, seq.request_id, seq.disagg.cancelled_while)
+        elif unknown:  # a live context instance answered: nothing to forget about it
+            log.info("KV transfer of request %d failed: %s", rid, failure)
+        elif failure is not None:
+            log.warning("KV transfer of request %d failed while %s: %s", rid, transfer_stage(seq), failure)
+            if seq.disagg.ctx_info_endpoint:  # it may have restarted: ask again next time
+                self._peers.forget(seq.disagg.ctx_info_endpoint)
+                self._forget.add(seq.disagg.ctx_info_endpoint)
+        self.scheduler.transfer_ended(seq, failure, KV_NOT_FOUND if unknown and failure is not None else None)
+
+    def _arrival(self, seq: Sequence, delivered: int | None,
                  state: bytes | None) -> tuple[str | None, FirstToken | None]:
         """generation_only, every rank reported its KV in: (why it cannot be used, or None; the first
         token and its logprobs when they rode with the KV, generation_first)."""
@@ -173,6 +187,11 @@ class KVExchange:
         if not state:
             return "the KV arrived without the first generated token (is the context worker a pdserve worker?)", None
         try:
-            return None, FirstToken.from_bytes(state)
+            first = FirstToken.from_bytes(state)
         except KVWireError as e:
             return f"the first generated token that came with the KV is malformed: {e}", None
+        ids = [first.token] + [t for e in first.logprobs for t in [e["token_id"]] + [t for t, _ in e["top"]]]
+        if any(not 0 <= t < self._vocab_size for t in ids):
+            return (f"the first generated token that came with the KV is not in the vocabulary "
+                    f"[0, {self._vocab_size})"), None
+        return None, first

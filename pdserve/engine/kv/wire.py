@@ -27,7 +27,7 @@ from typing import Callable, ClassVar, Union
 
 import msgpack
 
-WIRE_VERSION = 1  # bumped with any change of a command's or a report's fields
+WIRE_VERSION = 2  # bumped with any change of a command's or a report's fields
 
 
 class CommandKind(enum.IntEnum):
@@ -72,6 +72,7 @@ class ReceiveKV:
     ctx_dp_rank: int
     ctx_rank_infos: tuple[bytes, ...]  # fetched once by rank 0 off the step loop (PeerDirectory)
     timeout_ms: int  # what is left of the request's kv_transfer_timeout_ms
+    wait_for_offer: bool  # generation_first: the context side may get the request after our ask
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ _DECODERS: dict[type, dict[str, Callable]] = {
     SendKV: {"request_id": int, "block_ids": _ints, "token_start": int, "token_end": int, "last": bool,
              "state": bytes},
     ReceiveKV: {"request_id": int, "ctx_endpoint": str, "block_ids": _ints, "ctx_dp_rank": int,
-                "ctx_rank_infos": _blobs, "timeout_ms": int},
+                "ctx_rank_infos": _blobs, "timeout_ms": int, "wait_for_offer": bool},
     CancelKV: {"request_id": int},
     ForgetPeer: {"ctx_endpoint": str},
 }
@@ -122,6 +123,7 @@ class RankReport:
     cancelled: list[int] = field(default_factory=list)
     tokens: dict[int, int] = field(default_factory=dict)  # received: prompt tokens the sender delivered
     states: dict[int, bytes] = field(default_factory=dict)  # received: state that rode with the KV
+    unknown: list[int] = field(default_factory=list)  # failed receives: the context side holds no such request
 
     # maps travel as [key, value] pairs: msgpack's default decoder refuses int map keys
     _DECODERS: ClassVar[dict[str, Callable]] = {
@@ -130,12 +132,13 @@ class RankReport:
         "cancelled": lambda v: [int(x) for x in v],
         "tokens": lambda v: {int(k): int(x) for k, x in v},
         "states": lambda v: {int(k): bytes(x) for k, x in v},
+        "unknown": lambda v: [int(x) for x in v],
     }
 
     def to_wire(self) -> dict:
         return {"v": WIRE_VERSION, "b": {"done": self.done, "failed": list(self.failed.items()),
                                          "cancelled": self.cancelled, "tokens": list(self.tokens.items()),
-                                         "states": list(self.states.items())}}
+                                         "states": list(self.states.items()), "unknown": self.unknown}}
 
     @classmethod
     def from_wire(cls, w) -> "RankReport":

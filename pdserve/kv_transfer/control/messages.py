@@ -14,6 +14,8 @@ Conversation (generation rank G, context instance C with ranks C0..Cn; C0 is the
               with checksums on it also carries the sender's block ids and a CRC32 per
               destination block (integrity.py)
     Ck -> G   TRANSFER_ERROR                    (control plane, when Ck cannot serve it)
+    Ck -> G   UNKNOWN_REQUEST                   (Ck does not hold the request and never will: it never
+                                                 had it, or its send ended; G fails it at once)
     G  -> Ck  CANCEL                            (G gave up; Ck drops work it has not started)
 
 Block ids travel as int64 arrays (-1 = skip) keyed by layer-group id.
@@ -31,7 +33,7 @@ import numpy as np
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.rank_info import RankInfo
 
-PROTOCOL_VERSION = 4  # bumped with any change of a message's fields: decoding refuses another version
+PROTOCOL_VERSION = 5  # bumped with any change of a message's fields: decoding refuses another version
 
 PeerKey = tuple[str, int]  # (instance name, rank): never a concatenated string
 
@@ -48,6 +50,7 @@ class MessageType(enum.IntEnum):
     TRANSFER_DONE = 5
     TRANSFER_ERROR = 6
     CANCEL = 7
+    UNKNOWN_REQUEST = 8
 
 
 _TYPES: dict[MessageType, type["Message"]] = {}
@@ -220,7 +223,11 @@ class RequestData(Message):
     staging offer (see bounce.py) or None for the direct path. checksum: the receiver wants a
     CRC32 per block with every write (integrity.py). canary: this is the first-contact canary
     (canary.py): the context rank fills its own canary blocks with the pattern for tokens
-    [0, token_range[1]) and writes them like any request.
+    [0, token_range[1]) and writes them like any request. wait_for_offer: the context instance may
+    not hold the request yet (generation_first asks before the prefill ends), so the context rank
+    parks it until its offer comes, at most kv_transfer_timeout_ms. Off (context_first: the context
+    instance answered before the generation side asks), the context rank must already hold the
+    request, and answers UNKNOWN_REQUEST at once when it does not.
     """
 
     TYPE: ClassVar[MessageType] = MessageType.REQUEST_DATA
@@ -232,6 +239,7 @@ class RequestData(Message):
     bounce: dict | None = None
     checksum: bool = False
     canary: bool = False
+    wait_for_offer: bool = True
 
 
 @dataclass(frozen=True)
@@ -268,6 +276,18 @@ class TransferError(Message):
 
 
 @dataclass(frozen=True)
+class UnknownRequest(Message):
+    """The context rank holds no such request and will not get one: it never had it (or not within
+    kv_transfer_timeout_ms), or its send already ended (pulled, released, timed out). The receiver
+    fails the request at once; its client is told the KV does not exist."""
+
+    TYPE: ClassVar[MessageType] = MessageType.UNKNOWN_REQUEST
+    request_id: int
+    sender: PeerKey
+    reason: str
+
+
+@dataclass(frozen=True)
 class Cancel(Message):
     TYPE: ClassVar[MessageType] = MessageType.CANCEL
     request_id: int
@@ -286,10 +306,11 @@ _DECODERS = {
     RegisterPeer: {"rank_info": _rank_info},
     RequestData: {"request_id": _int, "sender": _peer, "block_ids": _block_ids, "token_range": _token_range,
                   "num_requesters": _int, "bounce": _optional_map, "checksum": _bool,
-                  "canary": _bool},
+                  "canary": _bool, "wait_for_offer": _bool},
     TransferDone: {"request_id": _int, "sender": _peer, "num_bytes": _int, "bounced": _bool, "chunk": _int,
                    "last": _bool, "token_range": _token_range, "state": _bytes, "src_block_ids": _block_ids,
                    "digests": _digests},
     TransferError: {"request_id": _int, "sender": _peer, "reason": _str},
+    UnknownRequest: {"request_id": _int, "sender": _peer, "reason": _str},
     Cancel: {"request_id": _int, "sender": _peer},
 }

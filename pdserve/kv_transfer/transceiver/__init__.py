@@ -38,7 +38,6 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from pdserve.kv_transfer import canary
 from pdserve.kv_transfer.agents.base import TransferAgent
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.rank_info import RankInfo
@@ -119,7 +118,7 @@ class KVTransceiver:
     def check_context_transfer_status(self, at_least: int = 0) -> TransferResults:
         """Finished send sessions (their KV may be freed); waits until `at_least` finished, clamped to
         the sessions in flight so an idle loop never sleeps out a timeout."""
-        return self._check(self.send_sessions, at_least, self._send.step)
+        return self._check(self.send_sessions, self._send.canaries, at_least, self._send.step)
 
     def poll_control(self) -> None:
         """Context side with no send session: apply what peers sent meanwhile (REQUEST_DATA that came
@@ -135,17 +134,21 @@ class KVTransceiver:
     # -- generation side ----------------------------------------------------------------------
     def request_and_receive_async(self, request_id: int, ctx_endpoint: str,
                                   block_ids: Mapping[int, np.ndarray], token_range: tuple[int, int] = (0, 0),
-                                  ctx_dp_rank: int = 0, timeout_ms: float | None = None) -> None:
+                                  ctx_dp_rank: int = 0, timeout_ms: float | None = None,
+                                  wait_for_offer: bool = True) -> None:
         """Ask the context instance at `ctx_endpoint` (rank 0's control endpoint) to write
         `request_id`'s KV into our blocks (layer-group id -> dst block ids, -1 = skip).
         `ctx_dp_rank`: the context DP group that holds the request (0 without attention DP).
-        `timeout_ms`: what is left of the request's transfer timeout (default: all of it)."""
+        `timeout_ms`: what is left of the request's transfer timeout (default: all of it).
+        `wait_for_offer`: the context side may not hold the request yet and parks the ask until it
+        does; False when it must hold it already (it answered first), so that a request it does not
+        hold fails at once, reported in `TransferResults.unknown`."""
         self._recv.request_and_receive_async(request_id, ctx_endpoint, block_ids, token_range, ctx_dp_rank,
-                                             timeout_ms)
+                                             timeout_ms, wait_for_offer)
 
     def check_gen_transfer_status(self, at_least: int = 0) -> TransferResults:
         """Finished receive sessions (their KV is in place); `at_least` as for the context side."""
-        return self._check(self.recv_sessions, at_least, self._recv.step)
+        return self._check(self.recv_sessions, self._recv.canaries, at_least, self._recv.step)
 
     def fetch_instance(self, endpoint: str) -> list[bytes]:
         """The RankInfos (as bytes) of the context instance at `endpoint`, asked over the network.
@@ -183,8 +186,9 @@ class KVTransceiver:
         """First-contact canaries this rank wrote (kept out of `stats`)."""
         return self._send.canary_writes
 
-    def _check(self, table: dict, at_least: int, step: Callable[[], TransferResults]) -> TransferResults:
-        want = min(max(at_least, 0), sum(1 for rid in table if not canary.is_canary(rid)))
+    def _check(self, table: dict, canaries: set[int], at_least: int,
+               step: Callable[[], TransferResults]) -> TransferResults:
+        want = min(max(at_least, 0), sum(1 for rid in table if rid not in canaries))
         wake = self._control.wake
         wake.clear()  # before the step, which drains the queue: no wake-up is lost
         self._control.drain()

@@ -4,7 +4,7 @@
                       anything else     ──> queued, and the executor woken
     executor thread:  drain() ──> each queued message to the side it is for
                                     REGISTER_PEER, REQUEST_DATA, CANCEL ──> the sender
-                                    TRANSFER_ERROR                     ──> the receiver
+                                    TRANSFER_ERROR, UNKNOWN_REQUEST    ──> the receiver
                                   each agent notification (a TRANSFER_DONE) ──> the receiver
 
 It also keeps the context instances this rank asked for KV: their RankInfos, fetched once per
@@ -30,6 +30,7 @@ from pdserve.kv_transfer.control.messages import (
     RequestData,
     TransferDone,
     TransferError,
+    UnknownRequest,
     decode,
 )
 from pdserve.kv_transfer.control.messenger import Messenger
@@ -53,6 +54,7 @@ class ReceiveSide(Protocol):
 
     def on_written(self, done: TransferDone) -> None: ...
     def on_error(self, message: TransferError) -> None: ...
+    def on_unknown(self, message: UnknownRequest) -> None: ...
 
 
 class ControlPlane:
@@ -125,6 +127,8 @@ class ControlPlane:
             self._sender.on_cancel(message)
         elif isinstance(message, TransferError):
             self._receiver.on_error(message)
+        elif isinstance(message, UnknownRequest):
+            self._receiver.on_unknown(message)
         else:
             logger.warning("%s: unexpected control message %s", self._local.key, message.TYPE.name)
 

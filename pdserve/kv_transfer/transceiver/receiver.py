@@ -7,6 +7,7 @@ lifecycle), and the first-contact canary gate in front of them.
     TRANSFER_DONE (a notification) ──> one write landed: unbounced, checked against its
                                        checksums when asked for, counted toward the writer's chunks
     TRANSFER_ERROR ──> that writer will not write
+    UNKNOWN_REQUEST ──> that ctx rank holds no such request: the session fails, reported as unknown
     a writer's control endpoint without a connection for peer_lost_ms ──> that writer is lost (killed,
                                        or unreachable): its sessions fail now, not at kv_transfer_timeout_ms
 
@@ -24,7 +25,7 @@ from typing import Mapping
 import numpy as np
 
 from pdserve.kv_transfer import canary
-from pdserve.kv_transfer.control.messages import Cancel, RequestData, TransferDone, TransferError
+from pdserve.kv_transfer.control.messages import Cancel, RequestData, TransferDone, TransferError, UnknownRequest
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.integrity import block_digests, first_mismatch
 from pdserve.kv_transfer.rank_info import RankInfo
@@ -45,7 +46,8 @@ class Receiver:
 
     # -- the executor's calls -----------------------------------------------------------------
     def request_and_receive_async(self, request_id: int, ctx_endpoint: str, block_ids: Mapping[int, np.ndarray],
-                                  token_range: tuple[int, int], ctx_dp_rank: int, timeout_ms: float | None) -> None:
+                                  token_range: tuple[int, int], ctx_dp_rank: int, timeout_ms: float | None,
+                                  wait_for_offer: bool = True) -> None:
         local = self._local
         own = local.require_started()
         if request_id in self.sessions:
@@ -76,7 +78,8 @@ class Receiver:
         # Registered before publishing, so a fast writer's notification always finds its session.
         self.sessions[request_id] = session
         messages = [(ctx.control_endpoint, RequestData(request_id, own.key, ids, tuple(token_range), requesters,
-                                                       offer, local.config.checksum)) for ctx in ctx_ranks]
+                                                       offer, local.config.checksum, wait_for_offer=wait_for_offer))
+                    for ctx in ctx_ranks]
         gate = self._gate(ctx_endpoint, ctx_ranks)
         if gate is not None:  # first contact: asked once the canary passed
             session.held = messages
@@ -95,7 +98,7 @@ class Receiver:
         self._mark_lost_writers()
         self._settle_canaries()
         results = TransferResults()
-        ids = sorted(rid for rid in self.sessions if not canary.is_canary(rid))
+        ids = sorted(rid for rid in self.sessions if rid not in self.canaries)
         for rid, status in [(rid, self.sessions[rid].local_status()) for rid in ids]:
             if status == TransferStatus.IN_PROGRESS:
                 continue
@@ -108,11 +111,18 @@ class Receiver:
                     results.states[rid] = session.state
             else:
                 results.failed[rid] = session.error_text()
+                if session.unknown:
+                    results.unknown.append(rid)
                 if not session.cancel_sent:
                     # Abandoned: the context ranks drop work they have not started for it.
                     self._cancel_everywhere(session)
             self._bouncer.close_recv(session)
         return results
+
+    @property
+    def canaries(self) -> set[int]:
+        """Ids of the canary sessions running now (ours alone: the executor never asked for them)."""
+        return {g.request_id for g in self.gates.values() if g.started and not g.passed}
 
     def cancel(self, request_id: int) -> bool:
         """False while a writer may still write into this session's blocks; True once none can."""
@@ -144,6 +154,15 @@ class Receiver:
         session = self.sessions.get(message.request_id)
         if session is not None:
             session.errors[message.sender] = message.reason
+
+    def on_unknown(self, message: UnknownRequest) -> None:
+        """That ctx rank will not write (every rank of an instance holds the same requests, so the others
+        say the same): the session fails once its writers settled, reported as unknown."""
+        session = self.sessions.get(message.request_id)
+        if session is None:
+            return
+        session.unknown = True
+        session.errors.setdefault(message.sender, message.reason)
 
     def on_written(self, done: TransferDone) -> None:
         own = self._local.own

@@ -3,7 +3,9 @@
     respond_and_send_async ──> a chunk of KV offered ──> written to every requester whose
                                                          REQUEST_DATA is here
     REQUEST_DATA ──> a requester ──> written every chunk offered so far (parked when it comes
-                                     before our offer, refused once kv_transfer_timeout_ms passed)
+                                     before our offer and says it may wait, refused once
+                                     kv_transfer_timeout_ms passed; answered UNKNOWN_REQUEST at once
+                                     when it may not wait)
     CANCEL       ──> that requester gets nothing more; told so once its writes in flight landed
 
 All address arithmetic of a transfer happens here (`write_plan.plan_write`).
@@ -20,7 +22,8 @@ import numpy as np
 
 from pdserve.kv_transfer import canary
 from pdserve.kv_transfer.agents.base import TransferState
-from pdserve.kv_transfer.control.messages import Cancel, PeerKey, RequestData, TransferDone, TransferError
+from pdserve.kv_transfer.control.messages import (Cancel, PeerKey, RequestData, TransferDone, TransferError,
+                                                  UnknownRequest)
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.integrity import block_digests, to_wire
 from pdserve.kv_transfer.rank_info import RankInfo
@@ -44,6 +47,10 @@ class Sender:
         self._cancelled_early: OrderedDict[int, str] = OrderedDict()  # CANCEL before our offer
         self._closed: OrderedDict[int, None] = OrderedDict()  # ended sends, to refuse their late messages
         self.canary_writes = 0  # first-contact canaries this rank wrote (kept out of the requests' stats)
+        # Sessions this rank started for a canary REQUEST_DATA: the executor never offered them, so their
+        # end is not reported to it. Known by how they began, never by their id's range: an id of an
+        # offered request is reported whatever its value, or its KV would be held until the process dies.
+        self.canaries: set[int] = set()
 
     # -- the executor's calls -----------------------------------------------------------------
     def respond_and_send_async(self, request_id: int, block_ids: Mapping[int, np.ndarray],
@@ -88,8 +95,11 @@ class Sender:
                 results.failed[rid] = self.sessions.pop(rid).error
                 self._remember_closed(rid)  # late REQUEST_DATA for it is refused, not parked forever
         # Canary sends are ours alone: the executor never offered them.
-        results.completed = [rid for rid in results.completed if not canary.is_canary(rid)]
-        for rid in [rid for rid in results.failed if canary.is_canary(rid)]:
+        for rid in [rid for rid in results.completed if rid in self.canaries]:
+            results.completed.remove(rid)
+            self.canaries.discard(rid)
+        for rid in [rid for rid in results.failed if rid in self.canaries]:
+            self.canaries.discard(rid)
             logger.warning("%s: a first-contact canary send failed: %s", self._local.key, results.failed.pop(rid))
         return results
 
@@ -100,6 +110,7 @@ class Sender:
         if send.writes:
             return False
         del self.sessions[request_id]
+        self.canaries.discard(request_id)
         self._remember_closed(request_id)
         # Requesters still waiting for chunks would otherwise wait out their timeout.
         for peer in set(send.targets) | set(send.refuse_after_writes):
@@ -130,6 +141,12 @@ class Sender:
             self._serve_canary(message)
         elif message.request_id in self.sessions:
             self._serve(message)
+        elif not message.wait_for_offer:
+            # The generation side asks only after our answer (context_first), which came after the offer:
+            # a request we hold no session of is one we never had, or whose send ended.
+            ended = message.request_id in self._closed
+            self._unknown(message.sender, message.request_id,
+                          "its KV was already sent, released or timed out" if ended else "it never arrived here")
         elif message.request_id in self._closed:
             self._refuse(message.sender, message.request_id, "the context side cancelled this request")
         else:
@@ -176,6 +193,15 @@ class Sender:
             return
         self._control.send(gen.control_endpoint, TransferError(request_id, own.key, reason))
 
+    def _unknown(self, requester: PeerKey, request_id: int, why: str) -> None:
+        gen = self.gen_peers.get(requester)
+        if gen is None:
+            logger.warning("%s: cannot answer request %d of unregistered %s", self._local.own.key, request_id,
+                           requester)
+            return
+        self._control.send(gen.control_endpoint, UnknownRequest(
+            request_id, self._local.own.key, f"the context instance holds no request {request_id}: {why}"))
+
     def _serve_canary(self, request: RequestData) -> None:
         """Fill our canary blocks with the pattern and offer them to the asking generation rank."""
         rid, tokens = request.request_id, request.token_range[1]
@@ -190,6 +216,7 @@ class Sender:
             self._closed.pop(rid, None)  # an earlier canary of the same pair ended: this is a new one
             self._cancelled_early.pop(rid, None)
             canary.fill(self._local.own, ids, tokens)
+            self.canaries.add(rid)
             self.respond_and_send_async(rid, ids, (0, tokens), True, b"")
         self._serve(request)
 
@@ -266,7 +293,7 @@ class Sender:
                             chunk.state if chunk.last else b"", src_ids, digests)
         with local.timed("submit"):
             session.writes[(gen.key, index)] = agent.submit_write(remote, src, dst, sizes, note.to_bytes())
-        if canary.is_canary(request.request_id):
+        if request.request_id in self.canaries:
             self.canary_writes += 1
             return
         local.stats["bounced_writes" if bounced is not None else "direct_writes"] += 1

@@ -118,6 +118,24 @@ def test_a_silent_context_instance_times_the_held_request_out_naming_the_canary(
     assert "first-contact canary" in results[0][1][8], results
 
 
+@pytest.mark.parametrize("rid", [2**63 + 5, 2**64 + 1, canary.canary_request_id("gen", "tcp://127.0.0.1:1")])
+def test_an_offered_request_in_the_canary_id_range_is_reported_like_any_other(pair, rid):
+    """A canary is known by how its send began (a canary REQUEST_DATA), not by its id: an offer nobody
+    pulls fails at kv_transfer_timeout_ms and is reported, whatever its id, so the engine frees its KV
+    (an id of 2**64 + 1 held its blocks until the process died). And a pulled one is reported done."""
+    ctx, gen = pair(timeout_ms=300, ctx_options=SLOTS, gen_options=SLOTS)
+    ids_c = ctx_block_ids(Topology("ctx", tokens_per_block=ctx[0].info.tokens_per_block), 12)
+    ctx[0].tx.respond_and_send_async(rid, {0: ids_c})
+    failed = pump_until(ctx, "ctx", 1, 5)[0][1]
+    assert "timed out" in failed[rid], failed
+    _settle(ctx + gen)
+    ctx, gen = pair(ctx_options=SLOTS, gen_options=SLOTS)
+    if rid < 2**64:  # (the control plane's ids are msgpack's: at most 2**64 - 1)
+        offer_and_ask(ctx, gen, rid, 12)
+        assert pump_until(ctx, "ctx", 1, 10, also=gen)[0] == ([rid], {})
+        _settle(ctx + gen)
+
+
 def test_canaries_with_two_context_instances_run_one_at_a_time(pair):
     ctx_a, gen = pair(ctx_options=SLOTS, gen_options=SLOTS)
     ctx_b = build_instance(Topology("ctx-b", tokens_per_block=8), "fake", canary_slots=canary.CANARY_SLOTS)
