@@ -45,6 +45,9 @@ class BlockManager:
     tokens_per_block: int
     enable_prefix_caching: bool = True
     on_event: Callable[[KVEvent], None] | None = None
+    # Recurrent-state slots (hybrid models: models/gated_deltanet.RecurrentState), one per running sequence;
+    # 0 for a model without recurrent layers, whose sequences then hold slot -1.
+    num_state_slots: int = 0
     ref_counts: list[int] = field(init=False)
     block_hash: list[int | None] = field(init=False)
 
@@ -53,11 +56,30 @@ class BlockManager:
         self.block_hash = [None] * self.num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(self.num_blocks))
         self._cached: dict[int, int] = {}  # hash -> block id
+        self._free_states = list(range(self.num_state_slots - 1, -1, -1))  # popped from the end: slot 0 first
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now (never-used plus evictable cached ones)."""
         return len(self._free)
+
+    @property
+    def has_state_slot(self) -> bool:
+        """Whether a sequence admitted now gets its state slot (always, for a model without state)."""
+        return not self.num_state_slots or bool(self._free_states)
+
+    def allocate_state(self) -> int:
+        """A free recurrent-state slot, or -1 for a model without recurrent layers."""
+        if not self.num_state_slots:
+            return -1
+        if not self._free_states:
+            raise MemoryError(f"all {self.num_state_slots} recurrent-state slots are taken")
+        return self._free_states.pop()
+
+    def free_state(self, slot: int) -> None:
+        if slot >= 0:
+            assert slot not in self._free_states, f"state slot {slot} freed twice"
+            self._free_states.append(slot)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.tokens_per_block)

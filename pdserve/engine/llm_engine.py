@@ -95,8 +95,12 @@ class LLMEngine:
         self.instance_name = ecfg.instance_name or f"pdserve-{uuid.uuid4().hex[:8]}"
         self._procs: list[mp.Process] = []
         self.runner = self._start_ranks(pool_allocator)
-        self.blocks = BlockManager(self.runner.num_blocks, ecfg.tokens_per_block, ecfg.enable_prefix_caching,
-                                   on_kv_event)
+        prefix_caching = ecfg.enable_prefix_caching and not self.model_cfg.recurrent_layers
+        if ecfg.enable_prefix_caching and not prefix_caching:
+            log.info("prefix caching is off for this hybrid model: its recurrent layers' state is kept for the "
+                     "whole sequence only, not at block boundaries, so a cached prefix could not resume it")
+        self.blocks = BlockManager(self.runner.num_blocks, ecfg.tokens_per_block, prefix_caching, on_kv_event,
+                                   num_state_slots=self.runner.num_state_slots)
         self.tpot_budget = (TpotBudget(ecfg.tpot_slo_ms, ecfg.max_num_tokens, ecfg.tokens_per_block)
                             if ecfg.tpot_slo_ms is not None else None)
         self.scheduler = Scheduler(self.blocks, ecfg.max_num_seqs, ecfg.max_num_tokens, ecfg.enable_chunked_prefill,
@@ -332,7 +336,8 @@ class LLMEngine:
                                     output=seq.output_token_ids if counted else None,
                                     logit_bias=list(p.logit_bias.items()) or None,
                                     banned=self._banned(p) if len(seq.output_token_ids) < p.min_tokens else None)
-            steps.append(SeqStep(seq.all_token_ids[start:start + s.num_new_tokens], start, seq.block_ids, sample))
+            steps.append(SeqStep(seq.all_token_ids[start:start + s.num_new_tokens], start, seq.block_ids, sample,
+                                 seq.state_slot))
         return StepSpec(steps)
 
     def _ending(self, p: SamplingParams) -> frozenset[int]:

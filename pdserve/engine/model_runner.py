@@ -14,6 +14,7 @@ from pathlib import Path
 import msgpack
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from pdserve.config import EngineConfig
 from pdserve.distributed import ParallelState, broadcast_bytes, recv_bytes, send_bytes
@@ -25,7 +26,9 @@ from pdserve.models import cpu_kernels
 from pdserve.models.attention import AttentionMetadata, PagedKVCache, SeqSlice
 from pdserve.models.config import ModelConfig
 from pdserve.models.cpu_decode import StageDecoder
+from pdserve.models.gated_deltanet import RecurrentState, StateSlice
 from pdserve.models.llama import LlamaForCausalLM, stage_layers
+from pdserve.models.qwen3_5 import Qwen3_5ForCausalLM
 from pdserve.models.layers import decode_step, pack_for_cpu
 from pdserve.models.loader import load_weights
 from pdserve.kv_transfer.canary import CANARY_SLOTS
@@ -42,6 +45,7 @@ class SeqStep:
     start_pos: int  # absolute position of token_ids[0] (= tokens already in the cache)
     block_ids: list[int]  # the sequence's whole block table
     sample: SampleSpec | None  # when this step produces a token
+    state_slot: int = -1  # its recurrent-state slot (hybrid models)
 
 
 @dataclass
@@ -80,6 +84,10 @@ class RanksOutOfStep(RuntimeError):
     can no longer step, and only a restart recovers it."""
 
 
+def model_class(cfg: ModelConfig) -> type[nn.Module]:
+    return Qwen3_5ForCausalLM if cfg.architecture == "Qwen3_5ForCausalLM" else LlamaForCausalLM
+
+
 def kv_block_bytes(cfg: ModelConfig, num_layers: int, tp_size: int, tokens_per_block: int, dtype: torch.dtype) -> int:
     kv_heads = max(1, cfg.num_kv_heads // tp_size)
     return num_layers * 2 * kv_heads * tokens_per_block * cfg.head_dim * dtype.itemsize
@@ -89,7 +97,8 @@ def num_kv_blocks(cfg: ModelConfig, ecfg: EngineConfig, kv_dtype: torch.dtype) -
     """Every rank computes the same count (block ids are global across ranks), sized by the largest stage."""
     if ecfg.num_kv_blocks:
         return ecfg.num_kv_blocks
-    most_layers = max(stage_layers(cfg.num_layers, ecfg.pipeline_parallel_size))
+    counts = stage_layers(cfg.num_layers, ecfg.pipeline_parallel_size)
+    most_layers = max(len(cfg.kv_layers(sum(counts[:p]), n)) for p, n in enumerate(counts))  # layers with KV
     per_block = kv_block_bytes(cfg, most_layers, ecfg.tensor_parallel_size, ecfg.tokens_per_block, kv_dtype)
     return max(1, int(ecfg.kv_cache_memory_gb * 2**30) // per_block)
 
@@ -106,16 +115,25 @@ class ModelRunner:
         if device.type == "cpu":
             keep_freed_memory()  # activations live in malloc'd host memory: see host_malloc.py
             cpu_kernels.load()  # build the native CPU kernels now, not inside the first request
+        tc = ecfg.cache_transceiver_config
+        if model_cfg.recurrent_layers and tc.backend is not None:
+            raise ValueError(f"{model_cfg.architecture} is a hybrid model (recurrent layers), which pdserve serves "
+                             "aggregated only so far: remove cache_transceiver_config.backend (its KV exchange "
+                             "does not carry the recurrent state yet)")
         with torch.device(device):
-            self.model = LlamaForCausalLM(model_cfg, ps, self.dtype, max_model_len)
+            self.model = model_class(model_cfg)(model_cfg, ps, self.dtype, max_model_len)
         load_weights(self.model, model_dir, show_progress=ps.rank == 0)
         pack_for_cpu(self.model, gemv=ecfg.cpu_decode_gemv)
-        self.model.stage_decoder = StageDecoder.for_model(self.model)  # None where it does not apply
+        if isinstance(self.model, LlamaForCausalLM):
+            self.model.stage_decoder = StageDecoder.for_model(self.model)  # None where it does not apply
         self.num_blocks = num_kv_blocks(model_cfg, ecfg, self.kv_dtype)
-        attn = self.model.layers[0].self_attn.qkv_proj if self.model.layers else None
-        kv_heads = attn.num_kv_heads if attn else max(1, model_cfg.num_kv_heads // ps.tp_size)
-        T, D, L = self.tokens_per_block, model_cfg.head_dim, self.model.num_local_layers
-        tc = ecfg.cache_transceiver_config
+        # One state slot per sequence that can run at once (the scheduler admits at most max_num_seqs).
+        self.num_state_slots = ecfg.max_num_seqs if self.model.num_recurrent_layers else 0
+        if self.num_state_slots:
+            self.model.state = RecurrentState(model_cfg.linear_attention, self.model.num_recurrent_layers,
+                                              self.num_state_slots, ps.tp_size, self.dtype, device)
+        kv_heads = max(1, model_cfg.num_kv_heads // ps.tp_size)
+        T, D, L = self.tokens_per_block, model_cfg.head_dim, self.model.num_kv_layers
         # The first-contact canary's blocks sit past the cache manager's: no request ever holds them.
         canary_slots = CANARY_SLOTS if tc.backend is not None and tc.canary and device.type == "cpu" else 0
         if tc.backend is not None and tc.canary and not canary_slots and ps.rank == 0:
@@ -252,6 +270,7 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         sample_rows: list[int] = []
+        states: list[StateSlice] = []
         for s in spec.seqs:
             start, n = s.start_pos, len(s.token_ids)
             row = len(ids)
@@ -270,6 +289,8 @@ class ModelRunner:
                 prefills.append(SeqSlice(row, n, ctx, torch.tensor(s.block_ids[:nblocks], device=dev)))
             if s.sample is not None:
                 sample_rows.append(row + n - 1)
+            if s.state_slot >= 0:
+                states.append(StateSlice(row, n, start == 0, s.state_slot))
         max_blocks = max((len(t) for t in decode_tables), default=0)
         table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long, device=dev)
         md = AttentionMetadata(
@@ -281,6 +302,7 @@ class ModelRunner:
             decode_lens=torch.tensor(decode_lens, dtype=torch.long, device=dev),
             tokens_per_block=T,
             decode_only=not prefills,
+            states=states,
         )
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
                 md, sample_rows)

@@ -219,10 +219,11 @@ class Scheduler:
             new_blocks = self.blocks.blocks_needed(reserve) - len(cached)
             # Reviving evictable cached blocks also consumes free slots.
             revived = sum(1 for b in cached if self.blocks.ref_counts[b] == 0)
-            if new_blocks + revived > self.blocks.num_free_blocks:
+            if new_blocks + revived > self.blocks.num_free_blocks or not self.blocks.has_state_slot:
                 break
             self.blocks.take(cached)
             seq.block_ids = cached + self.blocks.allocate(new_blocks)
+            seq.state_slot = self.blocks.allocate_state()
             seq.num_computed_tokens = seq.num_cached_tokens = num_cached
             seq.state = SeqState.RUNNING
             self.waiting.popleft()
@@ -253,7 +254,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq.block_ids)
-        seq.block_ids = []
+        self.blocks.free_state(seq.state_slot)  # recomputed from the first token, as its KV is
+        seq.block_ids, seq.state_slot = [], -1
         seq.num_computed_tokens = 0
         seq.state = SeqState.WAITING
         self.waiting.appendleft(seq)
@@ -445,6 +447,8 @@ class Scheduler:
         if seq.block_ids:
             self.blocks.free(seq.block_ids)
             seq.block_ids = []
+        self.blocks.free_state(seq.state_slot)
+        seq.state_slot = -1
         self.seqs.pop(seq.request_id, None)
         if seq.disagg is not None:
             self.by_disagg_id.pop(seq.disagg.disagg_request_id, None)

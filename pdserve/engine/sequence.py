@@ -83,6 +83,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+    state_slot: int = -1  # its recurrent-state slot (hybrid models), held with its blocks
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     finish_reason: FinishReason | None = None

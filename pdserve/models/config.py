@@ -9,7 +9,25 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3_5ForCausalLM": "qwen3_5",
 }
+HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM",)  # recurrent layers beside attention (models/qwen3_5.py)
+
+
+@dataclass(frozen=True)
+class LinearAttentionShape:
+    """A Gated DeltaNet layer's shape (Qwen3.5's `linear_attention` layers). Key heads serve
+    num_v_heads // num_k_heads value heads each; the causal conv runs over [q | k | v] channels."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
 
 
 @dataclass(frozen=True)
@@ -42,6 +60,19 @@ class ModelConfig:
     # with use_sliding_window: from max_window_layers on). Empty: every layer attends to everything.
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
+    # Hybrid models (HYBRID_ARCHITECTURES): the layers that keep a recurrent state instead of KV, their
+    # shape, and the full-attention layers' extras (Qwen3.5: an output gate, q/k norms, RoPE on a
+    # fraction of each head).
+    recurrent_layers: tuple[int, ...] = ()
+    linear_attention: LinearAttentionShape | None = None
+    partial_rotary_factor: float = 1.0
+
+    def is_recurrent(self, layer: int) -> bool:
+        return layer in self.recurrent_layers
+
+    def kv_layers(self, first: int, count: int) -> list[int]:
+        """The layers of [first, first + count) that keep KV (all but the recurrent ones)."""
+        return [i for i in range(first, first + count) if not self.is_recurrent(i)]
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s (global index) sliding window in positions; 0 for full attention."""
@@ -50,6 +81,10 @@ class ModelConfig:
     def splits_by(self, tp: int) -> bool:
         """Whether tensor parallelism can split this model `tp` ways: query heads and the MLP evenly, KV
         heads evenly or replicated (one of num_kv_heads and tp divides the other)."""
+        if self.linear_attention is not None:  # every projection cut by whole heads, KV heads too
+            la = self.linear_attention
+            return all(n % tp == 0 for n in (self.num_heads, self.num_kv_heads, self.intermediate_size,
+                                             la.num_k_heads, la.num_v_heads))
         return (self.num_heads % tp == 0 and self.intermediate_size % tp == 0
                 and (self.num_kv_heads % tp == 0 or tp % self.num_kv_heads == 0))
 
@@ -97,6 +132,7 @@ class ModelConfig:
         elif rope_type not in (None, "default"):
             raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
         default_bias = SUPPORTED_ARCHITECTURES[arch] == "qwen2"
+        hybrid = _hybrid(cfg, rope) if arch in HYBRID_ARCHITECTURES else {}
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -113,7 +149,30 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", default_bias)),
             rope_scaling=scaling,
             **_sliding_window(cfg, arch),
+            **hybrid,
         )
+
+
+def _hybrid(cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's recurrent layers (layer_types 'linear_attention'), their Gated DeltaNet shape and the
+    fraction of each attention head RoPE rotates."""
+    kinds = cfg.get("layer_types") or []
+    if len(kinds) != cfg["num_hidden_layers"] or set(kinds) - {"linear_attention", "full_attention"}:
+        raise ValueError(f"layer_types must name each of the {cfg['num_hidden_layers']} layers "
+                         f"'linear_attention' or 'full_attention', got {kinds!r}")
+    shape = LinearAttentionShape(
+        num_k_heads=int(cfg["linear_num_key_heads"]), num_v_heads=int(cfg["linear_num_value_heads"]),
+        k_head_dim=int(cfg["linear_key_head_dim"]), v_head_dim=int(cfg["linear_value_head_dim"]),
+        conv_kernel=int(cfg["linear_conv_kernel_dim"]))
+    if shape.num_v_heads % shape.num_k_heads:
+        raise ValueError(f"linear_num_value_heads={shape.num_v_heads} must be a multiple of "
+                         f"linear_num_key_heads={shape.num_k_heads}")
+    factor = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if int(head_dim * factor) % 2:
+        raise ValueError(f"partial_rotary_factor={factor} of head_dim {head_dim} rotates an odd number of dims")
+    return {"recurrent_layers": tuple(i for i, k in enumerate(kinds) if k == "linear_attention"),
+            "linear_attention": shape, "partial_rotary_factor": factor}
 
 
 def _sliding_window(cfg: dict[str, Any], arch: str) -> dict[str, Any]:

@@ -65,6 +65,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, ps, dtype)
 
+    def load(self, take, prefix: str) -> None:
+        """Checkpoint tensors under `prefix` (`model.layers.N.`); `take(name)` hands each one over once."""
+        attn = prefix + "self_attn."
+        biases = [take(attn + f"{x}_proj.bias") for x in "qkv"] if self.self_attn.qkv_proj.bias is not None \
+            else [None] * 3
+        self.self_attn.qkv_proj.load(take(attn + "q_proj.weight"), take(attn + "k_proj.weight"),
+                                     take(attn + "v_proj.weight"), *biases)
+        self.self_attn.o_proj.load(take(attn + "o_proj.weight"))
+        self.mlp.gate_up_proj.load([take(prefix + "mlp.gate_proj.weight"), take(prefix + "mlp.up_proj.weight")])
+        self.mlp.down_proj.load(take(prefix + "mlp.down_proj.weight"))
+        self.input_layernorm.load(take(prefix + "input_layernorm.weight"))
+        self.post_attention_layernorm.load(take(prefix + "post_attention_layernorm.weight"))
+
     def forward(self, x, rope_table, layer, cache, md, rows=None):
         """The block's output at `rows` only (default: all), though every row's K and V is cached."""
         attn = self.self_attn(self.input_layernorm(x), rope_table, layer, cache, md, rows)
@@ -93,6 +106,7 @@ class LlamaForCausalLM(nn.Module):
                              if ps.is_first_stage else None)
         self.layers = nn.ModuleList(DecoderLayer(cfg, ps, dtype, self.first_layer + i)
                                     for i in range(self.num_local_layers))
+        self.num_kv_layers, self.num_recurrent_layers = self.num_local_layers, 0  # every layer keeps KV
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.stage_decoder = None  # cpu_decode.StageDecoder, set by the model runner where it applies
         if ps.is_last_stage:

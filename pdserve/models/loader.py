@@ -1,4 +1,5 @@
-"""Load a Hugging Face checkpoint into one rank's model shard."""
+"""Load a Hugging Face checkpoint into one rank's model shard (LlamaForCausalLM or Qwen3_5ForCausalLM:
+the top-level tensors here, each decoder layer's by its own `load`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from pdserve.models.llama import LlamaForCausalLM
+from torch import nn
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Tensors some checkpoints carry that are computed from the config anyway (RoPE's inverse frequencies).
@@ -29,7 +30,7 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: Path, show_progress: bool = False) -> None:
+def load_weights(model: nn.Module, model_dir: Path, show_progress: bool = False) -> None:
     """Read only the tensors this stage needs; each parallel layer slices its own shard."""
     wanted: dict[str, torch.Tensor] = {}
     lo, hi = model.first_layer, model.first_layer + model.num_local_layers
@@ -62,7 +63,7 @@ def _refuse_unused(names: list[str]) -> None:
                          "implement what they compute, and without them the model would compute something else")
 
 
-def _assign(model: LlamaForCausalLM, w: dict[str, torch.Tensor]) -> None:
+def _assign(model: nn.Module, w: dict[str, torch.Tensor]) -> None:
     def take(name: str) -> torch.Tensor:
         try:
             return w.pop(name)
@@ -80,16 +81,7 @@ def _assign(model: LlamaForCausalLM, w: dict[str, torch.Tensor]) -> None:
                 head = w.get("lm_head.weight") if not cfg.tie_word_embeddings else None
                 model.lm_head.load(head if head is not None else w["model.embed_tokens.weight"])
         for i, layer in enumerate(model.layers):
-            p = f"model.layers.{model.first_layer + i}."
-            attn = p + "self_attn."
-            biases = [take(attn + f"{x}_proj.bias") for x in "qkv"] if cfg.attention_bias else [None] * 3
-            layer.self_attn.qkv_proj.load(take(attn + "q_proj.weight"), take(attn + "k_proj.weight"),
-                                          take(attn + "v_proj.weight"), *biases)
-            layer.self_attn.o_proj.load(take(attn + "o_proj.weight"))
-            layer.mlp.gate_up_proj.load([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            layer.mlp.down_proj.load(take(p + "mlp.down_proj.weight"))
-            layer.input_layernorm.load(take(p + "input_layernorm.weight"))
-            layer.post_attention_layernorm.load(take(p + "post_attention_layernorm.weight"))
+            layer.load(take, f"model.layers.{model.first_layer + i}.")
     w.pop("model.embed_tokens.weight", None)
     w.pop("lm_head.weight", None)  # tied: the embedding serves as the head
     _refuse_unused([n for n in w if not n.endswith(_DERIVED)])

@@ -22,6 +22,7 @@ from typing import Any, Literal
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from pdserve.testing.tiny_hybrid import hybrid_config_extras, hybrid_weights
 from pdserve.weights.hf_dir import (
     CONFIG_FILE,
     GENERATION_CONFIG_FILE,
@@ -31,9 +32,10 @@ from pdserve.weights.hf_dir import (
     write_json,
 )
 
-Arch = Literal["llama", "qwen2", "mistral"]
+Arch = Literal["llama", "qwen2", "mistral", "qwen3_5"]
 
-_ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+_ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen3_5": "Qwen3_5ForCausalLM"}
 
 # ids 0, 1, 2 in every tiny vocabulary (the trainer puts special tokens first).
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -147,7 +149,7 @@ def tiny_config(
     """The config.json dict, in the legacy (rope_theta / rope_scaling) form real checkpoints use."""
     cfg: dict[str, Any] = {
         "architectures": [_ARCH_CLASSES[arch]],
-        "model_type": arch,
+        "model_type": "qwen3_5_text" if arch == "qwen3_5" else arch,
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
         "intermediate_size": intermediate_size,
@@ -165,7 +167,9 @@ def tiny_config(
         "eos_token_id": EOS_TOKEN_ID,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if arch == "llama":
+    if arch == "qwen3_5":
+        cfg.update(hybrid_config_extras(num_layers, head_dim, rope_theta))
+    elif arch == "llama":
         cfg.update(attention_bias=False, mlp_bias=False)
     elif arch == "mistral":
         cfg.update(sliding_window=sliding_window)
@@ -206,6 +210,8 @@ def tiny_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     else:
         final_gain = torch.ones(h)
     w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": randn(vocab, h, std=embed_std)}
+    if cfg["model_type"] == "qwen3_5_text":
+        return {**w, **hybrid_weights(cfg, randn, linear, logit_std)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = norm(h)
@@ -253,7 +259,8 @@ def make_tiny_model(
     hidden_size defaults to num_heads * head_dim. rope_scaling takes a llama3 dict
     ({"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
     "original_max_position_embeddings"}). sliding_window: layers attend to only that many last
-    positions (mistral: every layer; qwen2: the second half of them).
+    positions (mistral: every layer; qwen2: the second half of them). arch="qwen3_5" is the hybrid
+    Qwen3.5 text model (tiny_hybrid.py: every fourth layer full attention, the others Gated DeltaNet).
     """
     if arch not in _ARCH_CLASSES:
         raise ValueError(f"arch={arch!r} unknown; choose one of {sorted(_ARCH_CLASSES)}")

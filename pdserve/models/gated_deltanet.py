@@ -1,0 +1,170 @@
+"""Gated DeltaNet: the linear-attention token mixer of Qwen3.5's recurrent layers.
+
+Each value head keeps a state S: [k_head_dim, v_head_dim] (fp32) that every token updates and reads:
+
+    S <- exp(g) * S                          decay (g < 0, from the token's `a` projection)
+    S <- S + k (beta * (v - S^T k))^T         the delta rule: move S's answer for k toward v
+    o  = S^T q                                q and k L2-normalised, q scaled by k_head_dim^-0.5
+
+Before the rule, [q | k | v] pass a depthwise causal conv of `conv_kernel` taps, so a sequence also
+keeps its last conv_kernel - 1 conv inputs. Both live in `RecurrentState`, one slot per running
+sequence: a sequence's output after a chunk depends only on its slot and the chunk, so a prompt
+prefilled in chunks of any size, batched with any others, gives the state the whole prompt gives.
+
+Tensor parallelism cuts by heads: [q | k | v] section by section (key heads, key heads, value heads),
+and each value head stays with the key head it reads (value head j reads key head
+j // (num_v_heads // num_k_heads), and both cuts are contiguous).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.distributed import ParallelState
+from pdserve.models.config import LinearAttentionShape
+from pdserve.models.layers import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, _shard
+
+
+@dataclass
+class StateSlice:
+    """One sequence's rows in a step, for the recurrent layers."""
+
+    q_start: int  # first row of the sequence in the step's flattened tokens
+    q_len: int
+    fresh: bool  # no tokens before this chunk: the state starts at zero
+    slot: int  # its slot in RecurrentState
+
+
+class RecurrentState:
+    """The recurrent layers' state pools of one rank, one slot per running sequence.
+
+    conv: [num_slots, layers, conv_channels (local), conv_kernel - 1] in the model's dtype
+    ssm:  [num_slots, layers, v_heads (local), k_head_dim, v_head_dim] fp32
+    """
+
+    def __init__(self, shape: LinearAttentionShape, num_layers: int, num_slots: int, tp: int, dtype: torch.dtype,
+                 device: torch.device):
+        channels = shape.conv_channels // tp
+        self.conv = torch.zeros(num_slots, num_layers, channels, shape.conv_kernel - 1, dtype=dtype, device=device)
+        self.ssm = torch.zeros(num_slots, num_layers, shape.num_v_heads // tp, shape.k_head_dim, shape.v_head_dim,
+                               dtype=torch.float32, device=device)
+
+    @property
+    def num_slots(self) -> int:
+        return self.conv.shape[0]
+
+
+def _l2_normalised(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + 1e-6)
+
+
+def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               state: torch.Tensor) -> torch.Tensor:
+    """The gated delta rule over one sequence's tokens, token by token, updating `state` in place.
+
+    q, k: [n, v_heads, k_dim] fp32 (normalised, q scaled); v: [n, v_heads, v_dim] fp32; g, beta:
+    [n, v_heads] fp32; state: [v_heads, k_dim, v_dim] fp32. Returns o: [n, v_heads, v_dim] fp32."""
+    out = torch.empty_like(v)
+    s = state
+    for t in range(q.shape[0]):
+        s = s * g[t].exp()[:, None, None]
+        remembered = torch.einsum("hkv,hk->hv", s, k[t])
+        s = s + k[t][:, :, None] * ((v[t] - remembered) * beta[t][:, None])[:, None, :]
+        out[t] = torch.einsum("hkv,hk->hv", s, q[t])
+    state.copy_(s)
+    return out
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over one head's values, then times silu(z): normalised in fp32, scaled in the model's
+    dtype, gated in fp32 (the reference's rounding)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (self.weight * normed * F.silu(z.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, shape: LinearAttentionShape, hidden: int, eps: float, ps: ParallelState, dtype: torch.dtype):
+        super().__init__()
+        tp = ps.tp_size
+        self.ps, self.shape = ps, shape
+        self.k_heads, self.v_heads = shape.num_k_heads // tp, shape.num_v_heads // tp
+        key_dim, value_dim = shape.num_k_heads * shape.k_head_dim, shape.num_v_heads * shape.v_head_dim
+        self.in_proj_qkv = MergedColumnParallelLinear(hidden, [key_dim, key_dim, value_dim], ps, dtype)
+        self.in_proj_z = ColumnParallelLinear(hidden, value_dim, False, ps, dtype)
+        self.in_proj_b = ColumnParallelLinear(hidden, shape.num_v_heads, False, ps, dtype)
+        self.in_proj_a = ColumnParallelLinear(hidden, shape.num_v_heads, False, ps, dtype)
+        channels = shape.conv_channels // tp
+        self.conv_weight = nn.Parameter(torch.empty(channels, 1, shape.conv_kernel, dtype=dtype), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.v_heads, dtype=dtype), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.v_heads, dtype=dtype), requires_grad=False)
+        self.norm = GatedRMSNorm(shape.v_head_dim, eps, dtype)
+        self.out_proj = RowParallelLinear(value_dim, hidden, ps, dtype)
+
+    def load(self, take, prefix: str) -> None:
+        """Checkpoint tensors under `prefix` (`model.layers.N.linear_attn.`), each cut to this rank's heads."""
+        s, tp, r = self.shape, self.ps.tp_size, self.ps.tp_rank
+        key_dim = s.num_k_heads * s.k_head_dim
+        sections = [key_dim, key_dim, s.num_v_heads * s.v_head_dim]
+        self.in_proj_qkv.load(list(take(prefix + "in_proj_qkv.weight").split(sections)))
+        self.in_proj_z.load(take(prefix + "in_proj_z.weight"))
+        self.in_proj_b.load(take(prefix + "in_proj_b.weight"))
+        self.in_proj_a.load(take(prefix + "in_proj_a.weight"))
+        conv = take(prefix + "conv1d.weight")  # [conv_channels, 1, kernel], channels [q | k | v]
+        self.conv_weight.copy_(torch.cat([_shard(part, 0, r, tp) for part in conv.split(sections)]))
+        self.A_log.copy_(_shard(take(prefix + "A_log"), 0, r, tp))
+        self.dt_bias.copy_(_shard(take(prefix + "dt_bias"), 0, r, tp))
+        self.norm.weight.copy_(take(prefix + "norm.weight"))
+        self.out_proj.load(take(prefix + "out_proj.weight"))
+
+    def forward(self, x: torch.Tensor, state: RecurrentState, layer: int, seqs: list[StateSlice]) -> torch.Tensor:
+        """x: [n, hidden] for every sequence of the step (rows in `seqs` order); each sequence's state
+        in slot `seq.slot` of `state` at `layer` (the index among this rank's recurrent layers) is read
+        and advanced past its rows. Returns [n, hidden]."""
+        s = self.shape
+        n = x.shape[0]
+        qkv = self.in_proj_qkv(x)  # [n, channels]
+        z = self.in_proj_z(x).view(n, self.v_heads, s.v_head_dim)
+        beta = self.in_proj_b(x).sigmoid().float()  # [n, v_heads]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        out = torch.empty(n, self.v_heads, s.v_head_dim, dtype=x.dtype, device=x.device)
+        for seq in seqs:
+            rows = slice(seq.q_start, seq.q_start + seq.q_len)
+            mixed = self._conv(qkv[rows], state.conv[seq.slot, layer], seq.fresh)
+            ssm = state.ssm[seq.slot, layer]
+            if seq.fresh:
+                ssm.zero_()
+            out[rows] = self._rule(mixed, g[rows], beta[rows], ssm)
+        return self.out_proj(self.norm(out, z).view(n, -1))
+
+    def _conv(self, qkv: torch.Tensor, conv_state: torch.Tensor, fresh: bool) -> torch.Tensor:
+        """Depthwise causal conv + silu of one sequence's rows qkv: [t, channels], after the inputs kept in
+        conv_state [channels, kernel - 1] (zeros for a fresh sequence), which then keeps the last ones."""
+        t = qkv.shape[0]
+        if fresh:
+            conv_state.zero_()
+        window = torch.cat([conv_state, qkv.t().to(self.conv_weight.dtype)], dim=1)  # [channels, kernel - 1 + t]
+        conv_state.copy_(window[:, t:])
+        out = F.conv1d(window.unsqueeze(0), self.conv_weight, groups=window.shape[0])[0]  # [channels, t]
+        return F.silu(out).t().to(qkv.dtype)
+
+    def _rule(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ssm: torch.Tensor) -> torch.Tensor:
+        s, t = self.shape, mixed.shape[0]
+        kd = self.k_heads * s.k_head_dim
+        q, k, v = mixed.split([kd, kd, self.v_heads * s.v_head_dim], dim=-1)
+        per = self.v_heads // self.k_heads  # value heads per key head
+        q = _l2_normalised(q.float().view(t, self.k_heads, s.k_head_dim)).repeat_interleave(per, dim=1)
+        k = _l2_normalised(k.float().view(t, self.k_heads, s.k_head_dim)).repeat_interleave(per, dim=1)
+        o = delta_rule(q * s.k_head_dim ** -0.5, k, v.float().view(t, self.v_heads, s.v_head_dim), g, beta, ssm)
+        return o.to(mixed.dtype)

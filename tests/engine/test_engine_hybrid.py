@@ -1,0 +1,118 @@
+"""A hybrid model (Qwen3.5: Gated DeltaNet layers and gated full attention) against transformers.
+
+The recurrent layers keep one state slot per sequence. Their output must not depend on how the
+engine cuts the work: batched or alone, a prompt in chunks of any size (1 included), preempted and
+recomputed, tensor- or pipeline-parallel. The oracle is transformers' greedy `generate` on the same
+random weights (tiny models written by `make_tiny_model(arch="qwen3_5")`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.llm import LLM
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.testing import make_tiny_model
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+MAX_NEW = 16
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory, hf_greedy):
+    """8 layers: DeltaNet 0-2, attention 3, DeltaNet 4-6, attention 7."""
+    d = make_tiny_model(tmp_path_factory.mktemp("qwen3_5") / "m", arch="qwen3_5", num_layers=8, num_heads=4,
+                        num_kv_heads=2, head_dim=16)
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32)
+    assert type(model).__name__ == "Qwen3_5ForCausalLM"
+    g = torch.Generator().manual_seed(1234)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (3, 17, 40, 1, 29)]
+    return d, prompts, hf_greedy(model, prompts, MAX_NEW)
+
+
+def _run(d, prompts, **engine) -> list[list[int]]:
+    with LLM(EngineConfig(model=str(d), tokens_per_block=8, **engine)) as llm:
+        out = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        blocks = llm.engine.blocks
+        assert blocks.num_free_blocks == blocks.num_blocks  # every KV block back
+        assert blocks.has_state_slot and len(blocks._free_states) == blocks.num_state_slots  # every state slot back
+    return out
+
+
+@pytest.mark.parametrize("engine", [
+    {},
+    {"max_num_seqs": 1},
+    {"max_num_tokens": 7},  # prompts in chunks of 7 beside decodes: the state carried across chunks
+    {"max_num_tokens": 1},  # one token a step: every prompt in chunks of 1
+], ids=["batched", "one at a time", "chunks of 7", "chunks of 1"])
+def test_greedy_tokens_equal_transformers(hybrid, engine):
+    d, prompts, ref = hybrid
+    assert _run(d, prompts, **engine) == ref
+
+
+def test_preemption_recomputes_the_state(hybrid):
+    """8 blocks of 8 tokens cannot hold the five sequences: some are preempted, their state slot freed,
+    and recomputed from their first token into a fresh slot."""
+    d, prompts, ref = hybrid
+    assert _run(d, prompts, num_kv_blocks=8) == ref
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+                         ids=["tp2", "pp2"])
+def test_parallel_layouts_equal_transformers(hybrid, layout):
+    """TP2 cuts every DeltaNet section ([q | k | v] and the conv) and the attention by heads; PP2 gives each
+    stage three DeltaNet layers and one attention layer."""
+    d, prompts, ref = hybrid
+    assert _run(d, prompts, **layout) == ref
+
+
+def test_bf16_is_as_accurate_as_transformers_bf16(hybrid):
+    """bf16: tokens part ways on near-ties, so the oracle is accuracy. Teacher-forced on the tokens pdserve
+    chose, pdserve's log-probabilities are as close to transformers' fp32 ones as transformers' own bf16."""
+    d, prompts, _ = hybrid
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, logprobs=0)
+    with LLM(EngineConfig(model=str(d), dtype="bfloat16", tokens_per_block=8)) as llm:
+        outs = llm.generate(prompts, params)
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    exact, low = load(d, torch_dtype=torch.float32), load(d, torch_dtype=torch.bfloat16)
+    ours, theirs = [], []
+    for prompt, out in zip(prompts, outs):
+        chosen = torch.tensor(out.token_ids)
+        at = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(chosen))
+        with torch.inference_mode():
+            seq = torch.tensor([prompt + out.token_ids])
+            ref = torch.log_softmax(exact(seq).logits[0].float(), -1)[at, chosen]
+            same_dtype = torch.log_softmax(low(seq).logits[0].float(), -1)[at, chosen]
+        ours.append((torch.tensor([lp["logprob"] for lp in out.logprobs]) - ref).abs())
+        theirs.append((same_dtype - ref).abs())
+    ours, theirs = torch.cat(ours), torch.cat(theirs)
+    assert ours.mean() <= 1.5 * theirs.mean(), (ours.mean(), theirs.mean())
+    assert ours.max() <= 2.0 * theirs.max(), (ours.max(), theirs.max())
+
+
+def test_prefix_caching_is_off_with_one_line_saying_why(hybrid, caplog):
+    d, prompts, ref = hybrid
+    with caplog.at_level(logging.INFO, logger="pdserve.engine.llm_engine"):
+        with LLM(EngineConfig(model=str(d), tokens_per_block=8)) as llm:
+            first, second = llm.generate([prompts[2], prompts[2]], GREEDY)
+            again = llm.generate([prompts[2]], GREEDY)[0]
+    assert [r.message for r in caplog.records].count(
+        "prefix caching is off for this hybrid model: its recurrent layers' state is kept for the whole sequence "
+        "only, not at block boundaries, so a cached prefix could not resume it") == 1
+    assert again.num_cached_tokens == 0
+    assert first.token_ids == second.token_ids == again.token_ids == ref[2]
+
+
+def test_disaggregation_is_refused_by_name(hybrid):
+    d, _, _ = hybrid
+    with pytest.raises(ValueError, match="hybrid model .* aggregated only so far: remove "
+                                         "cache_transceiver_config.backend"):
+        LLM(EngineConfig(model=str(d), cache_transceiver_config={"backend": "shm"}))
