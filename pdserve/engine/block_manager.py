@@ -64,6 +64,10 @@ class BlockManager:
         return len(self._free)
 
     @property
+    def num_free_state_slots(self) -> int:
+        return len(self._free_states)
+
+    @property
     def has_state_slot(self) -> bool:
         """Whether a sequence admitted now gets its state slot (always, for a model without state)."""
         return not self.num_state_slots or bool(self._free_states)

@@ -381,6 +381,8 @@ class LLMEngine:
             "waiting": len(self.scheduler.waiting),
             "kv_blocks_total": self.blocks.num_blocks,
             "kv_blocks_free": self.blocks.num_free_blocks,
+            "state_slots_total": self.blocks.num_state_slots,
+            "state_slots_free": self.blocks.num_free_state_slots,
         }
 
 

@@ -61,6 +61,10 @@ class _EngineStats:
         yield GaugeMetricFamily("pdserve_kv_cache_blocks_free", "KV cache blocks free.", value=s["kv_blocks_free"])
         yield GaugeMetricFamily("pdserve_kv_cache_blocks_used", "KV cache blocks in use.",
                                 value=s["kv_blocks_total"] - s["kv_blocks_free"])
+        # Hybrid models' recurrent-state slots, one per running sequence (0 for a model without state)
+        yield GaugeMetricFamily("pdserve_state_slots_total", "Recurrent-state slots in the pool.",
+                                value=s["state_slots_total"])
+        yield GaugeMetricFamily("pdserve_state_slots_free", "Recurrent-state slots free.", value=s["state_slots_free"])
 
 
 class ServerMetrics:
