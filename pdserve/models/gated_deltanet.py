@@ -62,12 +62,24 @@ def _l2_normalised(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + 1e-6)
 
 
+CHUNK = 64  # tokens the chunked form takes at once
+
+
 def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                state: torch.Tensor) -> torch.Tensor:
-    """The gated delta rule over one sequence's tokens, token by token, updating `state` in place.
+    """The gated delta rule over one sequence's tokens, updating `state` in place: token by token for a
+    decode step, in chunks of CHUNK tokens for a prefill (`delta_rule_chunk`, the same sums).
 
     q, k: [n, v_heads, k_dim] fp32 (normalised, q scaled); v: [n, v_heads, v_dim] fp32; g, beta:
     [n, v_heads] fp32; state: [v_heads, k_dim, v_dim] fp32. Returns o: [n, v_heads, v_dim] fp32."""
+    if q.shape[0] == 1:
+        return delta_rule_stepwise(q, k, v, g, beta, state)
+    return torch.cat([delta_rule_chunk(q[i:i + CHUNK], k[i:i + CHUNK], v[i:i + CHUNK], g[i:i + CHUNK],
+                                       beta[i:i + CHUNK], state) for i in range(0, q.shape[0], CHUNK)])
+
+
+def delta_rule_stepwise(q, k, v, g, beta, state):
+    """`delta_rule` as the recurrence reads, one token at a time (decode steps; the tests' reference)."""
     out = torch.empty_like(v)
     s = state
     for t in range(q.shape[0]):
@@ -77,6 +89,36 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         out[t] = torch.einsum("hkv,hk->hv", s, q[t])
     state.copy_(s)
     return out
+
+
+def delta_rule_chunk(q, k, v, g, beta, state):
+    """`delta_rule` over c tokens at once. With G_t = g_1 + ... + g_t (log decays so far), the state after
+    token t is
+
+        S_t = e^{G_t} S_0 + sum_{i<=t} e^{G_t - G_i} k_i u_i^T
+
+    where u_t is what token t writes: u_t = beta_t (v_t - e^{G_t} S_0^T k_t - sum_{i<t} e^{G_t - G_i} (k_t.k_i) u_i),
+    a unit lower-triangular system (I + diag(beta) A) U = diag(beta) (V - diag(e^G) K S_0) with
+    A_ti = e^{G_t - G_i} k_t.k_i for i < t. Then o_t = S_t^T q_t:
+
+        O = diag(e^G) Q S_0 + (M * Q K^T) U,   M_ti = e^{G_t - G_i} for i <= t, else 0
+
+    and S_c = e^{G_c} S_0 + K^T diag(e^{G_c - G}) U. Every exponent is <= 0 (g < 0): nothing overflows."""
+    c = q.shape[0]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, c, dim]
+    G = g.t().cumsum(-1)  # [heads, c]
+    b = beta.t().unsqueeze(-1)  # [heads, c, 1]
+    diff = G.unsqueeze(-1) - G.unsqueeze(-2)  # [heads, c, c]: G_t - G_i
+    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    decay = torch.where(causal, diff, float("-inf")).exp()  # M, [heads, c, c]
+    strict = (decay * (kh @ kh.transpose(1, 2))).tril(-1)  # A
+    eye = torch.eye(c, dtype=q.dtype, device=q.device)
+    rhs = b * (vh - G.exp().unsqueeze(-1) * (kh @ state))
+    u = torch.linalg.solve_triangular(eye + b * strict, rhs, upper=False, unitriangular=True)
+    out = G.exp().unsqueeze(-1) * (qh @ state) + (decay * (qh @ kh.transpose(1, 2))) @ u
+    last = G[:, -1:]  # [heads, 1]
+    state.mul_(last.exp().unsqueeze(-1)).add_(kh.transpose(1, 2) @ ((last - G).exp().unsqueeze(-1) * u))
+    return out.transpose(0, 1)
 
 
 class GatedRMSNorm(nn.Module):
