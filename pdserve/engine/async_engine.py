@@ -53,6 +53,10 @@ class _Abort:
     add: _Add | None = None
 
 
+class _Wake:
+    """Nothing to apply: the engine thread wakes and steps if it has KV control messages to read."""
+
+
 @dataclass
 class _Call:
     """Run a function on the engine thread (for helpers that must not race the step loop)."""
@@ -162,6 +166,7 @@ class AsyncEngine:
             built.set_exception(e)
             return
         built.set_result(self.engine)
+        self.engine.wake_on_kv_control(lambda: self._commands.put(_Wake()))
         self._loop()
 
     def _loop(self) -> None:

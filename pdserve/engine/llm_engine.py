@@ -245,6 +245,12 @@ class LLMEngine:
             if not disagg.ctx_info_endpoint:
                 raise RequestError("generation_only needs disaggregated_params.ctx_info_endpoint")
 
+    def wake_on_kv_control(self, wake: Callable[[], None]) -> None:
+        """Call `wake` (from another thread) when a KV control message arrives for rank 0, so that an idle
+        step loop answers a peer at once rather than at its next poll."""
+        if self.runner.connector is not None:
+            self.runner.connector.tx.on_control_message(wake)
+
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
 

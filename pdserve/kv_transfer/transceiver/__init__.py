@@ -126,6 +126,11 @@ class KVTransceiver:
         self._control.drain()
         self._send.expire_early()
 
+    def on_control_message(self, notify: Callable[[], None]) -> None:
+        """Call `notify` (on the listener thread; it must not block) whenever a control message is queued
+        for `poll_control`: an executor that sleeps while idle wakes to answer it."""
+        self._control.notify = notify
+
     @property
     def control_pending(self) -> bool:
         """Whether `poll_control` has anything to do."""

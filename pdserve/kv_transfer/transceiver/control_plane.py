@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from pdserve.kv_transfer.control.messages import (
     Cancel,
@@ -62,6 +62,7 @@ class ControlPlane:
         self._local = local
         self.events: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self.wake = threading.Event()  # set by the listener when it enqueues a message
+        self.notify: Callable[[], None] | None = None  # also called then (on the listener thread)
         self._instance_reply: RankInfoReply | None = None
         self._ctx_instances: dict[str, tuple[RankInfo, ...]] = {}  # ctx endpoint -> its ranks (cached)
         self._registered_with: set[PeerKey] = set()
@@ -96,6 +97,8 @@ class ControlPlane:
             return self._instance_reply  # None before start(): the asker times out with a clear error
         self.events.put(message)
         self.wake.set()
+        if self.notify is not None:
+            self.notify()
         return None
 
     # -- executor thread ----------------------------------------------------------------------
