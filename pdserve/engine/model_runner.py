@@ -19,12 +19,13 @@ from torch import nn
 from pdserve.config import EngineConfig
 from pdserve.distributed import ParallelState, broadcast_bytes, recv_bytes, send_bytes
 from pdserve.engine.host_malloc import keep_freed_memory
-from pdserve.engine.kv.connector import KVConnector, KVPoolGeometry, shared_pool_allocator
+from pdserve.engine.kv.connector import KVConnector, KVPoolGeometry, StateBuffer, shared_pool_allocator
 from pdserve.engine.kv.wire import WIRE_VERSION, KVCommand, KVWireError, RankReport, command_from_wire, command_to_wire
 from pdserve.engine.sampler import SampleResult, SampleSpec, sample
 from pdserve.models import cpu_kernels
 from pdserve.models.attention import AttentionMetadata, PagedKVCache, SeqSlice
-from pdserve.models.config import ModelConfig
+from pdserve.kv_transfer.page_table import Section
+from pdserve.models.config import LinearAttentionShape, ModelConfig
 from pdserve.models.cpu_decode import StageDecoder
 from pdserve.models.gated_deltanet import RecurrentState, StateSlice
 from pdserve.models.llama import LlamaForCausalLM, stage_layers
@@ -84,6 +85,17 @@ class RanksOutOfStep(RuntimeError):
     can no longer step, and only a restart recovers it."""
 
 
+def _state_buffers(state: RecurrentState, shape: LinearAttentionShape) -> list[StateBuffer]:
+    """A hybrid model's state pools as the KV exchange sees them: a layer's conv state is channels
+    [q | k | v] x (taps - 1), each section cut by key or value heads; its SSM state is [v_heads, k_dim,
+    v_dim] fp32, cut by value heads."""
+    taps, conv_bytes = shape.conv_kernel - 1, state.conv.element_size()
+    key = Section(shape.num_k_heads, shape.k_head_dim * taps * conv_bytes)
+    conv = (key, key, Section(shape.num_v_heads, shape.v_head_dim * taps * conv_bytes))
+    ssm = (Section(shape.num_v_heads, shape.k_head_dim * shape.v_head_dim * state.ssm.element_size()),)
+    return [StateBuffer("conv", state.conv, conv), StateBuffer("ssm", state.ssm, ssm)]
+
+
 def model_class(cfg: ModelConfig) -> type[nn.Module]:
     return Qwen3_5ForCausalLM if cfg.architecture == "Qwen3_5ForCausalLM" else LlamaForCausalLM
 
@@ -116,10 +128,6 @@ class ModelRunner:
             keep_freed_memory()  # activations live in malloc'd host memory: see host_malloc.py
             cpu_kernels.load()  # build the native CPU kernels now, not inside the first request
         tc = ecfg.cache_transceiver_config
-        if model_cfg.recurrent_layers and tc.backend is not None:
-            raise ValueError(f"{model_cfg.architecture} is a hybrid model (recurrent layers), which pdserve serves "
-                             "aggregated only so far: remove cache_transceiver_config.backend (its KV exchange "
-                             "does not carry the recurrent state yet)")
         with torch.device(device):
             self.model = model_class(model_cfg)(model_cfg, ps, self.dtype, max_model_len)
         load_weights(self.model, model_dir, show_progress=ps.rank == 0)
@@ -127,11 +135,14 @@ class ModelRunner:
         if isinstance(self.model, LlamaForCausalLM):
             self.model.stage_decoder = StageDecoder.for_model(self.model)  # None where it does not apply
         self.num_blocks = num_kv_blocks(model_cfg, ecfg, self.kv_dtype)
-        # One state slot per sequence that can run at once (the scheduler admits at most max_num_seqs).
-        self.num_state_slots = ecfg.max_num_seqs if self.model.num_recurrent_layers else 0
+        self._allocator = pool_allocator or shared_pool_allocator(tc.backend)
+        # One state slot per sequence that can run at once (the scheduler admits at most max_num_seqs), and
+        # as many again for a disaggregated instance's requests whose state is in transfer (held or parked).
+        per_seq = 2 if tc.backend is not None else 1
+        self.num_state_slots = per_seq * ecfg.max_num_seqs if self.model.num_recurrent_layers else 0
         if self.num_state_slots:
             self.model.state = RecurrentState(model_cfg.linear_attention, self.model.num_recurrent_layers,
-                                              self.num_state_slots, ps.tp_size, self.dtype, device)
+                                              self.num_state_slots, ps.tp_size, self.dtype, device, self._allocator)
         kv_heads = max(1, model_cfg.num_kv_heads // ps.tp_size)
         T, D, L = self.tokens_per_block, model_cfg.head_dim, self.model.num_kv_layers
         # The first-contact canary's blocks sit past the cache manager's: no request ever holds them.
@@ -140,7 +151,6 @@ class ModelRunner:
             log.info("first-contact canary off: the KV cache is in %s memory (the canary needs host memory)", device)
         rows = self.num_blocks + canary_slots
         shape = [rows, L, 2, kv_heads, T, D] if ecfg.kv_layout == "HND" else [rows, L, 2, T, kv_heads, D]
-        self._allocator = pool_allocator or shared_pool_allocator(tc.backend)
         if self._allocator is not None:
             nbytes = rows * L * 2 * kv_heads * T * D * self.kv_dtype.itemsize
             self.pool = self._allocator(nbytes).view(self.kv_dtype).view(shape)
@@ -150,10 +160,14 @@ class ModelRunner:
         self.kv_heads_per_rank = kv_heads
         self.connector: KVConnector | None = None
         if tc.backend is not None:
+            first, local = self.model.first_layer, self.model.num_local_layers
             geometry = KVPoolGeometry(
-                ecfg.kv_layout, self.model.first_layer, tuple(stage_layers(model_cfg.num_layers, ps.pp_size)),
-                model_cfg.num_kv_heads, kv_heads, model_cfg.head_dim, self.tokens_per_block, canary_slots)
-            self.connector = KVConnector(tc, ps, instance_name, self.pool, geometry)
+                ecfg.kv_layout, first, tuple(stage_layers(model_cfg.num_layers, ps.pp_size)),
+                model_cfg.num_kv_heads, kv_heads, model_cfg.head_dim, self.tokens_per_block, canary_slots,
+                kv_layer_ids=tuple(model_cfg.kv_layers(first, local)))
+            state = _state_buffers(self.model.state, model_cfg.linear_attention) if self.num_state_slots else []
+            state_layers = tuple(i for i in range(first, first + local) if model_cfg.is_recurrent(i))
+            self.connector = KVConnector(tc, ps, instance_name, self.pool, geometry, state, state_layers)
             gathered = self._all_gather_bytes(self.connector.info.to_bytes())
             self.connector.start([RankInfo.from_bytes(b) for b in gathered])
 

@@ -234,9 +234,10 @@ class Scheduler:
     def _park_for_kv(self, seq: Sequence) -> bool:
         """generation_only: allocate blocks for the prompt's KV, which arrives from outside."""
         need = self.blocks.blocks_needed(seq.num_prompt_tokens)
-        if need > self.blocks.num_free_blocks:
+        if need > self.blocks.num_free_blocks or not self.blocks.has_state_slot:
             return False
         seq.block_ids = self.blocks.allocate(need)
+        seq.state_slot = self.blocks.allocate_state()  # a hybrid model's state lands there with the KV
         seq.state = SeqState.GEN_AWAITING_KV
         self.waiting.popleft()
         self.parked[seq.request_id] = seq

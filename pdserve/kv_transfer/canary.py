@@ -61,13 +61,17 @@ def canary_tokens(ctx: RankInfo, gen: RankInfo) -> int:
 
 
 def canary_block_ids(info: RankInfo, num_tokens: int) -> BlockIds:
-    """This rank's canary slot ids per layer group, enough for `num_tokens` tokens."""
+    """This rank's canary slot ids per layer group, enough for `num_tokens` tokens; -1 (nothing) for a
+    recurrent group: the canary checks the KV pattern, and a state pool reserves no canary slot."""
     pt = info.page_table
     used = -(-num_tokens // pt.tokens_per_block)
     if not 0 < used <= info.canary_slots:
         raise ValueError(f"{num_tokens} canary tokens need {used} blocks; {info.key} reserved {info.canary_slots}")
     out = {}
     for g in pt.layer_groups:
+        if g.recurrent:
+            out[g.group_id] = np.array([-1], dtype=np.int64)
+            continue
         first = min(pt.pools[v.pool_index].num_slots for v in g.views) - info.canary_slots
         out[g.group_id] = np.arange(first, first + used, dtype=np.int64)
     return out

@@ -49,7 +49,7 @@ class RankInfo:
     page_table: PageTable
     agent_descriptor: bytes  # opaque, from the transfer agent
     control_endpoint: str  # "tcp://host:port" of this rank's ZeroMQ listener
-    canary_slots: int = 0  # the last slots of every pool, kept free for the first-contact canary (canary.py)
+    canary_slots: int = 0  # the last slots of every block pool, kept free for the first-contact canary (canary.py)
 
     VERSION: ClassVar[int] = 3  # bumped with any change of fields: from_bytes refuses another version
 
@@ -114,10 +114,12 @@ class RankInfo:
                 f"RankInfo {self.instance_name}: tokens_per_block={self.tokens_per_block} but the page table "
                 f"says {self.page_table.tokens_per_block}"
             )
-        smallest = min(p.num_slots for p in self.page_table.pools)
-        if not 0 <= self.canary_slots < smallest:
+        pt = self.page_table  # the canary uses block pools only; a recurrent group's state pools keep none
+        smallest = min((pt.pools[v.pool_index].num_slots for g in pt.layer_groups if not g.recurrent for v in g.views),
+                       default=None)
+        if smallest is not None and not 0 <= self.canary_slots < smallest:
             raise ValueError(f"RankInfo {self.instance_name}: canary_slots={self.canary_slots} must be in "
-                             f"[0, {smallest}) (the smallest pool's slots)")
+                             f"[0, {smallest}) (the smallest block pool's slots)")
         self._check_sections()
         lo, hi = self.layer_range
         outside = [layer for layer in self.page_table.global_layer_ids if not lo <= layer < hi]

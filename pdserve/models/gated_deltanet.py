@@ -18,6 +18,7 @@ j // (num_v_heads // num_k_heads), and both cuts are contiguous).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -47,11 +48,15 @@ class RecurrentState:
     """
 
     def __init__(self, shape: LinearAttentionShape, num_layers: int, num_slots: int, tp: int, dtype: torch.dtype,
-                 device: torch.device):
-        channels = shape.conv_channels // tp
-        self.conv = torch.zeros(num_slots, num_layers, channels, shape.conv_kernel - 1, dtype=dtype, device=device)
-        self.ssm = torch.zeros(num_slots, num_layers, shape.num_v_heads // tp, shape.k_head_dim, shape.v_head_dim,
-                               dtype=torch.float32, device=device)
+                 device: torch.device, allocator=None):
+        def pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            if allocator is None:  # else memory the KV exchange's agent can expose (shared_pool_allocator)
+                return torch.zeros(shape, dtype=dtype, device=device)
+            return allocator(math.prod(shape) * dtype.itemsize).view(dtype).view(shape).zero_()
+
+        self.conv = pool((num_slots, num_layers, shape.conv_channels // tp, shape.conv_kernel - 1), dtype)
+        self.ssm = pool((num_slots, num_layers, shape.num_v_heads // tp, shape.k_head_dim, shape.v_head_dim),
+                        torch.float32)
 
     @property
     def num_slots(self) -> int:

@@ -119,16 +119,18 @@ class Instance:
         return out
 
     def wait_blocks_free(self, timeout: float = 15.0) -> None:
-        """Wait until every KV block of the pool is free again (none leaked by a request); raise otherwise."""
+        """Wait until every KV block of the pool, and every recurrent-state slot of a hybrid model, is free
+        again (none leaked by a request); raise otherwise."""
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
             free, total = m["pdserve_kv_cache_blocks_free"], m["pdserve_kv_cache_blocks_total"]
-            if free == total:
+            if free == total and m["pdserve_state_slots_free"] == m["pdserve_state_slots_total"]:
                 return
             if time.monotonic() > deadline:
-                raise AssertionError(f"{self.spec.name}: {total - free:.0f} of {total:.0f} KV blocks still allocated "
-                                     f"{timeout} s after the request ended")
+                slots = m["pdserve_state_slots_total"] - m["pdserve_state_slots_free"]
+                raise AssertionError(f"{self.spec.name}: {total - free:.0f} of {total:.0f} KV blocks and {slots:.0f} "
+                                     f"state slots still allocated {timeout} s after the request ended")
             time.sleep(0.1)
 
 

@@ -119,12 +119,6 @@ def test_prefix_caching_is_off_with_one_line_saying_why(hybrid, caplog):
     assert first.token_ids == second.token_ids == again.token_ids == ref[2]
 
 
-def test_disaggregation_is_refused_by_name(hybrid):
-    d, _, _ = hybrid
-    with pytest.raises(ValueError, match="hybrid model .* aggregated only so far: remove "
-                                         "cache_transceiver_config.backend"):
-        LLM(EngineConfig(model=str(d), cache_transceiver_config={"backend": "shm"}))
-
 
 def test_pdserve_serve_answers_the_openai_client_as_transformers_does(hybrid):
     """`pdserve serve DIR` of the hybrid model, asked through the OpenAI client: the greedy completion of

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -25,13 +25,15 @@ from pdserve.engine.kv.wire import CancelKV, ForgetPeer, KVCommand, RankReport, 
 from pdserve.kv_transfer.agents import MemoryRegion, make_agent
 from pdserve.kv_transfer.agents.faults import FaultyAgent
 from pdserve.kv_transfer.errors import KVTransferError
-from pdserve.kv_transfer.page_table import MapperKind, page_table_for_block_major_pool
+from pdserve.kv_transfer.page_table import (BufferEntry, LayerGroup, MapperKind, PhysicalPool, PoolView, Section,
+                                           page_table_for_block_major_pool)
 from pdserve.kv_transfer.rank_info import RankInfo
 from pdserve.kv_transfer.transceiver import KVTransceiver
 
 log = logging.getLogger(__name__)
 
-LAYER_GROUP = 0  # Llama-family models have one full-attention layer group
+LAYER_GROUP = 0  # the full-attention layers (all of a Llama-family model's)
+STATE_GROUP = 1  # a hybrid model's recurrent layers: one state slot per request (page_table.LayerGroup.recurrent)
 
 
 def shared_pool_allocator(backend: str | None):
@@ -64,28 +66,59 @@ class KVPoolGeometry:
     tokens_per_block: int
     canary_slots: int = 0  # slots past the cache manager's, kept for the first-contact canary
 
+    kv_layer_ids: tuple[int, ...] | None = None  # global ids of the pool's layers; None: first_layer onwards
+
     def __post_init__(self) -> None:
         if self.layout not in MapperKind.__members__:
             raise ValueError(f"KV layout must be HND or NHD, got {self.layout!r}")
 
 
+@dataclass(frozen=True)
+class StateBuffer:
+    """One recurrent-state pool of a hybrid model: tensor [num_slots, layers, ...], a slot's layer
+    contiguous; each layer's bytes are `sections` (page_table.Section), TP-cut section by section."""
+
+    role: str
+    tensor: torch.Tensor
+    sections: tuple[Section, ...]
+
+
+def _recurrent_group(buffers: list[StateBuffer], layer_ids: tuple[int, ...], first_pool: int):
+    """The pools and the recurrent layer group of a hybrid model's state (slot-major: every layer of
+    a slot together, so a request's state is one run per pool)."""
+    pools, views = [], []
+    for i, b in enumerate(buffers):
+        slots, layers = b.tensor.shape[:2]
+        per_layer = b.tensor[0, 0].numel() * b.tensor.element_size()
+        pools.append(PhysicalPool(b.tensor.data_ptr(), layers * per_layer, slots, layer_stride=0))
+        entries = tuple(BufferEntry(layer, layer * per_layer, per_layer) for layer in range(layers))
+        views.append(PoolView(first_pool + i, frozenset({b.role}), entries, MapperKind.SECTIONED, (b.sections,)))
+    return pools, LayerGroup(STATE_GROUP, layer_ids, None, tuple(views), recurrent=True)
+
+
 class KVConnector:
     def __init__(self, cfg: CacheTransceiverConfig, ps: ParallelState, instance_name: str, pool: torch.Tensor,
-                 geometry: KVPoolGeometry):
+                 geometry: KVPoolGeometry, state: list[StateBuffer] = (), state_layer_ids: tuple[int, ...] = ()):
         self.ps = ps
         self.agent = make_agent(cfg.backend, name=f"{instance_name}-rank{ps.rank}",
                                 nixl_progress_delay_us=cfg.nixl_progress_delay_us)
         if cfg.fault_injection is not None and cfg.fault_injection.active:
             self.agent = FaultyAgent(self.agent, cfg.fault_injection)
-        self.region = MemoryRegion.of_tensor(pool)
-        self.agent.register_memory(self.region)
+        self.regions = [MemoryRegion.of_tensor(t) for t in [pool, *(b.tensor for b in state)]]
+        for region in self.regions:
+            self.agent.register_memory(region)
         self.tx = KVTransceiver(self.agent, cfg.to_transceiver_config(), host=cfg.host)
         g = geometry
         num_local = pool.shape[1]
+        layer_ids = g.kv_layer_ids if g.kv_layer_ids is not None else range(g.first_layer, g.first_layer + num_local)
         table = page_table_for_block_major_pool(
             base=pool.data_ptr(), num_blocks=pool.shape[0], num_layers=num_local, kv_heads=g.kv_heads_per_rank,
             tokens_per_block=g.tokens_per_block, head_dim=g.head_dim, element_bytes=pool.element_size(),
-            layout=MapperKind[g.layout], global_layer_ids=range(g.first_layer, g.first_layer + num_local))
+            layout=MapperKind[g.layout], global_layer_ids=layer_ids)
+        self.hybrid = bool(state)
+        if self.hybrid:
+            pools, group = _recurrent_group(list(state), tuple(state_layer_ids), len(table.pools))
+            table = replace(table, pools=table.pools + tuple(pools), layer_groups=table.layer_groups + (group,))
         self.info = RankInfo(
             instance_name=instance_name, rank=ps.rank, tp_size=ps.tp_size, tp_rank=ps.tp_rank, pp_size=ps.pp_size,
             pp_rank=ps.pp_rank, cp_size=1, cp_rank=0, dp_size=1, dp_rank=0, layers_per_pp_stage=g.stage_layers,
@@ -106,14 +139,14 @@ class KVConnector:
         for cmd in commands:
             try:
                 if isinstance(cmd, SendKV):
-                    blocks = {LAYER_GROUP: np.asarray(cmd.block_ids, dtype=np.int64)}
+                    blocks = self._ids(cmd.block_ids, cmd.state_slot)
                     self.tx.respond_and_send_async(cmd.request_id, blocks,
                                                    token_range=(cmd.token_start, cmd.token_end), last=cmd.last,
                                                    state=cmd.state)
                 elif isinstance(cmd, ReceiveKV):
                     self.tx.add_instance(cmd.ctx_endpoint, cmd.ctx_rank_infos)
                     self.tx.request_and_receive_async(cmd.request_id, cmd.ctx_endpoint,
-                                                      {LAYER_GROUP: np.asarray(cmd.block_ids, dtype=np.int64)},
+                                                      self._ids(cmd.block_ids, cmd.state_slot),
                                                       ctx_dp_rank=cmd.ctx_dp_rank, timeout_ms=cmd.timeout_ms,
                                                       wait_for_offer=cmd.wait_for_offer)
                 elif isinstance(cmd, CancelKV):
@@ -148,9 +181,17 @@ class KVConnector:
                 report.cancelled.append(rid)
         return report
 
+    def _ids(self, block_ids: tuple[int, ...], state_slot: int) -> dict[int, np.ndarray]:
+        """A command's ids per layer group: the blocks, and a hybrid model's state slot (-1: not this time)."""
+        ids = {LAYER_GROUP: np.asarray(block_ids, dtype=np.int64)}
+        if self.hybrid:
+            ids[STATE_GROUP] = np.array([state_slot], dtype=np.int64)
+        return ids
+
     def close(self) -> None:
         self.tx.close()
-        self.agent.deregister_memory(self.region)
+        for region in self.regions:
+            self.agent.deregister_memory(region)
         self.agent.shutdown()
 
 

@@ -84,7 +84,8 @@ class KVExchange:
                 d.transfer_started = True
                 left_ms = max(1, int((d.kv_deadline - now) * 1000))
                 cmds.append(ReceiveKV(d.disagg_request_id, d.ctx_info_endpoint, tuple(seq.block_ids), d.ctx_dp_rank,
-                                      tuple(infos), left_ms, wait_for_offer=d.generation_first))
+                                      tuple(infos), left_ms, wait_for_offer=d.generation_first,
+                                      state_slot=seq.state_slot))
             elif now > d.kv_deadline:
                 self._fail_unstarted(seq, f"timed out at first contact: the context instance at {d.ctx_info_endpoint} "
                                           f"sent no RankInfo within kv_transfer_timeout_ms={timeout_ms}")
@@ -131,7 +132,10 @@ class KVExchange:
             if last and d.generation_first:
                 state = FirstToken(seq.output_token_ids[0], tuple(seq.output_logprobs[:1])).to_bytes()
             d.transfer_started = True
-            self._sends.append(SendKV(d.disagg_request_id, ids, span[0], span[1], last, state))
+            # A hybrid model's recurrent state goes with the last piece only: the state after exactly the
+            # prompt's tokens (chunking.py), which only the finished prefill has.
+            slot = seq.state_slot if last else -1
+            self._sends.append(SendKV(d.disagg_request_id, ids, span[0], span[1], last, state, slot))
 
     def _settle(self, reports: list[RankReport]) -> None:
         """Apply every rank's report; requests whose transfer all ranks settled move on."""

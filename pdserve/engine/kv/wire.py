@@ -27,7 +27,7 @@ from typing import Callable, ClassVar, Union
 
 import msgpack
 
-WIRE_VERSION = 2  # bumped with any change of a command's or a report's fields
+WIRE_VERSION = 3  # bumped with any change of a command's or a report's fields
 
 
 class CommandKind(enum.IntEnum):
@@ -61,6 +61,7 @@ class SendKV:
     token_end: int
     last: bool
     state: bytes  # the first token when it rides with the KV (generation_first), else b""
+    state_slot: int = -1  # hybrid models: the recurrent-state slot, sent with the last piece only (else -1)
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class ReceiveKV:
     ctx_rank_infos: tuple[bytes, ...]  # fetched once by rank 0 off the step loop (PeerDirectory)
     timeout_ms: int  # what is left of the request's kv_transfer_timeout_ms
     wait_for_offer: bool  # generation_first: the context side may get the request after our ask
+    state_slot: int = -1  # hybrid models: the recurrent-state slot the state lands in
 
 
 @dataclass(frozen=True)
@@ -91,9 +93,9 @@ KVCommand = Union[SendKV, ReceiveKV, CancelKV, ForgetPeer]
 
 _DECODERS: dict[type, dict[str, Callable]] = {
     SendKV: {"request_id": int, "block_ids": _ints, "token_start": int, "token_end": int, "last": bool,
-             "state": bytes},
+             "state": bytes, "state_slot": int},
     ReceiveKV: {"request_id": int, "ctx_endpoint": str, "block_ids": _ints, "ctx_dp_rank": int,
-                "ctx_rank_infos": _blobs, "timeout_ms": int, "wait_for_offer": bool},
+                "ctx_rank_infos": _blobs, "timeout_ms": int, "wait_for_offer": bool, "state_slot": int},
     CancelKV: {"request_id": int},
     ForgetPeer: {"ctx_endpoint": str},
 }

@@ -1,0 +1,54 @@
+"""A hybrid model (Qwen3.5: Gated DeltaNet + attention) disaggregated across layouts, through
+`pdserve disaggregated` and the official openai client: greedy output equals one aggregated instance
+token for token, and neither side keeps a KV block or a state slot afterwards.
+
+The recurrent state moves with the KV: each conv section ([q | k | v]) and the SSM state are re-cut by
+heads between TP1 and TP2 (MapperKind.SECTIONED), and between TP2 and PP2 each stage's recurrent layers
+take theirs. The TP2 context instance prefills in 24-token chunks and ships each chunk's blocks as it
+goes (pipelined), the state with the last piece only."""
+
+from __future__ import annotations
+
+import pytest
+from e2e_checks import Reference, check_split
+from e2e_cluster import TINY_BASE, Spec, openai_client, start_instances, stop_instances
+
+from pdserve.testing import make_tiny_model
+
+SHM = {"cache_transceiver_config": {"backend": "shm", "kv_transfer_timeout_ms": 6000}, "tokens_per_block": 16}
+TP2 = {"tensor_parallel_size": 2}
+
+
+@pytest.fixture(scope="module")
+def hybrid_group(e2e_dir):
+    model = str(make_tiny_model(e2e_dir / "tiny-qwen3_5", arch="qwen3_5", num_layers=8, num_heads=4,
+                                num_kv_heads=2, head_dim=16, max_position_embeddings=1024))
+    specs = [
+        Spec("hybrid-plain", model),
+        Spec("hybrid-tp1", model, SHM),
+        Spec("hybrid-tp2", model, {**SHM, **TP2, "max_num_tokens": 24,
+                                   "cache_transceiver_config": {**SHM["cache_transceiver_config"],
+                                                                "pipelined_transfer": True}}),
+        Spec("hybrid-pp2", model, {**SHM, "pipeline_parallel_size": 2}),
+    ]
+    insts = start_instances(specs, e2e_dir / "hybrid", TINY_BASE)
+    yield insts
+    stop_instances(insts.values())
+
+
+@pytest.fixture(scope="module")
+def hybrid_reference(hybrid_group) -> Reference:
+    return Reference(openai_client(hybrid_group["hybrid-plain"].url))
+
+
+PAIRS = [("hybrid-tp1", "hybrid-tp2"), ("hybrid-tp2", "hybrid-tp1"), ("hybrid-tp2", "hybrid-pp2")]
+
+
+@pytest.mark.parametrize("ctx,gen", PAIRS, ids=[f"{c}->{g}" for c, g in PAIRS])
+def test_pair_equals_aggregated(hybrid_group, hybrid_reference, e2e_dir, ctx, gen):
+    check_split(hybrid_group, ctx, gen, hybrid_reference, e2e_dir / "hybrid")
+
+
+def test_generation_first_equals_aggregated(hybrid_group, hybrid_reference, e2e_dir):
+    check_split(hybrid_group, "hybrid-tp2", "hybrid-tp1", hybrid_reference, e2e_dir / "hybrid",
+                schedule_style="generation_first")
