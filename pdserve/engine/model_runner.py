@@ -25,9 +25,9 @@ from pdserve.engine.sampler import SampleResult, SampleSpec, sample
 from pdserve.models import cpu_kernels
 from pdserve.models.attention import AttentionMetadata, PagedKVCache, SeqSlice
 from pdserve.kv_transfer.page_table import Section
-from pdserve.models.config import LinearAttentionShape, ModelConfig
+from pdserve.models.config import ModelConfig
 from pdserve.models.cpu_decode import StageDecoder
-from pdserve.models.gated_deltanet import RecurrentState, StateSlice
+from pdserve.models.recurrent_state import RecurrentState, StateSlice
 from pdserve.models.llama import LlamaForCausalLM, stage_layers
 from pdserve.models.qwen3_5 import Qwen3_5ForCausalLM
 from pdserve.models.layers import decode_step, pack_for_cpu
@@ -85,15 +85,11 @@ class RanksOutOfStep(RuntimeError):
     can no longer step, and only a restart recovers it."""
 
 
-def _state_buffers(state: RecurrentState, shape: LinearAttentionShape) -> list[StateBuffer]:
-    """A hybrid model's state pools as the KV exchange sees them: a layer's conv state is channels
-    [q | k | v] x (taps - 1), each section cut by key or value heads; its SSM state is [v_heads, k_dim,
-    v_dim] fp32, cut by value heads."""
-    taps, conv_bytes = shape.conv_kernel - 1, state.conv.element_size()
-    key = Section(shape.num_k_heads, shape.k_head_dim * taps * conv_bytes)
-    conv = (key, key, Section(shape.num_v_heads, shape.v_head_dim * taps * conv_bytes))
-    ssm = (Section(shape.num_v_heads, shape.k_head_dim * shape.v_head_dim * state.ssm.element_size()),)
-    return [StateBuffer("conv", state.conv, conv), StateBuffer("ssm", state.ssm, ssm)]
+def _state_buffers(state: RecurrentState) -> list[StateBuffer]:
+    """A hybrid model's state pools as the KV exchange sees them, each cut into its family's sections."""
+    g = state.geometry
+    return [StateBuffer("conv", state.conv, tuple(Section(*s) for s in g.conv_sections)),
+            StateBuffer("ssm", state.ssm, tuple(Section(*s) for s in g.ssm_sections))]
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:
@@ -141,8 +137,8 @@ class ModelRunner:
         per_seq = 2 if tc.backend is not None else 1
         self.num_state_slots = per_seq * ecfg.max_num_seqs if self.model.num_recurrent_layers else 0
         if self.num_state_slots:
-            self.model.state = RecurrentState(model_cfg.linear_attention, self.model.num_recurrent_layers,
-                                              self.num_state_slots, ps.tp_size, self.dtype, device, self._allocator)
+            self.model.state = RecurrentState(self.model.state_geometry(self.dtype), self.model.num_recurrent_layers,
+                                              self.num_state_slots, self.dtype, device, self._allocator)
         kv_heads = max(1, model_cfg.num_kv_heads // ps.tp_size)
         T, D, L = self.tokens_per_block, model_cfg.head_dim, self.model.num_kv_layers
         # The first-contact canary's blocks sit past the cache manager's: no request ever holds them.
@@ -165,7 +161,7 @@ class ModelRunner:
                 ecfg.kv_layout, first, tuple(stage_layers(model_cfg.num_layers, ps.pp_size)),
                 model_cfg.num_kv_heads, kv_heads, model_cfg.head_dim, self.tokens_per_block, canary_slots,
                 kv_layer_ids=tuple(model_cfg.kv_layers(first, local)))
-            state = _state_buffers(self.model.state, model_cfg.linear_attention) if self.num_state_slots else []
+            state = _state_buffers(self.model.state) if self.num_state_slots else []
             state_layers = tuple(i for i in range(first, first + local) if model_cfg.is_recurrent(i))
             self.connector = KVConnector(tc, ps, instance_name, self.pool, geometry, state, state_layers)
             gathered = self._all_gather_bytes(self.connector.info.to_bytes())

@@ -47,7 +47,7 @@ class AttentionMetadata:
     decode_lens: torch.Tensor  # [n_decode] int64 tokens each decode sequence attends to
     tokens_per_block: int
     decode_only: bool = False  # every row is a decode row, in order (skips the row gather/scatter)
-    states: list = field(default_factory=list)  # hybrid models: gated_deltanet.StateSlice per sequence, in row order
+    states: list = field(default_factory=list)  # hybrid models: recurrent_state.StateSlice per sequence, in row order
 
     @cached_property
     def decode_mask(self) -> torch.Tensor:

@@ -7,9 +7,8 @@ Each value head keeps a state S: [k_head_dim, v_head_dim] (fp32) that every toke
     o  = S^T q                                q and k L2-normalised, q scaled by k_head_dim^-0.5
 
 Before the rule, [q | k | v] pass a depthwise causal conv of `conv_kernel` taps, so a sequence also
-keeps its last conv_kernel - 1 conv inputs. Both live in `RecurrentState`, one slot per running
-sequence: a sequence's output after a chunk depends only on its slot and the chunk, so a prompt
-prefilled in chunks of any size, batched with any others, gives the state the whole prompt gives.
+keeps its last conv_kernel - 1 conv inputs. Both live in `RecurrentState` (recurrent_state.py), one slot
+per running sequence.
 
 Tensor parallelism cuts by heads: [q | k | v] section by section (key heads, key heads, value heads),
 and each value head stays with the key head it reads (value head j reads key head
@@ -18,9 +17,6 @@ j // (num_v_heads // num_k_heads), and both cuts are contiguous).
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,39 +24,7 @@ from torch import nn
 from pdserve.distributed import ParallelState
 from pdserve.models.config import LinearAttentionShape
 from pdserve.models.layers import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, _shard
-
-
-@dataclass
-class StateSlice:
-    """One sequence's rows in a step, for the recurrent layers."""
-
-    q_start: int  # first row of the sequence in the step's flattened tokens
-    q_len: int
-    fresh: bool  # no tokens before this chunk: the state starts at zero
-    slot: int  # its slot in RecurrentState
-
-
-class RecurrentState:
-    """The recurrent layers' state pools of one rank, one slot per running sequence.
-
-    conv: [num_slots, layers, conv_channels (local), conv_kernel - 1] in the model's dtype
-    ssm:  [num_slots, layers, v_heads (local), k_head_dim, v_head_dim] fp32
-    """
-
-    def __init__(self, shape: LinearAttentionShape, num_layers: int, num_slots: int, tp: int, dtype: torch.dtype,
-                 device: torch.device, allocator=None):
-        def pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            if allocator is None:  # else memory the KV exchange's agent can expose (shared_pool_allocator)
-                return torch.zeros(shape, dtype=dtype, device=device)
-            return allocator(math.prod(shape) * dtype.itemsize).view(dtype).view(shape).zero_()
-
-        self.conv = pool((num_slots, num_layers, shape.conv_channels // tp, shape.conv_kernel - 1), dtype)
-        self.ssm = pool((num_slots, num_layers, shape.num_v_heads // tp, shape.k_head_dim, shape.v_head_dim),
-                        torch.float32)
-
-    @property
-    def num_slots(self) -> int:
-        return self.conv.shape[0]
+from pdserve.models.recurrent_state import RecurrentState, StateGeometry, StateSlice, causal_conv
 
 
 def _l2_normalised(x: torch.Tensor) -> torch.Tensor:
@@ -124,6 +88,17 @@ def delta_rule_chunk(q, k, v, g, beta, state):
     last = G[:, -1:]  # [heads, 1]
     state.mul_(last.exp().unsqueeze(-1)).add_(kh.transpose(1, 2) @ ((last - G).exp().unsqueeze(-1) * u))
     return out.transpose(0, 1)
+
+
+def deltanet_state(shape: LinearAttentionShape, tp: int, conv_bytes: int) -> StateGeometry:
+    """A rank's state per layer: conv channels [q | k | v] (q and k cut by key heads, v by value heads),
+    the SSM state [value heads, k_dim, v_dim] fp32 (cut by value heads)."""
+    taps = shape.conv_kernel - 1
+    key = (shape.num_k_heads, shape.k_head_dim * taps * conv_bytes)
+    return StateGeometry(shape.conv_channels // tp, shape.conv_kernel,
+                         (shape.num_v_heads // tp, shape.k_head_dim, shape.v_head_dim),
+                         (key, key, (shape.num_v_heads, shape.v_head_dim * taps * conv_bytes)),
+                         ((shape.num_v_heads, shape.k_head_dim * shape.v_head_dim * 4),))
 
 
 class GatedRMSNorm(nn.Module):
@@ -196,15 +171,7 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(self.norm(out, z).view(n, -1))
 
     def _conv(self, qkv: torch.Tensor, conv_state: torch.Tensor, fresh: bool) -> torch.Tensor:
-        """Depthwise causal conv + silu of one sequence's rows qkv: [t, channels], after the inputs kept in
-        conv_state [channels, kernel - 1] (zeros for a fresh sequence), which then keeps the last ones."""
-        t = qkv.shape[0]
-        if fresh:
-            conv_state.zero_()
-        window = torch.cat([conv_state, qkv.t().to(self.conv_weight.dtype)], dim=1)  # [channels, kernel - 1 + t]
-        conv_state.copy_(window[:, t:])
-        out = F.conv1d(window.unsqueeze(0), self.conv_weight, groups=window.shape[0])[0]  # [channels, t]
-        return F.silu(out).t().to(qkv.dtype)
+        return causal_conv(qkv, conv_state, self.conv_weight, None, fresh)
 
     def _rule(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ssm: torch.Tensor) -> torch.Tensor:
         s, t = self.shape, mixed.shape[0]

@@ -18,7 +18,8 @@ from torch import nn
 from pdserve.distributed import ParallelState
 from pdserve.models.attention import AttentionMetadata, PagedKVCache, paged_attention
 from pdserve.models.config import ModelConfig
-from pdserve.models.gated_deltanet import GatedDeltaNet, RecurrentState
+from pdserve.models.gated_deltanet import GatedDeltaNet, deltanet_state
+from pdserve.models.recurrent_state import RecurrentState, StateGeometry
 from pdserve.models.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -145,6 +146,9 @@ class Qwen3_5ForCausalLM(nn.Module):
                 self.lm_head = self.embed_tokens
             else:
                 self.lm_head = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ps, dtype)
+
+    def state_geometry(self, dtype: torch.dtype) -> StateGeometry:
+        return deltanet_state(self.cfg.linear_attention, self.ps.tp_size, dtype.itemsize)
 
     def forward(self, ids_or_hidden: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
                 md: AttentionMetadata, out_rows: torch.Tensor | None = None) -> torch.Tensor:
