@@ -107,6 +107,8 @@ def main() -> None:
     ap.add_argument("--model", help="model directory or GGUF (default: a tiny random-weight model)")
     ap.add_argument("--body-mib", type=float, nargs="+", default=[8, 40, 120])
     ap.add_argument("--prompt-mib", type=float, nargs="+", default=[0.5, 2, 8, 30])
+    ap.add_argument("--only", nargs="+", metavar="WORDS",
+                    help="run only the rows whose name contains one of these (e.g. --only objects 1e308)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(make_tiny_model(f"{tmp}/tiny", num_layers=2, num_heads=4, num_kv_heads=2,
@@ -133,7 +135,22 @@ def main() -> None:
                          {"model": name, "prompt": [1] * 10_000_000, "max_tokens": 1}).encode()),
                      ("800 K chat messages of one letter", json.dumps(
                          {"model": name, "messages": [{"role": "user", "content": "a"}] * 800_000,
-                          "max_tokens": 1}).encode())]
+                          "max_tokens": 1}).encode()),
+                     # the parse itself: 30 MiB of small values in a field the server ignores (then a 400:
+                     # no prompt)
+                     ("30 MiB of {} objects", b'{"model": "%s", "max_tokens": 1, "pad": [' % name.encode()
+                      + b"{}, " * (30 * 2**18 - 1) + b"{}]}"),
+                     ("30 MiB of 1e308", b'{"model": "%s", "max_tokens": 1, "pad": [' % name.encode()
+                      + b"1e308, " * (30 * 2**20 // 7 - 1) + b"1e308]}"),
+                     ("30 MiB of empty strings", b'{"model": "%s", "max_tokens": 1, "pad": [' % name.encode()
+                      + b'"", ' * (30 * 2**18 - 1) + b'""]}'),
+                     ("30 MiB of [] arrays", b'{"model": "%s", "max_tokens": 1, "pad": [' % name.encode()
+                      + b"[], " * (30 * 2**18 - 1) + b"[]]}"),
+                     # each bad item was 3 validation errors (one per shape of prompt's union): 23 M of them
+                     ("30 MiB prompt of {} objects", b'{"model": "%s", "max_tokens": 1, "prompt": [' % name.encode()
+                      + b"{}, " * (30 * 2**18 - 1) + b"{}]}")]
+            if args.only:
+                rows = [(what, body) for what, body in rows if any(w in what for w in args.only)]
             for what, body in rows:
                 path = "/v1/chat/completions" if what.endswith("messages of one letter") else "/v1/completions"
 

@@ -31,7 +31,7 @@ from pdserve.orchestrator.orchestrator import CHAT, COMPLETIONS, Orchestrator
 from pdserve.orchestrator.request_id import RequestIdGenerator
 from pdserve.orchestrator.upstream import make_client
 from pdserve.server.body_limit import BodyLimitMiddleware
-from pdserve.server.json_body import MalformedBody, parse_json_object
+from pdserve.server.json_body import MalformedBody, parse_json_body
 from pdserve.server.read_timeout import http_protocol
 from pdserve.server.streaming import ClosingStreamingResponse
 
@@ -122,7 +122,7 @@ def build_app(cfg: DisaggConfig, *, process_id: int = 0, cluster=None) -> FastAP
 
     async def proxy(api: str, request: Request):
         try:
-            body = parse_json_object(await request.body())
+            body = await parse_json_body(await request.body())
         except MalformedBody as e:
             raise OrchestratorError(400, e.message, e.code, e.param) from None
         if not isinstance(body.get("stream", False), bool):
@@ -198,7 +198,7 @@ def membership_routes(cluster, cluster_token: str | None) -> APIRouter:
         if cluster_token is not None and not (request.headers.get(TOKEN_HEADER) or request.headers.get(PROOF_HEADER)):
             raise _no_cluster_token(request.url.path)  # before the body: a 401 wins over a 400
         try:
-            body = parse_json_object(await request.body())
+            body = await parse_json_body(await request.body())
         except MalformedBody as e:
             raise OrchestratorError(400, e.message, e.code, e.param) from None
         out = []

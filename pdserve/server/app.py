@@ -28,7 +28,7 @@ from pdserve.config import HTTP_KEEP_ALIVE_S, WorkerConfig
 from pdserve.distributed import host_id
 from pdserve.server.body_limit import BodyLimitMiddleware
 from pdserve.server.errors import APIError
-from pdserve.server.json_body import MalformedBody, parse_json_object
+from pdserve.server.json_body import MalformedBody, parse_json_body
 from pdserve.server.read_timeout import http_protocol
 from pdserve.server.membership import ClusterMember
 from pdserve.server.metrics import ServerMetrics
@@ -179,7 +179,7 @@ def build_app(engine, cfg: WorkerConfig) -> FastAPI:
 
 
 class StrictJSONRoute(APIRoute):
-    """A route whose JSON body is parsed by `parse_json_object` (json_body.py) before FastAPI reads it,
+    """A route whose JSON body is parsed by `parse_json_body` (json_body.py) before FastAPI reads it,
     so NaN, lone surrogates or deep nesting are a 400 naming the field, whatever the content type. A
     JSON body is taken under any content type (none, `curl -d`'s form type, text/plain), as the
     orchestrator takes it: FastAPI would hand such a body on as bytes, and the client would read that
@@ -194,7 +194,7 @@ class StrictJSONRoute(APIRoute):
             headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
             scope = {**request.scope, "headers": [*headers, (b"content-type", b"application/json")]}
             request = _ParsedRequest(scope, request.receive)
-            request.parsed = parse_json_object(await request.body())
+            request.parsed = await parse_json_body(await request.body())
             return await handler(request)
 
         return parse_first
@@ -281,6 +281,8 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
 
 
 def _show(value: Any) -> str:
+    if isinstance(value, (str, list, dict)) and len(value) > 80:  # not repr'd: it may be 30 MiB of JSON
+        return f"{type(value).__name__} of length {len(value)}"
     text = repr(value)
     if len(text) <= 80:
         return text

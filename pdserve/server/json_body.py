@@ -6,19 +6,32 @@ the digit limit of int() (4300), which it refuses with a message about sys, and 
 nesting depth until its recursion fails. `parse_json_object` refuses each of them as a
 `MalformedBody`, which both apps answer with a 400 naming the field the way pydantic names it
 ("temperature", "messages.0.content"), before anything else reads the body.
+
+The apps call `parse_json_body`: a body over OFFLOAD_BYTES is parsed in a worker thread, so that the
+event loop (every other request, /health) and the engine's thread go on meanwhile. Threads take turns at
+the GIL only while one runs Python code, and json's C parser holds it for the whole body (1-3 s for 30 MiB
+of `{}` or of `1e308`), so such a body is parsed with a Python hook for every object and number, the list
+checks run a slice at a time, and a body of more than MAX_ARRAYS arrays (which json builds without a
+hook) is refused before it is parsed. Strings, true, false and null still go through C alone: 30 MiB of
+`""` keeps the GIL about 0.3 s at a time. The request that sent the body waits longer for its answer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
 import sys
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import Any
 
 MAX_DEPTH = 64  # nested arrays and objects; an OpenAI request needs about 5
+# Arrays in a body; a request has a few, and one per chat message (65536 at most). 30 MiB of `[]` held the
+# GIL 1-3 s in json's C parser
+MAX_ARRAYS = 1 << 18
+OFFLOAD_BYTES = 1 << 20  # parsed inline below this: at most ~0.1 s of the event loop's time
+_SLICE = 1 << 16  # list items checked at once by one C pass
 _INT_DIGITS = sys.get_int_max_str_digits()  # int() refuses longer digit strings (0: no limit)
 # Digits as "1", every other byte "0": a digit run past the limit is then one bytes.find, linear in the body
 _DIGIT_MARKS = bytes(0x31 if 0x30 <= b <= 0x39 else 0x30 for b in range(256))
@@ -26,10 +39,9 @@ _DIGIT_MARKS = bytes(0x31 if 0x30 <= b <= 0x39 else 0x30 for b in range(256))
 # A JSON string, escapes included: the brackets inside one do not nest. An unterminated one runs to the
 # end, so that every match succeeds at once (a failing match would be retried from each later quote).
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}  # depth change per bracket
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _FINE = (int, float, type(None))  # values that need no look: the parser made every float finite (bool is an int)
+_FINE_TYPES = frozenset({int, float, bool, type(None)})
 
 
 @dataclass
@@ -73,16 +85,28 @@ def _parse_int(text: str) -> int | _HugeInt:
     return _HugeInt(digits) if _INT_DIGITS and digits > _INT_DIGITS else int(text)
 
 
-def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """The body as a dict, or MalformedBody saying what is wrong and where."""
+async def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """`parse_json_object`, in a worker thread for a body over OFFLOAD_BYTES."""
+    if len(raw) <= OFFLOAD_BYTES:
+        return parse_json_object(raw)
+    return await asyncio.to_thread(parse_json_object, raw, yielding=True)
+
+
+def parse_json_object(raw: bytes, yielding: bool = False) -> dict[str, Any]:
+    """The body as a dict, or MalformedBody saying what is wrong and where. `yielding`: parse so as to let
+    other threads have the GIL often (slower; see the module docstring)."""
     if not raw.strip():
         raise MalformedBody("the request body is empty; send a JSON object")
-    _check_depth(raw)
+    _check_arrays(raw)
     # Parsing each integer in Python takes 4x as long as json's own (1.1 s against 0.3 s for 4 M of them), so
-    # that is kept for bodies that hold a run of digits int() would refuse
-    ints = {"parse_int": _parse_int} if _may_hold_huge_int(raw) else {}
+    # that is kept for bodies that hold a run of digits int() would refuse, or that must let go of the GIL
+    hooks: dict[str, Any] = {"parse_int": _parse_int, "object_hook": _same} if yielding else {}
+    if not yielding and _may_hold_huge_int(raw):
+        hooks["parse_int"] = _parse_int
     try:
-        body = json.loads(raw, parse_constant=_NonFinite, parse_float=_parse_float, **ints)
+        body = json.loads(raw, parse_constant=_NonFinite, parse_float=_parse_float, **hooks)
+    except RecursionError:  # json's own bound on nesting (about 1000 levels); MAX_DEPTH is checked below
+        raise _too_deep() from None
     except json.JSONDecodeError as e:
         raise MalformedBody(f"the request body is not valid JSON: {e.msg} at character {e.pos}",
                             code="invalid_json") from None
@@ -94,21 +118,34 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def _same(obj: dict) -> dict:
+    """json's object_hook: a call into Python per object, where another thread may take the GIL."""
+    return obj
+
+
 def _may_hold_huge_int(raw: bytes) -> bool:
     return bool(_INT_DIGITS) and raw.translate(_DIGIT_MARKS).find(b"1" * (_INT_DIGITS + 1)) != -1
 
 
-def _check_depth(raw: bytes) -> None:
-    """Refuse nesting past MAX_DEPTH before json.loads, whose recursion would end in a RecursionError."""
-    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
-        return  # too few brackets to nest that deep: most bodies, without a scan
-    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
-    if max(accumulate(map(_STEP.__getitem__, brackets)), default=0) > MAX_DEPTH:
-        raise MalformedBody(f"the request body nests too deeply: more than {MAX_DEPTH} levels of arrays and objects")
+def _check_arrays(raw: bytes) -> None:
+    """Refuse more than MAX_ARRAYS arrays before json.loads, which builds arrays without a hook, holding the
+    GIL throughout."""
+    if raw.count(b"[") <= MAX_ARRAYS:
+        return  # even counting brackets inside strings: most bodies, without a scan
+    arrays = _STRING.sub(b"", raw).count(b"[")
+    if arrays > MAX_ARRAYS:
+        raise MalformedBody(f"the request body holds {arrays} arrays; a request needs at most {MAX_ARRAYS}")
+
+
+def _too_deep() -> MalformedBody:
+    return MalformedBody(f"the request body nests too deeply: more than {MAX_DEPTH} levels of arrays and objects")
 
 
 def _check_values(value: Any, path: tuple) -> None:
-    """Every string valid Unicode, every number finite; `path` is where `value` sits in the body."""
+    """Every string valid Unicode, every number finite, no array or object deeper than MAX_DEPTH; `path` is
+    where `value` sits in the body."""
+    if isinstance(value, (dict, list)) and len(path) >= MAX_DEPTH:
+        raise _too_deep()
     if isinstance(value, dict):
         for key, item in value.items():
             bad = _surrogate(key)
@@ -118,9 +155,13 @@ def _check_values(value: Any, path: tuple) -> None:
             if not isinstance(item, _FINE):
                 _check_values(item, (*path, key))
     elif isinstance(value, list):
-        for i, item in enumerate(value):
-            if not isinstance(item, _FINE):
-                _check_values(item, (*path, i))
+        for start in range(0, len(value), _SLICE):
+            part = value[start:start + _SLICE]
+            if set(map(type, part)) <= _FINE_TYPES:  # numbers and nulls only: one C pass over the slice
+                continue
+            for i, item in enumerate(part, start):
+                if not isinstance(item, _FINE):
+                    _check_values(item, (*path, i))
     elif isinstance(value, _NonFinite):
         raise MalformedBody(f"invalid value for {_where(path)}: must be a finite number, got {value.literal}",
                             _param(path), "invalid_value")

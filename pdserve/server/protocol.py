@@ -28,6 +28,14 @@ class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
+# Every list in a request stops at its first bad item (fail_fast). Without it each bad item is an error,
+# one per shape a union allows: a 30 MiB `"prompt": [{}, {}, ...]` made 23 M of them, which grew the
+# worker past 20 GB until the kernel killed it.
+Ints = Annotated[list[int], Field(fail_fast=True)]
+Strs = Annotated[list[str], Field(fail_fast=True)]
+Dicts = Annotated[list[dict[str, Any]], Field(fail_fast=True)]
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
 
@@ -37,7 +45,7 @@ class ResumeParams(_Request):
     output that instance generated (`token_ids`), of whose text the client already has `sent_chars`
     characters, under the stream's `id` and `created`."""
 
-    token_ids: list[int]  # none: the stream had sent only its opening (chat's role chunk)
+    token_ids: Ints  # none: the stream had sent only its opening (chat's role chunk)
     sent_chars: int = Field(ge=0)
     id: str | None = Field(None, max_length=256)
     created: int | None = Field(None, ge=0, lt=1 << 63)
@@ -86,7 +94,7 @@ class SamplingFields(_Request):
     temperature: float | None = None  # None = 1.0 (OpenAI default)
     top_p: float | None = None
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)  # int64, as vLLM takes it
-    stop: str | list[str] | None = None
+    stop: str | Strs | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -96,7 +104,7 @@ class SamplingFields(_Request):
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Ints | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     disaggregated_params: DisaggregatedParams | None = None
@@ -108,7 +116,7 @@ class SamplingFields(_Request):
 
 class CompletionRequest(SamplingFields):
     # One prompt: text or token ids. A list of several prompts is a batch, which we refuse (n=1 API).
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | Ints | Strs | Annotated[list[Ints], Field(fail_fast=True)]
     max_tokens: int | None = 16
     logprobs: int | None = None  # number of top alternatives per position (legacy API)
     echo: bool = False
@@ -124,7 +132,7 @@ class TextPart(_Request):
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # A plain string, or a list of content parts of which only text parts are supported.
-    content: str | list[dict[str, Any]] | None = None
+    content: str | Dicts | None = None
     name: str | None = None
 
 
@@ -141,13 +149,13 @@ def _at_most_max_messages(messages):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     _few_enough = field_validator("messages", mode="before")(_at_most_max_messages)
     max_tokens: int | None = None  # None: up to the end of the context window
     max_completion_tokens: int | None = None  # newer OpenAI name; wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Dicts | None = None
     response_format: dict[str, Any] | None = None
     # Extension: render the assistant turn opener after the messages (default, like OpenAI).
     add_generation_prompt: bool = True
@@ -283,7 +291,7 @@ class ReleaseKVRequest(_Request):
 
 class TokenizeRequest(_Request):
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, fail_fast=True)
     add_special_tokens: bool = True
     _few_enough = field_validator("messages", mode="before")(_at_most_max_messages)
 
@@ -295,7 +303,7 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(_Request):
-    tokens: list[int]
+    tokens: Ints
 
 
 class DetokenizeResponse(BaseModel):

@@ -1,0 +1,114 @@
+"""A big body costs only its own request: it is parsed off the event loop (json_body.parse_json_body), so a
+real `pdserve serve` answers /health while it parses 30 MiB of small values, and a list in a request stops
+at its first bad item, so millions of bad items are one error, not millions.
+
+Before: 30 MiB of `{}` held /health 5.3 s here (7.0 s in the issue), 30 MiB of `1e308` 2.3 s, and a
+30 MiB `"prompt": [{}, ...]` made 23 M validation errors that grew the worker past 20 GB until the kernel
+killed it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from pydantic import ValidationError
+
+from pdserve.distributed import free_port
+from pdserve.server.json_body import MAX_ARRAYS, MAX_DEPTH, OFFLOAD_BYTES, MalformedBody, parse_json_object
+from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
+from pdserve.testing import make_tiny_model
+from pdserve.testing.servers import wait_for_health
+
+# The slowest /health allowed while a body is parsed. The issue asks 0.5 s on an idle machine (measured
+# 0.22-0.36 s with benchmarks/hostile_bodies.py); the bound leaves room for a loaded test machine and is
+# still under what the parse on the event loop cost (2.3-5.3 s).
+HEALTH_BOUND_S = 1.0
+MIB30 = 30 << 20
+BIG = {
+    "objects": b'{"model": "tiny", "max_tokens": 1, "pad": [' + b"{}, " * (MIB30 // 4 - 1) + b"{}]}",
+    "1e308": b'{"model": "tiny", "max_tokens": 1, "pad": [' + b"1e308, " * (MIB30 // 7 - 1) + b"1e308]}",
+}
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"a": NaN}', b'{"a": [1, 1e400]}', b'{"a": "\\ud800"}', b'{"a": [%s]}' % (b"7" * 5000),
+    b"[" * 100_000, b'{"a": ' + b"[" * MAX_DEPTH + b"]" * MAX_DEPTH + b"}", b"[" * (MAX_ARRAYS + 1),
+    b'{"a": [' + b"[], " * MAX_ARRAYS + b"[]]}", b"[1, 2]", b"",
+], ids=["nan", "1e400", "surrogate", "huge-int", "deep-unclosed", "depth-65", "arrays-unclosed", "arrays",
+        "not-an-object", "empty"])
+def test_the_off_loop_parse_refuses_what_the_inline_one_does(raw):
+    with pytest.raises(MalformedBody) as inline:
+        parse_json_object(raw)
+    with pytest.raises(MalformedBody) as yielding:
+        parse_json_object(raw, yielding=True)
+    assert (inline.value.message, inline.value.param) == (yielding.value.message, yielding.value.param)
+
+
+def test_the_off_loop_parse_reads_what_the_inline_one_does():
+    raw = (b'{"a": [1, -2.5, null, true, "x\\u00e9", {"b": [[3]]}], "c": %s, "d": ' % (b"9" * 4000)
+           + b"[" * (MAX_DEPTH - 1) + b"]" * (MAX_DEPTH - 1) + b"}")
+    assert parse_json_object(raw, yielding=True) == parse_json_object(raw)
+
+
+@pytest.mark.parametrize("model, body", [
+    (CompletionRequest, {"model": "m", "prompt": [{}] * 200_000}),
+    (CompletionRequest, {"model": "m", "prompt": "x", "stop_token_ids": ["a"] * 200_000}),
+    (CompletionRequest, {"model": "m", "prompt": "x", "stop": [1] * 200_000}),
+    (ChatCompletionRequest, {"model": "m", "messages": [{}] * 60_000}),
+    (ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": [1] * 200_000}]}),
+    (DetokenizeRequest, {"tokens": [None] * 200_000}),
+], ids=["prompt", "stop_token_ids", "stop", "messages", "content", "tokens"])
+def test_a_list_stops_at_its_first_bad_item(model, body):
+    with pytest.raises(ValidationError) as e:
+        model.model_validate(body)
+    assert e.value.error_count() <= 4  # one per shape a union allows
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("big-bodies")
+    model = make_tiny_model(tmp / "tiny", num_layers=2, num_heads=4, num_kv_heads=2)
+    port, log = free_port(), tmp / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", str(model), "--port", str(port),
+                                 "--served-model-name", "tiny"], stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_health(url, proc, log.read_text, timeout=120)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize("what", list(BIG))
+def test_health_answers_while_a_30_mib_body_is_parsed(server, what):
+    assert len(BIG[what]) > OFFLOAD_BYTES
+    answer: dict = {}
+    sender = threading.Thread(target=lambda: answer.update(r=httpx.post(
+        server + "/v1/completions", content=BIG[what], headers={"content-type": "application/json"}, timeout=300)))
+    slowest, polls = 0.0, 0
+    with httpx.Client(timeout=30) as client:
+        sender.start()
+        while sender.is_alive():
+            t0 = time.monotonic()
+            assert client.get(server + "/health").status_code == 200
+            slowest, polls = max(slowest, time.monotonic() - t0), polls + 1
+            time.sleep(0.05)
+    sender.join()
+    assert answer["r"].status_code == 400 and answer["r"].json()["error"]["code"] == "missing_field"
+    assert slowest < HEALTH_BOUND_S, f"/health took {slowest:.2f} s while the body was parsed"
+    assert polls >= 5, "the body was answered too fast to tell"
+
+
+def test_a_prompt_of_a_million_bad_items_is_one_quick_400(server):
+    body = b'{"model": "tiny", "max_tokens": 1, "prompt": [' + b"{}, " * (1 << 18) + b"{}]}"
+    t0 = time.monotonic()
+    r = httpx.post(server + "/v1/completions", content=body, headers={"content-type": "application/json"},
+                   timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert time.monotonic() - t0 < 3.0
