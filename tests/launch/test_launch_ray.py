@@ -78,6 +78,7 @@ def _restarted(controller, before: dict) -> bool:
     return "dead" not in now and now["actor_pid"] != before["actor_pid"]
 
 
+@pytest.mark.timeout(1500)  # its own waits (Ray's start, two scale calls, the stop) add up to 960 s
 def test_a_cluster_on_ray_serves_survives_a_killed_actor_and_scales(ray_cluster, tmp_path):
     import ray
 
