@@ -29,6 +29,7 @@ from pdserve.models.config import ModelConfig
 from pdserve.models.cpu_decode import StageDecoder
 from pdserve.models.recurrent_state import RecurrentState, StateSlice
 from pdserve.models.llama import LlamaForCausalLM, stage_layers
+from pdserve.models.nemotron_h import NemotronHForCausalLM
 from pdserve.models.qwen3_5 import Qwen3_5ForCausalLM
 from pdserve.models.layers import decode_step, pack_for_cpu
 from pdserve.models.loader import load_weights
@@ -93,7 +94,8 @@ def _state_buffers(state: RecurrentState) -> list[StateBuffer]:
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:
-    return Qwen3_5ForCausalLM if cfg.architecture == "Qwen3_5ForCausalLM" else LlamaForCausalLM
+    hybrid = {"Qwen3_5ForCausalLM": Qwen3_5ForCausalLM, "NemotronHForCausalLM": NemotronHForCausalLM}
+    return hybrid.get(cfg.architecture, LlamaForCausalLM)
 
 
 def kv_block_bytes(cfg: ModelConfig, num_layers: int, tp_size: int, tokens_per_block: int, dtype: torch.dtype) -> int:

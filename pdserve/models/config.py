@@ -11,7 +11,31 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3_5ForCausalLM": "qwen3_5",
 }
-HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM",)  # recurrent layers beside attention (models/qwen3_5.py)
+HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "NemotronHForCausalLM")  # recurrent layers beside attention
+# Nemotron-H's checkpoints name each layer's one mixer; the MoE kind is not served yet (refused by name).
+NEMOTRON_H_LAYERS = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp"}
+
+
+@dataclass(frozen=True)
+class Mamba2Shape:
+    """A Mamba2 mixer's shape (Nemotron-H): `num_heads` heads of `head_dim` channels share `n_groups` groups of
+    B and C vectors of `state_size`; the causal conv runs over [x | B | C] channels."""
+
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    state_size: int
+    conv_kernel: int
+    conv_bias: bool
+    time_step_min: float  # dt = softplus(dt_raw + dt_bias), clamped below here
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
 
 
 @dataclass(frozen=True)
@@ -66,13 +90,16 @@ class ModelConfig:
     recurrent_layers: tuple[int, ...] = ()
     linear_attention: LinearAttentionShape | None = None
     partial_rotary_factor: float = 1.0
+    # Nemotron-H: the Mamba2 mixers' shape, and the layers that are an MLP alone (no token mixer, no KV)
+    mamba: Mamba2Shape | None = None
+    mlp_only_layers: tuple[int, ...] = ()
 
     def is_recurrent(self, layer: int) -> bool:
         return layer in self.recurrent_layers
 
     def kv_layers(self, first: int, count: int) -> list[int]:
-        """The layers of [first, first + count) that keep KV (all but the recurrent ones)."""
-        return [i for i in range(first, first + count) if not self.is_recurrent(i)]
+        """The layers of [first, first + count) that keep KV (all but the recurrent and the MLP-only ones)."""
+        return [i for i in range(first, first + count) if not self.is_recurrent(i) and i not in self.mlp_only_layers]
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s (global index) sliding window in positions; 0 for full attention."""
@@ -81,6 +108,9 @@ class ModelConfig:
     def splits_by(self, tp: int) -> bool:
         """Whether tensor parallelism can split this model `tp` ways: query heads and the MLP evenly, KV
         heads evenly or replicated (one of num_kv_heads and tp divides the other)."""
+        if self.mamba is not None:  # Mamba2 heads and groups, attention and KV heads, the MLP: all cut evenly
+            return all(n % tp == 0 for n in (self.num_heads, self.num_kv_heads, self.intermediate_size,
+                                             self.mamba.num_heads, self.mamba.n_groups))
         if self.linear_attention is not None:  # every projection cut by whole heads, KV heads too
             la = self.linear_attention
             return all(n % tp == 0 for n in (self.num_heads, self.num_kv_heads, self.intermediate_size,
@@ -104,6 +134,8 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or []
+        if "NemotronHForCausalLM" in archs:
+            return _nemotron_h(cls, cfg)
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
@@ -173,6 +205,42 @@ def _hybrid(cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"partial_rotary_factor={factor} of head_dim {head_dim} rotates an odd number of dims")
     return {"recurrent_layers": tuple(i for i, k in enumerate(kinds) if k == "linear_attention"),
             "linear_attention": shape, "partial_rotary_factor": factor}
+
+
+def _nemotron_h(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    """Nemotron-H: one mixer per layer (Mamba2, attention without positions, or a squared-ReLU MLP), named by
+    `layers_block_type` (or the older `hybrid_override_pattern`, M * - E)."""
+    kinds = cfg.get("layers_block_type") or [{"M": "linear_attention", "*": "full_attention", "-": "mlp",
+                                              "E": "moe"}.get(c, c) for c in cfg.get("hybrid_override_pattern", "")]
+    unknown = sorted(set(kinds) - set(NEMOTRON_H_LAYERS))
+    if not kinds or unknown:
+        raise ValueError(f"NemotronHForCausalLM layers_block_type {kinds!r}: pdserve serves "
+                         f"{sorted(NEMOTRON_H_LAYERS)} layers; {unknown or 'none given'} is not served yet")
+    for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+        if cfg.get(key, want) != want:
+            raise ValueError(f"unsupported {key} {cfg[key]!r}; Nemotron-H's is {want!r}")
+    for key in ("mlp_bias", "attention_bias", "use_bias", "mamba_proj_bias", "residual_in_fp32"):
+        if cfg.get(key):
+            raise ValueError(f"unsupported {key}: true for NemotronHForCausalLM")
+    heads = cfg["num_attention_heads"]
+    mamba = Mamba2Shape(num_heads=int(cfg["mamba_num_heads"]), head_dim=int(cfg["mamba_head_dim"]),
+                        n_groups=int(cfg.get("n_groups", cfg.get("mamba_n_groups", 1))),
+                        state_size=int(cfg["ssm_state_size"]),
+                        conv_kernel=int(cfg.get("conv_kernel", cfg.get("mamba_d_conv", 4))),
+                        conv_bias=bool(cfg.get("use_conv_bias", True)),
+                        time_step_min=float(cfg.get("time_step_min", 0.001)))
+    if mamba.num_heads % mamba.n_groups:
+        raise ValueError(f"mamba_num_heads={mamba.num_heads} must be a multiple of n_groups={mamba.n_groups}")
+    return cls(
+        architecture="NemotronHForCausalLM", vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"], num_layers=len(kinds), num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rms_norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)), rope_theta=10000.0,  # (no positions)
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), attention_bias=False,
+        recurrent_layers=tuple(i for i, k in enumerate(kinds) if k == "linear_attention"),
+        mlp_only_layers=tuple(i for i, k in enumerate(kinds) if k == "mlp"), mamba=mamba)
 
 
 def _sliding_window(cfg: dict[str, Any], arch: str) -> dict[str, Any]:

@@ -37,9 +37,12 @@ def load_weights(model: nn.Module, model_dir: Path, show_progress: bool = False)
     need_embed = model.embed_tokens is not None or (model.ps.is_last_stage and model.cfg.tie_word_embeddings)
     files = _checkpoint_files(model_dir)
     foreign = []  # outside the layers and not ours: every stage refuses them
+    # a family whose checkpoints name the top-level tensors otherwise (Nemotron-H's model.embeddings)
+    renames = getattr(model, "CHECKPOINT_RENAMES", {})
     for path in tqdm(files, desc="loading weights", disable=not show_progress):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+            for stored in f.keys():
+                name = renames.get(stored, stored)
                 m = _LAYER.match(name)
                 if m:
                     keep = lo <= int(m.group(1)) < hi
@@ -50,7 +53,7 @@ def load_weights(model: nn.Module, model_dir: Path, show_progress: bool = False)
                     if not name.endswith(_DERIVED):
                         foreign.append(name)
                 if keep:
-                    wanted[name] = f.get_tensor(name)
+                    wanted[name] = f.get_tensor(stored)
     _refuse_unused(foreign)
     _assign(model, wanted)
 

@@ -296,10 +296,17 @@ def make_tiny_model(
         sliding_window=sliding_window,
         dtype=dtype,
     )
+    return write_model_dir(out_dir, cfg, tiny_weights(cfg, seed), tokenizer, max_position_embeddings, dtype)
+
+
+def write_model_dir(out_dir: str | os.PathLike, cfg: dict[str, Any], weights: dict[str, torch.Tensor],
+                    tokenizer: Tokenizer, max_position_embeddings: int, dtype: torch.dtype) -> Path:
+    """A Hugging Face model directory as `save_pretrained` writes one: config, weights (in `dtype`), the
+    tiny tokenizer with the ChatML template, and the generation config."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     writer = ShardedWriter(out)
-    for name, tensor in tiny_weights(cfg, seed).items():
+    for name, tensor in weights.items():
         writer.add(name, tensor.to(dtype))
     writer.close()
     write_json(out / CONFIG_FILE, cfg)

@@ -1,4 +1,4 @@
-"""A hybrid model (Qwen3.5: Gated DeltaNet + attention) disaggregated across layouts, through
+"""Hybrid models (Qwen3.5: Gated DeltaNet + attention; Nemotron-H: Mamba2 + attention) disaggregated across layouts, through
 `pdserve disaggregated` and the official openai client: greedy output equals one aggregated instance
 token for token, and neither side keeps a KV block or a state slot afterwards.
 
@@ -14,6 +14,7 @@ from e2e_checks import Reference, check_split
 from e2e_cluster import TINY_BASE, Spec, openai_client, start_instances, stop_instances
 
 from pdserve.testing import make_tiny_model
+from pdserve.testing.tiny_nemotron_h import make_tiny_nemotron_h
 
 SHM = {"cache_transceiver_config": {"backend": "shm", "kv_transfer_timeout_ms": 6000}, "tokens_per_block": 16}
 TP2 = {"tensor_parallel_size": 2}
@@ -52,3 +53,21 @@ def test_pair_equals_aggregated(hybrid_group, hybrid_reference, e2e_dir, ctx, ge
 def test_generation_first_equals_aggregated(hybrid_group, hybrid_reference, e2e_dir):
     check_split(hybrid_group, "hybrid-tp2", "hybrid-tp1", hybrid_reference, e2e_dir / "hybrid",
                 schedule_style="generation_first")
+
+
+@pytest.fixture(scope="module")
+def nemotron_group(e2e_dir):
+    """Nemotron-H: the Mamba2 conv state's [x | B | C] sections cut by heads (x) and groups (B, C)."""
+    model = str(make_tiny_nemotron_h(e2e_dir / "tiny-nemotron_h", pattern="M-*-M-M*", max_position_embeddings=1024))
+    specs = [Spec("nemotron-plain", model), Spec("nemotron-tp1", model, SHM),
+             Spec("nemotron-tp2", model, {**SHM, **TP2})]
+    insts = start_instances(specs, e2e_dir / "nemotron", TINY_BASE)
+    yield insts
+    stop_instances(insts.values())
+
+
+@pytest.mark.parametrize("ctx,gen", [("nemotron-tp1", "nemotron-tp2"), ("nemotron-tp2", "nemotron-tp1")],
+                         ids=["tp1->tp2", "tp2->tp1"])
+def test_nemotron_h_pair_equals_aggregated(nemotron_group, e2e_dir, ctx, gen):
+    reference = Reference(openai_client(nemotron_group["nemotron-plain"].url))
+    check_split(nemotron_group, ctx, gen, reference, e2e_dir / "nemotron")

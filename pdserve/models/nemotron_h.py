@@ -1,0 +1,155 @@
+"""Nemotron-H: a hybrid decoder whose every layer is one mixer behind an RMSNorm and a residual:
+
+    out = x + mixer(norm(x)),   mixer = Mamba2Mixer ('linear_attention': a recurrent state per sequence)
+                                      | attention ('full_attention': paged KV, no positional encoding)
+                                      | MLP ('mlp': up, squared ReLU, down)
+
+Only the attention layers keep KV; the cache's layer index of one is its rank among this stage's
+attention layers, a Mamba2 layer's state index its rank among this stage's Mamba2 layers. Norms scale by
+their weight in fp32 and cast once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdserve.distributed import ParallelState
+from pdserve.models.attention import AttentionMetadata, PagedKVCache, paged_attention
+from pdserve.models.config import ModelConfig
+from pdserve.models.layers import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from pdserve.models.llama import stage_layers
+from pdserve.models.mamba2 import Mamba2Mixer, mamba2_state
+from pdserve.models.recurrent_state import RecurrentState, StateGeometry
+
+
+class Fp32RMSNorm(nn.Module):
+    """RMSNorm normalised and scaled in fp32, then cast to the input's dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32), requires_grad=False)
+
+    def load(self, weight: torch.Tensor) -> None:
+        self.weight.copy_(weight.float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (self.weight * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention without positions: Nemotron-H's Mamba2 layers carry the order."""
+
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, dtype: torch.dtype):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, False, ps,
+                                          dtype)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, ps, dtype)
+        self.head_dim, self.scale = cfg.head_dim, cfg.head_dim ** -0.5
+
+    def load(self, take, prefix: str) -> None:
+        self.qkv_proj.load(take(prefix + "q_proj.weight"), take(prefix + "k_proj.weight"),
+                           take(prefix + "v_proj.weight"))
+        self.o_proj.load(take(prefix + "o_proj.weight"))
+
+    def forward(self, x, layer: int, cache: PagedKVCache, md: AttentionMetadata, rows=None):
+        n, heads, kv_heads = x.shape[0], self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        q, k, v = self.qkv_proj(x).view(n, heads + 2 * kv_heads, self.head_dim).split([heads, kv_heads, kv_heads], 1)
+        cache.write(layer, k, v, md)
+        attn = paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), layer, cache, md, self.scale)
+        return self.o_proj(attn if rows is None else attn[rows])
+
+
+class ReluSquaredMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, dtype: torch.dtype):
+        super().__init__()
+        self.up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, False, ps, dtype)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, ps, dtype)
+
+    def load(self, take, prefix: str) -> None:
+        self.up_proj.load(take(prefix + "up_proj.weight"))
+        self.down_proj.load(take(prefix + "down_proj.weight"))
+
+    def forward(self, x):
+        return self.down_proj(torch.relu(self.up_proj(x)).square())
+
+
+class NemotronHLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, dtype: torch.dtype, index: int, slot: int):
+        super().__init__()
+        self.kind = ("mamba" if cfg.is_recurrent(index) else "mlp" if index in cfg.mlp_only_layers
+                     else "attention")
+        self.slot = slot  # this layer's index in the KV cache (attention) or in the state (mamba)
+        self.norm = Fp32RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.kind == "mamba":
+            self.mixer = Mamba2Mixer(cfg.mamba, cfg.hidden_size, cfg.rms_norm_eps, ps, dtype)
+        elif self.kind == "attention":
+            self.mixer = Attention(cfg, ps, dtype)
+        else:
+            self.mixer = ReluSquaredMLP(cfg, ps, dtype)
+
+    def load(self, take, prefix: str) -> None:
+        self.norm.load(take(prefix + "norm.weight"))
+        self.mixer.load(take, prefix + "mixer.")
+
+    def forward(self, x, cache, md, state, rows=None):
+        """The block's output at `rows` only (default: all); every row still feeds the KV or the state."""
+        normed = self.norm(x)
+        if self.kind == "attention":
+            out = self.mixer(normed, self.slot, cache, md, rows)
+        else:
+            out = (self.mixer(normed, state, self.slot, md.states) if self.kind == "mamba"
+                   else self.mixer(normed if rows is None else normed[rows]))
+            out = out if rows is None or self.kind == "mlp" else out[rows]
+        return (x if rows is None else x[rows]) + out
+
+
+class NemotronHForCausalLM(nn.Module):
+    """The same interface as Qwen3_5ForCausalLM (a `state` the model runner allocates)."""
+
+    CHECKPOINT_RENAMES = {"model.embeddings.weight": "model.embed_tokens.weight",
+                          "model.norm_f.weight": "model.norm.weight"}
+
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.ps = ps
+        counts = stage_layers(cfg.num_layers, ps.pp_size)
+        self.first_layer = sum(counts[: ps.pp_rank])
+        self.num_local_layers = counts[ps.pp_rank]
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ps, dtype)
+                             if ps.is_first_stage else None)
+        layers, kv, recurrent = [], 0, 0
+        for index in range(self.first_layer, self.first_layer + self.num_local_layers):
+            if cfg.is_recurrent(index):
+                layers.append(NemotronHLayer(cfg, ps, dtype, index, recurrent))
+                recurrent += 1
+            else:
+                layers.append(NemotronHLayer(cfg, ps, dtype, index, kv))
+                kv += index not in cfg.mlp_only_layers
+        self.layers = nn.ModuleList(layers)
+        self.num_kv_layers, self.num_recurrent_layers = kv, recurrent
+        self.state: RecurrentState | None = None
+        self.stage_decoder = None
+        if ps.is_last_stage:
+            self.norm = Fp32RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            if cfg.tie_word_embeddings and self.embed_tokens is not None:
+                self.lm_head = self.embed_tokens
+            else:
+                self.lm_head = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ps, dtype)
+
+    def state_geometry(self, dtype: torch.dtype) -> StateGeometry:
+        return mamba2_state(self.cfg.mamba, self.ps.tp_size, dtype.itemsize)
+
+    def forward(self, ids_or_hidden: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
+                md: AttentionMetadata, out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed_tokens(ids_or_hidden) if self.embed_tokens is not None else ids_or_hidden
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cache, md, self.state, out_rows if i == last and self.ps.is_last_stage else None)
+        return h
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.logits(self.norm(h)).float()
