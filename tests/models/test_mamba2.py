@@ -27,5 +27,6 @@ def test_chunks_give_the_recurrences_outputs_and_state(n, dt_scale):
     chunked = s0.clone()
     y = ssd(x, dt, a, b, c, chunked)
     want, state = _stepwise(x, dt, a, b, c, s0)
-    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(chunked, state, rtol=1e-4, atol=1e-4)
+    # fp32 sums in another order: within a millionth of the outputs' scale (dt up to 20 makes them ~100)
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-6 * want.abs().max().item())
+    torch.testing.assert_close(chunked, state, rtol=1e-4, atol=1e-6 * state.abs().max().item())
