@@ -9,6 +9,8 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen3_5ForCausalLM": "qwen3_5",
 }
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "NemotronHForCausalLM")  # recurrent layers beside attention
@@ -55,6 +57,17 @@ class LinearAttentionShape:
 
 
 @dataclass(frozen=True)
+class MoeShape:
+    """A sparse MoE block's shape (Qwen3-MoE): a router picks `top_k` of `num_experts` SwiGLU experts of
+    `intermediate_size` per token; with `norm_topk_prob` the chosen probabilities are rescaled to sum to 1."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+
+
+@dataclass(frozen=True)
 class RopeScaling:
     """llama3-style frequency scaling (Llama 3.1+). `None` on ModelConfig means plain RoPE."""
 
@@ -93,6 +106,16 @@ class ModelConfig:
     # Nemotron-H: the Mamba2 mixers' shape, and the layers that are an MLP alone (no token mixer, no KV)
     mamba: Mamba2Shape | None = None
     mlp_only_layers: tuple[int, ...] = ()
+    # Qwen3: q and k RMS-normalised per head (a [head_dim] weight each) before RoPE; o_proj carries a bias
+    # where attention_bias says so (Qwen2's never does).
+    qk_norm: bool = False
+    o_proj_bias: bool = False
+    # Qwen3-MoE: the layers whose MLP is a sparse MoE block (models/moe.py), and its shape.
+    moe: MoeShape | None = None
+    moe_layers: tuple[int, ...] = ()
+
+    def is_moe(self, layer: int) -> bool:
+        return layer in self.moe_layers
 
     def is_recurrent(self, layer: int) -> bool:
         return layer in self.recurrent_layers
@@ -115,6 +138,8 @@ class ModelConfig:
             la = self.linear_attention
             return all(n % tp == 0 for n in (self.num_heads, self.num_kv_heads, self.intermediate_size,
                                              la.num_k_heads, la.num_v_heads))
+        if self.moe_layers and self.moe.intermediate_size % tp:  # each expert cut like the dense MLP
+            return False
         return (self.num_heads % tp == 0 and self.intermediate_size % tp == 0
                 and (self.num_kv_heads % tp == 0 or tp % self.num_kv_heads == 0))
 
@@ -124,7 +149,8 @@ class ModelConfig:
         if not self.splits_by(tp):
             fits = [d for d in range(1, self.num_heads + 1) if self.splits_by(d)]
             return (f"tensor_parallel_size={tp} cannot split this model ({self.num_heads} attention heads, "
-                    f"{self.num_kv_heads} KV heads, intermediate_size {self.intermediate_size}): "
+                    f"{self.num_kv_heads} KV heads, intermediate_size {self.intermediate_size}"
+                    f"{f', moe_intermediate_size {self.moe.intermediate_size}' if self.moe_layers else ''}): "
                     f"use one of {fits}")
         if pp > self.num_layers:
             return (f"pipeline_parallel_size={pp} exceeds the model's {self.num_layers} layers: "
@@ -165,6 +191,7 @@ class ModelConfig:
             raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
         default_bias = SUPPORTED_ARCHITECTURES[arch] == "qwen2"
         hybrid = _hybrid(cfg, rope) if arch in HYBRID_ARCHITECTURES else {}
+        qwen3 = SUPPORTED_ARCHITECTURES[arch] in ("qwen3", "qwen3_moe")
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -180,8 +207,11 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", default_bias)),
             rope_scaling=scaling,
+            qk_norm=qwen3,
+            o_proj_bias=qwen3 and bool(cfg.get("attention_bias", False)),
             **_sliding_window(cfg, arch),
             **hybrid,
+            **(_moe(cfg) if arch == "Qwen3MoeForCausalLM" else {}),
         )
 
 
@@ -205,6 +235,23 @@ def _hybrid(cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"partial_rotary_factor={factor} of head_dim {head_dim} rotates an odd number of dims")
     return {"recurrent_layers": tuple(i for i, k in enumerate(kinds) if k == "linear_attention"),
             "linear_attention": shape, "partial_rotary_factor": factor}
+
+
+def _moe(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's experts, and which layers are sparse as transformers picks them: every
+    `decoder_sparse_step`-th layer (1-based) that `mlp_only_layers` does not name."""
+    if int(cfg.get("num_experts", 0)) == 0:
+        return {}  # no experts: every layer keeps the dense MLP
+    shape = MoeShape(num_experts=int(cfg["num_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+                     intermediate_size=int(cfg["moe_intermediate_size"]),
+                     norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+    if not 1 <= shape.top_k <= shape.num_experts:
+        raise ValueError(f"num_experts_per_tok={shape.top_k} must be between 1 and num_experts={shape.num_experts}")
+    step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
+    if step < 1:
+        raise ValueError(f"decoder_sparse_step={step} must be >= 1")
+    layers = tuple(i for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+    return {"moe": shape, "moe_layers": layers}
 
 
 def _nemotron_h(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -245,14 +292,17 @@ def _nemotron_h(cls, cfg: dict[str, Any]) -> "ModelConfig":
 
 def _sliding_window(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     """The window and the layers that slide, as transformers reads config.json: a `layer_types` list
-    names them; else Mistral slides in every layer whenever `sliding_window` is set, and Qwen2 only with
-    `use_sliding_window`, in the layers from `max_window_layers` on."""
+    names them; else Mistral slides in every layer whenever `sliding_window` is set, Qwen2 and Qwen3 only
+    with `use_sliding_window`, in the layers from `max_window_layers` on, and Qwen3-MoE with
+    `use_sliding_window` in every layer."""
     window, layers = cfg.get("sliding_window"), int(cfg["num_hidden_layers"])
     if not window:
         return {}
     if cfg.get("layer_types"):
         sliding = [i for i, kind in enumerate(cfg["layer_types"]) if kind == "sliding_attention"]
-    elif arch == "Qwen2ForCausalLM":
+    elif arch == "Qwen3MoeForCausalLM":
+        sliding = list(range(layers)) if cfg.get("use_sliding_window", False) else []
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         first = int(cfg.get("max_window_layers", 0))
         sliding = list(range(first, layers)) if cfg.get("use_sliding_window", False) else []
     else:

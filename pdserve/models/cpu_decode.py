@@ -10,7 +10,9 @@ It applies only where those kernels would all run anyway: on CPU, without tensor
 row-parallel linear's all-reduce sits between kernels), with every linear keeping its plain weight
 for the GEMV (`layers.pack_for_cpu(gemv=True)`, the `cpu_decode_gemv` config key), and for a step
 of decode tokens only, as many as the module path sends to the GEMV (`cpu_kernels.SKINNY_ROWS`: up
-to 16). Anything else takes the module path, which stays the reference.
+to 16), and only for the plain Llama block: a stage with Qwen3's q/k norms, an o_proj bias or a MoE
+MLP (which the C step does not compute) takes the module path. Anything else takes the module path,
+which stays the reference.
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ class _StepArgs(ctypes.Structure):
         ("max_blocks", ctypes.c_int64), ("rows", ctypes.c_int64)]
 
 
+def _plain_llama(layer) -> bool:
+    """Whether `layer` is the block csrc/decode_layers.c computes: no q/k norm, no o_proj bias, a dense MLP."""
+    attn = layer.self_attn
+    return attn.q_norm is None and attn.o_proj.bias is None and hasattr(layer.mlp, "gate_up_proj")
+
+
 class StageDecoder:
     """Runs a one-token decode step through `model.layers` in C; see the module docstring."""
 
@@ -55,6 +63,8 @@ class StageDecoder:
         """A decoder for `model`'s stage, or None where the native step does not apply."""
         lib = cpu_kernels.load()
         if model.ps.tp_size != 1 or not len(model.layers) or lib is None:
+            return None
+        if not all(_plain_llama(layer) for layer in model.layers):
             return None
         first = model.layers[0]
         dtype = first.input_layernorm.weight.dtype

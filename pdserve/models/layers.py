@@ -228,22 +228,35 @@ class QKVParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x @ W.T with W split by input columns; partial sums are all-reduced across TP."""
+    """y = x @ W.T with W split by input columns; partial sums are all-reduced across TP, unless `reduce`
+    is False: then each rank returns its partial sum and the caller reduces (a MoE block sums its experts'
+    partial outputs first, and all-reduces once)."""
 
-    def __init__(self, in_features: int, out_features: int, ps: ParallelState, dtype: torch.dtype):
+    def __init__(self, in_features: int, out_features: int, ps: ParallelState, dtype: torch.dtype,
+                 reduce: bool = True, bias: bool = False):
         super().__init__()
+        self.reduce = reduce
         if in_features % ps.tp_size:
             raise ValueError(f"input size {in_features} is not divisible by tensor_parallel_size {ps.tp_size}")
         self.ps = ps
         self.weight = nn.Parameter(torch.empty(out_features, in_features // ps.tp_size, dtype=dtype),
                                    requires_grad=False)
+        # The whole bias on every rank, added once: inside the product on one rank, after the all-reduce on more.
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.gemv_weight: torch.Tensor | None = None  # plain copy for steps of a few rows (pack_for_cpu)
 
-    def load(self, weight: torch.Tensor) -> None:
+    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight.copy_(_shard(weight, 1, self.ps.tp_rank, self.ps.tp_size))
+        if self.bias is not None:
+            self.bias.copy_(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ps.tp_all_reduce(linear(x, self.weight, gemv_weight=self.gemv_weight))
+        whole = self.ps.tp_size == 1
+        partial = linear(x, self.weight, self.bias if whole else None, gemv_weight=self.gemv_weight)
+        if whole or not self.reduce:
+            return partial
+        out = self.ps.tp_all_reduce(partial)
+        return out if self.bias is None else out.add_(self.bias)
 
 
 _LINEARS = (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear)

@@ -1,6 +1,10 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2), written as the textbook block:
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2, Qwen3, Qwen3-MoE), written as the textbook
+block:
 
     h = x + attn(rms_norm(x));  out = h + mlp(rms_norm(h))
+
+Qwen3 adds an RMSNorm of each q and k head before RoPE (`qk_norm`); Qwen3-MoE, besides, has a sparse
+mixture of experts (moe.SparseMoeBlock) for the MLP of the layers `ModelConfig.moe_layers` names.
 
 The decoder owns one pipeline stage: layers [first_layer, first_layer + num_local_layers). Only the
 first stage embeds tokens and only the last computes logits.
@@ -15,6 +19,7 @@ from torch import nn
 from pdserve.distributed import ParallelState
 from pdserve.models.attention import AttentionMetadata, PagedKVCache, paged_attention, rotate_and_cache
 from pdserve.models.config import ModelConfig
+from pdserve.models.moe import SparseMoeBlock
 from pdserve.models.layers import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -30,7 +35,10 @@ class Attention(nn.Module):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
                                           cfg.attention_bias, ps, dtype)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, ps, dtype)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, ps, dtype,
+                                        bias=cfg.o_proj_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.window = window  # > 0: a sliding window, each query sees its last `window` positions
@@ -40,10 +48,29 @@ class Attention(nn.Module):
         `rows` only (default: all)."""
         n, heads, kv_heads = x.shape[0], self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         qkv = self.qkv_proj(x).view(n, heads + 2 * kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            qkv = self._norm_heads(qkv, heads, kv_heads)
         qk = rotate_and_cache(qkv, heads, rope_table, layer, cache, md)  # RoPE on q and k; K, V into the cache
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
         attn = paged_attention(q, k, v, layer, cache, md, self.scale, self.window)
         return self.o_proj(attn if rows is None else attn[rows])
+
+    def _norm_heads(self, qkv: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+        """qkv [n, heads + 2 * kv_heads, d] with each q and k head RMS-normalised; v as it was."""
+        q = self.q_norm(qkv[:, :heads].contiguous())
+        k = self.k_norm(qkv[:, heads:heads + kv_heads].contiguous())
+        return torch.cat([q, k, qkv[:, heads + kv_heads:]], dim=1)
+
+    def load(self, take, prefix: str) -> None:
+        """`prefix` is `model.layers.N.self_attn.`."""
+        biases = [take(prefix + f"{x}_proj.bias") for x in "qkv"] if self.qkv_proj.bias is not None else [None] * 3
+        self.qkv_proj.load(take(prefix + "q_proj.weight"), take(prefix + "k_proj.weight"),
+                           take(prefix + "v_proj.weight"), *biases)
+        self.o_proj.load(take(prefix + "o_proj.weight"),
+                         take(prefix + "o_proj.bias") if self.o_proj.bias is not None else None)
+        if self.q_norm is not None:
+            self.q_norm.load(take(prefix + "q_norm.weight"))
+            self.k_norm.load(take(prefix + "k_norm.weight"))
 
 
 class MLP(nn.Module):
@@ -56,6 +83,11 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))  # in place: one [tokens, intermediate] buffer fewer
 
+    def load(self, take, prefix: str) -> None:
+        """`prefix` is `model.layers.N.mlp.`."""
+        self.gate_up_proj.load([take(prefix + "gate_proj.weight"), take(prefix + "up_proj.weight")])
+        self.down_proj.load(take(prefix + "down_proj.weight"))
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, ps: ParallelState, dtype: torch.dtype, index: int):
@@ -63,18 +95,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, ps, dtype, cfg.window(index))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, ps, dtype)
+        self.mlp = (SparseMoeBlock(cfg.moe, cfg.hidden_size, ps, dtype) if cfg.is_moe(index)
+                    else MLP(cfg, ps, dtype))
 
     def load(self, take, prefix: str) -> None:
         """Checkpoint tensors under `prefix` (`model.layers.N.`); `take(name)` hands each one over once."""
-        attn = prefix + "self_attn."
-        biases = [take(attn + f"{x}_proj.bias") for x in "qkv"] if self.self_attn.qkv_proj.bias is not None \
-            else [None] * 3
-        self.self_attn.qkv_proj.load(take(attn + "q_proj.weight"), take(attn + "k_proj.weight"),
-                                     take(attn + "v_proj.weight"), *biases)
-        self.self_attn.o_proj.load(take(attn + "o_proj.weight"))
-        self.mlp.gate_up_proj.load([take(prefix + "mlp.gate_proj.weight"), take(prefix + "mlp.up_proj.weight")])
-        self.mlp.down_proj.load(take(prefix + "mlp.down_proj.weight"))
+        self.self_attn.load(take, prefix + "self_attn.")
+        self.mlp.load(take, prefix + "mlp.")
         self.input_layernorm.load(take(prefix + "input_layernorm.weight"))
         self.post_attention_layernorm.load(take(prefix + "post_attention_layernorm.weight"))
 

@@ -23,6 +23,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pdserve.testing.tiny_hybrid import hybrid_config_extras, hybrid_weights
+from pdserve.testing.tiny_qwen3 import QWEN3_ARCHS, is_moe_layer, qwen3_config_extras, qwen3_layer_weights
 from pdserve.weights.hf_dir import (
     CONFIG_FILE,
     GENERATION_CONFIG_FILE,
@@ -32,10 +33,10 @@ from pdserve.weights.hf_dir import (
     write_json,
 )
 
-Arch = Literal["llama", "qwen2", "mistral", "qwen3_5"]
+Arch = Literal["llama", "qwen2", "mistral", "qwen3_5", "qwen3", "qwen3_moe"]
 
 _ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen3_5": "Qwen3_5ForCausalLM"}
+                 "qwen3_5": "Qwen3_5ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 # ids 0, 1, 2 in every tiny vocabulary (the trainer puts special tokens first).
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -169,6 +170,8 @@ def tiny_config(
     }
     if arch == "qwen3_5":
         cfg.update(hybrid_config_extras(num_layers, head_dim, rope_theta))
+    elif arch in QWEN3_ARCHS:
+        cfg.update(qwen3_config_extras(arch, num_layers))
     elif arch == "llama":
         cfg.update(attention_bias=False, mlp_bias=False)
     elif arch == "mistral":
@@ -226,9 +229,12 @@ def tiny_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
             w[p + "self_attn.v_proj.bias"] = randn(kv_out, std=0.2)
         w[p + "self_attn.o_proj.weight"] = linear(h, q_out)
         w[p + "post_attention_layernorm.weight"] = norm(h)
-        w[p + "mlp.gate_proj.weight"] = linear(inter, h)
-        w[p + "mlp.up_proj.weight"] = linear(inter, h)
-        w[p + "mlp.down_proj.weight"] = linear(h, inter)
+        if cfg["model_type"] in QWEN3_ARCHS:  # q/k norms, biases, experts (tiny_qwen3.py)
+            w.update(qwen3_layer_weights(cfg, i, randn, linear))
+        if not is_moe_layer(cfg, i):
+            w[p + "mlp.gate_proj.weight"] = linear(inter, h)
+            w[p + "mlp.up_proj.weight"] = linear(inter, h)
+            w[p + "mlp.down_proj.weight"] = linear(h, inter)
     w["model.norm.weight"] = norm(h) * final_gain
     if not tied:
         w["lm_head.weight"] = randn(vocab, h, std=logit_std)
@@ -260,7 +266,8 @@ def make_tiny_model(
     ({"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
     "original_max_position_embeddings"}). sliding_window: layers attend to only that many last
     positions (mistral: every layer; qwen2: the second half of them). arch="qwen3_5" is the hybrid
-    Qwen3.5 text model (tiny_hybrid.py: every fourth layer full attention, the others Gated DeltaNet).
+    Qwen3.5 text model (tiny_hybrid.py: every fourth layer full attention, the others Gated DeltaNet);
+    "qwen3" and "qwen3_moe" add q/k norms and, for the MoE, 8 experts in every layer but layer 1 (tiny_qwen3.py).
     """
     if arch not in _ARCH_CLASSES:
         raise ValueError(f"arch={arch!r} unknown; choose one of {sorted(_ARCH_CLASSES)}")

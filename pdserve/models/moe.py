@@ -1,0 +1,85 @@
+"""A sparse mixture-of-experts MLP (Qwen3-MoE), in place of the dense MLP of the layers it names:
+
+    probs = softmax(x @ router.T)                  (fp32)
+    w, e  = top_k(probs)                           (w / sum(w) with norm_topk_prob; then the model dtype)
+    out   = sum_j w_j * expert_{e_j}(x)            (each expert a SwiGLU MLP of moe_intermediate_size)
+
+Tensor parallelism cuts every expert as the dense MLP is cut: gate/up by rows of its intermediate
+dimension, down by the same columns, and the router is replicated. Every rank then routes the same way
+and computes every routed token on its slice, so the ranks stay balanced whatever the routing (giving
+each rank whole experts would leave a rank idle whenever its experts get few tokens, and would need an
+all-to-all of the tokens), and the block needs one all-reduce, as the dense MLP does: of the weighted
+sum of the experts' partial outputs.
+
+On CPU the tokens are grouped by expert (a stable sort of the [tokens * top_k] choices), and the loop
+runs over the experts that got a token: one gate/up and one down product each, on the rows routed to it,
+the weighted rows added back into place (index_add_). Nothing loops over tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.distributed import ParallelState
+from pdserve.models.config import MoeShape
+from pdserve.models.layers import MergedColumnParallelLinear, RowParallelLinear
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert's slice of this rank; returns its partial sum (the block all-reduces once)."""
+
+    def __init__(self, hidden: int, intermediate: int, ps: ParallelState, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, ps, dtype)
+        self.down_proj = RowParallelLinear(intermediate, hidden, ps, dtype, reduce=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, shape: MoeShape, hidden: int, ps: ParallelState, dtype: torch.dtype):
+        super().__init__()
+        self.ps = ps
+        self.top_k, self.norm_topk_prob = shape.top_k, shape.norm_topk_prob
+        # router: [num_experts, hidden], whole on every rank; a plain weight (not packed for oneDNN), so the
+        # routing logits round as transformers' F.linear rounds them
+        self.router = nn.Parameter(torch.empty(shape.num_experts, hidden, dtype=dtype), requires_grad=False)
+        self.experts = nn.ModuleList(Expert(hidden, shape.intermediate_size, ps, dtype)
+                                     for _ in range(shape.num_experts))
+
+    def load(self, take, prefix: str) -> None:
+        """`prefix` is `model.layers.N.mlp.`: its router `gate.weight`, and each expert's three projections."""
+        self.router.copy_(take(prefix + "gate.weight"))
+        for e, expert in enumerate(self.experts):
+            p = f"{prefix}experts.{e}."
+            expert.gate_up_proj.load([take(p + "gate_proj.weight"), take(p + "up_proj.weight")])
+            expert.down_proj.load(take(p + "down_proj.weight"))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [n, hidden] -> (weights [n, top_k] in x's dtype, expert ids [n, top_k])."""
+        probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [n, hidden] -> [n, hidden]."""
+        weights, chosen = self.route(x)
+        choices = chosen.flatten()  # [n * top_k]: token t's j-th choice at t * top_k + j
+        order = torch.argsort(choices, stable=True)  # choices grouped by expert, tokens ascending within one
+        rows, row_weights = order // self.top_k, weights.flatten()[order]
+        counts = torch.bincount(choices, minlength=len(self.experts)).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                at = slice(start, start + count)
+                y = self.experts[e](x[rows[at]]) * row_weights[at].unsqueeze(1)
+                out.index_add_(0, rows[at], y)
+                start += count
+        return self.ps.tp_all_reduce(out)
