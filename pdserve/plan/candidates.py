@@ -56,7 +56,7 @@ class Candidate:
         return f"ctx {c.count}x{c.units}t step {c.max_num_tokens} + gen {g.count}x{g.units}t, {style}"
 
     def deployment(self, costs: dict[int, StepCost], transfer: TransferCost | None, kv_bytes_per_token: int,
-                   serving: dict[str, dict[str, float]] | None = None) -> Deployment:
+                   serving: dict[str, dict[str, float]] | None = None, state_bytes: int = 0) -> Deployment:
         """What the simulator runs. `serving`: the profile's serving probe (per kind, the extra time of a
         request, of a decode step and of each decode row; "aggregated@T" for an instance of T threads, where
         the probe measured one); without it the simulator's defaults stand."""
@@ -95,7 +95,8 @@ class Candidate:
         gen = [InstanceSpec(costs[g.units], g.max_num_tokens, **gen_extra)] * g.count
         ctx = [InstanceSpec(costs[self.context.units], self.context.max_num_tokens, **ctx_factor)] * self.context.count
         return Deployment("disaggregated", gen, ctx, transfer, kv_bytes_per_token, self.schedule_style,
-                          self.context.max_num_tokens if self.context.pipelined else None, **timing)
+                          self.context.max_num_tokens if self.context.pipelined else None, **timing,
+                          state_bytes=state_bytes)
 
     def cluster_yaml(self, *, model: str | None, backend: str, port: int = 8000, device: str = "cpu") -> dict[str, Any]:
         """The `pdserve launch` config of this deployment: every instance pinned to its own cores."""

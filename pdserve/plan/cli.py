@@ -121,13 +121,15 @@ def plan(args: argparse.Namespace, slo: PlanSLO, profile: Profile) -> tuple[list
     wl = Workload(args.input_len, args.output_len, getattr(args, "num_requests", 200), getattr(args, "seed", 0))
     preds = []
     for cand in candidates:
-        dep = cand.deployment(costs, transfer, profile.kv_bytes_per_token, profile.serving)
+        dep = cand.deployment(costs, transfer, profile.kv_bytes_per_token, profile.serving,
+                              profile.state_bytes_per_request)
         good, points = search_goodput(dep, wl, slo, capacity(dep, wl), args.attainment, getattr(args, "rates", None))
         preds.append(Prediction(cand, good, points))
     best = max(p.goodput for p in preds)
     at = args.rate or best or min(r for p in preds for r, _ in p.points)
     for p in preds:
-        dep = p.candidate.deployment(costs, transfer, profile.kv_bytes_per_token, profile.serving)
+        dep = p.candidate.deployment(costs, transfer, profile.kv_bytes_per_token, profile.serving,
+                                     profile.state_bytes_per_request)
         p.at_rate = at
         p.outcome = simulate(dep, wl, at)
     return rank(preds), at
@@ -184,7 +186,8 @@ def predicted_grid(args: argparse.Namespace, profile: Profile, preds: list[Predi
     wl = Workload(args.input_len, args.output_len, args.num_requests, args.seed)
     outcomes = {}
     for p in preds:
-        dep = p.candidate.deployment(costs, transfer, profile.kv_bytes_per_token, profile.serving)
+        dep = p.candidate.deployment(costs, transfer, profile.kv_bytes_per_token, profile.serving,
+                                     profile.state_bytes_per_request)
         outcomes[p.candidate.name] = [(r, pooled(dep, wl, r, args.sim_seeds)) for r in sorted(args.rates)]
     cells = []
     for ttft in sorted(args.grid_ttft):

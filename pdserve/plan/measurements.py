@@ -48,6 +48,12 @@ class Profile:
         return int(self.model["kv_bytes_per_token"])
 
     @property
+    def state_bytes_per_request(self) -> int:
+        """A hybrid model's recurrent state, moved once per request whatever its length (0 for others and for
+        profiles measured before hybrid models)."""
+        return int(self.model.get("state_bytes_per_request", 0))
+
+    @property
     def units(self) -> list[int]:
         return sorted(self.steps)
 

@@ -132,8 +132,10 @@ def measure(model_dir: Path, dtype: str, device: str, key: dict[str, Any], *, pr
 
     cfg = ModelConfig.from_hf(read_config(model_dir))
     elt = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    kv_layers = len(cfg.kv_layers(0, cfg.num_layers))  # a hybrid model's recurrent and MLP-only layers keep none
     model = {"num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-             "element_bytes": elt, "kv_bytes_per_token": cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elt,
+             "element_bytes": elt, "kv_bytes_per_token": kv_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elt,
+             "state_bytes_per_request": state_bytes_per_request(cfg, elt),
              "max_model_len": cfg.max_position_embeddings}
     units = [1] if device == "cuda" else thread_counts(len(usable_cores()))
     grid = _grid(cfg.max_position_embeddings, model["kv_bytes_per_token"])
@@ -150,6 +152,20 @@ def measure(model_dir: Path, dtype: str, device: str, key: dict[str, Any], *, pr
     profile.date = datetime.now(UTC).isoformat(timespec="seconds")
     profile.seconds = time.monotonic() - t0
     return profile
+
+
+def state_bytes_per_request(cfg, element_bytes: int) -> int:
+    """The recurrent state one request holds (and a disaggregated one moves): per recurrent layer, the conv's
+    last (taps - 1) inputs in the model's dtype and the fp32 SSM state."""
+    if cfg.linear_attention is not None:
+        s = cfg.linear_attention
+        per = s.conv_channels * (s.conv_kernel - 1) * element_bytes + s.num_v_heads * s.k_head_dim * s.v_head_dim * 4
+    elif cfg.mamba is not None:
+        m = cfg.mamba
+        per = m.conv_channels * (m.conv_kernel - 1) * element_bytes + m.num_heads * m.head_dim * m.state_size * 4
+    else:
+        return 0
+    return per * len(cfg.recurrent_layers)
 
 
 def _grid(max_len: int, kv_bytes_per_token: int) -> dict[str, Any]:

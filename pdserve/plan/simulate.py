@@ -175,6 +175,7 @@ class Deployment:
     # no engine time (disaggregated: see candidates.py)
     prefill_extra: float = 0.0
     hop_s: float = HOP_S  # context_first's extra HTTP hop, unless request_extra_s already holds it
+    state_bytes: int = 0  # a hybrid model's recurrent state, moved once per request (with the last piece)
 
 
 @dataclass
@@ -208,11 +209,11 @@ def simulate(dep: Deployment, wl: Workload, rate: float) -> Outcome:
         for inst, idx in zip(dep.context, _round_robin(arrivals, len(dep.context))):
             prefilled[idx], _ = run_instance(inst, arrivals[idx], L, 1)
         if dep.schedule_style == "generation_first" and dep.pipelined_chunk:
-            moved = min(L, dep.pipelined_chunk) * dep.kv_bytes_per_token
+            moved = min(L, dep.pipelined_chunk) * dep.kv_bytes_per_token + dep.state_bytes
             kv_ready = prefilled + dep.transfer.seconds(moved)
         else:
             extra = dep.hop_s if dep.schedule_style == "context_first" else 0.0
-            kv_ready = prefilled + extra + dep.transfer.seconds(L * dep.kv_bytes_per_token)
+            kv_ready = prefilled + extra + dep.transfer.seconds(L * dep.kv_bytes_per_token + dep.state_bytes)
         for inst, idx in zip(dep.instances, _round_robin(kv_ready, len(dep.instances))):
             f, la = run_instance(inst, kv_ready[idx], L, M, computed=L)
             first[idx], last[idx] = f, la

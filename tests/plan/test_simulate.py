@@ -215,6 +215,18 @@ def test_disaggregated_ttft_holds_the_transfer_and_decode_is_never_behind_a_pref
     assert busy.tpot.max() <= cost.decode(30, 30 * (1024 + 8)) + 1e-9
 
 
+def test_a_hybrid_models_state_moves_once_per_request(cost):
+    """The recurrent state is moved whole with the KV: its bytes add to the transfer once, whatever the
+    prompt's length."""
+    transfer = TransferCost([(1, 0.01), (10**9, 1.01)])
+    wl = Workload(1024, 8, num_requests=4)
+    gen, ctx = InstanceSpec(cost, 1024, step_extra_s=0.0), InstanceSpec(cost, 2048, step_extra_s=0.0)
+    dep = Deployment("disaggregated", [gen], [ctx], transfer, kv_bytes_per_token=1000, hop_s=0.004,
+                     state_bytes=5_000_000)
+    alone = simulate(dep, wl, rate=1e-4)
+    np.testing.assert_allclose(alone.ttft, cost.prefill(1024) + 0.004 + transfer.seconds(1024 * 1000 + 5_000_000))
+
+
 def test_goodput_search_agrees_with_brute_force(cost):
     wl = Workload(512, 16, num_requests=60)
     dep = Deployment("aggregated", [InstanceSpec(cost, 512)])
