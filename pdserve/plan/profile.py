@@ -132,9 +132,8 @@ def measure(model_dir: Path, dtype: str, device: str, key: dict[str, Any], *, pr
 
     cfg = ModelConfig.from_hf(read_config(model_dir))
     elt = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-    kv_layers = len(cfg.kv_layers(0, cfg.num_layers))  # a hybrid model's recurrent and MLP-only layers keep none
     model = {"num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-             "element_bytes": elt, "kv_bytes_per_token": kv_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elt,
+             "element_bytes": elt, "kv_bytes_per_token": kv_bytes_per_token(cfg, elt),
              "state_bytes_per_request": state_bytes_per_request(cfg, elt),
              "max_model_len": cfg.max_position_embeddings}
     units = [1] if device == "cuda" else thread_counts(len(usable_cores()))
@@ -152,6 +151,12 @@ def measure(model_dir: Path, dtype: str, device: str, key: dict[str, Any], *, pr
     profile.date = datetime.now(UTC).isoformat(timespec="seconds")
     profile.seconds = time.monotonic() - t0
     return profile
+
+
+def kv_bytes_per_token(cfg, element_bytes: int) -> int:
+    """K and V of one token in every layer that keeps KV (a hybrid model's recurrent and MLP-only layers keep
+    none)."""
+    return len(cfg.kv_layers(0, cfg.num_layers)) * 2 * cfg.num_kv_heads * cfg.head_dim * element_bytes
 
 
 def state_bytes_per_request(cfg, element_bytes: int) -> int:

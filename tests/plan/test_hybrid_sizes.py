@@ -9,7 +9,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.llm import LLM
 from pdserve.models.config import ModelConfig
-from pdserve.plan.profile import state_bytes_per_request
+from pdserve.plan.profile import kv_bytes_per_token, state_bytes_per_request
 from pdserve.testing import make_tiny_model
 from pdserve.testing.tiny_nemotron_h import make_tiny_nemotron_h
 from pdserve.weights.hf_dir import read_config
@@ -28,6 +28,5 @@ def test_sizes_are_the_engines_own(tmp_path, family, dtype):
         per_slot = state.conv[0].numel() * state.conv.element_size() + state.ssm[0].numel() * state.ssm.element_size()
         kv_per_token = runner.pool[0].numel() * runner.pool.element_size() // 8
     assert state_bytes_per_request(cfg, elt) == per_slot
-    kv_layers = len(cfg.kv_layers(0, cfg.num_layers))
-    assert kv_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elt == kv_per_token
-    assert kv_layers == 2  # of 8 layers: the rest keep a state (or nothing: Nemotron-H's MLP layers)
+    # 2 attention layers of 8: the rest keep a state (or nothing: Nemotron-H's MLP layers)
+    assert kv_bytes_per_token(cfg, elt) == kv_per_token == 2 * 2 * cfg.num_kv_heads * cfg.head_dim * elt
