@@ -17,10 +17,10 @@ from torch import nn
 from pdserve.distributed import ParallelState
 from pdserve.models.attention import AttentionMetadata, PagedKVCache, paged_attention
 from pdserve.models.config import ModelConfig
-from pdserve.models.layers import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from pdserve.models.llama import stage_layers
+from pdserve.models.hybrid_stage import HybridStage
+from pdserve.models.layers import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pdserve.models.mamba2 import Mamba2Mixer, mamba2_state
-from pdserve.models.recurrent_state import RecurrentState, StateGeometry
+from pdserve.models.recurrent_state import StateGeometry
 
 
 class Fp32RMSNorm(nn.Module):
@@ -106,50 +106,20 @@ class NemotronHLayer(nn.Module):
         return (x if rows is None else x[rows]) + out
 
 
-class NemotronHForCausalLM(nn.Module):
-    """The same interface as Qwen3_5ForCausalLM (a `state` the model runner allocates)."""
+class NemotronHForCausalLM(HybridStage):
+    """The same interface as Qwen3_5ForCausalLM (hybrid_stage.py)."""
 
     CHECKPOINT_RENAMES = {"model.embeddings.weight": "model.embed_tokens.weight",
                           "model.norm_f.weight": "model.norm.weight"}
 
     def __init__(self, cfg: ModelConfig, ps: ParallelState, dtype: torch.dtype, max_positions: int):
-        super().__init__()
-        self.cfg = cfg
-        self.ps = ps
-        counts = stage_layers(cfg.num_layers, ps.pp_size)
-        self.first_layer = sum(counts[: ps.pp_rank])
-        self.num_local_layers = counts[ps.pp_rank]
-        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ps, dtype)
-                             if ps.is_first_stage else None)
-        layers, kv, recurrent = [], 0, 0
-        for index in range(self.first_layer, self.first_layer + self.num_local_layers):
-            if cfg.is_recurrent(index):
-                layers.append(NemotronHLayer(cfg, ps, dtype, index, recurrent))
-                recurrent += 1
-            else:
-                layers.append(NemotronHLayer(cfg, ps, dtype, index, kv))
-                kv += index not in cfg.mlp_only_layers
-        self.layers = nn.ModuleList(layers)
-        self.num_kv_layers, self.num_recurrent_layers = kv, recurrent
-        self.state: RecurrentState | None = None
-        self.stage_decoder = None
-        if ps.is_last_stage:
-            self.norm = Fp32RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            if cfg.tie_word_embeddings and self.embed_tokens is not None:
-                self.lm_head = self.embed_tokens
-            else:
-                self.lm_head = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ps, dtype)
+        super().__init__(cfg, ps, dtype)
+        self.layers = nn.ModuleList(NemotronHLayer(cfg, ps, dtype, index, slot) for index, slot in self.layer_slots())
+        self.head(Fp32RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
 
     def state_geometry(self, dtype: torch.dtype) -> StateGeometry:
         return mamba2_state(self.cfg.mamba, self.ps.tp_size, dtype.itemsize)
 
     def forward(self, ids_or_hidden: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
                 md: AttentionMetadata, out_rows: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.embed_tokens(ids_or_hidden) if self.embed_tokens is not None else ids_or_hidden
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cache, md, self.state, out_rows if i == last and self.ps.is_last_stage else None)
-        return h
-
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.logits(self.norm(h)).float()
+        return self.run_layers(ids_or_hidden, out_rows, cache, md, self.state)

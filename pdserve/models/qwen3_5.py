@@ -19,15 +19,10 @@ from pdserve.distributed import ParallelState
 from pdserve.models.attention import AttentionMetadata, PagedKVCache, paged_attention
 from pdserve.models.config import ModelConfig
 from pdserve.models.gated_deltanet import GatedDeltaNet, deltanet_state
-from pdserve.models.recurrent_state import RecurrentState, StateGeometry
-from pdserve.models.layers import (
-    ColumnParallelLinear,
-    MergedColumnParallelLinear,
-    RotaryEmbedding,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-)
-from pdserve.models.llama import MLP, stage_layers
+from pdserve.models.hybrid_stage import HybridStage
+from pdserve.models.recurrent_state import StateGeometry
+from pdserve.models.layers import ColumnParallelLinear, MergedColumnParallelLinear, RotaryEmbedding, RowParallelLinear
+from pdserve.models.llama import MLP
 
 
 class OffsetRMSNorm(nn.Module):
@@ -117,48 +112,20 @@ class HybridDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Qwen3_5ForCausalLM(nn.Module):
-    """The same interface as LlamaForCausalLM, plus `state`: the recurrent layers' RecurrentState, which the
-    model runner allocates (`num_recurrent_layers` of this stage)."""
+class Qwen3_5ForCausalLM(HybridStage):
+    """The same interface as LlamaForCausalLM, plus `state` (hybrid_stage.py)."""
 
     def __init__(self, cfg: ModelConfig, ps: ParallelState, dtype: torch.dtype, max_positions: int):
-        super().__init__()
-        self.cfg = cfg
-        self.ps = ps
-        counts = stage_layers(cfg.num_layers, ps.pp_size)
-        self.first_layer = sum(counts[: ps.pp_rank])
-        self.num_local_layers = counts[ps.pp_rank]
-        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ps, dtype)
-                             if ps.is_first_stage else None)
-        layers, kv, recurrent = [], 0, 0
-        for index in range(self.first_layer, self.first_layer + self.num_local_layers):
-            layers.append(HybridDecoderLayer(cfg, ps, dtype, index, recurrent if cfg.is_recurrent(index) else kv))
-            recurrent, kv = (recurrent + 1, kv) if cfg.is_recurrent(index) else (recurrent, kv + 1)
-        self.layers = nn.ModuleList(layers)
-        self.num_kv_layers, self.num_recurrent_layers = kv, recurrent
+        super().__init__(cfg, ps, dtype)
+        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, ps, dtype, index, slot)
+                                    for index, slot in self.layer_slots())
         self.rope = RotaryEmbedding(int(cfg.head_dim * cfg.partial_rotary_factor), max_positions, cfg.rope_theta,
                                     cfg.rope_scaling)
-        self.state: RecurrentState | None = None
-        self.stage_decoder = None  # the native decode step is the Llama block's only
-        if ps.is_last_stage:
-            self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            if cfg.tie_word_embeddings and self.embed_tokens is not None:
-                self.lm_head = self.embed_tokens
-            else:
-                self.lm_head = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ps, dtype)
+        self.head(OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
 
     def state_geometry(self, dtype: torch.dtype) -> StateGeometry:
         return deltanet_state(self.cfg.linear_attention, self.ps.tp_size, dtype.itemsize)
 
     def forward(self, ids_or_hidden: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
                 md: AttentionMetadata, out_rows: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.embed_tokens(ids_or_hidden) if self.embed_tokens is not None else ids_or_hidden
-        rope_table = self.rope.table(positions)
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            h = layer(h, rope_table, cache, md, self.state, out_rows if i == last and self.ps.is_last_stage else None)
-        return h
-
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.logits(self.norm(h)).float()
-
+        return self.run_layers(ids_or_hidden, out_rows, self.rope.table(positions), cache, md, self.state)

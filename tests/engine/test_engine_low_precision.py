@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine.llm import LLM
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.testing import make_tiny_model
 from pdserve.testing.disagg import context_first
+
+from low_precision_oracle import assert_as_accurate, errors, errors_of
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -24,33 +25,7 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, lo
 
 
 def _errors(model_dir, prompts: list[list[int]], dtype: str, **engine) -> tuple[torch.Tensor, torch.Tensor]:
-    with LLM(EngineConfig(model=str(model_dir), dtype=dtype, **engine)) as llm:
-        return _errors_of(model_dir, prompts, llm.generate(prompts, GREEDY), dtype)
-
-
-def _errors_of(model_dir, prompts: list[list[int]], outs, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """|log p - fp32 log p| of every token pdserve chose (`outs`: token_ids and logprobs per prompt):
-    pdserve's, and transformers' forward in `dtype`."""
-    load = transformers.AutoModelForCausalLM.from_pretrained
-    exact, low = load(model_dir, torch_dtype=torch.float32), load(model_dir, torch_dtype=getattr(torch, dtype))
-    ours, theirs = [], []
-    for prompt, out in zip(prompts, outs):
-        chosen = torch.tensor(out.token_ids)
-        at = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(chosen))  # the positions that predicted them
-        with torch.inference_mode():
-            seq = torch.tensor([prompt + out.token_ids])
-            ref = torch.log_softmax(exact(seq).logits[0].float(), -1)[at, chosen]
-            same_dtype = torch.log_softmax(low(seq).logits[0].float(), -1)[at, chosen]
-        assert len(out.logprobs) == len(out.token_ids)
-        ours.append((torch.tensor([lp["logprob"] for lp in out.logprobs]) - ref).abs())
-        theirs.append((same_dtype - ref).abs())
-    return torch.cat(ours), torch.cat(theirs)
-
-
-def _assert_as_accurate(ours: torch.Tensor, theirs: torch.Tensor) -> None:
-    assert len(ours) == len(theirs) > 0
-    assert ours.mean() <= 1.5 * theirs.mean(), (ours.mean(), theirs.mean())
-    assert ours.max() <= 2.0 * theirs.max(), (ours.max(), theirs.max())
+    return errors(model_dir, prompts, dtype, MAX_NEW, **engine)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +41,7 @@ def tiny(tmp_path_factory):
 def test_tiny_model_as_accurate_as_transformers(tiny, dtype, batch):
     d, prompts = tiny
     seqs = {"max_num_seqs": 1} if batch == "one at a time" else {}  # one sequence: the one-call layer stack
-    _assert_as_accurate(*_errors(d, prompts, dtype, tokens_per_block=8, **seqs))
+    assert_as_accurate(*_errors(d, prompts, dtype, tokens_per_block=8, **seqs))
 
 
 def test_fp32_context_bf16_generation_as_accurate_as_transformers_bf16(tiny):
@@ -86,14 +61,14 @@ def test_fp32_context_bf16_generation_as_accurate_as_transformers_bf16(tiny):
     finally:
         ctx.shutdown()
         gen.shutdown()
-    _assert_as_accurate(*_errors_of(d, prompts, outs, "bfloat16"))
+    assert_as_accurate(*errors_of(d, prompts, outs, "bfloat16"))
 
 
 @pytest.mark.slow
 def test_tiny_model_bf16_tp2_pp2_as_accurate_as_transformers(tiny):
     """The TP all-reduces and the PP hand-offs carry bf16 activations."""
     d, prompts = tiny
-    _assert_as_accurate(*_errors(d, prompts, "bfloat16", tokens_per_block=8, tensor_parallel_size=2,
+    assert_as_accurate(*_errors(d, prompts, "bfloat16", tokens_per_block=8, tensor_parallel_size=2,
                                  pipeline_parallel_size=2, num_threads=1))
 
 
@@ -105,4 +80,4 @@ def test_smollm2_bf16_as_accurate_as_transformers(pdserve_cache, smollm2_path):
     tok = transformers.AutoTokenizer.from_pretrained(d)
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "The three primary colors are",
              "In 1492,", "Water boils at", "The quick brown fox", "To make a cake, you"]
-    _assert_as_accurate(*_errors(d, [tok(t).input_ids for t in texts], "bfloat16", cache_dir=str(pdserve_cache)))
+    assert_as_accurate(*_errors(d, [tok(t).input_ids for t in texts], "bfloat16", cache_dir=str(pdserve_cache)))

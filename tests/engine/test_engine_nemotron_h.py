@@ -18,6 +18,8 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.testing.disagg import context_first, step_until
 from pdserve.testing.tiny_nemotron_h import make_tiny_nemotron_h
 
+from low_precision_oracle import assert_as_accurate, errors
+
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
@@ -58,24 +60,7 @@ def test_greedy_tokens_equal_transformers(nemotron, engine):
 
 def test_bf16_is_as_accurate_as_transformers_bf16(nemotron):
     d, prompts, _ = nemotron
-    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, logprobs=0)
-    with LLM(EngineConfig(model=d, dtype="bfloat16", tokens_per_block=8)) as llm:
-        outs = llm.generate(prompts, params)
-    load = transformers.AutoModelForCausalLM.from_pretrained
-    exact, low = load(d, torch_dtype=torch.float32), load(d, torch_dtype=torch.bfloat16)
-    ours, theirs = [], []
-    for prompt, out in zip(prompts, outs):
-        chosen = torch.tensor(out.token_ids)
-        at = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(chosen))
-        with torch.inference_mode():
-            seq = torch.tensor([prompt + out.token_ids])
-            ref = torch.log_softmax(exact(seq).logits[0].float(), -1)[at, chosen]
-            same_dtype = torch.log_softmax(low(seq).logits[0].float(), -1)[at, chosen]
-        ours.append((torch.tensor([lp["logprob"] for lp in out.logprobs]) - ref).abs())
-        theirs.append((same_dtype - ref).abs())
-    ours, theirs = torch.cat(ours), torch.cat(theirs)
-    assert ours.mean() <= 1.5 * theirs.mean(), (ours.mean(), theirs.mean())
-    assert ours.max() <= 2.0 * theirs.max(), (ours.max(), theirs.max())
+    assert_as_accurate(*errors(d, prompts, "bfloat16", MAX_NEW, tokens_per_block=8))
 
 
 def test_disaggregated_equals_aggregated(nemotron):
