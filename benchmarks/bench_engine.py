@@ -15,6 +15,9 @@ uses measure_generate and random_prompt from this file, so it sends the very sam
 --device cuda runs pdserve and transformers on the first CUDA device (no vLLM row) and reads the
 device's own memory bandwidth for the roofline. The embedded model does not travel to a GPU host, so
 there give --model a directory (`--tiny-smollm2` writes random weights of SmolLM2-135M's shape).
+
+--tiny-qwen3-moe DIR benches a Qwen3-MoE of random weights (8 layers of hidden 512, 32 experts of 256,
+top 4): the MoE block's grouped expert products (models/moe.py) against transformers' own.
 """
 
 from __future__ import annotations
@@ -100,8 +103,14 @@ def _drive(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tupl
 
 def decode_bytes(model) -> int:
     """Weight bytes one decode step reads: every parameter, except that a token reads one row of the
-    embedding table, and that on CPU the LM head reads its own packed copy (layers.pack_for_cpu)."""
+    embedding table, that on CPU the LM head reads its own packed copy (layers.pack_for_cpu), and that a
+    MoE block reads only the top_k experts a token picks (of batch 1: top_k / num_experts of them)."""
+    from pdserve.models.moe import SparseMoeBlock
+
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for block in (m for m in model.modules() if isinstance(m, SparseMoeBlock)):
+        experts = sum(p.numel() * p.element_size() for p in block.experts.parameters())
+        total -= experts - experts * block.top_k // len(block.experts)
     embed = model.embed_tokens
     if embed is not None and (getattr(model, "lm_head", None) is not embed or embed.head_weight is not None):
         total -= embed.weight.numel() * embed.weight.element_size()
@@ -280,6 +289,8 @@ def main() -> None:
     ap.add_argument("--tiny-smollm2", metavar="DIR", default=None,
                     help="write random weights of SmolLM2-135M's shape to DIR and bench those (for a GPU host, "
                          "where the embedded model is not installed)")
+    ap.add_argument("--tiny-qwen3-moe", metavar="DIR", default=None,
+                    help="write a small Qwen3-MoE of random weights to DIR and bench that (see above)")
     ap.add_argument("--vllm-child", metavar="MODEL_DIR", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.vllm_child:
@@ -293,6 +304,14 @@ def main() -> None:
         args.model = str(make_tiny_model(args.tiny_smollm2, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
                                          intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
                                          rope_theta=100000.0, max_position_embeddings=8192))
+    if args.tiny_qwen3_moe:
+        from pdserve.testing.tiny import make_tiny_model
+
+        args.model = str(make_tiny_model(args.tiny_qwen3_moe, arch="qwen3_moe", num_layers=8, num_heads=8,
+                                         num_kv_heads=4, head_dim=64, intermediate_size=1024, vocab_size=8192,
+                                         max_position_embeddings=4096,
+                                         moe_shape={"num_experts": 32, "num_experts_per_tok": 4,
+                                                    "moe_intermediate_size": 256}))
     vllm_python = None if args.device == "cuda" else resolve_vllm_python(args.vllm_python)
     if vllm_python is None:
         print("note: no vLLM row (pass --vllm-python or set VLLM_PYTHON to an interpreter with vllm)")

@@ -23,11 +23,14 @@ MOE_SHAPE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size"
              "decoder_sparse_step": 1}
 
 
-def qwen3_config_extras(arch: str, num_layers: int) -> dict[str, Any]:
+def qwen3_config_extras(arch: str, num_layers: int, moe_shape: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`moe_shape`: MoE config keys to set instead of MOE_SHAPE's (qwen3_moe only)."""
     if arch == "qwen3":
+        if moe_shape:
+            raise ValueError("moe_shape is for arch='qwen3_moe'; the dense Qwen3 has no experts")
         return {"attention_bias": True, "use_sliding_window": False, "sliding_window": None}
-    return {"attention_bias": False, "use_sliding_window": False, "sliding_window": None, **MOE_SHAPE,
-            "mlp_only_layers": [1] if num_layers > 1 else []}
+    return {"attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+            "mlp_only_layers": [1] if num_layers > 1 else [], **MOE_SHAPE, **(moe_shape or {})}
 
 
 def is_moe_layer(cfg: dict[str, Any], i: int) -> bool:
