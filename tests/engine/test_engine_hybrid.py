@@ -20,9 +20,12 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.llm import LLM
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Resume
 from pdserve.distributed import free_port
 from pdserve.testing import make_tiny_model
+from pdserve.testing.disagg import step_until
 
 from low_precision_oracle import assert_as_accurate, errors
 from pdserve.testing.servers import wait_for_health
@@ -131,3 +134,17 @@ def test_pdserve_serve_answers_the_openai_client_as_transformers_does(hybrid):
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("cut", [1, 7])
+def test_a_resumed_request_recomputes_the_state_and_goes_on_as_it_would_have(hybrid, cut):
+    """Stream migration (`resume`): another instance's output so far is recomputed with the prompt, the
+    recurrent state with it, and the request goes on with the tokens the lost instance would have sent."""
+    d, prompts, ref = hybrid
+    engine = LLMEngine(EngineConfig(model=str(d), tokens_per_block=8))
+    try:
+        engine.add_request(prompts[2], GREEDY, "r", resume=Resume(tuple(ref[2][:cut]), 0))
+        outs = step_until([engine], lambda outs: any(o.finished for o in outs))
+        assert [t for o in outs for t in o.new_token_ids] == ref[2][cut:]
+    finally:
+        engine.shutdown()
