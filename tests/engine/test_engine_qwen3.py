@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import torch
+from low_precision_oracle import assert_as_accurate, errors
 
 from pdserve.config import EngineConfig
 from pdserve.distributed import free_port
@@ -94,24 +95,7 @@ def test_bf16_is_as_accurate_as_transformers_bf16(model):
     """bf16: tokens part ways on near-ties, so the oracle is accuracy. Teacher-forced on the tokens pdserve
     chose, pdserve's log-probabilities are as close to transformers' fp32 ones as transformers' own bf16."""
     d, prompts, _ = model
-    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, logprobs=0)
-    with LLM(EngineConfig(model=str(d), dtype="bfloat16", tokens_per_block=8)) as llm:
-        outs = llm.generate(prompts, params)
-    load = transformers.AutoModelForCausalLM.from_pretrained
-    exact, low = load(d, torch_dtype=torch.float32), load(d, torch_dtype=torch.bfloat16)
-    ours, theirs = [], []
-    for prompt, out in zip(prompts, outs):
-        chosen = torch.tensor(out.token_ids)
-        at = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(chosen))
-        with torch.inference_mode():
-            seq = torch.tensor([prompt + out.token_ids])
-            ref = torch.log_softmax(exact(seq).logits[0].float(), -1)[at, chosen]
-            same_dtype = torch.log_softmax(low(seq).logits[0].float(), -1)[at, chosen]
-        ours.append((torch.tensor([lp["logprob"] for lp in out.logprobs]) - ref).abs())
-        theirs.append((same_dtype - ref).abs())
-    ours, theirs = torch.cat(ours), torch.cat(theirs)
-    assert ours.mean() <= 1.5 * theirs.mean(), (ours.mean(), theirs.mean())
-    assert ours.max() <= 2.0 * theirs.max(), (ours.max(), theirs.max())
+    assert_as_accurate(*errors(d, prompts, "bfloat16", MAX_NEW, tokens_per_block=8))
 
 
 def _disagg_engine(d):
