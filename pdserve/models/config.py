@@ -103,9 +103,10 @@ class ModelConfig:
     recurrent_layers: tuple[int, ...] = ()
     linear_attention: LinearAttentionShape | None = None
     partial_rotary_factor: float = 1.0
-    # Nemotron-H: the Mamba2 mixers' shape, and the layers that are an MLP alone (no token mixer, no KV)
+    # Nemotron-H: the Mamba2 mixers' shape, and the layers that keep neither KV nor a state (its MLP-only layers;
+    # not Qwen3-MoE's `mlp_only_layers` key, which names its dense layers among the MoE ones)
     mamba: Mamba2Shape | None = None
-    mlp_only_layers: tuple[int, ...] = ()
+    cacheless_layers: tuple[int, ...] = ()
     # Qwen3: q and k RMS-normalised per head (a [head_dim] weight each) before RoPE; o_proj carries a bias
     # where attention_bias says so (Qwen2's never does).
     qk_norm: bool = False
@@ -122,7 +123,7 @@ class ModelConfig:
 
     def kv_layers(self, first: int, count: int) -> list[int]:
         """The layers of [first, first + count) that keep KV (all but the recurrent and the MLP-only ones)."""
-        return [i for i in range(first, first + count) if not self.is_recurrent(i) and i not in self.mlp_only_layers]
+        return [i for i in range(first, first + count) if not self.is_recurrent(i) and i not in self.cacheless_layers]
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s (global index) sliding window in positions; 0 for full attention."""
@@ -287,7 +288,7 @@ def _nemotron_h(cls, cfg: dict[str, Any]) -> "ModelConfig":
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), attention_bias=False,
         recurrent_layers=tuple(i for i, k in enumerate(kinds) if k == "linear_attention"),
-        mlp_only_layers=tuple(i for i, k in enumerate(kinds) if k == "mlp"), mamba=mamba)
+        cacheless_layers=tuple(i for i, k in enumerate(kinds) if k == "mlp"), mamba=mamba)
 
 
 def _sliding_window(cfg: dict[str, Any], arch: str) -> dict[str, Any]:

@@ -40,7 +40,7 @@ class HybridStage(nn.Module):
                 recurrent += 1
             else:
                 out.append((index, kv))
-                kv += index not in self.cfg.mlp_only_layers
+                kv += index not in self.cfg.cacheless_layers
         self.num_kv_layers, self.num_recurrent_layers = kv, recurrent
         return out
 

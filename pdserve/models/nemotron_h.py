@@ -79,7 +79,7 @@ class ReluSquaredMLP(nn.Module):
 class NemotronHLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, ps: ParallelState, dtype: torch.dtype, index: int, slot: int):
         super().__init__()
-        self.kind = ("mamba" if cfg.is_recurrent(index) else "mlp" if index in cfg.mlp_only_layers
+        self.kind = ("mamba" if cfg.is_recurrent(index) else "mlp" if index in cfg.cacheless_layers
                      else "attention")
         self.slot = slot  # this layer's index in the KV cache (attention) or in the state (mamba)
         self.norm = Fp32RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
