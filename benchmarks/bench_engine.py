@@ -18,6 +18,9 @@ there give --model a directory (`--tiny-smollm2` writes random weights of SmolLM
 
 --tiny-qwen3-moe DIR benches a Qwen3-MoE of random weights (8 layers of hidden 512, 32 experts of 256,
 top 4): the MoE block's grouped expert products (models/moe.py) against transformers' own.
+--tiny-qwen3-5 DIR and --tiny-nemotron-h DIR bench hybrid models of random weights (8 layers of hidden 512:
+Qwen3.5 with 6 Gated DeltaNet layers of 8 value heads of 64, Nemotron-H with 4 Mamba2 layers of 16 heads
+of 64 and a 64-dim state), the recurrences in PyTorch (gated_deltanet.py, mamba2.py) against transformers'.
 """
 
 from __future__ import annotations
@@ -291,6 +294,10 @@ def main() -> None:
                          "where the embedded model is not installed)")
     ap.add_argument("--tiny-qwen3-moe", metavar="DIR", default=None,
                     help="write a small Qwen3-MoE of random weights to DIR and bench that (see above)")
+    ap.add_argument("--tiny-qwen3-5", metavar="DIR", default=None,
+                    help="write a small Qwen3.5 (hybrid) of random weights to DIR and bench that (see above)")
+    ap.add_argument("--tiny-nemotron-h", metavar="DIR", default=None,
+                    help="write a small Nemotron-H (hybrid) of random weights to DIR and bench that (see above)")
     ap.add_argument("--vllm-child", metavar="MODEL_DIR", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.vllm_child:
@@ -312,6 +319,22 @@ def main() -> None:
                                          max_position_embeddings=4096,
                                          moe_shape={"num_experts": 32, "num_experts_per_tok": 4,
                                                     "moe_intermediate_size": 256}))
+    if args.tiny_qwen3_5:
+        from pdserve.testing.tiny import make_tiny_model
+
+        args.model = str(make_tiny_model(args.tiny_qwen3_5, arch="qwen3_5", num_layers=8, num_heads=8, num_kv_heads=2,
+                                         head_dim=64, intermediate_size=1536, vocab_size=8192,
+                                         max_position_embeddings=4096,
+                                         linear_shape={"linear_num_key_heads": 4, "linear_num_value_heads": 8,
+                                                       "linear_key_head_dim": 64, "linear_value_head_dim": 64}))
+    if args.tiny_nemotron_h:
+        from pdserve.testing.tiny_nemotron_h import make_tiny_nemotron_h
+
+        args.model = str(make_tiny_nemotron_h(args.tiny_nemotron_h, pattern="M-M-M*M-", hidden_size=512, num_heads=8,
+                                              num_kv_heads=2, head_dim=64, intermediate_size=1536, vocab_size=8192,
+                                              max_position_embeddings=4096,
+                                              mamba={"mamba_num_heads": 16, "mamba_head_dim": 64, "n_groups": 2,
+                                                     "ssm_state_size": 64}))
     vllm_python = None if args.device == "cuda" else resolve_vllm_python(args.vllm_python)
     if vllm_python is None:
         print("note: no vLLM row (pass --vllm-python or set VLLM_PYTHON to an interpreter with vllm)")

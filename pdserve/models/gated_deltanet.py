@@ -24,7 +24,8 @@ from torch import nn
 from pdserve.distributed import ParallelState
 from pdserve.models.config import LinearAttentionShape
 from pdserve.models.layers import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, _shard
-from pdserve.models.recurrent_state import RecurrentState, StateGeometry, StateSlice, causal_conv
+from pdserve.models.recurrent_state import (RecurrentState, StateGeometry, StateSlice, causal_conv, causal_conv_step,
+                                           decode_slots)
 
 
 def _l2_normalised(x: torch.Tensor) -> torch.Tensor:
@@ -160,6 +161,12 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).view(n, self.v_heads, s.v_head_dim)
         beta = self.in_proj_b(x).sigmoid().float()  # [n, v_heads]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        batch = decode_slots(seqs, n)
+        if batch is not None:  # a decode step: every sequence at once
+            slots, fresh = batch
+            mixed = causal_conv_step(qkv, state.conv[:, layer], slots, fresh, self.conv_weight, None)
+            return self.out_proj(self.norm(self._rule_step(mixed, g, beta, state.ssm[:, layer], slots, fresh), z)
+                                 .view(n, -1))
         out = torch.empty(n, self.v_heads, s.v_head_dim, dtype=x.dtype, device=x.device)
         for seq in seqs:
             rows = slice(seq.q_start, seq.q_start + seq.q_len)
@@ -173,12 +180,28 @@ class GatedDeltaNet(nn.Module):
     def _conv(self, qkv: torch.Tensor, conv_state: torch.Tensor, fresh: bool) -> torch.Tensor:
         return causal_conv(qkv, conv_state, self.conv_weight, None, fresh)
 
-    def _rule(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ssm: torch.Tensor) -> torch.Tensor:
+    def _qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The conv's output rows [t, channels] as the rule takes them: q, k [t, v_heads, k_dim] (normalised,
+        q scaled, each key head repeated for its value heads) and v [t, v_heads, v_dim], fp32."""
         s, t = self.shape, mixed.shape[0]
         kd = self.k_heads * s.k_head_dim
         q, k, v = mixed.split([kd, kd, self.v_heads * s.v_head_dim], dim=-1)
         per = self.v_heads // self.k_heads  # value heads per key head
         q = _l2_normalised(q.float().view(t, self.k_heads, s.k_head_dim)).repeat_interleave(per, dim=1)
         k = _l2_normalised(k.float().view(t, self.k_heads, s.k_head_dim)).repeat_interleave(per, dim=1)
-        o = delta_rule(q * s.k_head_dim ** -0.5, k, v.float().view(t, self.v_heads, s.v_head_dim), g, beta, ssm)
-        return o.to(mixed.dtype)
+        return q * s.k_head_dim ** -0.5, k, v.float().view(t, self.v_heads, s.v_head_dim)
+
+    def _rule(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ssm: torch.Tensor) -> torch.Tensor:
+        return delta_rule(*self._qkv(mixed), g, beta, ssm).to(mixed.dtype)
+
+    def _rule_step(self, mixed, g, beta, ssm: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor):
+        """One token of each of b sequences (row i: slot slots[i]) through the rule at once; ssm is the
+        layer's pool [num_slots, v_heads, k_dim, v_dim]. Returns [b, v_heads, v_dim] in mixed's dtype."""
+        q, k, v = self._qkv(mixed)  # [b, v_heads, ...]
+        s = ssm[slots]
+        s[fresh] = 0
+        s = s * g.exp()[:, :, None, None]
+        remembered = torch.einsum("bhkv,bhk->bhv", s, k)
+        s = s + k.unsqueeze(-1) * ((v - remembered) * beta.unsqueeze(-1)).unsqueeze(-2)
+        ssm[slots] = s
+        return torch.einsum("bhkv,bhk->bhv", s, q).to(mixed.dtype)

@@ -25,7 +25,8 @@ from torch import nn
 from pdserve.distributed import ParallelState
 from pdserve.models.config import Mamba2Shape
 from pdserve.models.layers import MergedColumnParallelLinear, RowParallelLinear, _shard
-from pdserve.models.recurrent_state import RecurrentState, StateGeometry, StateSlice, causal_conv
+from pdserve.models.recurrent_state import (RecurrentState, StateGeometry, StateSlice, causal_conv, causal_conv_step,
+                                           decode_slots)
 
 CHUNK = 64  # tokens the chunked scan takes at once
 
@@ -117,8 +118,23 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = self.in_proj(x).split([inner, inner + 2 * bc, self.heads], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=s.time_step_min)  # [n, heads]
         a = -self.A_log.float().exp()
-        y = torch.empty(n, self.heads, s.head_dim, dtype=torch.float32, device=x.device)
         per = self.heads // self.groups
+        batch = decode_slots(seqs, n)
+        if batch is not None:  # a decode step: every sequence at once
+            slots, fresh = batch
+            mixed = causal_conv_step(xbc, state.conv[:, layer], slots, fresh, self.conv_weight, self.conv_bias)
+            xs, b, c = mixed.float().split([inner, bc, bc], dim=-1)
+            xs = xs.view(n, self.heads, s.head_dim)
+            b = b.view(n, self.groups, s.state_size).repeat_interleave(per, dim=1)
+            c = c.view(n, self.groups, s.state_size).repeat_interleave(per, dim=1)
+            ssm = state.ssm[:, layer]
+            h = ssm[slots]  # [n, heads, head_dim, state]
+            h[fresh] = 0
+            h = h * (dt * a).exp()[:, :, None, None] + (dt.unsqueeze(-1) * xs).unsqueeze(-1) * b.unsqueeze(-2)
+            ssm[slots] = h
+            y = torch.einsum("bhpn,bhn->bhp", h, c) + self.D.float()[:, None] * xs
+            return self.out_proj(self._gated_norm(y.view(n, inner), z).to(x.dtype))
+        y = torch.empty(n, self.heads, s.head_dim, dtype=torch.float32, device=x.device)
         for seq in seqs:
             rows = slice(seq.q_start, seq.q_start + seq.q_len)
             mixed = causal_conv(xbc[rows], state.conv[seq.slot, layer], self.conv_weight, self.conv_bias, seq.fresh)

@@ -65,6 +65,27 @@ class RecurrentState:
         return self.conv.shape[0]
 
 
+def decode_slots(seqs: list[StateSlice], rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A step in which every sequence computes one token, row i being seqs[i]: its slots [b] and which of them
+    start fresh [b] (a one-token prompt), for the batched step (`causal_conv_step` and the mixers'); None for
+    any other step, which goes sequence by sequence."""
+    if len(seqs) != rows or any(s.q_len != 1 for s in seqs):
+        return None
+    return torch.tensor([s.slot for s in seqs]), torch.tensor([s.fresh for s in seqs])
+
+
+def causal_conv_step(x: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
+                     weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`causal_conv` of one token for each of b sequences at once: x [b, channels]; conv the layer's pool
+    [num_slots, channels, taps - 1], read and written at `slots`, zeros for the `fresh` ones."""
+    states = conv[slots]  # [b, channels, taps - 1] (a copy)
+    states[fresh] = 0
+    window = torch.cat([states, x.unsqueeze(-1).to(weight.dtype)], dim=-1)  # [b, channels, taps]
+    conv[slots] = window[:, :, 1:]
+    out = F.conv1d(window, weight, bias, groups=window.shape[1])[:, :, 0]  # [b, channels]
+    return F.silu(out).to(x.dtype)
+
+
 def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 fresh: bool) -> torch.Tensor:
     """Depthwise causal conv + silu of one sequence's rows x: [t, channels], after the inputs kept in

@@ -147,6 +147,7 @@ def tiny_config(
     dtype: torch.dtype,
     sliding_window: int | None = None,
     moe_shape: dict[str, Any] | None = None,
+    linear_shape: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The config.json dict, in the legacy (rope_theta / rope_scaling) form real checkpoints use."""
     cfg: dict[str, Any] = {
@@ -170,7 +171,7 @@ def tiny_config(
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
     if arch == "qwen3_5":
-        cfg.update(hybrid_config_extras(num_layers, head_dim, rope_theta))
+        cfg.update(hybrid_config_extras(num_layers, head_dim, rope_theta, linear_shape))
     elif arch in QWEN3_ARCHS:
         cfg.update(qwen3_config_extras(arch, num_layers, moe_shape))
     elif arch == "llama":
@@ -259,6 +260,7 @@ def make_tiny_model(
     max_position_embeddings: int = 2048,
     sliding_window: int | None = None,
     moe_shape: dict[str, Any] | None = None,
+    linear_shape: dict[str, Any] | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
 ) -> Path:
@@ -270,7 +272,8 @@ def make_tiny_model(
     positions (mistral: every layer; qwen2: the second half of them). arch="qwen3_5" is the hybrid
     Qwen3.5 text model (tiny_hybrid.py: every fourth layer full attention, the others Gated DeltaNet);
     "qwen3" and "qwen3_moe" add q/k norms and, for the MoE, 8 experts in every layer but layer 1 (tiny_qwen3.py);
-    `moe_shape` overrides the MoE's config keys (num_experts, num_experts_per_tok, moe_intermediate_size, ...).
+    `moe_shape` overrides the MoE's config keys (num_experts, num_experts_per_tok, moe_intermediate_size, ...),
+    `linear_shape` Qwen3.5's Gated DeltaNet keys (linear_num_key_heads, linear_key_head_dim, ...).
     """
     if arch not in _ARCH_CLASSES:
         raise ValueError(f"arch={arch!r} unknown; choose one of {sorted(_ARCH_CLASSES)}")
@@ -305,6 +308,7 @@ def make_tiny_model(
         max_position_embeddings=max_position_embeddings,
         sliding_window=sliding_window,
         moe_shape=moe_shape,
+        linear_shape=linear_shape,
         dtype=dtype,
     )
     return write_model_dir(out_dir, cfg, tiny_weights(cfg, seed), tokenizer, max_position_embeddings, dtype)

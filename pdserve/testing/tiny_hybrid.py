@@ -17,10 +17,13 @@ LINEAR_SHAPE = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_
                 "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4}
 
 
-def hybrid_config_extras(num_layers: int, head_dim: int, rope_theta: float) -> dict[str, Any]:
+def hybrid_config_extras(num_layers: int, head_dim: int, rope_theta: float,
+                         linear_shape: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Qwen3.5's config keys: layer_types, the Gated DeltaNet shape (LINEAR_SHAPE, or `linear_shape` over it)
+    and RoPE on a quarter of each head."""
     kinds = ["full_attention" if i % FULL_ATTENTION_EVERY == FULL_ATTENTION_EVERY - 1 else "linear_attention"
              for i in range(num_layers)]
-    return {"layer_types": kinds, "attention_bias": False, **LINEAR_SHAPE,
+    return {"layer_types": kinds, "attention_bias": False, **LINEAR_SHAPE, **(linear_shape or {}),
             "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta, "partial_rotary_factor": 0.25},
             "rope_scaling": None}
 

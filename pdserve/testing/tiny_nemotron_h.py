@@ -23,7 +23,8 @@ MAMBA = {"mamba_num_heads": 8, "mamba_head_dim": 8, "n_groups": 2, "ssm_state_si
 def make_tiny_nemotron_h(out_dir: str | os.PathLike, *, pattern: str = "M-*-M-", hidden_size: int = 64,
                          num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16, intermediate_size: int = 128,
                          vocab_size: int = 512, max_position_embeddings: int = 2048, seed: int = 0,
-                         dtype: torch.dtype = torch.float32) -> Path:
+                         dtype: torch.dtype = torch.float32, mamba: dict | None = None) -> Path:
+    """`mamba` overrides MAMBA's config keys (mamba_num_heads, mamba_head_dim, n_groups, ssm_state_size, ...)."""
     if set(pattern) - set(_KINDS):
         raise ValueError(f"pattern {pattern!r}: one of {sorted(_KINDS)} per layer")
     cfg = {
@@ -35,7 +36,7 @@ def make_tiny_nemotron_h(out_dir: str | os.PathLike, *, pattern: str = "M-*-M-",
         "mlp_bias": False, "attention_bias": False, "time_step_min": 0.001, "chunk_size": 16,
         "max_position_embeddings": max_position_embeddings, "tie_word_embeddings": False,
         "bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "torch_dtype": str(dtype).removeprefix("torch."),
-        **MAMBA,
+        **MAMBA, **(mamba or {}),
     }
     return write_model_dir(out_dir, cfg, _weights(cfg, seed), build_tiny_tokenizer(vocab_size, "llama"),
                            max_position_embeddings, dtype)
