@@ -9,12 +9,8 @@ random weights (tiny models written by `make_tiny_model(arch="qwen3_5")`).
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import openai
 import pytest
 import torch
 
@@ -23,13 +19,11 @@ from pdserve.engine.llm import LLM
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Resume
-from pdserve.distributed import free_port
 from pdserve.testing import make_tiny_model
 from pdserve.testing.disagg import step_until
 
 from low_precision_oracle import assert_as_accurate, errors
-from pdserve.testing.servers import wait_for_health
-from pdserve.tokenizer import Tokenizer
+from served import assert_greedy_completions, pdserve_serve
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -112,28 +106,10 @@ def test_pdserve_serve_answers_the_openai_client_as_transformers_does(hybrid):
     """`pdserve serve DIR` of the hybrid model, asked through the OpenAI client: the greedy completion of
     each prompt (token ids in, all sent at once) is transformers' text, and /metrics counts its state slots."""
     d, prompts, ref = hybrid
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "serve", str(d),
-                             "--port", str(port), "--tokens-per-block", "8", "--max-num-seqs", "4"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_for_health(url, proc, proc.stdout.read)
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-
-        def complete(prompt):
-            return client.completions.create(model=d.name, prompt=prompt, max_tokens=MAX_NEW, temperature=0,
-                                             extra_body={"ignore_eos": True}).choices[0].text
-
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            texts = list(pool.map(complete, prompts))
-        tokenizer = Tokenizer.from_dir(d)
-        assert texts == [tokenizer.decode(r) for r in ref]
+    with pdserve_serve(d, "--tokens-per-block", "8", "--max-num-seqs", "4") as url:
+        assert_greedy_completions(url, d, prompts, ref, MAX_NEW)
         metrics = httpx.get(url + "/metrics", timeout=10).text
         assert "pdserve_state_slots_total 4.0" in metrics and "pdserve_state_slots_free 4.0" in metrics
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
 
 
 @pytest.mark.parametrize("cut", [1, 7])

@@ -9,24 +9,17 @@ sequence preempted and recomputed, tensor- or pipeline-parallel, or disaggregate
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
-
-import openai
 import pytest
 import torch
 from low_precision_oracle import assert_as_accurate, errors
+from served import assert_greedy_completions, pdserve_serve
 
 from pdserve.config import EngineConfig
-from pdserve.distributed import free_port
 from pdserve.engine.llm import LLM
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.testing import make_tiny_model
 from pdserve.testing.disagg import context_first
-from pdserve.testing.servers import wait_for_health
-from pdserve.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -126,23 +119,5 @@ def test_pdserve_serve_answers_the_openai_client_as_transformers_does(model):
     """`pdserve serve DIR`, asked through the OpenAI client: the greedy completion of each prompt (token
     ids in, all sent at once) is transformers' text."""
     d, prompts, ref = model
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "serve", str(d),
-                             "--port", str(port), "--tokens-per-block", "8", "--max-num-seqs", "4"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_for_health(url, proc, proc.stdout.read)
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-
-        def complete(prompt):
-            return client.completions.create(model=d.name, prompt=prompt, max_tokens=MAX_NEW, temperature=0,
-                                             extra_body={"ignore_eos": True}).choices[0].text
-
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            texts = list(pool.map(complete, prompts))
-        tokenizer = Tokenizer.from_dir(d)
-        assert texts == [tokenizer.decode(r) for r in ref]
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
+    with pdserve_serve(d, "--tokens-per-block", "8", "--max-num-seqs", "4") as url:
+        assert_greedy_completions(url, d, prompts, ref, MAX_NEW)
