@@ -2,7 +2,9 @@
 
     python benchmarks/bench_engine.py [--dtypes float32 bfloat16] [--decode-tokens 64] [--device cpu|cuda]
 
-Prints one table per weight dtype: prefill tokens/s at 512 and 2048 prompt tokens, time to first
+The header names the CPU's ISA (AVX2, AVX-512, AVX-512 BF16, AMX, NEON) and the path each CPU kernel takes
+(native build, decode GEMV, flash prefill's bf16 products, oneDNN packing per dtype). Then it prints one
+table per weight dtype: prefill tokens/s at 512 and 2048 prompt tokens, time to first
 token at 1024, decode tokens/s at batch 1 and with 16 concurrent requests, and the ratio
 pdserve / transformers. It also measures memory-read bandwidth in the same run and prints the batch-1
 decode roofline (weight bytes / bandwidth).
@@ -52,6 +54,30 @@ PROMPT_DECODE = 128
 # Every figure is the best of this many runs, for every system: the machine's speed moves +-10% between
 # runs, and the first run of a new shape pays page faults for its buffers.
 REPEATS = 3
+
+
+def cpu_paths() -> str:
+    """The ISA this run has and the path each CPU kernel takes on it, for the header: a figure from an
+    AVX-512 machine says nothing of an AVX2 one. The ISA is the CPU's own; ATen's capability and oneDNN's
+    bf16 honour ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA, the native kernels PDSERVE_KERNEL_MARCH."""
+    from pdserve.models import cpu_kernels
+    from pdserve.models.layers import onednn_packs
+
+    try:
+        flags = next((line for line in open("/proc/cpuinfo") if line.startswith(("flags", "Features"))), "").split()
+    except OSError:
+        flags = []
+    isa = ("AMX" if "amx_tile" in flags else "AVX-512 BF16" if "avx512_bf16" in flags else "AVX-512"
+           if "avx512f" in flags else "AVX2" if "avx2" in flags else "NEON" if "asimd" in flags else platform.machine())
+    lib = cpu_kernels.load()
+    march = os.environ.get(cpu_kernels.MARCH_ENV, "").strip() or "native"
+    native = "off (no compiler or PDSERVE_CPU_KERNELS=0)" if lib is None else f"built for -march={march}"
+    pairs = lib is not None and lib.flash_prefill_bf16_pairs() == 1
+    return (f"isa: {isa} (ATen {torch.backends.cpu.get_cpu_capability()}); native kernels {native}; "
+            f"decode GEMV {'on' if cpu_kernels.skinny_linear_runs() else 'off (no AVX-512 in the build)'}; "
+            f"flash prefill bf16 products {'bf16 (AVX512-BF16)' if pairs else 'fp32'}; "
+            f"oneDNN GEMM: fp32 {'packed' if onednn_packs(torch.float32) else 'plain'}, "
+            f"bf16 {'packed' if onednn_packs(torch.bfloat16) else 'plain (F.linear)'}")
 
 
 def sync(device: str) -> None:
@@ -346,6 +372,8 @@ def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{where}; {args.device} memory-read bandwidth {bandwidth:.1f} GB/s"
           + (f"; best of {args.rounds} rounds" if args.rounds > 1 else ""))
+    if args.device == "cpu":
+        print(cpu_paths())
     for dtype in args.dtypes:
         runs: dict[str, list[dict]] = {}
         for _ in range(args.rounds):
