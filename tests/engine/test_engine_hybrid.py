@@ -124,3 +124,25 @@ def test_a_resumed_request_recomputes_the_state_and_goes_on_as_it_would_have(hyb
         assert [t for o in outs for t in o.new_token_ids] == ref[2][cut:]
     finally:
         engine.shutdown()
+
+
+def test_an_aborted_request_gives_its_state_slot_back_and_the_others_go_on(hybrid):
+    """Aborted mid-decode (a client gone): its blocks and its state slot are free at once, and the requests
+    decoding beside it, whose slots the freed one sat among, still give transformers' tokens."""
+    d, prompts, ref = hybrid
+    engine = LLMEngine(EngineConfig(model=str(d), tokens_per_block=8, max_num_seqs=3))
+    try:
+        for i in (0, 1, 2):
+            engine.add_request(prompts[i], GREEDY, f"r{i}")
+        outs = step_until([engine], lambda outs: sum(1 for o in outs if o.request_id == "r1") >= 4)
+        engine.abort("r1")
+        engine.take_abort_output("r1")
+        assert engine.blocks.num_free_state_slots == 1
+        engine.add_request(prompts[4], GREEDY, "r4")  # takes the freed slot while r0 and r2 decode
+        outs += step_until([engine], lambda _: not engine.has_unfinished())
+        got = {rid: [t for o in outs if o.request_id == rid for t in o.new_token_ids] for rid in ("r0", "r2", "r4")}
+        assert got == {"r0": ref[0], "r2": ref[2], "r4": ref[4]}
+        assert engine.blocks.num_free_state_slots == engine.blocks.num_state_slots == 3
+        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    finally:
+        engine.shutdown()
