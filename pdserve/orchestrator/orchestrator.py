@@ -30,11 +30,10 @@ validate the request.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import AsyncIterable, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import AsyncIterable, Awaitable, Callable, TypeVar
 
 import httpx
 
@@ -43,9 +42,10 @@ from pdserve.orchestrator import sse
 from pdserve.orchestrator.config import DisaggConfig
 from pdserve.orchestrator.errors import OrchestratorError, WorkerUnreachable
 from pdserve.orchestrator.metrics import OrchestratorMetrics
+from pdserve.orchestrator.relay import Relay, Streamed
 from pdserve.orchestrator.request_id import RequestIdGenerator
 from pdserve.orchestrator.routers import Route, RouteRequest, session_key
-from pdserve.orchestrator.upstream import get_json, iter_stream, open_stream, post_json
+from pdserve.orchestrator.upstream import get_json, open_stream, post_json
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -438,7 +438,7 @@ class Orchestrator:
             return answer
         if self.cfg.migrate_streams:  # what a move needs: the ids of the tokens streamed so far
             body["return_token_ids"] = True
-        return _Relay(self, req, *await self._open_stream(req, body, route, whole))
+        return Relay(self, req, *await self._open_stream(req, body, route, whole))
 
     async def _open_stream(self, req: _Request, body: dict, route: Route | None = None,
                            whole: bool = True) -> tuple[Route, httpx.Response]:
@@ -447,7 +447,7 @@ class Orchestrator:
         return await self._call("generation", req, lambda url: open_stream(
             self.http, "generation", url, req.api, body, timeout, self.member_headers), route, whole)
 
-    async def _moved(self, req: _Request, route: Route, e: OrchestratorError, so_far: "_Streamed",
+    async def _moved(self, req: _Request, route: Route, e: OrchestratorError, so_far: Streamed,
                      moves: int) -> tuple[Route, httpx.Response] | None:
         """A stream whose generation instance at `route` was lost mid-stream (`e`), opened again on another
         instance, which goes on from the output `so_far` (served whole there: prompt and output recomputed);
@@ -470,117 +470,6 @@ class Orchestrator:
         return opened
 
 
-class _Streamed:
-    """What a relayed stream has sent its client: the token ids and characters of its text, and the id
-    and created time of its chunks. The ids come from the worker's return_token_ids, which the relay
-    takes out again unless the client asked for them."""
-
-    def __init__(self, client_wants_ids: bool):
-        self.client_wants_ids = client_wants_ids
-        self.token_ids: list[int] = []
-        self.chars = 0
-        self.id: str | None = None
-        self.created: int | None = None
-
-    def take(self, events: bytes) -> bytes:
-        """`events` (whole ones), counted, as the client gets them."""
-        out = []
-        for raw in events.split(sse.EVENT_END)[:-1]:
-            if not raw.startswith(b"data: {"):
-                out.append(raw)
-                continue
-            data = json.loads(raw[len(b"data: "):])
-            choices = data.get("choices")
-            if "error" in data or not isinstance(choices, list):
-                out.append(raw)
-                continue
-            self.id, self.created = data.get("id", self.id), data.get("created", self.created)
-            stripped = False
-            for choice in choices[:1]:
-                ids = choice.get("token_ids") if self.client_wants_ids else choice.pop("token_ids", None)
-                stripped = ids is not None and not self.client_wants_ids
-                self.token_ids += ids or []
-                delta = choice.get("delta")
-                self.chars += len((delta.get("content") if isinstance(delta, dict) else choice.get("text")) or "")
-            out.append(b"data: " + json.dumps(data, separators=(",", ":")).encode() if stripped else raw)
-        return sse.EVENT_END.join(out) + sse.EVENT_END
-
-
-class _Relay:
-    """A generation worker's open SSE stream, relayed to the client.
-
-    Iterating it yields the worker's events, whole; `aclose` releases the worker connection and the
-    route exactly once, whether or not the relay ever started. (A plain async generator that was never
-    iterated skips its `finally` on close, which leaked both when a generation_first request's
-    context side failed after the generation stream had opened.)
-
-    When the worker is lost mid-stream (killed, connection lost), the stream moves to another instance,
-    which goes on from the tokens sent so far (migrate_streams, up to max_retries moves). When it cannot
-    move, or the worker failed otherwise (silent for request_timeout), the status line is long gone: the
-    client gets an error event, then `data: [DONE]`, as a worker ends a stream that failed. Events are
-    relayed only once their blank line has arrived, so the half of one that a dying worker sent never
-    runs into what follows."""
-
-    def __init__(self, orch: Orchestrator, req: _Request, route: Route, response: httpx.Response):
-        self.orch, self.req, self.route, self.response = orch, req, route, response
-        self._released = False  # this route's worker connection and reservation
-        self._ended = False
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        orch, req = self.orch, self.req
-        first, moves = True, 0
-        streamed = _Streamed(bool(req.body.get("return_token_ids")))
-        try:
-            while True:
-                tail = b""
-                try:
-                    async for chunk in iter_stream(self.response, "generation", self.route.url,
-                                                   orch.cfg.request_timeout):
-                        events, end, tail = (tail + chunk).rpartition(sse.EVENT_END)
-                        if not end:
-                            continue
-                        if first:
-                            first = False
-                            orch.metrics.ttft.observe(time.monotonic() - req.arrival)
-                        yield streamed.take(events + end)
-                    if tail:
-                        yield tail
-                    return
-                except OrchestratorError as e:
-                    orch.metrics.worker_errors.labels("generation", str(e.status)).inc()
-                    await self._release()
-                    moved = await orch._moved(req, self.route, e, streamed, moves)
-                    if moved is None:
-                        yield sse.event(e.body())
-                        yield sse.DONE
-                        return
-                    lost = self.route.url
-                    (self.route, self.response), self._released, moves = moved, False, moves + 1
-                    log.info("a stream lost with %s moved to %s after %d tokens", lost, self.route.url,
-                             len(streamed.token_ids))
-        finally:
-            await self.aclose()
-
-    async def _release(self) -> None:
-        """Close the current worker's response and finish its route, once."""
-        if self._released:
-            return
-        self._released = True
-        try:
-            await self.response.aclose()
-        finally:
-            await self.orch.cluster.finish("generation", self.route.url, self.req.route_req)
-
-    async def aclose(self) -> None:
-        if self._ended:
-            return
-        self._ended = True
-        try:
-            await self._release()
-        finally:
-            self.orch.metrics.e2e.observe(time.monotonic() - self.req.arrival)
-
-
 def _lost(role: str, e: BaseException) -> str | None:
     """Which instance `e`, from a request's half on `role`, says was lost, if one was: the context
     instance (or the KV it holds) when the context request could not be sent, dropped its connection
@@ -599,5 +488,5 @@ async def _cancel_both(ctx: asyncio.Task, gen: asyncio.Task) -> None:
     for task in (ctx, gen):
         task.cancel()
     _, opened = await asyncio.gather(ctx, gen, return_exceptions=True)
-    if isinstance(opened, _Relay):
+    if isinstance(opened, Relay):
         await opened.aclose()
