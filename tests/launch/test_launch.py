@@ -68,27 +68,6 @@ def test_launch_serves_disaggregated_and_stops_cleanly(tmp_path, tiny):
             time.sleep(0.2)
 
 
-def test_launch_serves_a_hybrid_model_disaggregated(tmp_path):
-    """Qwen3.5 (Gated DeltaNet + attention) through `pdserve launch`: context TP1, generation TP2, the state
-    re-cut by heads on its way; the answer equals one aggregated engine's."""
-    model = str(make_tiny_model(tmp_path / "m", arch="qwen3_5", num_layers=4, num_heads=4, num_kv_heads=2,
-                                head_dim=16))
-    port = free_port()
-    cluster = {"model": model, "port": port, "log_dir": str(tmp_path / "logs"), "backend": "shm",
-               "context": [{"port": free_port(), "config": SMALL_POOL}],
-               "generation": [{"port": free_port(), "config": {**SMALL_POOL, "tensor_parallel_size": 2}}]}
-    with reaped(_launch(tmp_path, cluster)) as proc:
-        wait_for_line(proc, "ready: OpenAI API", timeout=180)
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
-        prompt = "The quick brown fox jumps over the lazy dog, and"
-        got = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0,
-                                        extra_body={"ignore_eos": True})
-        with LLM(EngineConfig(model=model, tokens_per_block=8)) as llm:
-            want = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
-        assert got.choices[0].text == want.text
-        assert "stopped." in stop_cleanly(proc)
-
-
 def test_launch_without_context_instances_serves_aggregated_and_dies_with_its_servers(tmp_path, tiny):
     """`context: []` (what `pdserve plan` writes for an aggregated pick): the generation instances serve
     whole requests behind the orchestrator, which needs no context instance to be healthy.

@@ -1,6 +1,7 @@
-"""`pdserve launch` of the Qwen3 families: a cluster from one command whose disaggregated answer equals one
-aggregated engine's (context TP2 -> generation TP1 here; tests/disagg_e2e/test_e2e_qwen3.py holds the MoE's
-TP1 <-> TP2 pairs through workers and an orchestrator)."""
+"""`pdserve launch` of the families beyond Llama: a cluster from one command whose disaggregated answer equals
+one aggregated engine's. Qwen3 and Qwen3-MoE go context TP2 -> generation TP1 (attention cut by heads, every
+expert by its intermediate dimension), Qwen3.5 TP1 -> TP2 (its recurrent state re-cut by heads on the way);
+tests/disagg_e2e holds more pairs of each through workers and an orchestrator."""
 
 from __future__ import annotations
 
@@ -21,14 +22,14 @@ from pdserve.testing.wait import reaped, stop_cleanly, wait_for_line
 SMALL_POOL = {"tokens_per_block": 8, "kv_cache_memory_gb": 0.0625}
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
-def test_launch_serves_qwen3_disaggregated(tmp_path, arch):
-    """Context TP2 (attention cut by heads, every expert by its intermediate dimension), generation TP1."""
-    model = str(make_tiny_model(tmp_path / "m", arch=arch, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16))
+@pytest.mark.parametrize("arch,ctx_tp,gen_tp", [("qwen3", 2, 1), ("qwen3_moe", 2, 1), ("qwen3_5", 1, 2)])
+def test_launch_serves_the_family_disaggregated(tmp_path, arch, ctx_tp, gen_tp):
+    model = str(make_tiny_model(tmp_path / "m", arch=arch, num_layers=3 if arch != "qwen3_5" else 4, num_heads=4,
+                                num_kv_heads=2, head_dim=16))
     port = free_port()
     cluster = {"model": model, "port": port, "log_dir": str(tmp_path / "logs"), "backend": "shm",
-               "context": [{"port": free_port(), "config": {**SMALL_POOL, "tensor_parallel_size": 2}}],
-               "generation": [{"port": free_port(), "config": SMALL_POOL}]}
+               "context": [{"port": free_port(), "config": {**SMALL_POOL, "tensor_parallel_size": ctx_tp}}],
+               "generation": [{"port": free_port(), "config": {**SMALL_POOL, "tensor_parallel_size": gen_tp}}]}
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(cluster))
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "launch", str(path)], stdout=subprocess.PIPE,
