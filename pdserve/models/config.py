@@ -13,9 +13,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen3_5ForCausalLM": "qwen3_5",
 }
-HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "NemotronHForCausalLM")  # recurrent layers beside attention
 # Nemotron-H's checkpoints name each layer's one mixer; the MoE kind is not served yet (refused by name).
-NEMOTRON_H_LAYERS = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp"}
+NEMOTRON_H_LAYERS = ("linear_attention", "full_attention", "mlp")
 
 
 @dataclass(frozen=True)
@@ -97,7 +96,7 @@ class ModelConfig:
     # with use_sliding_window: from max_window_layers on). Empty: every layer attends to everything.
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
-    # Hybrid models (HYBRID_ARCHITECTURES): the layers that keep a recurrent state instead of KV, their
+    # Hybrid models (Qwen3.5, Nemotron-H): the layers that keep a recurrent state instead of KV, their
     # shape, and the full-attention layers' extras (Qwen3.5: an output gate, q/k norms, RoPE on a
     # fraction of each head).
     recurrent_layers: tuple[int, ...] = ()
@@ -191,7 +190,7 @@ class ModelConfig:
         elif rope_type not in (None, "default"):
             raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
         default_bias = SUPPORTED_ARCHITECTURES[arch] == "qwen2"
-        hybrid = _hybrid(cfg, rope) if arch in HYBRID_ARCHITECTURES else {}
+        hybrid = _qwen3_5(cfg, rope) if arch == "Qwen3_5ForCausalLM" else {}
         qwen3 = SUPPORTED_ARCHITECTURES[arch] in ("qwen3", "qwen3_moe")
         return cls(
             architecture=arch,
@@ -216,7 +215,7 @@ class ModelConfig:
         )
 
 
-def _hybrid(cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+def _qwen3_5(cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
     """Qwen3.5's recurrent layers (layer_types 'linear_attention'), their Gated DeltaNet shape and the
     fraction of each attention head RoPE rotates."""
     kinds = cfg.get("layer_types") or []

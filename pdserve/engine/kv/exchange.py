@@ -18,7 +18,7 @@ import logging
 import time
 
 from pdserve.config import EngineConfig
-from pdserve.engine.kv.connector import KVConnector, PeerDirectory, TransferTally
+from pdserve.engine.kv.connector import LAYER_GROUP, STATE_GROUP, KVConnector, PeerDirectory, TransferTally
 from pdserve.engine.kv.wire import (CancelKV, FirstToken, ForgetPeer, KVCommand, KVWireError, RankReport, ReceiveKV,
                                     SendKV)
 from pdserve.engine.scheduler import KV_NOT_FOUND, ScheduledSeq, Scheduler, transfer_stage
@@ -117,25 +117,24 @@ class KVExchange:
                 continue
             n = seq.num_prompt_tokens
             if d.pipelined:
-                chunk = chunk_blocks({0: seq.block_ids}, {0: None}, tokens_per_block=self._tokens_per_block,
+                # A hybrid model's state slot rides as a recurrent group: the last piece only (chunking.py)
+                ids = {LAYER_GROUP: seq.block_ids, STATE_GROUP: [seq.state_slot]}
+                chunk = chunk_blocks(ids, dict.fromkeys(ids), tokens_per_block=self._tokens_per_block,
                                      chunk_start=s.start, chunk_end=s.start + s.num_new_tokens, prompt_len=n,
-                                     reused_len=seq.num_cached_tokens)
+                                     reused_len=seq.num_cached_tokens, recurrent=frozenset({STATE_GROUP}))
                 if not chunk.should_send:
                     continue
-                ids, span = tuple(chunk.block_ids[0].tolist()), (chunk.token_start, chunk.token_end)
-                last = chunk.is_last
+                blocks, span = tuple(chunk.block_ids[LAYER_GROUP].tolist()), (chunk.token_start, chunk.token_end)
+                last, slot = chunk.is_last, int(chunk.block_ids[STATE_GROUP][0])
             elif s.samples:  # the prompt's prefill is done
-                ids, span, last = tuple(seq.block_ids), (0, n), True
+                blocks, span, last, slot = tuple(seq.block_ids), (0, n), True, seq.state_slot
             else:
                 continue
             state = b""
             if last and d.generation_first:
                 state = FirstToken(seq.output_token_ids[0], tuple(seq.output_logprobs[:1])).to_bytes()
             d.transfer_started = True
-            # A hybrid model's recurrent state goes with the last piece only: the state after exactly the
-            # prompt's tokens (chunking.py), which only the finished prefill has.
-            slot = seq.state_slot if last else -1
-            self._sends.append(SendKV(d.disagg_request_id, ids, span[0], span[1], last, state, slot))
+            self._sends.append(SendKV(d.disagg_request_id, blocks, span[0], span[1], last, state, slot))
 
     def _settle(self, reports: list[RankReport]) -> None:
         """Apply every rank's report; requests whose transfer all ranks settled move on."""
