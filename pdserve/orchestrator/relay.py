@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import AsyncIterator
 
 import httpx
 
@@ -15,9 +15,6 @@ from pdserve.orchestrator import sse
 from pdserve.orchestrator.errors import OrchestratorError
 from pdserve.orchestrator.routers import Route
 from pdserve.orchestrator.upstream import iter_stream
-
-if TYPE_CHECKING:
-    from pdserve.orchestrator.orchestrator import Orchestrator
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +70,9 @@ class Relay:
     relayed only once their blank line has arrived, so the half of one that a dying worker sent never
     runs into what follows."""
 
-    def __init__(self, orch: Orchestrator, req, route: Route, response: httpx.Response):
+    def __init__(self, orch, req, route: Route, response: httpx.Response):
+        """`orch`: the Orchestrator whose request `req` this is (its config, metrics, cluster, and `_moved`,
+        which opens the stream again elsewhere); not imported here, since it imports this module."""
         self.orch, self.req, self.route, self.response = orch, req, route, response
         self._released = False  # this route's worker connection and reservation
         self._ended = False
