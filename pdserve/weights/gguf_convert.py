@@ -4,7 +4,9 @@ The engine has one loading path, the HF directory; a GGUF is converted into one 
 conversion undoes, relative to how llama.cpp wrote the file:
 
 * quantization: every tensor is dequantized with `gguf.quants.dequantize` (float32), then cast;
-* tensor names: `blk.N.attn_q.weight` -> `model.layers.N.self_attn.q_proj.weight`, ...;
+* tensor names: `blk.N.attn_q.weight` -> `model.layers.N.self_attn.q_proj.weight`, ...; a MoE layer's
+  experts, stacked in one tensor per projection (`blk.N.ffn_gate_exps.weight`: [experts, out, in]), are
+  split back into the checkpoints' per-expert tensors (`model.layers.N.mlp.experts.E.gate_proj.weight`);
 * the rotary permutation: for the `llama` architecture llama.cpp reorders each head's rows of
   attn_q / attn_k from HF's "rotate half" layout [x0 .. x(d/2-1) | x(d/2) .. x(d-1)] to interleaved
   pairs [x0 x(d/2) x1 x(d/2+1) ...]; we invert that (qwen2 files keep HF's layout);
@@ -44,6 +46,8 @@ from pdserve.weights.hf_dir import (
 _ARCHS = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
 
 # Per-layer GGUF tensor suffix -> HF suffix under model.layers.N.
@@ -53,11 +57,16 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3: RMSNorm of each q and k head
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a MoE layer's router
 }
+# A MoE layer's experts, one GGUF tensor per projection: [experts, out, in] in torch order.
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -74,17 +83,31 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
 
 
 def hf_tensor_name(gguf_name: str) -> str:
-    """The HF parameter name of a GGUF tensor; ValueError for tensors this converter does not know."""
+    """The HF parameter name of a GGUF tensor; ValueError for tensors this converter does not know.
+    A stacked experts tensor names `...mlp.experts.{}.<proj>.weight`, formatted with each expert's index."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.match(gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in _EXPERT_NAMES and m.group(3) == "weight":
+        return f"model.layers.{m.group(1)}.mlp.experts.{{}}.{_EXPERT_NAMES[m.group(2)]}.weight"
     raise ValueError(
         f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in pdserve's converter "
-        f"(known: {sorted(_GLOBAL_NAMES)} and blk.N.{{{','.join(_LAYER_NAMES)}}}); "
+        f"(known: {sorted(_GLOBAL_NAMES)} and blk.N.{{{','.join([*_LAYER_NAMES, *_EXPERT_NAMES])}}}); "
         "this GGUF holds a model family pdserve does not support"
     )
+
+
+def hf_tensors(gguf_name: str, w: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The HF tensors one GGUF tensor holds: itself renamed, or one per expert of a stacked experts tensor."""
+    name = hf_tensor_name(gguf_name)
+    if "{}" not in name:
+        return [(name, w)]
+    if w.dim() != 3:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has shape {tuple(w.shape)}; stacked experts are "
+                         "[experts, out, in]")
+    return [(name.format(e), w[e].contiguous()) for e in range(w.shape[0])]
 
 
 def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -156,7 +179,7 @@ def build_config(meta: Mapping[str, Any], tensors: Mapping[str, ReaderTensor], d
     if arch not in _ARCHS:
         raise ValueError(
             f"GGUF architecture {arch!r} is not supported (supported: {sorted(_ARCHS)}); "
-            "use a Llama-family model (Llama, Mistral, SmolLM2, Qwen2)"
+            "use a Llama-family model (Llama, Mistral, SmolLM2, Qwen2), Qwen3 or Qwen3-MoE"
         )
     cls, model_type = _ARCHS[arch]
     name = str(_get(meta, "general.name", "")).lower()
@@ -176,13 +199,17 @@ def build_config(meta: Mapping[str, Any], tensors: Mapping[str, ReaderTensor], d
         raise ValueError(f"GGUF says vocab_size={meta[f'{arch}.vocab_size']} but token_embd has {vocab} rows")
     context = int(_get(meta, f"{arch}.context_length", 2048))
     rope_theta = _f32(_get(meta, f"{arch}.rope.freq_base", 10000.0))
+    n_layers = int(_get(meta, f"{arch}.block_count", required=True))
+    moe = _moe_config(meta, tensors, arch, n_layers) if model_type == "qwen3_moe" else {}
+    # A MoE file may leave out the dense MLP's width; then the experts' stands in.
+    dense_ff = _get(meta, f"{arch}.feed_forward_length", moe.get("moe_intermediate_size"), required=not moe)
     cfg: dict[str, Any] = {
         "architectures": [cls],
         "model_type": model_type,
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(_get(meta, f"{arch}.feed_forward_length", required=True)),
-        "num_hidden_layers": int(_get(meta, f"{arch}.block_count", required=True)),
+        "intermediate_size": int(dense_ff),
+        "num_hidden_layers": n_layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
@@ -215,7 +242,30 @@ def build_config(meta: Mapping[str, Any], tensors: Mapping[str, ReaderTensor], d
         cfg.update(sliding_window=None)
     else:
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg["num_hidden_layers"])
+    if model_type in ("qwen3", "qwen3_moe"):
+        cfg.update(attention_bias="blk.0.attn_q.bias" in tensors, **moe)
     return cfg
+
+
+def _moe_config(meta: Mapping[str, Any], tensors: Mapping[str, ReaderTensor], arch: str,
+                n_layers: int) -> dict[str, Any]:
+    """Qwen3-MoE's expert keys. A layer without a router (`ffn_gate_inp`) keeps a dense MLP
+    (`mlp_only_layers`); llama.cpp's qwen3moe renormalises the top-k probabilities unless the file says
+    otherwise (`expert_weights_norm`)."""
+    experts = int(_get(meta, f"{arch}.expert_count", required=True))
+    sparse = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors]
+    if not sparse:
+        raise ValueError(f"GGUF architecture {arch!r} says {experts} experts, but no layer has a router "
+                         "(blk.N.ffn_gate_inp.weight); the file is incomplete")
+    stacked = tensors[f"blk.{sparse[0]}.ffn_gate_exps.weight"].shape  # GGUF order: [hidden, inter, experts]
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(_get(meta, f"{arch}.expert_used_count", required=True)),
+        "moe_intermediate_size": int(_get(meta, f"{arch}.expert_feed_forward_length", int(stacked[1]))),
+        "norm_topk_prob": bool(_get(meta, f"{arch}.expert_weights_norm", True)),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(n_layers) if i not in sparse],
+    }
 
 
 def convert_gguf(
@@ -246,7 +296,6 @@ def convert_gguf(
     for t in bar:
         if t.name == _ROPE_FREQS:
             continue  # carried by config.json's rope_scaling
-        name = hf_tensor_name(t.name)
         arr = dequantize(t.data, t.tensor_type)
         if not arr.flags.writeable:
             arr = arr.copy()  # F32 tensors come back as read-only views of the memory-mapped file
@@ -257,7 +306,8 @@ def convert_gguf(
             w = unpermute_rotary(w, cfg["num_attention_heads"])
         elif permute and ".attn_k." in t.name:
             w = unpermute_rotary(w, cfg["num_key_value_heads"])
-        writer.add(name, w.to(dtype))
+        for name, part in hf_tensors(t.name, w):
+            writer.add(name, part.to(dtype))
     writer.close()
     write_json(out / CONFIG_FILE, cfg)
     tokenizer, tokenizer_config, generation_config = build_tokenizer_files(

@@ -3,6 +3,7 @@ checkpoint tests and their fixtures; a module of its own, since `conftest` names
 each test folder)."""
 
 import json
+import re
 from pathlib import Path
 
 import gguf
@@ -19,7 +20,12 @@ _LAYER_TO_GGUF = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate": "ffn_gate_inp",
 }
+_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
 _GLOBAL_TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                    "lm_head.weight": "output.weight"}
 
@@ -37,17 +43,33 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _stack_experts(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per-expert tensors stacked as llama.cpp stores them: one `blk.N.ffn_<proj>_exps.weight` per layer and
+    projection, [experts, out, in]; every other tensor under its GGUF name."""
+    out, experts = {}, {}
+    for name, a in weights.items():
+        m = _EXPERT_RE.match(name)
+        if m:
+            experts.setdefault(f"blk.{m.group(1)}.ffn_{m.group(3)}_exps.weight", {})[int(m.group(2))] = a
+        else:
+            out[_gguf_name(name)] = a
+    for name, parts in experts.items():
+        out[name] = np.stack([parts[e] for e in range(len(parts))])
+    return out
+
+
 def write_tiny_gguf(hf_dir: Path, path: Path, *, quant: str = "Q8_0", pre: str = "default",
                     rope_freqs: np.ndarray | None = None) -> Path:
-    """Write a tiny HF directory as llama.cpp would: permuted q/k (llama), GGUF names, metadata.
+    """Write a tiny HF directory as llama.cpp would: permuted q/k (llama), GGUF names, stacked experts
+    (qwen3moe), metadata.
 
     quant: "F32" keeps weights exact (so a conversion must reproduce them bit for bit); "Q8_0"
-    quantizes every 2-D weight whose rows are a multiple of 32.
+    quantizes every 2-D or 3-D weight whose rows are a multiple of 32.
     """
     cfg = json.loads((hf_dir / "config.json").read_text())
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     tok_cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
-    arch = cfg["model_type"]
+    arch = _GGUF_ARCH[cfg["model_type"]]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny {arch}")
     w.add_block_count(cfg["num_hidden_layers"])
@@ -60,6 +82,13 @@ def write_tiny_gguf(hf_dir: Path, path: Path, *, quant: str = "Q8_0", pre: str =
     w.add_rope_freq_base(cfg["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
+    if arch.startswith("qwen3"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    if arch == "qwen3moe":
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     vocab = tok["model"]["vocab"] | {t["content"]: t["id"] for t in tok["added_tokens"]}
     tokens = sorted(vocab, key=vocab.get)
     special = {t["content"] for t in tok["added_tokens"] if t["special"]}
@@ -73,17 +102,20 @@ def write_tiny_gguf(hf_dir: Path, path: Path, *, quant: str = "Q8_0", pre: str =
     w.add_pad_token_id(2)
     w.add_add_bos_token(False)
     w.add_chat_template(tok_cfg["chat_template"])
+    weights = {}
     for name, t in load_file(str(hf_dir / "model.safetensors")).items():
         a = t.float().numpy()
         if arch == "llama" and ".q_proj." in name:
             a = _permute(a, cfg["num_attention_heads"])
         elif arch == "llama" and ".k_proj." in name:
             a = _permute(a, cfg["num_key_value_heads"])
-        if quant == "Q8_0" and a.ndim == 2 and a.shape[1] % 32 == 0:
-            w.add_tensor(_gguf_name(name), gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
+        weights[name] = a
+    for name, a in _stack_experts(weights).items():
+        if quant == "Q8_0" and a.ndim in (2, 3) and a.shape[-1] % 32 == 0:
+            w.add_tensor(name, gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
-            w.add_tensor(_gguf_name(name), np.ascontiguousarray(a))
+            w.add_tensor(name, np.ascontiguousarray(a))
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     w.write_header_to_file()
