@@ -28,6 +28,7 @@ from pdserve.kv_transfer.page_table import Section
 from pdserve.models.config import ModelConfig
 from pdserve.models.cpu_decode import StageDecoder
 from pdserve.models.recurrent_state import RecurrentState, StateSlice
+from pdserve.models.deepseek_v3 import DeepseekV3ForCausalLM
 from pdserve.models.llama import LlamaForCausalLM, stage_layers
 from pdserve.models.nemotron_h import NemotronHForCausalLM
 from pdserve.models.qwen3_5 import Qwen3_5ForCausalLM
@@ -94,13 +95,14 @@ def _state_buffers(state: RecurrentState) -> list[StateBuffer]:
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:
-    hybrid = {"Qwen3_5ForCausalLM": Qwen3_5ForCausalLM, "NemotronHForCausalLM": NemotronHForCausalLM}
-    return hybrid.get(cfg.architecture, LlamaForCausalLM)
+    own = {"Qwen3_5ForCausalLM": Qwen3_5ForCausalLM, "NemotronHForCausalLM": NemotronHForCausalLM,
+           "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM}
+    return own.get(cfg.architecture, LlamaForCausalLM)
 
 
 def kv_block_bytes(cfg: ModelConfig, num_layers: int, tp_size: int, tokens_per_block: int, dtype: torch.dtype) -> int:
     kv_heads = max(1, cfg.num_kv_heads // tp_size)
-    return num_layers * 2 * kv_heads * tokens_per_block * cfg.head_dim * dtype.itemsize
+    return num_layers * cfg.kv_parts * kv_heads * tokens_per_block * cfg.head_dim * dtype.itemsize
 
 
 def num_kv_blocks(cfg: ModelConfig, ecfg: EngineConfig, kv_dtype: torch.dtype) -> int:
@@ -148,9 +150,10 @@ class ModelRunner:
         if tc.backend is not None and tc.canary and not canary_slots and ps.rank == 0:
             log.info("first-contact canary off: the KV cache is in %s memory (the canary needs host memory)", device)
         rows = self.num_blocks + canary_slots
-        shape = [rows, L, 2, kv_heads, T, D] if ecfg.kv_layout == "HND" else [rows, L, 2, T, kv_heads, D]
+        P = model_cfg.kv_parts  # K and V, or MLA's one latent (of one "head": num_kv_heads 1)
+        shape = [rows, L, P, kv_heads, T, D] if ecfg.kv_layout == "HND" else [rows, L, P, T, kv_heads, D]
         if self._allocator is not None:
-            nbytes = rows * L * 2 * kv_heads * T * D * self.kv_dtype.itemsize
+            nbytes = rows * L * P * kv_heads * T * D * self.kv_dtype.itemsize
             self.pool = self._allocator(nbytes).view(self.kv_dtype).view(shape)
         else:
             self.pool = torch.zeros(shape, dtype=self.kv_dtype, device=device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +13,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen3_5ForCausalLM": "qwen3_5",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 # Nemotron-H's checkpoints name each layer's one mixer; the MoE kind is not served yet (refused by name).
 NEMOTRON_H_LAYERS = ("linear_attention", "full_attention", "mlp")
@@ -58,12 +60,59 @@ class LinearAttentionShape:
 @dataclass(frozen=True)
 class MoeShape:
     """A sparse MoE block's shape (Qwen3-MoE): a router picks `top_k` of `num_experts` SwiGLU experts of
-    `intermediate_size` per token; with `norm_topk_prob` the chosen probabilities are rescaled to sum to 1."""
+    `intermediate_size` per token; with `norm_topk_prob` the chosen probabilities are rescaled to sum to 1.
+
+    DeepSeek-V3 scores by sigmoid instead of softmax and picks among the `topk_group` best of `n_group`
+    expert groups (a group ranked by the sum of its two best biased scores), the weights times
+    `routed_scaling_factor`; `shared_intermediate_size` > 0 adds a shared SwiGLU expert every token takes."""
 
     num_experts: int
     top_k: int
     intermediate_size: int
     norm_topk_prob: bool
+    scoring: str = "softmax"  # or "sigmoid" (DeepSeek-V3: with a per-expert e_score_correction_bias)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_intermediate_size: int = 0
+
+
+@dataclass(frozen=True)
+class YarnRope:
+    """YaRN frequency scaling (DeepSeek-V3's rope_scaling type 'yarn'): the interpolated and extrapolated
+    frequencies blended over the dims between the beta_fast and beta_slow rotations; cos and sin times
+    `attention_factor`, and attention's softmax scale times mscale(factor, mscale_all_dim) squared."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+    attention_factor: float
+    softmax_mscale: float  # the scale's factor, 1.0 without mscale_all_dim
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class MlaShape:
+    """Multi-head latent attention (DeepSeek-V3). q comes through a rank-`q_lora_rank` bottleneck (None: one
+    q_proj); k and v through one shared latent of `kv_lora_rank` plus a `qk_rope_head_dim` RoPE key that every
+    head shares. The cache keeps that latent, one `latent_dim` vector per token and layer."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    yarn: YarnRope | None = None
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -113,6 +162,14 @@ class ModelConfig:
     # Qwen3-MoE: the layers whose MLP is a sparse MoE block (models/moe.py), and its shape.
     moe: MoeShape | None = None
     moe_layers: tuple[int, ...] = ()
+    # DeepSeek-V3: latent attention. Its cache is one part of one "head" of width mla.latent_dim per token
+    # (num_kv_heads 1, head_dim latent_dim, kv_parts 1), whole on every TP rank.
+    mla: MlaShape | None = None
+
+    @property
+    def kv_parts(self) -> int:
+        """Tensors the cache keeps per layer and token: K and V, or MLA's one latent."""
+        return 1 if self.mla is not None else 2
 
     def is_moe(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -162,6 +219,8 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         if "NemotronHForCausalLM" in archs:
             return _nemotron_h(cls, cfg)
+        if "DeepseekV3ForCausalLM" in archs:
+            return _deepseek_v3(cls, cfg)
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
@@ -288,6 +347,65 @@ def _nemotron_h(cls, cfg: dict[str, Any]) -> "ModelConfig":
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), attention_bias=False,
         recurrent_layers=tuple(i for i, k in enumerate(kinds) if k == "linear_attention"),
         cacheless_layers=tuple(i for i, k in enumerate(kinds) if k == "mlp"), mamba=mamba)
+
+
+def _yarn(rope: dict[str, Any], max_positions: int) -> YarnRope:
+    """transformers' reading of a yarn rope_scaling / rope_parameters dict (its default factor and
+    attention factor included)."""
+    original = int(rope["original_max_position_embeddings"])
+    factor = float(rope.get("factor") or max_positions / original)
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    ms, ms_all = rope.get("mscale"), rope.get("mscale_all_dim")
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = mscale(ms) / mscale(ms_all) if ms and ms_all else mscale(1.0)
+    return YarnRope(factor=factor, original_max_position_embeddings=original,
+                    beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+                    attention_factor=float(attention_factor),
+                    softmax_mscale=mscale(ms_all) ** 2 if ms_all else 1.0, truncate=bool(rope.get("truncate", True)))
+
+
+def _deepseek_v3(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    """DeepSeek-V3: latent attention in every layer; the first `first_k_dense_replace` layers a dense SwiGLU
+    MLP, the rest a sigmoid-routed, group-limited MoE with shared experts."""
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; DeepSeek-V3's MLP is SwiGLU (silu)")
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind not in ("default", "yarn"):
+        raise ValueError(f"unsupported rope_type {kind!r} for DeepseekV3ForCausalLM; supported: default, yarn")
+    max_positions = int(cfg.get("max_position_embeddings", 4096))
+    q_lora = cfg.get("q_lora_rank")
+    mla = MlaShape(q_lora_rank=int(q_lora) if q_lora else None, kv_lora_rank=int(cfg["kv_lora_rank"]),
+                   qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+                   v_head_dim=int(cfg["v_head_dim"]), rope_interleave=bool(cfg.get("rope_interleave", True)),
+                   yarn=_yarn(rope, max_positions) if kind == "yarn" else None)
+    if mla.qk_rope_head_dim % 2:
+        raise ValueError(f"qk_rope_head_dim={mla.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+    layers, dense = int(cfg["num_hidden_layers"]), int(cfg.get("first_k_dense_replace") or 0)
+    moe = MoeShape(num_experts=int(cfg["n_routed_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+                   intermediate_size=int(cfg["moe_intermediate_size"]),
+                   norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), scoring="sigmoid",
+                   n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
+                   routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                   shared_intermediate_size=int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0))
+    if moe.num_experts % moe.n_group or not 1 <= moe.topk_group <= moe.n_group:
+        raise ValueError(f"n_routed_experts={moe.num_experts}, n_group={moe.n_group}, topk_group={moe.topk_group}: "
+                         "the groups must split the experts evenly and topk_group be between 1 and n_group")
+    if not 1 <= moe.top_k <= moe.topk_group * moe.num_experts // moe.n_group:
+        raise ValueError(f"num_experts_per_tok={moe.top_k} must be between 1 and the experts of topk_group groups")
+    heads = int(cfg["num_attention_heads"])
+    return cls(
+        architecture="DeepseekV3ForCausalLM", vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"], num_layers=layers, num_heads=heads, num_kv_heads=1,
+        head_dim=mla.latent_dim, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        max_position_embeddings=max_positions, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)), moe=moe, moe_layers=tuple(range(dense, layers)),
+        mla=mla)
 
 
 def _sliding_window(cfg: dict[str, Any], arch: str) -> dict[str, Any]:

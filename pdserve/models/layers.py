@@ -175,6 +175,20 @@ class ColumnParallelLinear(nn.Module):
         return linear(x, self.weight, self.bias, self.gemv_weight)
 
 
+class ReplicatedLinear(ColumnParallelLinear):
+    """y = x @ W.T with the whole W on every rank (MLA's down-projections to its shared latents)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, ps: ParallelState, dtype: torch.dtype):
+        super().__init__(in_features, out_features * ps.tp_size, bias, ps, dtype)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight.copy_(weight)
+        if self.bias is not None:
+            self.bias.copy_(bias)
+
+
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input fused into one matmul (gate+up)."""
 

@@ -11,6 +11,12 @@ each rank whole experts would leave a rank idle whenever its experts get few tok
 all-to-all of the tokens), and the block needs one all-reduce, as the dense MLP does: of the weighted
 sum of the experts' partial outputs.
 
+DeepSeek-V3 (`MoeShape.scoring == "sigmoid"`) routes otherwise, in fp32 with an fp32 router as transformers
+keeps it: scores = sigmoid(x @ router.T); the experts are ranked by scores + e_score_correction_bias, only
+within the `topk_group` groups whose two best biased scores sum highest; the weights are the chosen unbiased
+scores (renormalised with norm_topk_prob) times routed_scaling_factor. Its shared experts are one SwiGLU MLP
+every token takes, cut over TP like the dense MLP and added to the partial sum before the one all-reduce.
+
 On CPU the tokens are grouped by expert (a stable sort of the [tokens * top_k] choices), and the loop
 runs over the experts that got a token: one gate/up and one down product each, on the rows routed to it,
 the weighted rows added back into place (index_add_). Nothing loops over tokens.
@@ -44,28 +50,57 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, shape: MoeShape, hidden: int, ps: ParallelState, dtype: torch.dtype):
         super().__init__()
         self.ps = ps
+        self.shape = shape
         self.top_k, self.norm_topk_prob = shape.top_k, shape.norm_topk_prob
+        sigmoid = shape.scoring == "sigmoid"
         # router: [num_experts, hidden], whole on every rank; a plain weight (not packed for oneDNN), so the
-        # routing logits round as transformers' F.linear rounds them
-        self.router = nn.Parameter(torch.empty(shape.num_experts, hidden, dtype=dtype), requires_grad=False)
+        # routing logits round as transformers' F.linear rounds them (DeepSeek-V3's in fp32)
+        self.router = nn.Parameter(torch.empty(shape.num_experts, hidden, dtype=torch.float32 if sigmoid else dtype),
+                                   requires_grad=False)
+        self.score_bias = (nn.Parameter(torch.zeros(shape.num_experts), requires_grad=False) if sigmoid else None)
         self.experts = nn.ModuleList(Expert(hidden, shape.intermediate_size, ps, dtype)
                                      for _ in range(shape.num_experts))
+        self.shared_experts = (Expert(hidden, shape.shared_intermediate_size, ps, dtype)
+                               if shape.shared_intermediate_size else None)
 
     def load(self, take, prefix: str) -> None:
         """`prefix` is `model.layers.N.mlp.`: its router `gate.weight`, and each expert's three projections."""
         self.router.copy_(take(prefix + "gate.weight"))
-        for e, expert in enumerate(self.experts):
-            p = f"{prefix}experts.{e}."
+        if self.score_bias is not None:
+            self.score_bias.copy_(take(prefix + "gate.e_score_correction_bias"))
+        experts = [(f"{prefix}experts.{e}.", expert) for e, expert in enumerate(self.experts)]
+        if self.shared_experts is not None:
+            experts.append((prefix + "shared_experts.", self.shared_experts))
+        for p, expert in experts:
             expert.gate_up_proj.load([take(p + "gate_proj.weight"), take(p + "up_proj.weight")])
             expert.down_proj.load(take(p + "down_proj.weight"))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [n, hidden] -> (weights [n, top_k] in x's dtype, expert ids [n, top_k])."""
+        if self.score_bias is not None:
+            return self._route_grouped(x)
         probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
         weights, chosen = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), chosen
+
+    def _route_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's routing (the module docstring): sigmoid scores, group-limited top-k on biased ones."""
+        s, n = self.shape, x.shape[0]
+        scores = F.linear(x.float(), self.router).sigmoid()  # [n, experts]
+        biased = scores + self.score_bias
+        if s.n_group > 1:
+            groups = biased.view(n, s.n_group, -1)
+            group_scores = groups.topk(min(2, groups.shape[-1]), dim=-1)[0].sum(dim=-1)  # [n, n_group]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(s.topk_group, dim=-1)[1], True)
+            biased = biased.masked_fill(~keep.unsqueeze(-1).expand_as(groups).reshape(n, -1), float("-inf"))
+        chosen = biased.topk(self.top_k, dim=-1)[1]
+        weights = scores.gather(1, chosen)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return (weights * s.routed_scaling_factor).to(x.dtype), chosen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [n, hidden] -> [n, hidden]."""
@@ -82,4 +117,6 @@ class SparseMoeBlock(nn.Module):
                 y = self.experts[e](x[rows[at]]) * row_weights[at].unsqueeze(1)
                 out.index_add_(0, rows[at], y)
                 start += count
+        if self.shared_experts is not None:  # after the routed sum, as transformers adds it
+            out += self.shared_experts(x)
         return self.ps.tp_all_reduce(out)

@@ -155,8 +155,9 @@ def measure(model_dir: Path, dtype: str, device: str, key: dict[str, Any], *, pr
 
 def kv_bytes_per_token(cfg, element_bytes: int) -> int:
     """K and V of one token in every layer that keeps KV (a hybrid model's recurrent and MLP-only layers keep
-    none)."""
-    return len(cfg.kv_layers(0, cfg.num_layers)) * 2 * cfg.num_kv_heads * cfg.head_dim * element_bytes
+    none); MLA's one latent (kv_lora_rank + qk_rope_head_dim: its kv_parts 1, num_kv_heads 1, head_dim the
+    latent's width)."""
+    return len(cfg.kv_layers(0, cfg.num_layers)) * cfg.kv_parts * cfg.num_kv_heads * cfg.head_dim * element_bytes
 
 
 def state_bytes_per_request(cfg, element_bytes: int) -> int:
