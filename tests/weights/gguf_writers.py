@@ -89,6 +89,8 @@ def write_tiny_gguf(hf_dir: Path, path: Path, *, quant: str = "Q8_0", pre: str =
         w.add_expert_count(cfg["num_experts"])
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if not cfg["norm_topk_prob"]:  # llama.cpp's qwen3moe renormalises unless the file says otherwise
+            w.add_expert_weights_norm(False)
     vocab = tok["model"]["vocab"] | {t["content"]: t["id"] for t in tok["added_tokens"]}
     tokens = sorted(vocab, key=vocab.get)
     special = {t["content"] for t in tok["added_tokens"] if t["special"]}

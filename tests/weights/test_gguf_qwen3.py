@@ -3,7 +3,8 @@ the original tensors and config, and served with transformers' greedy tokens on 
 
 Two shapes of each tiny model. The first is what pdserve must read whatever transformers does: q/k/v and
 o_proj biases (attention_bias), a head_dim that is not hidden / heads, a dense layer among the sparse ones
-(mlp_only_layers) and 32-wide experts; F32, so the conversion must give back every tensor bit for bit.
+(mlp_only_layers), 32-wide experts whose top-k is not renormalised (expert_weights_norm false); F32, so
+the conversion must give back every tensor bit for bit.
 The second is one transformers' GGUF loader can read too (it takes Qwen3's head_dim and biases, and
 Qwen3-MoE's expert width, from its config class's defaults: 128, none, 768), Q8_0: the oracle."""
 
@@ -44,8 +45,9 @@ def _without_attention_biases(hf):
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
 def test_f32_gguf_gives_back_the_original_tensors_and_config(arch, tmp_path):
+    moe = {"moe_intermediate_size": 32, "norm_topk_prob": False}  # (the oracle's MoE renormalises)
     hf = make_tiny_model(tmp_path / "hf", arch=arch, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
-                         hidden_size=80, moe_shape={"moe_intermediate_size": 32} if arch == "qwen3_moe" else None)
+                         hidden_size=80, moe_shape=moe if arch == "qwen3_moe" else None)
     out = convert_gguf(write_tiny_gguf(hf, tmp_path / "f32.gguf", quant="F32", pre="qwen2"), tmp_path / "out",
                        progress=False)
     original, converted = load_file(str(hf / "model.safetensors")), {n: t.load() for n, t in open_tensors(out).items()}
@@ -58,6 +60,7 @@ def test_f32_gguf_gives_back_the_original_tensors_and_config(arch, tmp_path):
     assert cfg["attention_bias"] is (arch == "qwen3")  # the tiny dense model carries biases, the MoE none
     if arch == "qwen3_moe":
         assert cfg["mlp_only_layers"] == [1]  # the layer without a router in the file
+        assert cfg["norm_topk_prob"] is False  # the file's expert_weights_norm
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
