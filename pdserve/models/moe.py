@@ -91,11 +91,12 @@ class SparseMoeBlock(nn.Module):
         scores = F.linear(x.float(), self.router).sigmoid()  # [n, experts]
         biased = scores + self.score_bias
         if s.n_group > 1:
-            groups = biased.view(n, s.n_group, -1)
+            # explicit sizes: a step may route no rows (a prefill chunk that samples nothing)
+            groups = biased.view(n, s.n_group, s.num_experts // s.n_group)
             group_scores = groups.topk(min(2, groups.shape[-1]), dim=-1)[0].sum(dim=-1)  # [n, n_group]
             keep = torch.zeros_like(group_scores, dtype=torch.bool)
             keep.scatter_(1, group_scores.topk(s.topk_group, dim=-1)[1], True)
-            biased = biased.masked_fill(~keep.unsqueeze(-1).expand_as(groups).reshape(n, -1), float("-inf"))
+            biased = biased.masked_fill(~keep.unsqueeze(-1).expand_as(groups).reshape(n, s.num_experts), float("-inf"))
         chosen = biased.topk(self.top_k, dim=-1)[1]
         weights = scores.gather(1, chosen)
         if self.norm_topk_prob:

@@ -116,3 +116,10 @@ def test_the_cache_keeps_one_latent_per_token_and_layer(model):
     with LLM(EngineConfig(model=str(d), tokens_per_block=8, num_kv_blocks=4)) as llm:
         pool = llm.engine.runner.pool
         assert pool.shape == (4, 3, 1, 1, 8, 40) and pool.dtype == torch.float32
+
+
+def test_a_prefill_chunk_that_samples_nothing(model):
+    """The 40-token prompt alone in chunks of 7: the first chunks sample no token, so the last layer's MoE routes
+    no rows (grouped routing once failed to reshape an empty batch)."""
+    d, prompts, ref = model
+    assert _run(d, [prompts[2]], max_num_tokens=7) == [ref[2]]
