@@ -165,7 +165,7 @@ class ModelRunner:
             geometry = KVPoolGeometry(
                 ecfg.kv_layout, first, tuple(stage_layers(model_cfg.num_layers, ps.pp_size)),
                 model_cfg.num_kv_heads, kv_heads, model_cfg.head_dim, self.tokens_per_block, canary_slots,
-                kv_layer_ids=tuple(model_cfg.kv_layers(first, local)))
+                kv_layer_ids=tuple(model_cfg.kv_layers(first, local)), latent=model_cfg.mla is not None)
             state = _state_buffers(self.model.state) if self.num_state_slots else []
             state_layers = tuple(i for i in range(first, first + local) if model_cfg.is_recurrent(i))
             self.connector = KVConnector(tc, ps, instance_name, self.pool, geometry, state, state_layers)

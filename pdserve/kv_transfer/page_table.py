@@ -396,3 +396,30 @@ def page_table_for_layer_major_pools(
     pools = (PhysicalPool(k_base, buffer_bytes, num_blocks), PhysicalPool(v_base, buffer_bytes, num_blocks))
     views = (PoolView(0, frozenset({"k"}), entries), PoolView(1, frozenset({"v"}), entries))
     return PageTable(pools, (LayerGroup(group_id, layers, sliding_window, views),), layout, tokens_per_block)
+
+
+def page_table_for_latent_pool(
+    base: int,
+    num_blocks: int,
+    num_layers: int,
+    tokens_per_block: int,
+    latent_bytes: int,
+    global_layer_ids: Iterable[int],
+    role: frozenset[str] = frozenset({"latent"}),
+    group_id: int = 0,
+) -> PageTable:
+    """Page table of the engine's block-major pool of MLA latents (models/mla.py), REPLICATED: every TP rank
+    keeps the same bytes, so a destination takes them whole from one elected source rank.
+
+    pool: [num_blocks, num_layers, tokens_per_block, latent_bytes]
+    One slot is one block; entry ``l`` is layer ``l``'s latents, ``[tokens_per_block, latent_bytes]``.
+    """
+    layers = tuple(global_layer_ids)
+    if len(layers) != num_layers:
+        raise ValueError(f"global_layer_ids has {len(layers)} ids but num_layers={num_layers}")
+    buffer_bytes = tokens_per_block * latent_bytes
+    entries = tuple(BufferEntry(layer, layer * buffer_bytes, buffer_bytes) for layer in range(num_layers))
+    pool = PhysicalPool(base, num_layers * buffer_bytes, num_blocks, slot_stride=num_layers * buffer_bytes,
+                        layer_stride=0)
+    view = PoolView(0, role, entries, MapperKind.REPLICATED)
+    return PageTable((pool,), (LayerGroup(group_id, layers, None, (view,)),), MapperKind.REPLICATED, tokens_per_block)

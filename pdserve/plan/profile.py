@@ -134,7 +134,7 @@ def measure(model_dir: Path, dtype: str, device: str, key: dict[str, Any], *, pr
     elt = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
     model = {"num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
              "element_bytes": elt, "kv_bytes_per_token": kv_bytes_per_token(cfg, elt),
-             "state_bytes_per_request": state_bytes_per_request(cfg, elt),
+             "state_bytes_per_request": state_bytes_per_request(cfg, elt), "latent": cfg.mla is not None,
              "max_model_len": cfg.max_position_embeddings}
     units = [1] if device == "cuda" else thread_counts(len(usable_cores()))
     grid = _grid(cfg.max_position_embeddings, model["kv_bytes_per_token"])

@@ -1,7 +1,8 @@
 """The KV transfer plan between a context and a generation layout, before anything is deployed.
 
 Builds each rank's RankInfo the way the engine does (model_runner.py: one block-major pool per rank,
-its pipeline stage's layers, its share of the KV heads) over made-up addresses, and runs the real
+its pipeline stage's layers, its share of the KV heads, or MLA's whole latent pool, REPLICATED) over made-up
+addresses, and runs the real
 write planner (kv_transfer/write_plan.py) for one request of N prompt tokens: which context rank
 owns (writes) which generation rank's bytes, in how many descriptors, and whether the bounce buffer
 would gather them (its gate: BounceConfig.kv_passes) or they go direct.
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdserve.kv_transfer.bounce import BounceConfig
-from pdserve.kv_transfer.page_table import MapperKind, page_table_for_block_major_pool
+from pdserve.kv_transfer.page_table import MapperKind, page_table_for_block_major_pool, page_table_for_latent_pool
 from pdserve.kv_transfer.rank_info import RankInfo, flat_rank
 from pdserve.kv_transfer.write_plan import plan_write, writers_for
 from pdserve.models.llama import stage_layers
@@ -51,10 +52,12 @@ class PairRow:
     nbytes: int
     path: str  # "direct" or "bounce"
     gate_passes: bool = False  # the bounce gate (BounceConfig.kv_passes) takes these fragments
+    pool: str = "HND"  # the pool's mapper kind: HND, NHD, or REPLICATED (MLA's latent)
 
 
 def rank_infos(name: str, layout: Layout, num_layers: int, kv_heads: int, head_dim: int, element_bytes: int,
-               tokens_per_block: int, num_blocks: int, kv_layout: str = "HND") -> list[RankInfo]:
+               tokens_per_block: int, num_blocks: int, kv_layout: str = "HND", latent: bool = False) -> list[RankInfo]:
+    """`latent`: MLA, one latent of `head_dim` per token and layer (kv_heads 1), whole on every TP rank."""
     per_stage = stage_layers(num_layers, layout.pp)
     if min(per_stage) < 1:
         raise ValueError(f"{layout} cannot split {num_layers} layers into {layout.pp} stages")
@@ -67,9 +70,13 @@ def rank_infos(name: str, layout: Layout, num_layers: int, kv_heads: int, head_d
         for tp in range(layout.tp):
             rank = flat_rank(pp, tp, 0, layout.tp, 1)
             base = (1 << 40) * (rank + 1) + (1 << 36) * (name == "gen")
-            table = page_table_for_block_major_pool(base, num_blocks, per_stage[pp], heads, tokens_per_block, head_dim,
-                                                    element_bytes, MapperKind[kv_layout],
-                                                    range(first, first + per_stage[pp]))
+            layers = range(first, first + per_stage[pp])
+            if latent:
+                table = page_table_for_latent_pool(base, num_blocks, per_stage[pp], tokens_per_block,
+                                                   head_dim * element_bytes, layers)
+            else:
+                table = page_table_for_block_major_pool(base, num_blocks, per_stage[pp], heads, tokens_per_block,
+                                                        head_dim, element_bytes, MapperKind[kv_layout], layers)
             out.append(RankInfo(name, rank, layout.tp, tp, layout.pp, pp, 1, 0, 1, 0, tuple(per_stage), kv_heads, heads,
                                 head_dim, element_bytes, tokens_per_block, table, b"", f"tcp://127.0.0.1:{rank}"))
     return out
@@ -77,11 +84,12 @@ def rank_infos(name: str, layout: Layout, num_layers: int, kv_heads: int, head_d
 
 def transfer_plan(ctx: Layout, gen: Layout, *, num_layers: int, kv_heads: int, head_dim: int, element_bytes: int,
                   prompt_tokens: int, tokens_per_block: int = 32, kv_layout: str = "HND",
-                  bounce: BounceConfig | None = None) -> list[PairRow]:
+                  bounce: BounceConfig | None = None, latent: bool = False) -> list[PairRow]:
     """One row per (context rank, generation rank) pair for a request of `prompt_tokens` tokens."""
     blocks = -(-prompt_tokens // tokens_per_block)
     ids = {0: np.arange(blocks, dtype=np.int64)}
-    geometry = (num_layers, kv_heads, head_dim, element_bytes, tokens_per_block, blocks + 1, kv_layout)
+    geometry = (num_layers, kv_heads, head_dim, element_bytes, tokens_per_block, blocks + 1, kv_layout, latent)
+    pool = "REPLICATED" if latent else kv_layout
     ctx_ranks = rank_infos("ctx", ctx, *geometry)
     rows = []
     for g in rank_infos("gen", gen, *geometry):
@@ -89,11 +97,11 @@ def transfer_plan(ctx: Layout, gen: Layout, *, num_layers: int, kv_heads: int, h
         for c in ctx_ranks:
             plan = plan_write(c, g, ids, ids) if c.rank in owners else None
             if plan is None:
-                rows.append(PairRow(c.rank, g.rank, False, 0, 0, "-"))
+                rows.append(PairRow(c.rank, g.rank, False, 0, 0, "-", pool=pool))
                 continue
             passes = (bounce or BounceConfig()).kv_passes(blocks, plan.sizes)
             path = "bounce" if bounce is not None and passes else "direct"
-            rows.append(PairRow(c.rank, g.rank, True, len(plan), plan.num_bytes, path, passes))
+            rows.append(PairRow(c.rank, g.rank, True, len(plan), plan.num_bytes, path, passes, pool))
     return rows
 
 
@@ -102,10 +110,13 @@ def format_transfer_plan(ctx: Layout, gen: Layout, rows: list[PairRow], prompt_t
     total = sum(r.nbytes for r in rows)
     lines = [f"KV transfer plan, context {ctx} -> generation {gen}, one request of {prompt_tokens} prompt tokens "
              f"({total / 2**20:.2f} MiB in all; bounce {'on' if bounce else 'off'}):",
-             f"  {'ctx rank':>8}  {'gen rank':>8}  {'owner':>5}  {'descriptors':>11}  {'bytes':>12}  path"]
+             f"  {'ctx rank':>8}  {'gen rank':>8}  {'owner':>5}  {'descriptors':>11}  {'bytes':>12}  {'pool':>10}  path"]
     for r in rows:
         lines.append(f"  {r.ctx_rank:>8}  {r.gen_rank:>8}  {'yes' if r.owner else 'no':>5}  {r.descriptors:>11}  "
-                     f"{r.nbytes:>12}  {r.path}")
+                     f"{r.nbytes:>12}  {r.pool:>10}  {r.path}")
+    if any(r.pool == "REPLICATED" for r in rows):
+        lines.append("  REPLICATED: MLA's latent cache, the same bytes on every context TP rank; each generation rank "
+                     "takes its blocks whole from one elected context rank")
     if bounce is None:
         would = [r for r in rows if r.gate_passes]
         if would:

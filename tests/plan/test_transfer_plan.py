@@ -48,3 +48,18 @@ def test_a_bad_layout_says_how_to_write_one(text, error):
 def test_a_layout_the_model_cannot_take_is_refused():
     with pytest.raises(ValueError, match="one must divide the other"):
         transfer_plan(Layout(tp=2), Layout(), prompt_tokens=64, **SMOLLM2)
+
+
+@pytest.mark.parametrize("ctx,gen", [("tp2", "tp1"), ("tp1", "tp2"), ("tp2", "tp4"), ("tp2", "pp2")])
+def test_an_mla_latent_pool_is_replicated_and_each_generation_rank_has_one_writer(ctx, gen):
+    """DeepSeek-V3's tiny geometry: 3 layers of a 40-wide latent (one "head"), the same on every context TP
+    rank. Each generation rank takes its whole share from exactly one context rank."""
+    c, g = Layout.parse(ctx), Layout.parse(gen)
+    rows = transfer_plan(c, g, prompt_tokens=100, num_layers=3, kv_heads=1, head_dim=40, element_bytes=2, latent=True)
+    padded = 128  # 100 tokens in 32-token blocks
+    assert sum(r.nbytes for r in rows) == padded * 3 * 40 * 2 * g.tp  # every gen TP rank keeps the whole latent
+    for gen_rank in range(g.tp * g.pp):
+        owners = [r for r in rows if r.gen_rank == gen_rank and r.owner]
+        assert len(owners) == 1 and owners[0].pool == "REPLICATED"
+    text = format_transfer_plan(c, g, rows, 100, None)
+    assert "REPLICATED" in text and "one elected context rank" in text

@@ -26,7 +26,7 @@ from pdserve.kv_transfer.agents import MemoryRegion, make_agent
 from pdserve.kv_transfer.agents.faults import FaultyAgent
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.page_table import (BufferEntry, LayerGroup, MapperKind, PhysicalPool, PoolView, Section,
-                                           page_table_for_block_major_pool)
+                                           page_table_for_block_major_pool, page_table_for_latent_pool)
 from pdserve.kv_transfer.rank_info import RankInfo
 from pdserve.kv_transfer.transceiver import KVTransceiver
 
@@ -67,6 +67,7 @@ class KVPoolGeometry:
     canary_slots: int = 0  # slots past the cache manager's, kept for the first-contact canary
 
     kv_layer_ids: tuple[int, ...] | None = None  # global ids of the pool's layers; None: first_layer onwards
+    latent: bool = False  # MLA: one latent per token and layer, the same on every TP rank (a REPLICATED pool)
 
     def __post_init__(self) -> None:
         if self.layout not in MapperKind.__members__:
@@ -111,10 +112,15 @@ class KVConnector:
         g = geometry
         num_local = pool.shape[1]
         layer_ids = g.kv_layer_ids if g.kv_layer_ids is not None else range(g.first_layer, g.first_layer + num_local)
-        table = page_table_for_block_major_pool(
-            base=pool.data_ptr(), num_blocks=pool.shape[0], num_layers=num_local, kv_heads=g.kv_heads_per_rank,
-            tokens_per_block=g.tokens_per_block, head_dim=g.head_dim, element_bytes=pool.element_size(),
-            layout=MapperKind[g.layout], global_layer_ids=layer_ids)
+        if g.latent:
+            table = page_table_for_latent_pool(
+                base=pool.data_ptr(), num_blocks=pool.shape[0], num_layers=num_local, tokens_per_block=g.tokens_per_block,
+                latent_bytes=g.head_dim * pool.element_size(), global_layer_ids=layer_ids)
+        else:
+            table = page_table_for_block_major_pool(
+                base=pool.data_ptr(), num_blocks=pool.shape[0], num_layers=num_local, kv_heads=g.kv_heads_per_rank,
+                tokens_per_block=g.tokens_per_block, head_dim=g.head_dim, element_bytes=pool.element_size(),
+                layout=MapperKind[g.layout], global_layer_ids=layer_ids)
         self.hybrid = bool(state)
         if self.hybrid:
             pools, group = _recurrent_group(list(state), tuple(state_layer_ids), len(table.pools))
