@@ -15,6 +15,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.llm import LLM
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Resume
 from pdserve.testing.disagg import context_first, step_until
 from pdserve.testing.tiny_nemotron_h import make_tiny_nemotron_h
 
@@ -83,3 +84,19 @@ def test_disaggregated_equals_aggregated(nemotron):
     finally:
         ctx.shutdown()
         gen.shutdown()
+
+
+def test_a_resumed_request_recomputes_the_mamba2_state_and_goes_on_as_it_would_have(nemotron):
+    """Stream migration (`resume`): the tokens another instance sent are recomputed with the prompt, the
+    Mamba2 layers' conv and SSM state with them, and the request goes on with the tokens the lost instance
+    would have sent; its block and state slot are given back."""
+    d, prompts, ref = nemotron
+    engine = LLMEngine(EngineConfig(model=d, tokens_per_block=8))
+    try:
+        engine.add_request(prompts[2], GREEDY, "r", resume=Resume(tuple(ref[2][:5]), 0))
+        outs = step_until([engine], lambda outs: any(o.finished for o in outs))
+        assert [t for o in outs for t in o.new_token_ids] == ref[2][5:]
+        assert engine.blocks.num_free_state_slots == engine.blocks.num_state_slots > 0
+        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    finally:
+        engine.shutdown()
