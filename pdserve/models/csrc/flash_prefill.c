@@ -16,7 +16,7 @@
  * - fp32 (FLASH_F32, and FLASH_BF16 where the CPU lacks AVX512-BF16): q is widened when a work item
  *   starts; K is packed transposed, [kv_heads, ld / BK, d, BK] fp32, and V as [kv_heads, ld, d] fp32.
  *   The register tiles use GCC vector extensions, so the compiler emits AVX-512 here and narrower
- *   vectors elsewhere.
+ *   vectors elsewhere, but for AVX2 + FMA without AVX-512: flash_avx2.h's tiles, sized to its registers.
  * - bf16 (FLASH_BF16_PAIRS, only where flash_prefill_bf16_pairs() says the build has AVX512-BF16):
  *   both products take bf16 pairs with fp32 accumulation (vdpbf16ps), twice the fp32 rate. K is
  *   packed as [kv_heads, ld / BK, d / 2, BK, 2] (for each pair of dimensions, each key's two values)
@@ -80,6 +80,7 @@ static inline vf vload(const float *p) { return *(const vf_u *)p; }
 static inline void vstore(float *p, vf x) { *(vf_u *)p = x; }
 static inline vf vbcast(float s) { return (vf){0} + s; }
 
+#if defined(__AVX512F__) || !(defined(__AVX2__) && defined(__FMA__))
 /* s[r][0, BK) = qb[r] . K[kb + j] for the MR rows of qb (row stride d); kt points at key block kb of
  * the transposed K (row stride ld, which is BK in a packed block). */
 static inline void qk_tile(const float *qb, int64_t d, const float *kt, int64_t ld, float *s) {
@@ -128,6 +129,10 @@ static void pv_rows(const float *p, int64_t kn, const float *v, int64_t d, float
     }
     if (dv < d) pv_tile(p, kn, v + dv, d, o + dv, 1);
 }
+#else
+#define FLASH_AVX2 1  /* the fp32 tiles and the softmax sized for AVX2's 16 registers of 8 floats */
+#include "flash_avx2.h"
+#endif
 
 #ifdef __AVX512BF16__
 static inline __m512bh pair_bcast(const uint16_t *p) {
@@ -291,7 +296,7 @@ static void softmax_step(float *s, int64_t from, int64_t vis, float scale, float
     if (corr != 1.0f)
         for (int64_t x0 = 0; x0 < d; x0++) o[x0] *= corr;
 }
-#else
+#elif !defined(FLASH_AVX2)
 /* softmax_step above, in plain C. */
 static void softmax_step(float *s, int64_t from, int64_t vis, float scale, float *m, float *l, float *o, int64_t d,
                          uint16_t *p) {
