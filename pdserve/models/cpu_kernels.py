@@ -5,7 +5,7 @@
   copy and runs SDPA over it; the kernel reads the KV once instead of three times.
 - flash prefill attention (`csrc/flash_prefill.c`): causal attention of a prefill chunk in one pass
   over the keys with an online softmax, nothing of size queries x keys in memory; bf16 products on
-  CPUs with AVX512-BF16.
+  CPUs with AVX512-BF16; fp32 tiles sized for AVX2 where the build has AVX2 + FMA but no AVX-512.
 - RoPE and cache write (`csrc/rope_cache.c`): q and k rotated, K and V stored into their slots,
   bit-identical to the PyTorch ops it replaces (some fifteen a layer).
 - RMSNorm (`csrc/rms_norm.c`): one call instead of five to eight PyTorch ops, which at a decode step
@@ -240,6 +240,8 @@ def load() -> ctypes.CDLL | None:
         lib.skinny_linear.restype = ctypes.c_int
         lib.flash_prefill_bf16_pairs.argtypes = []
         lib.flash_prefill_bf16_pairs.restype = ctypes.c_int
+        lib.kernel_isa.argtypes = []
+        lib.kernel_isa.restype = ctypes.c_char_p
         _lib = lib
         return _lib
 
@@ -323,9 +325,16 @@ def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 SKINNY_ROWS = {torch.float32: frozenset([*range(1, 9), *range(12, 17)]), torch.bfloat16: frozenset(range(1, 17))}
 
 
+def kernel_isa() -> str | None:
+    """The instruction-set form the library was built in (csrc/isa.c): 'avx512-bf16', 'avx512', 'avx2-fma',
+    'neon' or 'plain' (no vector intrinsics: the portable C loops); None without the library."""
+    lib = load()
+    return None if lib is None else lib.kernel_isa().decode()
+
+
 def skinny_linear_runs() -> bool:
-    """Whether the GEMV runs on this machine: the library loads and was built with AVX-512 (one trial
-    call on a 1 x 16 row)."""
+    """Whether the GEMV runs on this machine: the library loads and was built with AVX-512 or AVX2 + FMA
+    (one trial call on a 1 x 16 row)."""
     return skinny_linear(torch.ones(1, 16), torch.ones(4, 16)) is not None
 
 
@@ -333,7 +342,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """x [..., in] @ weight [out, in] (plain, contiguous) + bias [out], for x of one or a few rows (a
     decode step); fp32 or bf16, all one dtype. The sums are fp32 and rounded once, after the bias. A
     row's result does not depend on the other rows. Returns [..., out], or None where the kernel does
-    not apply (no library or no AVX-512, another dtype or device, a packed or strided weight)."""
+    not apply (no library or neither AVX-512 nor AVX2 + FMA, another dtype or device, a packed or strided
+    weight)."""
     k = x.shape[-1]
     if (x.device.type != "cpu" or x.dtype not in _FLOAT_DTYPES or weight.is_mkldnn or weight.dtype != x.dtype
             or weight.dim() != 2 or weight.shape[1] != k or not weight.is_contiguous()

@@ -18,8 +18,9 @@
  * Dtypes: fp32 (fp32 FMAs), bf16 (products of bf16 pairs with fp32 accumulation, `vdpbf16ps`, where
  * the CPU has AVX512-BF16, else both widened to fp32); y in x's dtype, the bias added in fp32 before
  * the one rounding. x, W and y have unit stride along K and N. Returns 0; -1 where the kernel does
- * not apply (no AVX-512 at build time, another dtype), -3 out of memory for the lane loop's copy of x:
- * the caller keeps its GEMM.
+ * not apply (neither AVX-512 nor AVX2 + FMA at build time, another dtype), -3 out of memory for the lane
+ * loop's copy of x: the caller keeps its GEMM. Built for AVX2 + FMA without AVX-512, skinny_avx2.h
+ * stands in for everything below.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -281,6 +282,8 @@ int skinny_linear(const void *x, const void *w, const void *bias, void *y, int64
     return 0;
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "skinny_avx2.h"
 #else
 
 int skinny_linear(const void *x, const void *w, const void *bias, void *y, int64_t m, int64_t n, int64_t k,
