@@ -4,10 +4,11 @@
 
 The header names the CPU's ISA (AVX2, AVX-512, AVX-512 BF16, AMX, NEON) and the path each CPU kernel takes
 (native build, decode GEMV, flash prefill's bf16 products, oneDNN packing per dtype). Then it prints one
-table per weight dtype: prefill tokens/s at 512 and 2048 prompt tokens, time to first
-token at 1024, decode tokens/s at batch 1 and with 16 concurrent requests, and the ratio
-pdserve / transformers. It also measures memory-read bandwidth in the same run and prints the batch-1
-decode roofline (weight bytes / bandwidth).
+table per weight dtype, after the line of what the kernel dispatch chose at the engine's start
+(models/kernel_dispatch.py: each native kernel or its PyTorch path, whichever is faster here): prefill
+tokens/s at 512 and 2048 prompt tokens, time to first token at 1024, decode tokens/s at batch 1 and
+with 16 concurrent requests, and the ratio pdserve / transformers. It also measures memory-read
+bandwidth in the same run and prints the batch-1 decode roofline (weight bytes / bandwidth).
 
 vLLM is an optional peer row. It usually lives in its own venv (its torch pins clash with ours), so
 the row runs this same file in a child process under that interpreter (`--vllm-python`, default
@@ -71,13 +72,24 @@ def cpu_paths() -> str:
            if "avx512f" in flags else "AVX2" if "avx2" in flags else "NEON" if "asimd" in flags else platform.machine())
     lib = cpu_kernels.load()
     march = os.environ.get(cpu_kernels.MARCH_ENV, "").strip() or "native"
-    native = "off (no compiler or PDSERVE_CPU_KERNELS=0)" if lib is None else f"built for -march={march}"
+    native = ("off (no compiler or PDSERVE_CPU_KERNELS=0)" if lib is None
+              else f"built for -march={march} ({cpu_kernels.kernel_isa()} form)")
     pairs = lib is not None and lib.flash_prefill_bf16_pairs() == 1
+    gemv = cpu_kernels.skinny_linear_runs()
     return (f"isa: {isa} (ATen {torch.backends.cpu.get_cpu_capability()}); native kernels {native}; "
-            f"decode GEMV {'on' if cpu_kernels.skinny_linear_runs() else 'off (no AVX-512 in the build)'}; "
+            f"decode GEMV {'on' if gemv else 'off (no AVX-512 or AVX2 + FMA in the build)'}; "
             f"flash prefill bf16 products {'bf16 (AVX512-BF16)' if pairs else 'fp32'}; "
             f"oneDNN GEMM: fp32 {'packed' if onednn_packs(torch.float32) else 'plain'}, "
             f"bf16 {'packed' if onednn_packs(torch.bfloat16) else 'plain (F.linear)'}")
+
+
+def kernel_choices(dtype: str) -> str:
+    """The path kernel_dispatch chose for each kernel at the engine's start (logged there too)."""
+    from pdserve.models import cpu_kernels
+
+    chosen = {kernel: use for (kernel, dt), use in cpu_kernels.chosen_paths().items() if str(dt) == f"torch.{dtype}"}
+    paths = ", ".join(f"{kernel} {'native' if use else 'torch'}" for kernel, use in sorted(chosen.items()))
+    return f"kernel dispatch ({dtype}): {paths or 'nothing decided (no native kernels)'}"
 
 
 def sync(device: str) -> None:
@@ -386,6 +398,8 @@ def main() -> None:
                 runs.setdefault("vllm", []).append(v)
             bandwidth = max(bandwidth, read_bandwidth_gbs(args.device))  # the roofline against the best bandwidth seen
         rows = {name: best_of(rounds) for name, rounds in runs.items()}
+        if args.device == "cpu":
+            print(kernel_choices(dtype))
         print_table(dtype, rows, bandwidth)
         if "vllm" in rows:
             print(f"vLLM threads: {rows['vllm']['binding']}")

@@ -6,12 +6,18 @@ import contextlib
 import copy
 import functools
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Every native kernel runs in the tests (and in the processes they start), whatever the kernel dispatch
+# would time on this machine: the tests of the native paths must run them, and a suite must not take other
+# paths from one run to the next. tests/models/test_kernel_dispatch.py sets the variable itself.
+os.environ.setdefault("PDSERVE_KERNEL_PATH", "native")
 
 
 def smollm2_gguf() -> Path | None:

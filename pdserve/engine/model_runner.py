@@ -27,6 +27,7 @@ from pdserve.models.attention import AttentionMetadata, PagedKVCache, SeqSlice
 from pdserve.kv_transfer.page_table import Section
 from pdserve.models.config import ModelConfig
 from pdserve.models.cpu_decode import StageDecoder
+from pdserve.models.kernel_dispatch import choose_paths
 from pdserve.models.recurrent_state import RecurrentState, StateSlice
 from pdserve.models.deepseek_v3 import DeepseekV3ForCausalLM
 from pdserve.models.llama import LlamaForCausalLM, stage_layers
@@ -132,6 +133,9 @@ class ModelRunner:
             self.model = model_class(model_cfg)(model_cfg, ps, self.dtype, max_model_len)
         load_weights(self.model, model_dir, show_progress=ps.rank == 0)
         pack_for_cpu(self.model, gemv=ecfg.cpu_decode_gemv)
+        if device.type == "cpu":  # each native kernel where it beats PyTorch on this machine
+            choose_paths(self.model, self.dtype, model_cfg.num_heads // ps.tp_size,
+                         max(1, model_cfg.num_kv_heads // ps.tp_size), model_cfg.head_dim)
         if isinstance(self.model, LlamaForCausalLM):
             self.model.stage_decoder = StageDecoder.for_model(self.model)  # None where it does not apply
         self.num_blocks = num_kv_blocks(model_cfg, ecfg, self.kv_dtype)

@@ -212,7 +212,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         else:
             ks, vs = cache.gather(layer, s.block_ids, s.ctx_len)  # [kv_heads, ctx_len, d]
             ks, vs = ks.to(q.dtype), vs.to(q.dtype)
-        if cpu_kernels.flash_prefill(q[rows], ks, vs, scale, out=out[rows], window=window) is not None:
+        if (cpu_kernels.native(cpu_kernels.FLASH_PREFILL, q.dtype)  # (kernel_dispatch: where it beats PyTorch)
+                and cpu_kernels.flash_prefill(q[rows], ks, vs, scale, out=out[rows], window=window) is not None):
             continue  # written into out; None off CPU or without the native kernels
         if _use_tiled(q, s.q_len) and not window:
             out[rows] = _tiled_causal_attention(q[rows], ks, vs, scale)

@@ -206,12 +206,44 @@ def build(sources: list[Path] = SOURCES, cache_dir: Path | None = None, flags: l
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
+_lib_name: str | None = None
 _tried = False
+
+# Kernels with a PyTorch alternative, whose path kernel_dispatch decides per machine; the callers ask
+# `native(kernel, dtype)` (True until decided: the kernel wherever it runs).
+FLASH_PREFILL = "flash_prefill"
+GEMV = "gemv"
+_native: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def native(kernel: str, dtype: torch.dtype) -> bool:
+    """Whether `kernel` is to run for `dtype` (not decided yet: True)."""
+    return _native.get((kernel, dtype), True)
+
+
+def set_native(kernel: str, dtype: torch.dtype, use: bool) -> None:
+    _native[(kernel, dtype)] = use
+
+
+def chosen_paths() -> dict[tuple[str, torch.dtype], bool]:
+    """The paths decided so far (kernel_dispatch), (kernel, dtype) -> native."""
+    return dict(_native)
+
+
+def reset_paths() -> None:
+    """Forgets the decided paths (tests)."""
+    _native.clear()
+
+
+def library_name() -> str | None:
+    """The loaded library's file name (it hashes sources, flags, compiler and CPU flags); None without one."""
+    load()
+    return _lib_name
 
 
 def load() -> ctypes.CDLL | None:
     """The kernel library, built on first call; None (reason logged once) where it cannot be."""
-    global _lib, _tried
+    global _lib, _lib_name, _tried
     if _lib is not None:  # the common case, without the lock: once set, _lib never changes
         return _lib
     with _lock:
@@ -222,7 +254,8 @@ def load() -> ctypes.CDLL | None:
             log.info("%s=0: native CPU kernels disabled, the model runs in PyTorch only", ENABLE_ENV)
             return None
         try:
-            lib = ctypes.CDLL(str(build()))
+            path = build()
+            lib = ctypes.CDLL(str(path))
         except (KernelBuildError, OSError) as exc:
             log.warning("native CPU kernels unavailable, the model runs in PyTorch only: %s", exc)
             return None
@@ -242,7 +275,7 @@ def load() -> ctypes.CDLL | None:
         lib.flash_prefill_bf16_pairs.restype = ctypes.c_int
         lib.kernel_isa.argtypes = []
         lib.kernel_isa.restype = ctypes.c_char_p
-        _lib = lib
+        _lib, _lib_name = lib, path.name
         return _lib
 
 

@@ -1,0 +1,223 @@
+"""Which CPU path each native kernel takes on this machine: the kernel or the PyTorch path it replaces,
+decided by timing both on the model's own shapes.
+
+A kernel's build form follows the compiler's -march (AVX-512, AVX2 + FMA, plain C), but whether it beats
+PyTorch depends on the machine: its core, its memory, the ISA that ATen and oneDNN take on it. So at
+model load (`choose_paths`, from the model runner) each kernel that has a PyTorch alternative is timed
+against it, and the faster is kept:
+
+- flash prefill (`cpu_kernels.flash_prefill`) against the path attention.paged_attention takes without
+  it (at FLASH_TOKENS tokens the tiled oneDNN path, `attention._tiled_causal_attention`, or SDPA where
+  torch has no oneDNN): causal attention of FLASH_TOKENS tokens with the model's query heads, KV heads
+  and head_dim.
+- the decode GEMV (`cpu_kernels.skinny_linear`) against the GEMM a linear takes without it (oneDNN on the
+  packed weight, or F.linear), on the first layer's linears at GEMV_ROWS rows each. Where the GEMM wins,
+  the plain weight copies the GEMV needed are dropped and the one-call C decode step (which runs the
+  GEMV) is not used.
+
+A choice is kept in the kernel cache beside the library (`choices.json`), keyed by the CPU's model name
+and flags, the library (its name hashes its sources, flags and compiler), the dtype, the shapes and the
+thread count, so later starts on the same machine read it back instead of timing; the choice and its
+times are logged. `PDSERVE_KERNEL_PATH` forces a path: `native` or `torch` for every kernel, or per
+kernel, e.g. `flash_prefill=torch,gemv=native`; `auto` (the default) times.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.models import cpu_kernels
+from pdserve.models.attention import _tiled_causal_attention, _use_tiled
+from pdserve.models.layers import linear
+
+log = logging.getLogger(__name__)
+
+PATH_ENV = "PDSERVE_KERNEL_PATH"
+KERNELS = (cpu_kernels.FLASH_PREFILL, cpu_kernels.GEMV)
+FLASH_TOKENS = 1024  # a prompt length where attention is a good share of a prefill
+GEMV_ROWS = (1, 4, 16)  # decode steps of one, a few and the most sequences the GEMV takes
+CHOICES_FILE = "choices.json"
+
+
+def forced_paths(spec: str | None = None) -> dict[str, bool]:
+    """`PDSERVE_KERNEL_PATH` (or `spec`) read: kernel -> True (native) / False (torch) for the forced ones."""
+    spec = (os.environ.get(PATH_ENV, "") if spec is None else spec).strip()
+    if spec in ("", "auto"):
+        return {}
+    paths = {"native": True, "torch": False}
+    if spec in paths:
+        return dict.fromkeys(KERNELS, paths[spec])
+    forced = {}
+    for part in spec.split(","):
+        kernel, _, path = part.partition("=")
+        kernel, path = kernel.strip(), path.strip()
+        if kernel not in KERNELS or path not in (*paths, "auto"):
+            raise ValueError(f"{PATH_ENV}={spec!r}: expected auto, native, torch or a comma-separated list of "
+                             f"KERNEL=native|torch|auto with KERNEL one of {', '.join(KERNELS)}")
+        if path != "auto":
+            forced[kernel] = paths[path]
+    return forced
+
+
+def _best_ms(fn: Callable[[], object], repeats: int = 3) -> float:
+    fn()  # the first call pays for page faults and packing
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def time_flash_prefill(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       tokens: int = FLASH_TOKENS) -> tuple[float, float] | None:
+    """(native ms, best PyTorch ms) for causal attention of `tokens` tokens; None where the kernel does not
+    take the shape."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(tokens, heads, head_dim, generator=g).to(dtype)
+    k, v = (torch.randn(kv_heads, tokens, head_dim, generator=g).to(dtype) for _ in range(2))
+    scale = head_dim ** -0.5
+    if cpu_kernels.flash_prefill(q, k, v, scale) is None:
+        return None
+    native = _best_ms(lambda: cpu_kernels.flash_prefill(q, k, v, scale))
+    if _use_tiled(q, tokens):  # the path attention.paged_attention takes without the kernel
+        return native, _best_ms(lambda: _tiled_causal_attention(q, k, v, scale))
+    qs = q.transpose(0, 1).unsqueeze(0)
+    return native, _best_ms(lambda: F.scaled_dot_product_attention(qs, k[None], v[None], is_causal=True,
+                                                                   scale=scale, enable_gqa=True))
+
+
+def time_gemv(layers: list, dtype: torch.dtype) -> tuple[float, float] | None:
+    """(native ms, GEMM ms) for `layers`' linears (each with a plain `gemv_weight`) at GEMV_ROWS rows,
+    summed; None where the kernel does not run."""
+    g = torch.Generator().manual_seed(0)
+    cases = [(m, torch.randn(rows, m.gemv_weight.shape[1], generator=g).to(dtype)) for m in layers
+             for rows in GEMV_ROWS]
+    if not cases or cpu_kernels.skinny_linear(cases[0][1], cases[0][0].gemv_weight) is None:
+        return None
+
+    def run(native: bool) -> None:
+        for m, x in cases:
+            if native:
+                cpu_kernels.skinny_linear(x, m.gemv_weight, m.bias)
+            else:
+                linear(x, m.weight, m.bias)  # not in a decode step: the GEMM, as without the GEMV
+    return _best_ms(lambda: run(True)), _best_ms(lambda: run(False))
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(("model name", "CPU part"))),
+                        "")
+    except OSError:
+        return ""
+
+
+def _load_choices(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _store_choice(path: Path, key: str, entry: dict) -> None:
+    """Adds one entry to the choices file (written to a temporary file and renamed, as the library is)."""
+    choices = _load_choices(path)
+    choices[key] = entry
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(choices, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("kernel dispatch: cannot keep the choice in %s (%s); it is timed again at the next start",
+                    path, exc)
+        tmp.unlink(missing_ok=True)
+
+
+def _decide(kernel: str, dtype: torch.dtype, shape: str, timer: Callable[[], tuple[float, float] | None],
+            forced: dict[str, bool], cache: Path) -> bool | None:
+    """Native (True) or torch (False) for one kernel; None where the kernel does not run here."""
+    name = str(dtype).removeprefix("torch.")
+    if kernel in forced:
+        cpu_kernels.set_native(kernel, dtype, forced[kernel])
+        log.info("kernel dispatch: %s %s %s: %s (forced by %s)", kernel, name, shape,
+                 "native" if forced[kernel] else "torch", PATH_ENV)
+        return forced[kernel]
+    library = cpu_kernels.library_name()
+    key = "|".join([_cpu_name(), cpu_kernels._cpu_signature().strip(), library or "", kernel, name, shape,
+                    str(torch.get_num_threads()), torch.backends.cpu.get_cpu_capability()])
+    entry = _load_choices(cache).get(key)
+    how = "cached"
+    if entry is None:
+        times = timer()
+        if times is None:
+            return None
+        entry = {"native": times[0] < times[1], "native_ms": round(times[0], 3), "torch_ms": round(times[1], 3)}
+        _store_choice(cache, key, entry)
+        how = "timed"
+    cpu_kernels.set_native(kernel, dtype, entry["native"])
+    log.info("kernel dispatch: %s %s %s: %s (%s: native %.2f ms, torch %.2f ms)", kernel, name, shape,
+             "native" if entry["native"] else "torch", how, entry["native_ms"], entry["torch_ms"])
+    return entry["native"]
+
+
+def choose_paths(model: torch.nn.Module, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+                 cache: Path | None = None) -> dict[str, bool]:
+    """Decides each kernel's path for this model (see the module docstring) and returns kernel -> native.
+    `heads`, `kv_heads`: this rank's query and KV heads. Call after `layers.pack_for_cpu`."""
+    if cpu_kernels.load() is None or dtype not in (torch.float32, torch.bfloat16):
+        return {}
+    forced = forced_paths()
+    cache = cache or cpu_kernels._cache_dir() / CHOICES_FILE
+    chosen = {}
+    shape = f"{heads}x{kv_heads}x{head_dim}@{FLASH_TOKENS}"
+    flash = None if heads < 1 else _decide(cpu_kernels.FLASH_PREFILL, dtype, shape,
+                                           lambda: time_flash_prefill(heads, kv_heads, head_dim, dtype), forced, cache)
+    if flash is not None:
+        chosen[cpu_kernels.FLASH_PREFILL] = flash
+    gemv_layers = _first_gemv_linears(model)
+    if gemv_layers:
+        shape = ",".join(f"{m.gemv_weight.shape[0]}x{m.gemv_weight.shape[1]}" for m in gemv_layers)
+        gemv = _decide(cpu_kernels.GEMV, dtype, shape, lambda: time_gemv(gemv_layers, dtype), forced, cache)
+        if gemv is not None:
+            chosen[cpu_kernels.GEMV] = gemv
+        if gemv is False:
+            _drop_gemv_weights(model)
+    return chosen
+
+
+def _first_gemv_linears(model: torch.nn.Module) -> list:
+    """The linears with a plain `gemv_weight`, one per weight shape, in model order (a layer's set)."""
+    seen, out = set(), []
+    for m in model.modules():
+        w = getattr(m, "gemv_weight", None)
+        if isinstance(w, torch.Tensor) and tuple(w.shape) not in seen:
+            seen.add(tuple(w.shape))
+            out.append(m)
+    return out
+
+
+def _drop_gemv_weights(model: torch.nn.Module) -> None:
+    """The GEMV lost: its plain weight copies go (where the layer keeps a packed one), and with them the
+    GEMV and the one-call C decode step, which both need them."""
+    freed = 0
+    for m in model.modules():
+        w = getattr(m, "gemv_weight", None)
+        if isinstance(w, torch.Tensor):
+            if m.weight is not None and m.weight.is_mkldnn:
+                freed += w.numel() * w.element_size()
+            m.gemv_weight = None
+    if freed:
+        log.info("kernel dispatch: the GEMM beats the GEMV here; its plain weight copies dropped (%.0f MB)",
+                 freed / 1e6)

@@ -1,0 +1,104 @@
+"""The per-machine choice between each native kernel and its PyTorch path (models/kernel_dispatch.py):
+timed once and kept, read back, forced by PDSERVE_KERNEL_PATH, and either way the tokens of transformers.
+
+The suite runs with PDSERVE_KERNEL_PATH=native (tests/conftest.py), so that the tests of the native paths
+run them whatever the timing says; these tests set the variable themselves."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.llm import LLM
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.models import cpu_kernels, kernel_dispatch
+from pdserve.models.layers import _LINEARS
+from pdserve.testing import make_tiny_model
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler to build the CPU kernels")
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+SHAPE = {"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16}
+
+
+@pytest.fixture(autouse=True)
+def _forget_paths():
+    yield
+    cpu_kernels.reset_paths()  # the choices are process-wide: leave none to the next test
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, hf_greedy):
+    d = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", **SHAPE)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (7, 530)]  # 530: the tiled path's length
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    return d, prompts, hf_greedy(model, prompts, GREEDY.max_tokens)
+
+
+def test_the_forcing_variable_is_read_and_checked():
+    both = {cpu_kernels.FLASH_PREFILL: False, cpu_kernels.GEMV: False}
+    assert kernel_dispatch.forced_paths("torch") == both
+    assert kernel_dispatch.forced_paths("native") == {k: True for k in both}
+    assert kernel_dispatch.forced_paths("auto") == kernel_dispatch.forced_paths("") == {}
+    assert kernel_dispatch.forced_paths("flash_prefill=torch, gemv=auto") == {cpu_kernels.FLASH_PREFILL: False}
+    for bad in ("fast", "flash=torch", "gemv=never"):
+        with pytest.raises(ValueError, match="PDSERVE_KERNEL_PATH=.*expected auto, native, torch"):
+            kernel_dispatch.forced_paths(bad)
+
+
+def test_the_choice_is_timed_once_kept_and_read_back(tiny, tmp_path, monkeypatch, caplog):
+    """The first start times both paths and keeps the times and the choice in the cache; the next reads
+    them back without timing (shown by a stored choice, flipped by hand, being the one taken)."""
+    d, _, _ = tiny
+    monkeypatch.setenv(kernel_dispatch.PATH_ENV, "auto")
+    cache = tmp_path / "choices.json"
+    with LLM(EngineConfig(model=str(d), device="cpu", tokens_per_block=8)) as llm:
+        model = llm.engine.runner.model
+        heads = (SHAPE["num_heads"], SHAPE["num_kv_heads"], SHAPE["head_dim"])
+        with caplog.at_level(logging.INFO, logger=kernel_dispatch.__name__):
+            first = kernel_dispatch.choose_paths(model, torch.float32, *heads, cache=cache)
+        assert set(first) == {cpu_kernels.FLASH_PREFILL, cpu_kernels.GEMV}
+        assert caplog.text.count("(timed: native") == 2, caplog.text
+        stored = json.loads(cache.read_text())
+        assert len(stored) == 2
+        for entry in stored.values():
+            assert entry["native"] == (entry["native_ms"] < entry["torch_ms"]) and entry["native_ms"] > 0
+        (flash_key,) = [key for key in stored if f"|{cpu_kernels.FLASH_PREFILL}|float32|4x2x16@" in key]
+        stored[flash_key]["native"] = not first[cpu_kernels.FLASH_PREFILL]
+        cache.write_text(json.dumps(stored))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=kernel_dispatch.__name__):
+            again = kernel_dispatch.choose_paths(model, torch.float32, *heads, cache=cache)
+        assert caplog.text.count("(cached: native") == 2 and "timed" not in caplog.text, caplog.text
+        assert again == {**first, cpu_kernels.FLASH_PREFILL: not first[cpu_kernels.FLASH_PREFILL]}
+        assert cpu_kernels.native(cpu_kernels.FLASH_PREFILL, torch.float32) == again[cpu_kernels.FLASH_PREFILL]
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_each_forced_path_gives_transformers_tokens(tiny, monkeypatch, path):
+    """Forced to PyTorch, no native attention or GEMV runs (the plain weight copies and the C decode step
+    are gone); forced native, they do. Both give transformers' greedy tokens."""
+    d, prompts, ref = tiny
+    monkeypatch.setenv(kernel_dispatch.PATH_ENV, path)
+    gemv_runs = cpu_kernels.skinny_linear_runs()  # (a trial call: before the calls are counted)
+    calls = []
+    for name in ("flash_prefill", "skinny_linear"):
+        kernel = getattr(cpu_kernels, name)
+        monkeypatch.setattr(cpu_kernels, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
+    with LLM(EngineConfig(model=str(d), device="cpu", tokens_per_block=8, max_num_seqs=1)) as llm:
+        model = llm.engine.runner.model
+        gemv_weights = [m.gemv_weight for m in model.modules() if isinstance(m, _LINEARS)]
+        calls.clear()  # (the dispatch's own trial calls)
+        assert [c.token_ids for c in llm.generate(prompts, GREEDY)] == ref
+    native = path == "native"
+    assert cpu_kernels.native(cpu_kernels.FLASH_PREFILL, torch.float32) == native
+    assert ("flash_prefill" in calls) == native
+    if gemv_runs:
+        assert all(w is not None for w in gemv_weights) == native and (model.stage_decoder is not None) == native
+        assert native or "skinny_linear" not in calls
