@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from low_precision_oracle import assert_as_accurate, errors
+from served import assert_greedy_completions, pdserve_serve
 
 from pdserve.config import EngineConfig
 from pdserve.engine.llm import LLM
@@ -123,3 +124,11 @@ def test_a_prefill_chunk_that_samples_nothing(model):
     no rows (grouped routing once failed to reshape an empty batch)."""
     d, prompts, ref = model
     assert _run(d, [prompts[2]], max_num_tokens=7) == [ref[2]]
+
+
+def test_pdserve_serve_answers_the_openai_client_as_transformers_does(model):
+    """`pdserve serve DIR` on the tiny DeepSeek-V3 directory, asked through the OpenAI client: the greedy
+    completion of each prompt (token ids in, all sent at once) is transformers' text."""
+    d, prompts, ref = model
+    with pdserve_serve(d, "--tokens-per-block", "8", "--max-num-seqs", "4") as url:
+        assert_greedy_completions(url, d, prompts, ref, MAX_NEW)

@@ -1,6 +1,7 @@
 """`pdserve launch` of the families beyond Llama: a cluster from one command whose disaggregated answer equals
 one aggregated engine's. Qwen3 and Qwen3-MoE go context TP2 -> generation TP1 (attention cut by heads, every
-expert by its intermediate dimension), Qwen3.5 TP1 -> TP2 (its recurrent state re-cut by heads on the way);
+expert by its intermediate dimension), Qwen3.5 TP1 -> TP2 (its recurrent state re-cut by heads on the way),
+DeepSeek-V3 TP1 -> TP2 (its latent cache, the same on every TP rank, sent to both generation ranks whole);
 tests/disagg_e2e holds more pairs of each through workers and an orchestrator."""
 
 from __future__ import annotations
@@ -17,15 +18,20 @@ from pdserve.distributed import free_port
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.testing import make_tiny_model
+from pdserve.testing.tiny_deepseek_v3 import make_tiny_deepseek_v3
 from pdserve.testing.wait import reaped, stop_cleanly, wait_for_line
 
 SMALL_POOL = {"tokens_per_block": 8, "kv_cache_memory_gb": 0.0625}
 
 
-@pytest.mark.parametrize("arch,ctx_tp,gen_tp", [("qwen3", 2, 1), ("qwen3_moe", 2, 1), ("qwen3_5", 1, 2)])
+@pytest.mark.parametrize("arch,ctx_tp,gen_tp", [("qwen3", 2, 1), ("qwen3_moe", 2, 1), ("qwen3_5", 1, 2),
+                                                 ("deepseek_v3", 1, 2)])
 def test_launch_serves_the_family_disaggregated(tmp_path, arch, ctx_tp, gen_tp):
-    model = str(make_tiny_model(tmp_path / "m", arch=arch, num_layers=3 if arch != "qwen3_5" else 4, num_heads=4,
-                                num_kv_heads=2, head_dim=16))
+    if arch == "deepseek_v3":
+        model = str(make_tiny_deepseek_v3(tmp_path / "m"))
+    else:
+        model = str(make_tiny_model(tmp_path / "m", arch=arch, num_layers=3 if arch != "qwen3_5" else 4, num_heads=4,
+                                    num_kv_heads=2, head_dim=16))
     port = free_port()
     cluster = {"model": model, "port": port, "log_dir": str(tmp_path / "logs"), "backend": "shm",
                "context": [{"port": free_port(), "config": {**SMALL_POOL, "tensor_parallel_size": ctx_tp}}],
