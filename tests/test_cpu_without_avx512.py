@@ -1,4 +1,5 @@
-"""The suite's CPU paths as a machine without AVX-512 runs them, on whatever machine runs the suite.
+"""The suite's CPU paths as a machine without AVX-512 runs them, on whatever machine runs the suite (and
+the kernels' sources as an ARM machine compiles them).
 
 CI's machines have had AVX-512 so far, and a CPU with AVX2 alone (AMD Zen 1-3, many cloud VMs) takes
 other paths: oneDNN refuses bf16 there, ATen runs its AVX2 kernels, and the native kernels compile
@@ -69,3 +70,21 @@ def test_kernel_and_low_precision_tests_pass_without_avx512():
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *SUITES], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64", reason="cross-compiles from x86-64")
+def test_the_kernels_compile_for_aarch64(tmp_path):
+    """ARM servers build the library from the same sources: every csrc/*.c compiles for aarch64 (the
+    plain C forms) with zig's cross C compiler (the ziglang package, in the test extra)."""
+    pytest.importorskip("ziglang", reason="no ziglang (pip install ziglang): no cross compiler")
+    from pdserve.models import cpu_kernels
+
+    flags = [f for f in cpu_kernels.FLAGS if not f.startswith("-march") and f != "-shared"]
+    cc = [sys.executable, "-m", "ziglang", "cc", "-target", "aarch64-linux-gnu", "-Werror=implicit-function-declaration"]
+    builds = [subprocess.Popen([*cc, *flags, "-c", str(src), "-o", str(tmp_path / f"{src.stem}.o")],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for src in cpu_kernels.SOURCES]
+    for src, build in zip(cpu_kernels.SOURCES, builds):
+        out, _ = build.communicate(timeout=300)
+        assert build.returncode == 0, f"{src.name} does not compile for aarch64:\n{out}"
+        assert (tmp_path / f"{src.stem}.o").read_bytes()[18] == 183  # e_machine: EM_AARCH64

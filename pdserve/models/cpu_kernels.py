@@ -359,8 +359,8 @@ SKINNY_ROWS = {torch.float32: frozenset([*range(1, 9), *range(12, 17)]), torch.b
 
 
 def kernel_isa() -> str | None:
-    """The instruction-set form the library was built in (csrc/isa.c): 'avx512-bf16', 'avx512', 'avx2-fma',
-    'neon' or 'plain' (no vector intrinsics: the portable C loops); None without the library."""
+    """The instruction-set form the library was built in (csrc/isa.c): 'avx512-bf16', 'avx512', 'avx2-fma'
+    or 'plain' (no vector intrinsics: the portable C loops, e.g. on ARM); None without the library."""
     lib = load()
     return None if lib is None else lib.kernel_isa().decode()
 

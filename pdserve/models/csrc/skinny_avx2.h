@@ -13,6 +13,7 @@
 #define PDSERVE_SKINNY_AVX2_H
 
 #include <immintrin.h>
+#include <omp.h>
 
 #define INLINE static inline __attribute__((always_inline))
 #define NR 4

@@ -22,7 +22,6 @@
  * loop's copy of x: the caller keeps its GEMM. Built for AVX2 + FMA without AVX-512, skinny_avx2.h
  * stands in for everything below.
  */
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -33,6 +32,7 @@ enum { SKINNY_F32 = 0, SKINNY_BF16 = 1 };
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#include <omp.h>
 
 #define NR 4 /* rows of W per tile */
 #define MR 4 /* rows of x per pass over a tile */
