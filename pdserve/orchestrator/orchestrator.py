@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from typing import AsyncIterable, Awaitable, Callable, TypeVar
 
 import httpx
@@ -43,6 +42,7 @@ from pdserve.orchestrator.config import DisaggConfig
 from pdserve.orchestrator.errors import OrchestratorError, WorkerUnreachable
 from pdserve.orchestrator.metrics import OrchestratorMetrics
 from pdserve.orchestrator.relay import Relay, Streamed
+from pdserve.orchestrator.request import Request
 from pdserve.orchestrator.request_id import RequestIdGenerator
 from pdserve.orchestrator.routers import Route, RouteRequest, session_key
 from pdserve.orchestrator.upstream import get_json, open_stream, post_json
@@ -53,25 +53,6 @@ RELEASE_TIMEOUT_S = 5.0
 ALIVE_TIMEOUT_S = 1.0  # a context instance that lost a transfer: is it gone, or was the failure transient?
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-
-
-@dataclass
-class _Request:
-    api: str
-    body: dict
-    route_req: RouteRequest
-    request_id: int
-    arrival: float
-    dispatched: bool = False
-    ctx_url: str | None = None  # the context instance holding this request's KV, once it answered
-
-    @property
-    def stream(self) -> bool:
-        return bool(self.body.get("stream"))
-
-    @property
-    def include_usage(self) -> bool:
-        return bool((self.body.get("stream_options") or {}).get("include_usage"))
 
 
 class Orchestrator:
@@ -89,91 +70,79 @@ class Orchestrator:
         self.member_headers = {TOKEN_HEADER: cfg.cluster_token} if cfg.cluster_token else None
 
     async def serve(self, api: str, body: dict, conversation_id: str | None = None) -> dict | AsyncIterable[bytes]:
-        """A JSON answer, or the SSE bytes of a streaming one."""
-        arrival = time.monotonic()
+        """A JSON answer, or the SSE bytes of a streaming one. Whatever the way out, the request gives back
+        the routes and the KV it still holds (request.py)."""
         if "resume" in body:  # a disaggregated request's generation half would refuse it after the prefill
             raise OrchestratorError(400, "resume is set by the orchestrator when it moves a stream; a client may "
                                          "not send it", "invalid_value", "resume")
-        req = _Request(api, body, RouteRequest(), self._request_id(body), arrival)
+        req = Request(api, body, self._request_id(body), self.cluster, self._release_kv)
         tokens = await self._tokens(req) if self.needs_tokens else None
         req.route_req = RouteRequest(num_tokens=len(tokens) if tokens else 0, token_ids=tokens,
                                      session_key=session_key(body, conversation_id, self._session_router()))
-        gen_route: Route | None = None
         try:
             if self._aggregated():
-                return await self._whole(req, None)
+                return await self._whole(req)
             if self.cfg.conditional_disagg is not None or self.cfg.schedule_style == "generation_first":
-                gen_route = await self.cluster.select("generation", req.route_req)
-                if self._is_local(req, gen_route):
-                    route, gen_route = gen_route, None
-                    return await self._whole(req, route)
+                # conditional disaggregation decides by this instance's cache, so it is chosen first and
+                # stays reserved during the prefill
+                if self._is_local(req, await req.reserve("generation")):
+                    return await self._whole(req)
             if self.cfg.schedule_style == "generation_first":
-                route, gen_route = gen_route, None
-                return await self._generation_first(req, route)
-            route, gen_route = gen_route, None
-            return await self._context_first(req, route)
+                return await self._generation_first(req)
+            return await self._context_first(req)
         finally:
-            if gen_route is not None:  # reserved but never handed to _generate
-                await self.cluster.finish("generation", gen_route.url, req.route_req)
+            await req.let_go()
 
     # -- steps ---------------------------------------------------------------------------------------
 
-    async def _context_first(self, req: _Request, gen_route: Route | None) -> dict | AsyncIterable[bytes]:
+    async def _context_first(self, req: Request) -> dict | AsyncIterable[bytes]:
         """Prefill on a context instance, then decode on a generation instance. When the instance holding
         the KV is lost before the generation side pulled it (killed, restarted), or the transfer failed,
         nothing has reached the client yet: the prefill runs again (at most max_retries times), on another
         context instance when that one does not answer /health."""
         for attempt in range(self.cfg.max_retries + 1):
-            try:
-                answer = await self._context(req)
-            except BaseException:
-                await self._unreserve(req, gen_route)
-                raise
+            answer = await self._context(req)
             params = answer.get("disaggregated_params")
             if params is None:
-                await self._unreserve(req, gen_route)
                 self.metrics.requests.labels("context_finished").inc()
                 answer.pop("disaggregated_params", None)
                 return self._finished(req, answer)
             params = {**params, "request_type": "generation_only", "schedule_style": self.cfg.schedule_style}
             cached = ((answer.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+            ctx_url = req.kv_at
             try:
-                if gen_route is None:
-                    gen_route = await self.cluster.select("generation", req.route_req)
-                if gen_route.url == req.ctx_url:
-                    route, gen_route = gen_route, None
-                    return await self._whole_where_prefilled(req, route)
+                if (await req.reserve("generation")).url == ctx_url:
+                    return await self._whole_where_prefilled(req)
                 if attempt == 0:
                     self.metrics.requests.labels("disaggregated").inc()
-                route, gen_route = gen_route, None
-                return await self._generate(req, params, route, cached)
+                answered = await self._generate(req, params, cached)
             except OrchestratorError as e:
-                self._release_kv(req)  # nobody pulls this KV now, should its instance still be alive
-                if not await self._run_again(req, req.ctx_url, "generation", e, attempt):
+                await req.let_go()  # nobody pulls this KV now, should its instance still be alive
+                if not await self._run_again(req, ctx_url, "generation", e, attempt):
                     raise
-                gen_route = None
-            except BaseException:  # client gone: nobody pulls the KV
-                self._release_kv(req)
-                raise
+                continue
+            req.kv_pulled()
+            return answered
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    async def _whole(self, req: _Request, route: Route | None) -> dict | AsyncIterable[bytes]:
-        """One generation instance serves the request whole (context_and_generation); `route` None: any."""
+    async def _whole(self, req: Request) -> dict | AsyncIterable[bytes]:
+        """One generation instance serves the request whole (context_and_generation): the one the request
+        holds, else any."""
         self.metrics.requests.labels("local").inc()
         return await self._generate(req, {"request_type": "context_and_generation",
-                                          "disagg_request_id": req.request_id}, route)
+                                          "disagg_request_id": req.disagg_id})
 
-    async def _whole_where_prefilled(self, req: _Request, route: Route) -> dict | AsyncIterable[bytes]:
+    async def _whole_where_prefilled(self, req: Request) -> dict | AsyncIterable[bytes]:
         """The generation instance chosen is the one that prefilled (an instance listed in both roles):
         it serves the request whole, under a fresh id, from its prefix cache, and the context_only
         request's KV is released. Sent generation_only, it would meet its own id still in flight (409)."""
-        self._release_kv(req)
-        req.request_id, req.ctx_url = self.ids.next_id(), None
-        return await self._whole(req, route)
+        req.release_kv()
+        req.renew(self.ids.next_id())
+        return await self._whole(req)
 
-    async def _run_again(self, req: _Request, ctx_url: str, role: str, e: BaseException, attempt: int) -> bool:
+    async def _run_again(self, req: Request, ctx_url: str, role: str, e: BaseException, attempt: int) -> bool:
         """Whether a request whose half on `role` failed with `e` runs both halves again (the caller has
-        stopped and released this attempt; the client's response has not started). Yes when an instance
+        stopped this attempt and let go of what it held; the client's response has not started). Yes when an instance
         was lost (_lost) and retries are left. A lost context instance at ctx_url leaves routing when it
         does not answer /health (a transient failure keeps it); a lost generation instance has left it
         already (_call). The request gets a fresh id, since the old one may still be in flight there."""
@@ -184,7 +153,7 @@ class Orchestrator:
             await self.cluster.unreachable("context", ctx_url, str(e))
             self._kv_endpoints.pop(ctx_url, None)  # it may come back with another endpoint
         self.metrics.retries.labels(lost).inc()
-        req.request_id, req.ctx_url = self.ids.next_id(), None
+        req.renew(self.ids.next_id())
         return True
 
     async def _alive(self, url: str) -> bool:
@@ -192,11 +161,6 @@ class Orchestrator:
             return (await self.http.get(url + "/health", timeout=ALIVE_TIMEOUT_S)).status_code == 200
         except httpx.HTTPError:
             return False
-
-    async def _unreserve(self, req: _Request, gen_route: Route | None) -> None:
-        """A generation instance chosen up front (conditional disaggregation) that will not be used."""
-        if gen_route is not None:
-            await self.cluster.finish("generation", gen_route.url, req.route_req)
 
     def _request_id(self, body: dict) -> int:
         given = body.get("disaggregated_params")
@@ -217,7 +181,7 @@ class Orchestrator:
         ctx, gen = self.cfg.context_servers.router, self.cfg.generation_servers.router
         return gen if gen.type == "conversation" else ctx
 
-    async def _tokens(self, req: _Request) -> list[int]:
+    async def _tokens(self, req: Request) -> list[int]:
         prompt = req.body.get("prompt")
         if req.api == COMPLETIONS and isinstance(prompt, list) and prompt and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -231,7 +195,7 @@ class Orchestrator:
         urls = self.cluster.ready_urls("generation") or self.cluster.ready_urls("context")
         if not urls:
             raise OrchestratorError(503, "no ready worker to tokenize the prompt with", "no_ready_instance")
-        url = urls[req.request_id % len(urls)]
+        url = urls[req.disagg_id % len(urls)]
         try:
             answer = await post_json(self.http, "tokenizer", url, "/tokenize", payload, self.cfg.request_timeout)
         except OrchestratorError as e:
@@ -250,22 +214,22 @@ class Orchestrator:
         generation instances serve each request whole, as aggregated instances behind this router."""
         return self.cfg.context_servers.minimal_instances == 0 and not self.cluster.ready_urls("context")
 
-    def _is_local(self, req: _Request, gen_route: Route) -> bool:
+    def _is_local(self, req: Request, gen_route: Route) -> bool:
         if self.cfg.conditional_disagg is None:
             return False
         cached = gen_route.matched_blocks * (gen_route.tokens_per_block or 0)
         uncached = max(req.route_req.num_tokens - cached, 0)
         return uncached <= self.cfg.conditional_disagg.max_local_prefill_length
 
-    async def _call(self, role: str, req: _Request, send: Callable[[str], Awaitable[T]],
-                    route: Route | None = None, whole: bool = True) -> tuple[Route, T]:
-        """send(url) on an instance of `role`; an unreachable one is retried elsewhere, and so is one lost
-        mid-request when the request is `whole` (it needs no other instance: not generation_only). On
-        success the route stays reserved (the caller finishes it); on failure it is finished here."""
+    async def _call(self, role: str, req: Request, send: Callable[[str], Awaitable[T]],
+                    whole: bool = True) -> tuple[Route, T]:
+        """send(url) on the instance of `role` the request holds, else a newly reserved one; an unreachable
+        one is retried elsewhere, and so is one lost mid-request when the request is `whole` (it needs no
+        other instance: not generation_only). On success the request still holds the route; on failure
+        it is finished here."""
         retries = 0
         while True:
-            if route is None:
-                route = await self.cluster.select(role, req.route_req)
+            route = await req.reserve(role)
             if not req.dispatched:
                 req.dispatched = True
                 self.metrics.queue.observe(time.monotonic() - req.arrival)
@@ -273,11 +237,11 @@ class Orchestrator:
             try:
                 return route, await send(route.url)
             except asyncio.CancelledError:  # the client went away
-                await self.cluster.finish(role, route.url, req.route_req)
+                await req.finish(role)
                 raise
             except OrchestratorError as e:
                 self.metrics.worker_errors.labels(role, str(e.status)).inc()
-                await self.cluster.finish(role, route.url, req.route_req)
+                await req.finish(role)
                 # An instance lost mid-request (connection dropped; a streaming answer had not begun)
                 # answered nothing the client saw, and a dropped connection aborts the request on the
                 # worker. A draining instance refused the request before doing anything with it.
@@ -289,22 +253,20 @@ class Orchestrator:
                     raise
                 retries += 1
                 self.metrics.retries.labels(role).inc()
-                route = None
 
-    def _context_body(self, req: _Request) -> dict:
+    def _context_body(self, req: Request) -> dict:
         body = {k: v for k, v in req.body.items() if k != "stream_options"}
         body["stream"] = False
-        body["disaggregated_params"] = {"request_type": "context_only", "disagg_request_id": req.request_id,
+        body["disaggregated_params"] = {"request_type": "context_only", "disagg_request_id": req.disagg_id,
                                         "schedule_style": self.cfg.schedule_style}
         return body
 
-    async def _context(self, req: _Request) -> dict:
+    async def _context(self, req: Request) -> dict:
         body = self._context_body(req)
         start = time.monotonic()
         route, answer = await self._call("context", req, lambda url: post_json(
             self.http, "context", url, req.api, body, self.cfg.request_timeout, self.member_headers))
-        await self.cluster.finish("context", route.url, req.route_req)
-        req.ctx_url = route.url
+        await req.finish("context")
         self.metrics.context.observe(time.monotonic() - start)
         if not req.stream:  # a streaming client's first token is the generation worker's first chunk
             self.metrics.ttft.observe(time.monotonic() - req.arrival)
@@ -316,51 +278,42 @@ class Orchestrator:
         if params is not None and not (isinstance(params, dict) and params.get("first_gen_tokens")):
             raise OrchestratorError(502, f"context server {route.url} answered with disaggregated_params "
                                          f"lacking first_gen_tokens: {params!r}", "worker_bad_answer")
+        if params is not None:
+            req.kv_at = route.url
         return answer
 
-    async def _generation_first(self, req: _Request, gen_route: Route | None) -> dict | AsyncIterable[bytes]:
+    async def _generation_first(self, req: Request) -> dict | AsyncIterable[bytes]:
         """Both halves at once. When the context instance is lost (its request dropped or refused, or the
         generation side's pull from it failed), or the generation instance before its stream opened,
         nothing has reached the client: both halves run again, as under context_first (_run_again)."""
         for attempt in range(self.cfg.max_retries + 1):
-            try:
-                ctx_route, endpoint = await self._call("context", req, self._kv_endpoint)
-            except BaseException:
-                await self._unreserve(req, gen_route)
-                raise
-            try:
-                if gen_route is None:
-                    gen_route = await self.cluster.select("generation", req.route_req)
-            except BaseException:
-                await self.cluster.finish("context", ctx_route.url, req.route_req)
-                raise
-            if gen_route.url == ctx_route.url:  # an instance in both roles: nothing sent to it yet
-                await self.cluster.finish("context", ctx_route.url, req.route_req)
-                return await self._whole(req, gen_route)
+            ctx_route, endpoint = await self._call("context", req, self._kv_endpoint)
+            if (await req.reserve("generation")).url == ctx_route.url:  # in both roles: nothing sent to it yet
+                await req.finish("context")
+                return await self._whole(req)
             if attempt == 0:
                 self.metrics.requests.labels("disaggregated").inc()
-            params = {"request_type": "generation_only", "disagg_request_id": req.request_id,
+            params = {"request_type": "generation_only", "disagg_request_id": req.disagg_id,
                       "first_gen_tokens": [], "ctx_info_endpoint": endpoint, "ctx_dp_rank": 0,
                       "schedule_style": "generation_first"}
-            ctx = asyncio.create_task(self._context_part(req, ctx_route))
-            gen = asyncio.create_task(self._generate(req, params, gen_route))
+            ctx = asyncio.create_task(self._context_part(req))
+            gen = asyncio.create_task(self._generate(req, params))
             try:
                 await asyncio.wait({ctx, gen}, return_when=asyncio.FIRST_EXCEPTION)
             except BaseException:  # the client went away: neither side may keep KV waiting for the other
                 await _cancel_both(ctx, gen)
-                self._release_kv(req)
                 raise
             # The context side's reason first: it is the one a client can act on.
             failed = [(role, t.exception()) for role, t in (("context", ctx), ("generation", gen))
                       if t.done() and t.exception() is not None]
             if not failed:
+                req.kv_pulled()
                 return gen.result()
             await _cancel_both(ctx, gen)
-            self._release_kv(req)
+            await req.let_go()
             role, e = failed[0]
             if not await self._run_again(req, ctx_route.url, role, e, attempt):
                 raise e
-            gen_route = None
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def _kv_endpoint(self, url: str) -> str:
@@ -380,12 +333,11 @@ class Orchestrator:
             self._kv_endpoints[url] = endpoint
         return self._kv_endpoints[url]
 
-    def _release_kv(self, req: _Request) -> None:
-        """The context instance answered but its KV will not be pulled: tell it to free the KV now, not
-        after its kv_transfer_timeout_ms. In the background: a client that left must not wait for it."""
-        if req.ctx_url is None:
-            return  # its context_only request never answered: closing that request aborted it
-        url, body = req.ctx_url, {"disagg_request_id": req.request_id}
+    def _release_kv(self, url: str, disagg_id: int) -> None:
+        """Ask the context instance at `url` to free the KV it holds for `disagg_id` now, not after its
+        kv_transfer_timeout_ms (Request.release_kv). In the background: a client that left must not wait
+        for it. (A context_only request that never answered holds nothing: closing it aborted it.)"""
+        body = {"disagg_request_id": disagg_id}
         call = post_json(self.http, "context", url, "/v1/disagg/release", body, RELEASE_TIMEOUT_S, self.member_headers)
         task = asyncio.get_running_loop().create_task(call)
         self._releases.add(task)
@@ -397,28 +349,29 @@ class Orchestrator:
             log.warning("could not release a request's KV on its context instance (it frees it after its "
                         "kv_transfer_timeout_ms): %s", task.exception())
 
-    async def _context_part(self, req: _Request, route: Route) -> None:
-        """generation_first: the context_only request, whose answer matters only when it fails."""
-        start = time.monotonic()
+    async def _context_part(self, req: Request) -> None:
+        """generation_first: the context_only request (on the context route the request holds), whose
+        answer matters only when it fails."""
+        start, url = time.monotonic(), req.held("context").url
         try:
-            await post_json(self.http, "context", route.url, req.api, self._context_body(req), self.cfg.request_timeout,
+            await post_json(self.http, "context", url, req.api, self._context_body(req), self.cfg.request_timeout,
                             self.member_headers)
-            req.ctx_url = route.url
+            req.kv_at = url
         except OrchestratorError as e:
             self.metrics.worker_errors.labels("context", str(e.status)).inc()
-            self._kv_endpoints.pop(route.url, None)  # it may have restarted with another endpoint
+            self._kv_endpoints.pop(url, None)  # it may have restarted with another endpoint
             raise
         finally:
-            await self.cluster.finish("context", route.url, req.route_req)
+            await req.finish("context")
         self.metrics.context.observe(time.monotonic() - start)
 
-    def _finished(self, req: _Request, answer: dict) -> dict | AsyncIterable[bytes]:
+    def _finished(self, req: Request, answer: dict) -> dict | AsyncIterable[bytes]:
         self.metrics.e2e.observe(time.monotonic() - req.arrival)
         if req.stream:
             return sse.finished_answer_as_stream(answer, req.api == CHAT, req.include_usage)
         return answer
 
-    async def _generate(self, req: _Request, params: dict, route: Route | None,
+    async def _generate(self, req: Request, params: dict,
                         prefill_cached_tokens: int | None = None) -> dict | AsyncIterable[bytes]:
         """`prefill_cached_tokens`: the context worker's prefix-cache hit, which is the one the client
         cares about (the generation worker received the whole KV); it replaces the generation worker's
@@ -427,9 +380,9 @@ class Orchestrator:
         timeout = self.cfg.request_timeout
         whole = params["request_type"] == "context_and_generation"  # sent again as it is, if its instance is lost
         if not req.stream:
-            route, answer = await self._call("generation", req, lambda url: post_json(
-                self.http, "generation", url, req.api, body, timeout, self.member_headers), route, whole)
-            await self.cluster.finish("generation", route.url, req.route_req)
+            _, answer = await self._call("generation", req, lambda url: post_json(
+                self.http, "generation", url, req.api, body, timeout, self.member_headers), whole)
+            await req.finish("generation")
             answer.pop("disaggregated_params", None)
             details = (answer.get("usage") or {}).get("prompt_tokens_details")
             if prefill_cached_tokens is not None and isinstance(details, dict):
@@ -438,16 +391,17 @@ class Orchestrator:
             return answer
         if self.cfg.migrate_streams:  # what a move needs: the ids of the tokens streamed so far
             body["return_token_ids"] = True
-        return Relay(self, req, *await self._open_stream(req, body, route, whole))
+        return Relay(self, req, *await self._open_stream(req, body, whole))
 
-    async def _open_stream(self, req: _Request, body: dict, route: Route | None = None,
-                           whole: bool = True) -> tuple[Route, httpx.Response]:
-        """`body` sent streaming to a generation instance (`route`, or any), through _call."""
+    async def _open_stream(self, req: Request, body: dict, whole: bool = True) -> tuple[Route, httpx.Response]:
+        """`body` sent streaming to a generation instance (the one the request holds, or any), through
+        _call; its route passes to the caller's Relay, which finishes it when the stream ends."""
         timeout = self.cfg.request_timeout
-        return await self._call("generation", req, lambda url: open_stream(
-            self.http, "generation", url, req.api, body, timeout, self.member_headers), route, whole)
+        _, response = await self._call("generation", req, lambda url: open_stream(
+            self.http, "generation", url, req.api, body, timeout, self.member_headers), whole)
+        return req.hand_over("generation"), response
 
-    async def _moved(self, req: _Request, route: Route, e: OrchestratorError, so_far: Streamed,
+    async def _moved(self, req: Request, route: Route, e: OrchestratorError, so_far: Streamed,
                      moves: int) -> tuple[Route, httpx.Response] | None:
         """A stream whose generation instance at `route` was lost mid-stream (`e`), opened again on another
         instance, which goes on from the output `so_far` (served whole there: prompt and output recomputed);
