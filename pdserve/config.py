@@ -112,7 +112,10 @@ class EngineConfig(BaseModel):
     served_model_name: str | None = Field(
         None, description="name clients use in 'model'; default: derived from the path")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3"] = Field(
+        "auto", description="auto: the weights' dtype; fp8_e4m3: float8_e4m3fn with a static K and V scale per "
+                            "layer (the checkpoint's self_attn.k_scale / v_scale, else 1.0), half a bf16 cache's "
+                            "bytes (docs/configuration.md)")
     kv_layout: Literal["HND", "NHD"] = "HND"
     tokens_per_block: int = Field(32, ge=1, le=1024)
     kv_cache_memory_gb: float = Field(1.0, gt=0, description="KV pool size per rank, GiB")

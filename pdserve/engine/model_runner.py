@@ -26,6 +26,7 @@ from pdserve.models import cpu_kernels
 from pdserve.models.attention import AttentionMetadata, PagedKVCache, SeqSlice
 from pdserve.kv_transfer.page_table import Section
 from pdserve.models.config import ModelConfig
+from pdserve.models.kv_quant import FP8, KVScales, is_quantized
 from pdserve.models.cpu_decode import StageDecoder
 from pdserve.models.kernel_dispatch import choose_paths
 from pdserve.models.recurrent_state import RecurrentState, StateSlice
@@ -34,13 +35,13 @@ from pdserve.models.llama import LlamaForCausalLM, stage_layers
 from pdserve.models.nemotron_h import NemotronHForCausalLM
 from pdserve.models.qwen3_5 import Qwen3_5ForCausalLM
 from pdserve.models.layers import decode_step, pack_for_cpu
-from pdserve.models.loader import load_weights
+from pdserve.models.loader import load_weights, read_kv_scales
 from pdserve.kv_transfer.canary import CANARY_SLOTS
 from pdserve.kv_transfer.rank_info import RankInfo
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "fp8_e4m3": FP8}
 
 
 @dataclass
@@ -136,7 +137,7 @@ class ModelRunner:
         if device.type == "cpu":  # each native kernel where it beats PyTorch on this machine
             choose_paths(self.model, self.dtype, model_cfg.num_heads // ps.tp_size,
                          max(1, model_cfg.num_kv_heads // ps.tp_size), model_cfg.head_dim)
-        if isinstance(self.model, LlamaForCausalLM):
+        if isinstance(self.model, LlamaForCausalLM) and not is_quantized(self.kv_dtype):  # it reads no FP8
             self.model.stage_decoder = StageDecoder.for_model(self.model)  # None where it does not apply
         self.num_blocks = num_kv_blocks(model_cfg, ecfg, self.kv_dtype)
         self._allocator = pool_allocator or shared_pool_allocator(tc.backend)
@@ -161,7 +162,11 @@ class ModelRunner:
             self.pool = self._allocator(nbytes).view(self.kv_dtype).view(shape)
         else:
             self.pool = torch.zeros(shape, dtype=self.kv_dtype, device=device)
-        self.cache = PagedKVCache(self.pool, ecfg.kv_layout)
+        kv_layer_ids = model_cfg.kv_layers(self.model.first_layer, self.model.num_local_layers)
+        scales = None  # an FP8 pool's static scales: the checkpoint's, else 1.0 (models/kv_quant.py)
+        if is_quantized(self.kv_dtype):
+            scales = KVScales.from_checkpoint(read_kv_scales(model_dir), kv_layer_ids)
+        self.cache = PagedKVCache(self.pool, ecfg.kv_layout, scales)
         self.kv_heads_per_rank = kv_heads
         self.connector: KVConnector | None = None
         if tc.backend is not None:
@@ -169,7 +174,8 @@ class ModelRunner:
             geometry = KVPoolGeometry(
                 ecfg.kv_layout, first, tuple(stage_layers(model_cfg.num_layers, ps.pp_size)),
                 model_cfg.num_kv_heads, kv_heads, model_cfg.head_dim, self.tokens_per_block, canary_slots,
-                kv_layer_ids=tuple(model_cfg.kv_layers(first, local)), latent=model_cfg.mla is not None)
+                kv_layer_ids=tuple(model_cfg.kv_layers(first, local)), latent=model_cfg.mla is not None,
+                kv_scales=scales)
             state = _state_buffers(self.model.state) if self.num_state_slots else []
             state_layers = tuple(i for i in range(first, first + local) if model_cfg.is_recurrent(i))
             self.connector = KVConnector(tc, ps, instance_name, self.pool, geometry, state, state_layers)

@@ -50,8 +50,12 @@ class RankInfo:
     agent_descriptor: bytes  # opaque, from the transfer agent
     control_endpoint: str  # "tcp://host:port" of this rank's ZeroMQ listener
     canary_slots: int = 0  # the last slots of every block pool, kept free for the first-contact canary (canary.py)
+    # What a KV byte means; both sides must agree (write_plan refuses a mismatch at first contact).
+    kv_dtype: str = "unspecified"  # the KV pools' torch dtype name: "bfloat16", "float8_e4m3fn", ...
+    kv_scale_scheme: str = "none"  # "none", or "per_tensor_static" (an FP8 pool: models/kv_quant.py)
+    kv_scales: tuple[tuple[int, float, float], ...] = ()  # (global layer, k_scale, v_scale) per scaled KV layer
 
-    VERSION: ClassVar[int] = 3  # bumped with any change of fields: from_bytes refuses another version
+    VERSION: ClassVar[int] = 4  # bumped with any change of fields: from_bytes refuses another version
 
     def __hash__(self) -> int:
         # RankInfos key the write plan's caches on every request, and hashing the whole page table
@@ -68,6 +72,11 @@ class RankInfo:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers_per_pp_stage", tuple(self.layers_per_pp_stage))
+        try:
+            scales = tuple((int(layer), float(k), float(v)) for layer, k, v in self.kv_scales)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"RankInfo.kv_scales must be (layer, k_scale, v_scale) triples: {exc}") from None
+        object.__setattr__(self, "kv_scales", scales)
         for f in fields(self):
             want = {"str": str, "int": int, "bytes": bytes, "PageTable": PageTable}.get(f.type)
             value = getattr(self, f.name)

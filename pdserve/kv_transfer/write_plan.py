@@ -101,7 +101,25 @@ def overlapping_ranks(info: RankInfo, peer: RankInfo) -> list[int]:
     return [flat_rank(p, t, c, peer.tp_size, peer.cp_size) for p in pps for t in tps for c in range(peer.cp_size)]
 
 
+def _check_same_kv_encoding(ctx: RankInfo, gen: RankInfo) -> None:
+    """Equal element sizes are not enough: bf16 bytes read as fp16, or FP8 bytes under other scales, are
+    plausible wrong values."""
+    if ctx.kv_dtype != gen.kv_dtype:
+        raise AlignmentError(f"KV cache dtype differs: ctx {ctx.key} stores {ctx.kv_dtype}, gen {gen.key} stores "
+                             f"{gen.kv_dtype}; set the same kv_cache_dtype on both instances")
+    if ctx.kv_scale_scheme != gen.kv_scale_scheme:
+        raise AlignmentError(f"KV scale scheme differs: ctx {ctx.key} has {ctx.kv_scale_scheme}, gen {gen.key} has "
+                             f"{gen.kv_scale_scheme}; both instances must run the same pdserve and kv_cache_dtype")
+    theirs = {layer: (k, v) for layer, k, v in gen.kv_scales}
+    for layer, k, v in ctx.kv_scales:
+        if layer in theirs and theirs[layer] != (k, v):
+            raise AlignmentError(f"KV scales of layer {layer} differ: ctx {ctx.key} has k_scale={k}, v_scale={v}, gen "
+                                 f"{gen.key} has k_scale={theirs[layer][0]}, v_scale={theirs[layer][1]}; both "
+                                 "instances must load the same checkpoint")
+
+
 def _check_same_model(ctx: RankInfo, gen: RankInfo) -> None:
+    _check_same_kv_encoding(ctx, gen)
     for name in ("num_layers", "total_kv_heads", "head_dim", "element_bytes"):
         if getattr(ctx, name) != getattr(gen, name):
             raise AlignmentError(

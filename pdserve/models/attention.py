@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.models import cpu_kernels
+from pdserve.models.kv_quant import KVScales, dequantize, is_quantized, quantize
 from pdserve.models.layers import RotaryEmbedding, onednn_linear
 
 
@@ -124,16 +125,41 @@ def _masked_softmax(scores: torch.Tensor) -> torch.Tensor:
 class PagedKVCache:
     """A view of one rank's pool that reads and writes one layer's K/V by block and offset."""
 
-    def __init__(self, pool: torch.Tensor, layout: str):
+    def __init__(self, pool: torch.Tensor, layout: str, scales: KVScales | None = None):
         if layout not in ("HND", "NHD"):
             raise ValueError(f"kv layout must be 'HND' or 'NHD', got {layout!r}")
         self.pool = pool
         self.layout = layout
         self.tokens_per_block = pool.shape[4] if layout == "HND" else pool.shape[3]
+        # An FP8 pool (kv_quant.py) stores x / scale saturated; the native kernels read no FP8, so its
+        # reads and writes take the PyTorch paths.
+        self.quantized = is_quantized(pool.dtype)
+        self.scales = (scales or KVScales.ones(pool.shape[1])) if self.quantized else None
+        if self.scales is not None and len(self.scales.k) != pool.shape[1]:
+            raise ValueError(f"{len(self.scales.k)} KV scales for a pool of {pool.shape[1]} layers")
+
+    def encode(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """k, v: [n, kv_heads, head_dim] -> [n, 2, kv_heads, head_dim] as the pool stores them."""
+        if self.quantized:
+            return torch.stack([quantize(k, self.scales.k[layer]), quantize(v, self.scales.v[layer])], dim=1)
+        return torch.stack([k, v], dim=1).to(self.pool.dtype)
+
+    def decode(self, layer: int, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype):
+        """Stored k, v (any shape) -> their values in `dtype`."""
+        if self.quantized:
+            return dequantize(k, self.scales.k[layer], dtype), dequantize(v, self.scales.v[layer], dtype)
+        return k.to(dtype), v.to(dtype)
+
+    def round_trip(self, layer: int, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype):
+        """What a later read of fresh k, v returns: rounded through the pool's dtype (and scales)."""
+        if not self.quantized:  # no stack: for an fp32 pool and fp32 q these are k and v themselves
+            return k.to(self.pool.dtype).to(dtype), v.to(self.pool.dtype).to(dtype)
+        kv = self.encode(layer, k, v)
+        return self.decode(layer, kv[:, 0], kv[:, 1], dtype)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> None:
         """k, v: [n_tokens, kv_heads, head_dim]."""
-        kv = torch.stack([k, v], dim=1).to(self.pool.dtype)  # [n, 2, H, D]
+        kv = self.encode(layer, k, v)  # [n, 2, H, D]
         blocks, offs = md.slot_blocks, md.slot_offsets
         if self.layout == "HND":
             # pool[b, layer, :, :, off] is [2, H, D]
@@ -141,8 +167,9 @@ class PagedKVCache:
         else:
             self.pool[blocks, layer, :, offs] = kv
 
-    def gather(self, layer: int, block_ids: torch.Tensor, length: int | None = None):
-        """block_ids: [..., nb] -> K, V as [..., kv_heads, nb * tokens_per_block, head_dim].
+    def gather(self, layer: int, block_ids: torch.Tensor, length: int | None = None, dtype: torch.dtype | None = None):
+        """block_ids: [..., nb] -> K, V as [..., kv_heads, nb * tokens_per_block, head_dim], in `dtype`
+        when given (an FP8 pool's values dequantized), else as stored.
 
         One copy: the selected blocks land straight in head-major order, and K and V come back as
         views of it (last dim contiguous, which is all SDPA needs), without the second copy that
@@ -161,7 +188,7 @@ class PagedKVCache:
         k, v = kv[0], kv[1]
         if length is not None:
             k, v = k[..., :length, :], v[..., :length, :]
-        return k, v
+        return self.decode(layer, k, v, dtype) if dtype is not None else (k, v)
 
 
 def _sdpa_decode(q: torch.Tensor, layer: int, cache: PagedKVCache, md: AttentionMetadata, scale: float,
@@ -169,14 +196,14 @@ def _sdpa_decode(q: torch.Tensor, layer: int, cache: PagedKVCache, md: Attention
     """PyTorch decode attention, q: [b, heads, d] one query per decode sequence -> [b, kv_heads, group, d].
     The query heads of a KV group are folded into the "query length" axis so a single batched SDPA covers
     every sequence without repeating K/V. A sliding window masks all but each sequence's last keys."""
-    kd, vd = cache.gather(layer, md.decode_blocks)  # [b, kv_heads, L, d]
+    kd, vd = cache.gather(layer, md.decode_blocks, dtype=q.dtype)  # [b, kv_heads, L, d]
     b, heads, d = q.shape
     qd = q.view(b, kd.shape[1], heads // kd.shape[1], d)
     mask = md.decode_mask
     if window:
         keys = torch.arange(mask.shape[-1], device=mask.device)
         mask = mask & (keys.unsqueeze(0) >= (md.decode_lens - window).unsqueeze(1))[:, None, None, :]
-    return F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
 
 
 def rotate_and_cache(qkv: torch.Tensor, heads: int, rope_table: tuple[torch.Tensor, torch.Tensor], layer: int,
@@ -184,8 +211,9 @@ def rotate_and_cache(qkv: torch.Tensor, heads: int, rope_table: tuple[torch.Tens
     """RoPE on q and k of qkv [n, heads + 2 * kv_heads, d], and the new K and V written to the cache.
     Returns the rotated q and k side by side, [n, heads + kv_heads, d]. On CPU one native call
     (cpu_kernels.rope_cache_write, the same bits); elsewhere RotaryEmbedding.rotate + PagedKVCache.write."""
-    qk = cpu_kernels.rope_cache_write(qkv, heads, *rope_table, cache.pool, cache.layout, layer, md.slot_blocks,
-                                      md.slot_offsets)
+    qk = None if cache.quantized else cpu_kernels.rope_cache_write(qkv, heads, *rope_table, cache.pool,
+                                                                    cache.layout, layer, md.slot_blocks,
+                                                                    md.slot_offsets)
     if qk is None:
         kv_heads = (qkv.shape[1] - heads) // 2
         qk = RotaryEmbedding.rotate(qkv[:, : heads + kv_heads], rope_table)  # q and k: one rotation covers both
@@ -207,11 +235,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         if s.q_len == s.ctx_len:
             # Nothing cached before this chunk: attend to the fresh K/V, rounded through the cache
             # dtype so the result matches what a later step reads back.
-            ks = k[rows].to(cache.pool.dtype).to(q.dtype).transpose(0, 1)  # [kv_heads, q_len, d]
-            vs = v[rows].to(cache.pool.dtype).to(q.dtype).transpose(0, 1)
+            ks, vs = cache.round_trip(layer, k[rows], v[rows], q.dtype)
+            ks, vs = ks.transpose(0, 1), vs.transpose(0, 1)  # [kv_heads, q_len, d]
         else:
-            ks, vs = cache.gather(layer, s.block_ids, s.ctx_len)  # [kv_heads, ctx_len, d]
-            ks, vs = ks.to(q.dtype), vs.to(q.dtype)
+            ks, vs = cache.gather(layer, s.block_ids, s.ctx_len, q.dtype)  # [kv_heads, ctx_len, d]
         if (cpu_kernels.native(cpu_kernels.FLASH_PREFILL, q.dtype)  # (kernel_dispatch: where it beats PyTorch)
                 and cpu_kernels.flash_prefill(q[rows], ks, vs, scale, out=out[rows], window=window) is not None):
             continue  # written into out; None off CPU or without the native kernels
@@ -234,8 +261,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     if md.decode_rows.numel():
         # One query per sequence: the native kernel reads the pool directly; else SDPA over a gather.
         qd = q if md.decode_only else q[md.decode_rows]  # [b, heads, d]
-        o = cpu_kernels.paged_decode_attention(qd, cache.pool, cache.layout, layer, md.decode_blocks,
-                                               md.decode_lens, scale, window)
+        o = None if cache.quantized else cpu_kernels.paged_decode_attention(
+            qd, cache.pool, cache.layout, layer, md.decode_blocks, md.decode_lens, scale, window)
         if o is None:
             o = _sdpa_decode(qd, layer, cache, md, scale, window)
         if md.decode_only:

@@ -17,6 +17,8 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Tensors some checkpoints carry that are computed from the config anyway (RoPE's inverse frequencies).
 _DERIVED = ("rotary_emb.inv_freq",)
 _TOP_LEVEL = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")  # outside the layers
+# An FP8 KV cache's static scales (kv_quant.py): read by read_kv_scales for the cache, not the model's.
+_KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(k|v)_scale$")
 
 
 def _checkpoint_files(model_dir: Path) -> list[Path]:
@@ -44,7 +46,9 @@ def load_weights(model: nn.Module, model_dir: Path, show_progress: bool = False)
             for stored in f.keys():
                 name = renames.get(stored, stored)
                 m = _LAYER.match(name)
-                if m:
+                if _KV_SCALE.match(name):
+                    keep = False
+                elif m:
                     keep = lo <= int(m.group(1)) < hi
                 elif name in _TOP_LEVEL:
                     keep = need_embed if name == "model.embed_tokens.weight" else model.ps.is_last_stage
@@ -56,6 +60,25 @@ def load_weights(model: nn.Module, model_dir: Path, show_progress: bool = False)
                     wanted[name] = f.get_tensor(stored)
     _refuse_unused(foreign)
     _assign(model, wanted)
+
+
+def read_kv_scales(model_dir: Path) -> dict[int, tuple[float, float]]:
+    """Global layer -> (k_scale, v_scale) of every layer whose checkpoint tensors carry both (scalars)."""
+    found: dict[int, dict[str, float]] = {}
+    for path in _checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                m = _KV_SCALE.match(name)
+                if m:
+                    t = f.get_tensor(name)
+                    if t.numel() != 1:
+                        raise ValueError(f"checkpoint tensor {name} has shape {tuple(t.shape)}: pdserve's FP8 KV "
+                                         "cache takes one scale per layer (a scalar)")
+                    found.setdefault(int(m.group(1)), {})[m.group(2)] = float(t.float().item())
+    half = sorted(i for i, s in found.items() if len(s) != 2)
+    if half:
+        raise ValueError(f"checkpoint layers {half[:8]} carry only one of self_attn.k_scale / v_scale; both or neither")
+    return {i: (s["k"], s["v"]) for i, s in found.items()}
 
 
 def _refuse_unused(names: list[str]) -> None:

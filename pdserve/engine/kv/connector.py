@@ -29,6 +29,7 @@ from pdserve.kv_transfer.page_table import (BufferEntry, LayerGroup, MapperKind,
                                            page_table_for_block_major_pool, page_table_for_latent_pool)
 from pdserve.kv_transfer.rank_info import RankInfo
 from pdserve.kv_transfer.transceiver import KVTransceiver
+from pdserve.models.kv_quant import SCHEME, KVScales
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class KVPoolGeometry:
 
     kv_layer_ids: tuple[int, ...] | None = None  # global ids of the pool's layers; None: first_layer onwards
     latent: bool = False  # MLA: one latent per token and layer, the same on every TP rank (a REPLICATED pool)
+    kv_scales: KVScales | None = None  # an FP8 pool's static scales (models/kv_quant.py), in pool layer order
 
     def __post_init__(self) -> None:
         if self.layout not in MapperKind.__members__:
@@ -131,7 +133,9 @@ class KVConnector:
             total_kv_heads=g.total_kv_heads, kv_heads_per_rank=g.kv_heads_per_rank, head_dim=g.head_dim,
             element_bytes=pool.element_size(), tokens_per_block=g.tokens_per_block, page_table=table,
             agent_descriptor=self.tx.local_descriptor(), control_endpoint=self.tx.endpoint,
-            canary_slots=g.canary_slots)
+            canary_slots=g.canary_slots, kv_dtype=str(pool.dtype).removeprefix("torch."),
+            kv_scale_scheme=SCHEME if g.kv_scales is not None else "none",
+            kv_scales=tuple(zip(layer_ids, g.kv_scales.k, g.kv_scales.v)) if g.kv_scales is not None else ())
         self.endpoint: str | None = None  # rank 0's control endpoint: what peers are told
         self._cancelling: set[int] = set()
 
