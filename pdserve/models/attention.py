@@ -261,8 +261,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     if md.decode_rows.numel():
         # One query per sequence: the native kernel reads the pool directly; else SDPA over a gather.
         qd = q if md.decode_only else q[md.decode_rows]  # [b, heads, d]
-        o = None if cache.quantized else cpu_kernels.paged_decode_attention(
-            qd, cache.pool, cache.layout, layer, md.decode_blocks, md.decode_lens, scale, window)
+        # (an FP8 pool: not the kernel's; kernel_dispatch: where it beats PyTorch)
+        runs = not cache.quantized and cpu_kernels.native(cpu_kernels.PAGED_DECODE, q.dtype)
+        o = cpu_kernels.paged_decode_attention(qd, cache.pool, cache.layout, layer, md.decode_blocks, md.decode_lens,
+                                               scale, window) if runs else None
         if o is None:
             o = _sdpa_decode(qd, layer, cache, md, scale, window)
         if md.decode_only:

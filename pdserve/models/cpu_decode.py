@@ -72,8 +72,8 @@ class StageDecoder:
             return None
         linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        if any(m.gemv_weight is None for m in linears):
-            return None
+        if any(m.gemv_weight is None for m in linears) or not cpu_kernels.native(cpu_kernels.PAGED_DECODE, dtype):
+            return None  # (the C step runs the GEMV and the paged decode attention: not where PyTorch won)
         lib.decode_layers.argtypes = [ctypes.POINTER(_LayerArgs), ctypes.c_int64, ctypes.POINTER(_StepArgs),
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         lib.decode_layers.restype = ctypes.c_int

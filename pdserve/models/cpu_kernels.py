@@ -213,6 +213,7 @@ _tried = False
 # `native(kernel, dtype)` (True until decided: the kernel wherever it runs).
 FLASH_PREFILL = "flash_prefill"
 GEMV = "gemv"
+PAGED_DECODE = "paged_decode"
 _native: dict[tuple[str, torch.dtype], bool] = {}
 
 

@@ -10,6 +10,10 @@ against it, and the faster is kept:
   it (at FLASH_TOKENS tokens the tiled oneDNN path, `attention._tiled_causal_attention`, or SDPA where
   torch has no oneDNN): causal attention of FLASH_TOKENS tokens with the model's query heads, KV heads
   and head_dim.
+- paged decode attention (`cpu_kernels.paged_decode_attention`) against the gather and SDPA that
+  attention.paged_attention runs without it (`attention._sdpa_decode`), at PAGED_DECODE_CASES (sequences,
+  context tokens) with the model's heads; where PyTorch wins, the one-call C decode step (which runs the
+  kernel) is not used either.
 - the decode GEMV (`cpu_kernels.skinny_linear`) against the GEMM a linear takes without it (oneDNN on the
   packed weight, or F.linear), on the first layer's linears at GEMV_ROWS rows each. Where the GEMM wins,
   the plain weight copies the GEMV needed are dropped and the one-call C decode step (which runs the
@@ -36,14 +40,16 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.models import cpu_kernels
-from pdserve.models.attention import _tiled_causal_attention, _use_tiled
+from pdserve.models.attention import (AttentionMetadata, PagedKVCache, _sdpa_decode, _tiled_causal_attention,
+                                      _use_tiled)
 from pdserve.models.layers import linear
 
 log = logging.getLogger(__name__)
 
 PATH_ENV = "PDSERVE_KERNEL_PATH"
-KERNELS = (cpu_kernels.FLASH_PREFILL, cpu_kernels.GEMV)
+KERNELS = (cpu_kernels.FLASH_PREFILL, cpu_kernels.PAGED_DECODE, cpu_kernels.GEMV)
 FLASH_TOKENS = 1024  # a prompt length where attention is a good share of a prefill
+PAGED_DECODE_CASES = ((1, 1024), (16, 512))  # (sequences, context tokens) of a decode step
 GEMV_ROWS = (1, 4, 16)  # decode steps of one, a few and the most sequences the GEMV takes
 CHOICES_FILE = "choices.json"
 
@@ -78,11 +84,10 @@ def _best_ms(fn: Callable[[], object], repeats: int = 3) -> float:
     return best * 1e3
 
 
-def time_flash_prefill(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                       tokens: int = FLASH_TOKENS) -> tuple[float, float] | None:
-    """(native ms, best PyTorch ms) for causal attention of `tokens` tokens; None where the kernel does not
+def time_flash_prefill(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[float, float] | None:
+    """(native ms, PyTorch ms) for causal attention of FLASH_TOKENS tokens; None where the kernel does not
     take the shape."""
-    g = torch.Generator().manual_seed(0)
+    g, tokens = torch.Generator().manual_seed(0), FLASH_TOKENS
     q = torch.randn(tokens, heads, head_dim, generator=g).to(dtype)
     k, v = (torch.randn(kv_heads, tokens, head_dim, generator=g).to(dtype) for _ in range(2))
     scale = head_dim ** -0.5
@@ -94,6 +99,35 @@ def time_flash_prefill(heads: int, kv_heads: int, head_dim: int, dtype: torch.dt
     qs = q.transpose(0, 1).unsqueeze(0)
     return native, _best_ms(lambda: F.scaled_dot_product_attention(qs, k[None], v[None], is_causal=True,
                                                                    scale=scale, enable_gqa=True))
+
+
+def time_paged_decode(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                      tokens_per_block: int = 16) -> tuple[float, float] | None:
+    """(native ms, PyTorch ms) for decode attention at PAGED_DECODE_CASES, each sequence's blocks scattered
+    over one pool, summed; None where the kernel does not take the shape."""
+    g = torch.Generator().manual_seed(0)
+    T = tokens_per_block
+    total = sum(b * (ctx // T) for b, ctx in PAGED_DECODE_CASES)
+    pool = torch.randn(total, 1, 2, kv_heads, T, head_dim, generator=g).to(dtype)  # one layer, HND
+    cache, scale, blocks, at = PagedKVCache(pool, "HND"), head_dim ** -0.5, torch.randperm(total, generator=g), 0
+    cases = []
+    for b, ctx in PAGED_DECODE_CASES:
+        table = blocks[at:at + b * (ctx // T)].view(b, ctx // T)
+        at += table.numel()
+        empty = torch.zeros(0, dtype=torch.int64)
+        md = AttentionMetadata(empty, empty, [], torch.arange(b), table, torch.full((b,), ctx), T, decode_only=True)
+        cases.append((torch.randn(b, heads, head_dim, generator=g).to(dtype), md))
+    if cpu_kernels.paged_decode_attention(cases[0][0], pool, "HND", 0, cases[0][1].decode_blocks,
+                                          cases[0][1].decode_lens, scale) is None:
+        return None
+
+    def run(native: bool) -> None:
+        for q, md in cases:
+            if native:
+                cpu_kernels.paged_decode_attention(q, pool, "HND", 0, md.decode_blocks, md.decode_lens, scale)
+            else:
+                _sdpa_decode(q, 0, cache, md, scale, 0)
+    return _best_ms(lambda: run(True)), _best_ms(lambda: run(False))
 
 
 def time_gemv(layers: list, dtype: torch.dtype) -> tuple[float, float] | None:
@@ -181,11 +215,14 @@ def choose_paths(model: torch.nn.Module, dtype: torch.dtype, heads: int, kv_head
     forced = forced_paths()
     cache = cache or cpu_kernels._cache_dir() / CHOICES_FILE
     chosen = {}
-    shape = f"{heads}x{kv_heads}x{head_dim}@{FLASH_TOKENS}"
-    flash = None if heads < 1 else _decide(cpu_kernels.FLASH_PREFILL, dtype, shape,
-                                           lambda: time_flash_prefill(heads, kv_heads, head_dim, dtype), forced, cache)
-    if flash is not None:
-        chosen[cpu_kernels.FLASH_PREFILL] = flash
+    heads_shape = f"{heads}x{kv_heads}x{head_dim}"
+    decode_shape = ",".join(f"b{b}x{ctx}" for b, ctx in PAGED_DECODE_CASES)
+    attention = [(cpu_kernels.FLASH_PREFILL, f"{heads_shape}@{FLASH_TOKENS}", time_flash_prefill),
+                 (cpu_kernels.PAGED_DECODE, f"{heads_shape}@{decode_shape}", time_paged_decode)]
+    for kernel, shape, timer in attention if heads >= 1 else []:
+        use = _decide(kernel, dtype, shape, lambda timer=timer: timer(heads, kv_heads, head_dim, dtype), forced, cache)
+        if use is not None:
+            chosen[kernel] = use
     gemv_layers = _first_gemv_linears(model)
     if gemv_layers:
         shape = ",".join(f"{m.gemv_weight.shape[0]}x{m.gemv_weight.shape[1]}" for m in gemv_layers)
