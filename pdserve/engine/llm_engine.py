@@ -17,7 +17,7 @@ import logging
 import multiprocessing as mp
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -41,6 +41,7 @@ from pdserve.weights.hf_dir import read_config
 from pdserve.weights.resolve import resolve_model
 
 log = logging.getLogger(__name__)
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the OpenAI error code of the context-length rule
 
 
 # Disaggregated request ids are below this (an int64, as they travel; peers' canary ids are above it)
@@ -49,11 +50,12 @@ MAX_DISAGG_ID = 1 << 63
 
 class RequestError(ValueError):
     """A request the engine cannot take; the message says why (the HTTP layer answers 400), `param` which
-    field of the request it blames, where one is to blame."""
+    field of the request it blames, where one is to blame, and `code` the OpenAI error code, where there is
+    one."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 class ConflictError(RequestError):
@@ -168,11 +170,7 @@ class LLMEngine:
             raise RequestError(f"logit_bias token ids must be in [0, {self.model_cfg.vocab_size})", "logit_bias")
         if any(not 0 <= t < self.model_cfg.vocab_size for t in params.stop_token_ids):  # else it never stops
             raise RequestError(f"stop_token_ids must be in [0, {self.model_cfg.vocab_size})", "stop_token_ids")
-        if n + params.max_tokens > self.max_model_len:
-            raise RequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} in the completion). "
-                "Please reduce the prompt or max_tokens.")
+        params = self._fit_context(n, params)
         need = self.blocks.blocks_needed(n + params.max_tokens)
         if need > self.blocks.num_blocks:
             raise RequestError(f"the request needs {need} KV blocks but the cache holds {self.blocks.num_blocks}; "
@@ -193,6 +191,27 @@ class LLMEngine:
             self._resume(seq, tracker, resume)
         self.scheduler.add(seq, tracker)
         return request_id
+
+    def _fit_context(self, n: int, params: SamplingParams) -> SamplingParams:
+        """The context-length rule, checked here only: a prompt of `n` tokens must leave room for a completion,
+        and `max_tokens` must fit beside it; unset (None), it becomes what the window leaves, capped by the
+        checkpoint's recommended max_tokens."""
+        limit = self.max_model_len
+        if n >= limit:
+            raise RequestError(f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                               f"{n} tokens, which leaves no room for a completion. Please shorten the prompt.",
+                               "prompt", CONTEXT_LENGTH_EXCEEDED)
+        if params.max_tokens is None:
+            try:
+                return replace(params, max_tokens=min(limit - n, self.sampling_defaults.get("max_tokens", limit)))
+            except ValueError as e:  # min_tokens past what the window leaves
+                raise RequestError(str(e), "min_tokens") from None
+        if n + params.max_tokens > limit:
+            raise RequestError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} in the completion). "
+                "Please reduce the prompt or max_tokens.", "max_tokens", CONTEXT_LENGTH_EXCEEDED)
+        return params
 
     def _resume(self, seq: Sequence, tracker: OutputTracker, resume: Resume) -> None:
         """Start `seq` with the output an earlier instance generated (see Resume); RequestError when that

@@ -18,7 +18,7 @@ class SamplingParams:
     field, so the HTTP layer can turn it into a 400 without knowing the rules.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: as many as the context window leaves (the engine decides)
     min_tokens: int = 0  # tokens to generate before EOS, a stop token id or a stop string may end the output
     temperature: float = 1.0
     top_p: float = 1.0
@@ -40,9 +40,11 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         # distinct and sorted: a request may repeat an id millions of times, and each step looks its token up
         object.__setattr__(self, "stop_token_ids", tuple(sorted({int(t) for t in self.stop_token_ids})))
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
+                                            or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+        most = self.min_tokens if self.max_tokens is None else self.max_tokens
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= most:
             raise ValueError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if not 0.0 <= self.temperature <= 100.0:

@@ -104,9 +104,9 @@ class OpenAIServing:
         if req.best_of not in (None, 1):
             raise bad_request(f"best_of must be 1, got {req.best_of}", "best_of")
         ids = await self._completion_prompt(req.prompt)
-        params = self._sampling_params(req, ids, req.max_tokens, "prompt", logprobs=req.logprobs)
+        params = self._sampling_params(req, req.max_tokens, logprobs=req.logprobs)
         rid, created = self._identity(req, "cmpl")
-        outputs, first = await self._start(rid, ids, params, req)
+        outputs, first = await self._start(rid, ids, params, req, {})
         if req.stream:
             return OwnedStream(self._stream_completion(req, rid, created, outputs, first), outputs)
         async with aclosing(outputs):
@@ -157,10 +157,10 @@ class OpenAIServing:
         if req.max_completion_tokens is not None:
             max_tokens, max_tokens_param = req.max_completion_tokens, "max_completion_tokens"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self._sampling_params(req, ids, max_tokens, "messages", logprobs=logprobs,
-                                       max_tokens_param=max_tokens_param)
+        params = self._sampling_params(req, max_tokens, logprobs=logprobs, max_tokens_param=max_tokens_param)
         rid, created = self._identity(req, "chatcmpl")
-        outputs, first = await self._start(rid, ids, params, req)
+        fields = {"prompt": "messages", "max_tokens": max_tokens_param}
+        outputs, first = await self._start(rid, ids, params, req, fields)
         if req.stream:
             return OwnedStream(self._stream_chat(req, rid, created, outputs, first), outputs)
         async with aclosing(outputs):
@@ -254,10 +254,8 @@ class OpenAIServing:
     async def _completion_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             return await self._encode(prompt, param="prompt")
-        if not prompt:
-            raise bad_request("prompt is empty", "prompt")
-        if isinstance(prompt[0], int):
-            return list(prompt)
+        if not prompt or isinstance(prompt[0], int):
+            return list(prompt)  # the engine refuses an empty one
         if len(prompt) != 1:
             raise bad_request(f"prompt holds {len(prompt)} prompts; this server takes one prompt per request",
                               "prompt")
@@ -303,21 +301,11 @@ class OpenAIServing:
         # The template already wrote any BOS it wants; encoding must not add a second one.
         return await self._encode(rendered, add_special_tokens=False, param="messages")
 
-    def _sampling_params(self, req: SamplingFields, ids: list[int], max_tokens: int | None, prompt_param: str,
-                         logprobs: int | None, max_tokens_param: str = "max_tokens") -> SamplingParams:
-        n, limit = len(ids), self.engine.max_model_len
-        if n >= limit:
-            raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                              f"{n} tokens, which leaves no room for a completion. Please shorten the prompt.",
-                              prompt_param, "context_length_exceeded")
+    def _sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                         max_tokens_param: str = "max_tokens") -> SamplingParams:
+        """`max_tokens` None: the engine gives the request what the context window leaves (its one check of
+        the context-length rule)."""
         defaults = self.engine.sampling_defaults  # the checkpoint's recommendations (sampling_defaults.py)
-        if max_tokens is None:
-            max_tokens = min(limit - n, defaults.get("max_tokens", limit))
-        elif max_tokens >= 1 and n + max_tokens > limit:
-            raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
-                              f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "
-                              f"Please reduce the prompt or {max_tokens_param}.", max_tokens_param,
-                              "context_length_exceeded")
         stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
         recommended = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                            repetition_penalty=req.repetition_penalty)
@@ -338,8 +326,11 @@ class OpenAIServing:
             known = field in SamplingParams.__dataclass_fields__ or field == max_tokens_param
             raise bad_request(message, field if known else None) from None
 
-    async def _start(self, rid: str, ids: list[int], params: SamplingParams, req: SamplingFields):
-        """Submit to the engine and wait for the first output, turning a refusal into an APIError."""
+    async def _start(self, rid: str, ids: list[int], params: SamplingParams, req: SamplingFields,
+                     fields: dict[str, str]):
+        """Submit to the engine and wait for the first output, turning a refusal into an APIError. `fields`
+        names this API's field for an engine field a refusal blames, where they differ (chat's prompt is
+        its messages)."""
         if self.draining:
             raise APIError(503, "this instance is draining (shutting down): send the request to another instance",
                            code="draining")
@@ -351,7 +342,10 @@ class OpenAIServing:
         except ConflictError as e:
             raise APIError(409, str(e), "disaggregated_params.disagg_request_id", "duplicate_request_id") from None
         except RequestError as e:
-            raise bad_request(str(e), e.param) from None
+            param, message = fields.get(e.param, e.param), str(e)
+            if e.param == "max_tokens" and param != e.param:
+                message = message.replace("max_tokens", param)
+            raise bad_request(message, param, e.code) from None
         except RuntimeError as e:
             if self.engine.error:
                 raise APIError(503, str(e)) from None

@@ -8,7 +8,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.llm import LLM
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.llm_engine import LLMEngine, RequestError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.models import cpu_kernels
 from pdserve.testing import make_tiny_model
@@ -234,6 +234,19 @@ def test_a_context_longer_than_the_model_is_refused(tmp_path):
         LLM(EngineConfig(model=str(d), max_model_len=257))
     with LLM(EngineConfig(model=str(d))) as llm:
         assert llm.engine.max_model_len == 256
+        engine = llm.engine
+        # the context-length rule, checked by the engine alone, naming the field and OpenAI's code
+        for ids, params, param in (([5] * 256, SamplingParams(max_tokens=None), "prompt"),
+                                   ([5] * 200, SamplingParams(max_tokens=57), "max_tokens")):
+            with pytest.raises(RequestError, match="maximum context length is 256 tokens") as e:
+                engine.add_request(ids, params)
+            assert (e.value.param, e.value.code) == (param, "context_length_exceeded")
+        with pytest.raises(RequestError, match=r"min_tokens must be an integer in \[0, max_tokens=6\]") as e:
+            engine.add_request([5] * 250, SamplingParams(max_tokens=None, min_tokens=7))
+        assert e.value.param == "min_tokens"
+        rid = engine.add_request([5] * 250, SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True))
+        assert engine.seqs[rid].params.max_tokens == 6  # unset: what the window leaves
+        engine.abort(rid)
 
 
 @pytest.mark.parametrize("layout,says", [
