@@ -1,7 +1,8 @@
 """`pdserve plan`: the deployment that serves the most requests per second within an SLO, on this machine.
 
     pdserve plan --slo ttft:2500,tpot:100 --input-len 1024 --output-len 64 [--rate 0.5]
-                 [--model M] [--dtype float32] [--backend shm|nixl] [--out plan-cluster.yaml]
+                 [--model M] [--dtype float32] [--kv-cache-dtype auto|fp8_e4m3|...] [--backend shm|nixl]
+                 [--out plan-cluster.yaml]
 
 1. Profile (once per model and machine, cached; `--reprofile` measures again): forward-step times by
    prompt length, decode batch and thread count, KV transfer time by bytes and backend, and what
@@ -58,6 +59,8 @@ def add_plan_arguments(p: argparse.ArgumentParser, *, slo_required: bool) -> Non
                                                              "(default: the pick's goodput)")
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "fp8_e4m3"],
+                   help="the instances' kv_cache_dtype (default auto: --dtype); the profile is measured with it")
     p.add_argument("--backend", default=None, choices=["shm", "nixl"],
                    help="KV transfer backend (default: shm on CPU; nixl on CUDA, whose pools shm cannot move)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
@@ -227,9 +230,11 @@ def plan_document(args, slo: PlanSLO, profile: Profile, path: Path, preds: list[
 def cluster_of(cand: Candidate, args: argparse.Namespace, profile: Profile) -> dict[str, Any]:
     doc = cand.cluster_yaml(model=args.model, backend=args.backend, port=args.port,
                             device=profile.key["device"])
-    if args.dtype != "float32":
-        for inst in doc["context"] + doc["generation"]:
+    for inst in doc["context"] + doc["generation"]:
+        if args.dtype != "float32":
             inst["config"]["dtype"] = args.dtype
+        if getattr(args, "kv_cache_dtype", "auto") != "auto":
+            inst["config"]["kv_cache_dtype"] = args.kv_cache_dtype
     return doc
 
 
@@ -252,7 +257,8 @@ def run_plan(args: argparse.Namespace) -> tuple[list[Prediction], PlanSLO, Profi
     if device == "cuda" and args.backend == "shm":
         raise ValueError("--backend shm moves host memory only; on CUDA the KV pools are in VRAM: use --backend nixl")
     args.backend = args.backend or default_backend(device)
-    profile, path, fresh = load_or_measure(args.model, args.dtype, device, refresh=args.reprofile)
+    profile, path, fresh = load_or_measure(args.model, args.dtype, device, kv_cache_dtype=args.kv_cache_dtype,
+                                           refresh=args.reprofile)
     print(describe(profile) + f"\n  ({'measured now' if fresh else 'cached'}: {path})\n", flush=True)
     if getattr(args, "ctx_layout", None) or getattr(args, "gen_layout", None):
         layout_transfer(args, profile)  # a layout the model cannot take fails now: before the simulation, no yaml

@@ -79,7 +79,7 @@ def thread_counts(cores: int) -> list[int]:
     return out + [cores]
 
 
-def profile_key(model_dir: Path, dtype: str, device: str) -> dict[str, Any]:
+def profile_key(model_dir: Path, dtype: str, device: str, kv_cache_dtype: str = "auto") -> dict[str, Any]:
     import torch
 
     import pdserve
@@ -91,8 +91,11 @@ def profile_key(model_dir: Path, dtype: str, device: str) -> dict[str, Any]:
         units = torch.cuda.device_count() if torch.cuda.is_available() else 0
     else:
         machine, units = cpu_model(), len(usable_cores())
-    return {"model": str(model_dir), "model_digest": digest, "dtype": dtype, "device": device, "machine": machine,
-            "units": units, "pdserve": pdserve.__version__, "torch": torch.__version__, "measures": MEASURES}
+    key = {"model": str(model_dir), "model_digest": digest, "dtype": dtype, "device": device, "machine": machine,
+           "units": units, "pdserve": pdserve.__version__, "torch": torch.__version__, "measures": MEASURES}
+    if kv_cache_dtype != "auto":  # only then: the profiles measured before the key had it stay valid
+        key["kv_cache_dtype"] = kv_cache_dtype
+    return key
 
 
 def profiles_dir() -> Path:
@@ -105,14 +108,14 @@ def cache_path(key: dict[str, Any]) -> Path:
     return profiles_dir() / f"{name}.json"
 
 
-def load_or_measure(model: str | None, dtype: str = "float32", device: str = "cpu", *, refresh: bool = False,
-                    progress: bool = True) -> tuple[Profile, Path, bool]:
+def load_or_measure(model: str | None, dtype: str = "float32", device: str = "cpu", *, kv_cache_dtype: str = "auto",
+                    refresh: bool = False, progress: bool = True) -> tuple[Profile, Path, bool]:
     """The cached profile for this model and machine, measured first when there is none (or `refresh`).
     Returns (profile, its file, whether it was measured now)."""
     from pdserve.weights import resolve_model
 
     model_dir = Path(resolve_model(model, progress=progress))
-    key = profile_key(model_dir, dtype, device)
+    key = profile_key(model_dir, dtype, device, kv_cache_dtype)
     path = cache_path(key)
     if path.exists() and not refresh:
         return Profile.from_dict(json.loads(path.read_text())), path, False
@@ -131,17 +134,15 @@ def measure(model_dir: Path, dtype: str, device: str, key: dict[str, Any], *, pr
     from pdserve.weights.hf_dir import read_config
 
     cfg = ModelConfig.from_hf(read_config(model_dir))
-    elt = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-    model = {"num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-             "element_bytes": elt, "kv_bytes_per_token": kv_bytes_per_token(cfg, elt),
-             "state_bytes_per_request": state_bytes_per_request(cfg, elt), "latent": cfg.mla is not None,
-             "max_model_len": cfg.max_position_embeddings}
+    kv_cache_dtype = key.get("kv_cache_dtype", "auto")
+    model = model_sizes(cfg, dtype, kv_cache_dtype)
     units = [1] if device == "cuda" else thread_counts(len(usable_cores()))
     grid = _grid(cfg.max_position_embeddings, model["kv_bytes_per_token"])
     t0 = time.monotonic()
     steps = {}
     for n in units:
-        steps[n] = StepTimings.from_dict(_in_child(_step_timings, str(model_dir), dtype, device, n, grid, progress))
+        steps[n] = StepTimings.from_dict(_in_child(_step_timings, str(model_dir), dtype, device, n, grid, progress,
+                                                   kv_cache_dtype))
     transfer = _in_child(_transfer_timings, model["kv_bytes_per_token"], grid["transfer_mb"], progress, device)
     profile = Profile(key, model, steps, {b: [tuple(p) for p in pts] for b, pts in transfer.items()})
     if device == "cpu" and 1 in steps and len(usable_cores()) >= 2:
@@ -151,6 +152,20 @@ def measure(model_dir: Path, dtype: str, device: str, key: dict[str, Any], *, pr
     profile.date = datetime.now(UTC).isoformat(timespec="seconds")
     profile.seconds = time.monotonic() - t0
     return profile
+
+
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1}  # EngineConfig's dtype names
+
+
+def model_sizes(cfg, dtype: str, kv_cache_dtype: str = "auto") -> dict[str, Any]:
+    """The profile's model entry: geometry and bytes, the KV's in the KV cache's dtype (element_bytes is the
+    KV's: the transfer plan's unit), the recurrent state's in the weights' dtype."""
+    elt = ELEMENT_BYTES[dtype]
+    kv_elt = elt if kv_cache_dtype == "auto" else ELEMENT_BYTES[kv_cache_dtype]
+    return {"num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+            "element_bytes": kv_elt, "kv_bytes_per_token": kv_bytes_per_token(cfg, kv_elt),
+            "state_bytes_per_request": state_bytes_per_request(cfg, elt), "latent": cfg.mla is not None,
+            "max_model_len": cfg.max_position_embeddings}
 
 
 def kv_bytes_per_token(cfg, element_bytes: int) -> int:
@@ -218,7 +233,7 @@ def _in_child(fn, *args):
 
 
 def _step_timings(model_dir: str, dtype: str, device: str, threads: int, grid: dict[str, Any],
-                  progress: bool) -> dict[str, Any]:
+                  progress: bool, kv_cache_dtype: str = "auto") -> dict[str, Any]:
     import logging
 
     import torch
@@ -238,7 +253,7 @@ def _step_timings(model_dir: str, dtype: str, device: str, threads: int, grid: d
     blocks = -(-most // tpb) + max((b for b, _ in grid["decode"]), default=1) + 1
     ecfg = EngineConfig(model=model_dir, dtype=dtype, device=device, num_threads=threads if device == "cpu" else None,
                         tokens_per_block=tpb, num_kv_blocks=blocks, max_num_tokens=longest,
-                        enable_prefix_caching=False)
+                        enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     engine = LLMEngine(ecfg)
     runner, vocab = engine.runner, engine.model_cfg.vocab_size
     rng = torch.Generator().manual_seed(0)
@@ -376,7 +391,8 @@ def _transfer_timings(kv_bytes_per_token: int, sizes_mb: list[int], progress: bo
 def describe(profile: Profile) -> str:
     """A few lines saying what the profile holds."""
     k = profile.key
-    lines = [f"profile of {Path(k['model']).name} ({k['dtype']}, {k['device']}) on {k['machine']}, "
+    kv = f", KV {k['kv_cache_dtype']}" if "kv_cache_dtype" in k else ""
+    lines = [f"profile of {Path(k['model']).name} ({k['dtype']}{kv}, {k['device']}) on {k['machine']}, "
              f"{k['units']} {'cores' if k['device'] == 'cpu' else 'GPUs'}; measured {profile.date} "
              f"in {profile.seconds:.0f} s"]
     for n, t in sorted(profile.steps.items()):

@@ -68,7 +68,8 @@ def measure_serving(model_dir: Path, dtype: str, profile, prompt_lens: list[int]
     # pool at start, and the probe starts three instances. The size of the pool does not change a step's time.
     most = max(max(prompt_lens) + OUTPUT_TOKENS, ROWS * (ROWS_PROMPT + OUTPUT_TOKENS)) + 64 * ROWS
     pool = {"kv_cache_memory_gb": max(1 / 64, 2 * most * profile.kv_bytes_per_token / 2**30)}
-    inst = {"num_threads": 1, "dtype": dtype, **pool}
+    kv = {"kv_cache_dtype": profile.key["kv_cache_dtype"]} if "kv_cache_dtype" in profile.key else {}
+    inst = {"num_threads": 1, "dtype": dtype, **kv, **pool}
     ports = [free_port() for _ in range(3)]
     split = dict(common, port=ports[0], context=[{"port": ports[1], "cpus": [0], "config": inst}],
                  generation=[{"port": ports[2], "cpus": [1], "config": inst}])
@@ -80,7 +81,7 @@ def measure_serving(model_dir: Path, dtype: str, profile, prompt_lens: list[int]
     for units in (u for u in profile.units if u > 1):
         ports = [free_port() for _ in range(2)]
         alone = dict(common, port=ports[0], context=[], generation=[
-            {"port": ports[1], "cpus": list(range(units)), "config": {"num_threads": units, "dtype": dtype, **pool}}])
+            {"port": ports[1], "cpus": list(range(units)), "config": {"num_threads": units, "dtype": dtype, **kv, **pool}}])
         out |= _probe_cluster(alone, profile, vocab, transfer, prompt_lens, progress,
                               [(f"aggregated@{units}", ports[0], ports[1], units)])
     return out
