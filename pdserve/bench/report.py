@@ -71,12 +71,6 @@ def load_json(path: str | os.PathLike) -> dict[str, Any]:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
-def records_of(doc: dict[str, Any]) -> list[RequestRecord]:
-    if "requests" not in doc:
-        raise ValueError("this result has no per-request records; it must come from `pdserve bench --result-json`")
-    return [RequestRecord.from_dict(r) for r in doc["requests"]]
-
-
 def _row(label: str, value: Any) -> str:
     if isinstance(value, float):
         value = f"{value:.2f}"

@@ -124,11 +124,6 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
 
 
-class TextPart(_Request):
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # A plain string, or a list of content parts of which only text parts are supported.

@@ -35,7 +35,7 @@ def test_same_token_transfers_and_another_token_is_refused(tiny):
         expected = [c.token_ids for c in llm.generate([PROMPT], GREEDY)]
     ctx, gen, stranger = _engine(tiny, "cluster-a"), _engine(tiny, "cluster-a"), _engine(tiny, "cluster-b")
     try:
-        assert ctx.runner.connector.tx._messenger.auth_failures == 0
+        assert ctx.runner.connector.tx.messenger.auth_failures == 0
         assert [g.token_ids for g in context_first(ctx, gen, [PROMPT], GREEDY)] == expected
 
         ctx.add_request(PROMPT, GREEDY, "c", RequestType.CONTEXT_ONLY, DisaggInfo(7001))
@@ -46,7 +46,7 @@ def test_same_token_transfers_and_another_token_is_refused(tiny):
         assert final.finish_reason == "error" and "cluster_token" in final.error
         # the context's listener thread counts the refused handshake on its own poll, which may come after
         # the stranger's own side has already failed the request
-        assert wait_until(lambda: ctx.runner.connector.tx._messenger.auth_failures > 0, timeout_s=5.0)
+        assert wait_until(lambda: ctx.runner.connector.tx.messenger.auth_failures > 0, timeout_s=5.0)
         step_until([ctx, stranger], lambda _: not ctx.has_unfinished() and not stranger.has_unfinished())
         assert ctx.blocks.num_free_blocks == ctx.blocks.num_blocks  # the unclaimed KV timed out and was freed
     finally:

@@ -353,7 +353,7 @@ def test_a_context_instance_that_takes_the_request_and_never_writes(tiny, caplog
         assert 1.4 < waited < 3.0
         assert "no write was reported" in outs[-1].error and outs[-1].finish_reason == "error"
         tx = ctx.runner.connector.tx
-        step_until([ctx], lambda _: not tx._early and not tx.control_pending, limit=100_000)
+        step_until([ctx], lambda _: not tx.parked_requests and not tx.control_pending, limit=100_000)
         _assert_everything_freed(ctx, gen)
     finally:
         ctx.shutdown()

@@ -192,7 +192,7 @@ def run_ctx_instance(topo: Topology, backend: str, requests: dict, outbox, inbox
         for r in ranks:
             r.tx.respond_and_send_async(rid, {0: ctx_block_ids(topo, num_tokens)})
     results = pump_until(ranks, "ctx", len(requests), timeout_s)
-    leftovers = sum(len(r.tx.send_sessions) + len(r.tx._early) for r in ranks)
+    leftovers = sum(len(r.tx.send_sessions) + len(r.tx.parked_requests) for r in ranks)
     outbox.put((results, leftovers, [r.tx.stats for r in ranks]))
     inbox.get(timeout=timeout_s)  # keep memory mapped until the receiver has checked
     shutdown(ranks)

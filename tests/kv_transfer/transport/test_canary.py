@@ -145,8 +145,8 @@ def test_canaries_with_two_context_instances_run_one_at_a_time(pair):
         fill(ctx_b[0], ctx_block_ids(Topology("ctx-b", tokens_per_block=8), 12))
         ctx_b[0].tx.respond_and_send_async(10, {0: ctx_block_ids(Topology("ctx-b", tokens_per_block=8), 12)})
         gen[0].tx.request_and_receive_async(10, ctx_b[0].tx.endpoint, {0: np.r_[ids_b, 3]})
-        started = [g for g in gen[0].tx._gates.values() if g.started]
-        assert len(gen[0].tx._gates) == 2 and len(started) == 1
+        started = [g for g in gen[0].tx.canary_gates.values() if g.started]
+        assert len(gen[0].tx.canary_gates) == 2 and len(started) == 1
         results = pump_until(gen, "gen", 2, 10, also=ctx_a + ctx_b)
         assert sorted(results[0][0]) == [9, 10] and not results[0][1], results
         assert mismatches(gen[0], ids_a, 12) == 0 and mismatches(gen[0], np.r_[ids_b, 3], 12) == 0

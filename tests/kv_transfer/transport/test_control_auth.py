@@ -165,7 +165,7 @@ def test_transfer_with_the_same_token_on_both_instances():
         assert all(mismatches(r, ids_g, 12) == 0 for r in gen)
         with pytest.raises(ConnectionRefusedError, match="cluster_token"):
             stranger[0].tx.fetch_instance(ctx[0].tx.endpoint)
-        assert wait_until(lambda: ctx[0].tx._messenger.auth_failures > 0)
-        assert all(r.tx._messenger.auth_failures == 0 for r in gen)
+        assert wait_until(lambda: ctx[0].tx.messenger.auth_failures > 0)
+        assert all(r.tx.messenger.auth_failures == 0 for r in gen)
     finally:
         shutdown(ctx + gen + stranger)

@@ -23,13 +23,13 @@ def test_register_peer_with_garbage_rank_info_is_a_warning_without_traceback(pai
             for payload in (b"not msgpack \xc1", b"\x92\x01\x02"):
                 raw.send(RegisterPeer(payload).to_bytes())
             deadline = time.monotonic() + 5
-            while ctx.tx._messenger.dropped_messages < 2 and time.monotonic() < deadline:
+            while ctx.tx.messenger.dropped_messages < 2 and time.monotonic() < deadline:
                 ctx.tx.check_context_transfer_status()  # drains whatever the listener queued
                 time.sleep(0.01)
             ctx.tx.check_context_transfer_status()
         rejected = [r for r in caplog.records if "REGISTER_PEER" in r.getMessage()]
         assert len(rejected) == 2 and all(r.levelno == logging.WARNING for r in rejected)
         assert not [r for r in caplog.records if r.exc_info], "a garbage message logged a traceback"
-        assert ctx.tx._messenger.alive and not ctx.tx._gen_peers
+        assert ctx.tx.messenger.alive and not ctx.tx.gen_peers
     finally:
         raw.close()

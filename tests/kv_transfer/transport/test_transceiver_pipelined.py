@@ -214,7 +214,7 @@ def run_pipelined_ctx(topo: Topology, backend: str, num_tokens: int, chunk_token
         for r in ranks:
             check(r)
         time.sleep(0.001)
-    leftovers = sum(len(r.tx.send_sessions) + len(r.tx._early) for r in ranks)
+    leftovers = sum(len(r.tx.send_sessions) + len(r.tx.parked_requests) for r in ranks)
     outbox.put((results, leftovers, [r.tx.stats["direct_writes"] for r in ranks]))
     inbox.get(timeout=TIMEOUT_S)
     shutdown(ranks)

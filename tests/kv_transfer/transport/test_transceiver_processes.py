@@ -46,7 +46,7 @@ def _run(ctx_topo, gen_topo, num_tokens, backend, respond_delay_s=0.0, requests=
             stats.extend(ctx_stats)
         wrong = {r.info.rank: mismatches(r, ids, num_tokens) for r in gen}
         leftovers = sum(len(r.tx.recv_sessions) for r in gen)
-        leased = [r.tx._staging.free_bytes == r.tx._staging.nbytes for r in gen if r.tx._staging is not None]
+        leased = [r.tx.staging.free_bytes == r.tx.staging.nbytes for r in gen if r.tx.staging is not None]
         assert all(leased), "a receive session kept its bounce staging lease"
         inbox.put("bye")
         return gen_results, ctx_results, wrong, leftovers + ctx_leftovers

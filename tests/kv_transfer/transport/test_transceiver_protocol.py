@@ -54,7 +54,7 @@ def test_gen_cancel_before_ctx_responds_settles_and_leaves_nothing(pair):
         ctx.tx.check_context_transfer_status()
         if gen.tx.cancel_request(5):
             break
-    assert not gen.tx.recv_sessions and not ctx.tx._early
+    assert not gen.tx.recv_sessions and not ctx.tx.parked_requests
     # A late respond for a request nobody wants any more does not hang: it times out cleanly.
     assert not ctx.tx.has_inflight_transfer() and not gen.tx.has_inflight_transfer()
 
@@ -77,7 +77,7 @@ def test_gen_timeout_when_context_never_responds(pair):
     assert "timed out waiting for context ranks ctx rank 0" in res.failed[4]
     assert not gen.tx.recv_sessions
     # The abandoned request is cancelled on the context side too (CANCEL arrives asynchronously).
-    assert _eventually(lambda: ctx.tx.check_context_transfer_status() is not None and not ctx.tx._early)
+    assert _eventually(lambda: ctx.tx.check_context_transfer_status() is not None and not ctx.tx.parked_requests)
 
 
 def test_at_least_is_clamped_to_sessions_in_flight(pair):
