@@ -19,10 +19,12 @@ against it, and the faster is kept:
   the plain weight copies the GEMV needed are dropped and the one-call C decode step (which runs the
   GEMV) is not used.
 
-A choice is kept in the kernel cache beside the library (`choices.json`), keyed by the CPU's model name
-and flags, the library (its name hashes its sources, flags and compiler), the dtype, the shapes and the
-thread count, so later starts on the same machine read it back instead of timing; the choice and its
-times are logged. `PDSERVE_KERNEL_PATH` forces a path: `native` or `torch` for every kernel, or per
+Each pair is timed in turns, best of five each, so a slow spell of a shared machine falls on both; a
+choice made while other processes fight for the cores may still be the wrong one (delete the file below,
+or force the path). A choice is kept in the kernel cache beside the library (`choices.json`), keyed by
+the CPU's model name and flags, the library (its name hashes its sources, flags and compiler), the dtype,
+the shapes and the thread count, so later starts on the same machine read it back instead of timing;
+the choice and its times are logged. `PDSERVE_KERNEL_PATH` forces a path: `native` or `torch` for every kernel, or per
 kernel, e.g. `flash_prefill=torch,gemv=native`; `auto` (the default) times.
 """
 
@@ -74,14 +76,17 @@ def forced_paths(spec: str | None = None) -> dict[str, bool]:
     return forced
 
 
-def _best_ms(fn: Callable[[], object], repeats: int = 3) -> float:
-    fn()  # the first call pays for page faults and packing
-    best = float("inf")
+def _race(native: Callable[[], object], reference: Callable[[], object], repeats: int = 5) -> tuple[float, float]:
+    """(native ms, reference ms): the best of `repeats` runs of each, the two taking turns, so that a slow
+    spell of a shared machine falls on both rather than on whichever ran during it."""
+    native(), reference()  # the first calls pay for page faults and packing
+    best = [float("inf"), float("inf")]
     for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
+        for i, fn in enumerate((native, reference)):
+            t = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t)
+    return best[0] * 1e3, best[1] * 1e3
 
 
 def time_flash_prefill(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[float, float] | None:
@@ -93,12 +98,13 @@ def time_flash_prefill(heads: int, kv_heads: int, head_dim: int, dtype: torch.dt
     scale = head_dim ** -0.5
     if cpu_kernels.flash_prefill(q, k, v, scale) is None:
         return None
-    native = _best_ms(lambda: cpu_kernels.flash_prefill(q, k, v, scale))
-    if _use_tiled(q, tokens):  # the path attention.paged_attention takes without the kernel
-        return native, _best_ms(lambda: _tiled_causal_attention(q, k, v, scale))
-    qs = q.transpose(0, 1).unsqueeze(0)
-    return native, _best_ms(lambda: F.scaled_dot_product_attention(qs, k[None], v[None], is_causal=True,
-                                                                   scale=scale, enable_gqa=True))
+    qs, tiled = q.transpose(0, 1).unsqueeze(0), _use_tiled(q, tokens)
+
+    def reference() -> torch.Tensor:  # the path attention.paged_attention takes without the kernel
+        if tiled:
+            return _tiled_causal_attention(q, k, v, scale)
+        return F.scaled_dot_product_attention(qs, k[None], v[None], is_causal=True, scale=scale, enable_gqa=True)
+    return _race(lambda: cpu_kernels.flash_prefill(q, k, v, scale), reference)
 
 
 def time_paged_decode(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -127,7 +133,7 @@ def time_paged_decode(heads: int, kv_heads: int, head_dim: int, dtype: torch.dty
                 cpu_kernels.paged_decode_attention(q, pool, "HND", 0, md.decode_blocks, md.decode_lens, scale)
             else:
                 _sdpa_decode(q, 0, cache, md, scale, 0)
-    return _best_ms(lambda: run(True)), _best_ms(lambda: run(False))
+    return _race(lambda: run(True), lambda: run(False))
 
 
 def time_gemv(layers: list, dtype: torch.dtype) -> tuple[float, float] | None:
@@ -145,7 +151,7 @@ def time_gemv(layers: list, dtype: torch.dtype) -> tuple[float, float] | None:
                 cpu_kernels.skinny_linear(x, m.gemv_weight, m.bias)
             else:
                 linear(x, m.weight, m.bias)  # not in a decode step: the GEMM, as without the GEMV
-    return _best_ms(lambda: run(True)), _best_ms(lambda: run(False))
+    return _race(lambda: run(True), lambda: run(False))
 
 
 def _cpu_name() -> str:
