@@ -94,16 +94,16 @@ def _launch(args: argparse.Namespace) -> int:
     if address is not None and address.endswith((".yaml", ".yml")) and cluster is None:
         cluster, address = address, "auto"  # `--ray cluster.yaml`: no address given
     if address is not None:
-        from pdserve.launch_ray import launch_ray
+        from pdserve.launch.ray_cluster import launch_ray
 
         return launch_ray(cluster, None if address == "auto" else address)
-    from pdserve.launch import launch
+    from pdserve.launch.local import launch
 
     return launch(cluster)
 
 
 def _scale(args: argparse.Namespace) -> int:
-    from pdserve.launch_ray import scale
+    from pdserve.launch.ray_cluster import scale
 
     return scale(args.role, args.n, args.ray)
 

@@ -88,7 +88,9 @@ def plan_segment_bytes(sizes: np.ndarray) -> int:
 
 
 @dataclass(frozen=True)
-class Lease:
+class StagingLease:
+    """A segment of the staging buffer, held by one request's transfer until it is released."""
+
     ptr: int
     nbytes: int
 
@@ -107,16 +109,16 @@ class StagingBuffer:
     def free_bytes(self) -> int:
         return sum(size for _, size in self._free)
 
-    def lease(self, nbytes: int) -> Lease | None:
+    def lease(self, nbytes: int) -> StagingLease | None:
         """A segment of at least nbytes, or None when the buffer is too full (caller goes direct)."""
         need = -(-nbytes // _ALIGN) * _ALIGN
         for i, (offset, size) in enumerate(self._free):
             if size >= need:
                 self._free[i:i + 1] = [(offset + need, size - need)] if size > need else []
-                return Lease(self.region.ptr + offset, need)
+                return StagingLease(self.region.ptr + offset, need)
         return None
 
-    def release(self, lease: Lease) -> None:
+    def release(self, lease: StagingLease) -> None:
         self._free.append((lease.ptr - self.region.ptr, lease.nbytes))
         self._free.sort()
         merged: list[tuple[int, int]] = []
@@ -128,7 +130,7 @@ class StagingBuffer:
         self._free = merged
 
 
-def gather(lease: Lease, src_ptrs: np.ndarray, dst_ptrs: np.ndarray, sizes: np.ndarray) -> int:
+def gather(lease: StagingLease, src_ptrs: np.ndarray, dst_ptrs: np.ndarray, sizes: np.ndarray) -> int:
     """Pack the plan into `lease` (sender side); returns the segment's byte count."""
     n, payload, uniform = len(sizes), int(sizes.sum()), _uniform_size(sizes)
     total = plan_segment_bytes(sizes)

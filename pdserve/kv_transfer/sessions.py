@@ -133,7 +133,7 @@ class RecvSession:
     chunks_total: dict[PeerKey, int] = field(default_factory=dict)  # known from each writer's last chunk
     tokens: int = 0  # prompt tokens delivered so far (the largest token-range end any writer reported)
     state: bytes = b""
-    staging: object | None = None  # bounce Lease on our staging buffer, released with the session
+    staging: object | None = None  # bounce.StagingLease on our staging buffer, released with the session
     bounce_slot: int = 0  # bytes of staging per writer; writer i writes at staging.ptr + i * slot
     bounce_writers: tuple[int, ...] = ()  # ctx ranks in segment order
     writer_infos: dict[PeerKey, RankInfo] = field(default_factory=dict)  # to re-plan a write for its checksum

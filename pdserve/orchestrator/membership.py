@@ -34,7 +34,9 @@ HEARTBEATS_PER_LEASE = 3
 
 
 @dataclass
-class Lease:
+class MemberLease:
+    """An instance's membership: it joined at joined_at and stays while it renews (heartbeats)."""
+
     role: str
     joined_at: float
     renewed_at: float
@@ -82,7 +84,7 @@ class Leases:
             raise ValueError(f"lease_ttl_s must be > 0, got {ttl_s}")
         self.ttl_s = ttl_s
         self.clock = clock
-        self._leases: dict[str, Lease] = {}  # url -> its lease
+        self._leases: dict[str, MemberLease] = {}  # url -> its lease
 
     @property
     def heartbeat_s(self) -> float:
@@ -90,7 +92,7 @@ class Leases:
 
     async def grant(self, url: str, role: str) -> None:
         now = self.clock()
-        self._leases[url] = Lease(role, now, now)
+        self._leases[url] = MemberLease(role, now, now)
 
     async def renew(self, url: str) -> bool:
         lease = self._leases.get(url)

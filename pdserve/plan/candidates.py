@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.plan.costmodel import StepCost, TransferCost
-from pdserve.plan.simulate import Deployment, InstanceSpec
+from pdserve.plan.simulate import Deployment, SimulatedInstance
 
 AGG_CHUNKS = (256, 512, 1024, 2048)
 GF_CHUNK = 512  # generation_first's prefill step: the pipelined transfer ships each step's blocks
@@ -81,7 +81,7 @@ class Candidate:
                 timing["request_extra_s"] = probe["step_ttft_s"]
             elif probe:
                 factor = {"prefill_factor": probe.get("prefill_factor", 1.0)}
-            inst = InstanceSpec(costs[g.units], g.max_num_tokens, **gen_extra, **factor, tpot_slo_ms=g.tpot_slo_ms)
+            inst = SimulatedInstance(costs[g.units], g.max_num_tokens, **gen_extra, **factor, tpot_slo_ms=g.tpot_slo_ms)
             return Deployment("aggregated", [inst] * g.count, **timing)
         # Disaggregated: the context instance steps at the speed its engine timed, as an aggregated one. From a
         # probe without the step timer, the TTFT's slope through the orchestrator is taken as latency outside
@@ -92,8 +92,8 @@ class Candidate:
             timing["request_extra_s"] = probe["step_ttft_s"]
         elif probe:
             timing["prefill_extra"] = max(0.0, probe.get("prefill_factor", 1.0) - 1.0)
-        gen = [InstanceSpec(costs[g.units], g.max_num_tokens, **gen_extra)] * g.count
-        ctx = [InstanceSpec(costs[self.context.units], self.context.max_num_tokens, **ctx_factor)] * self.context.count
+        gen = [SimulatedInstance(costs[g.units], g.max_num_tokens, **gen_extra)] * g.count
+        ctx = [SimulatedInstance(costs[self.context.units], self.context.max_num_tokens, **ctx_factor)] * self.context.count
         return Deployment("disaggregated", gen, ctx, transfer, kv_bytes_per_token, self.schedule_style,
                           self.context.max_num_tokens if self.context.pipelined else None, **timing,
                           state_bytes=state_bytes)

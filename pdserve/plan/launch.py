@@ -7,7 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pdserve.plan.cli import cluster_of, cluster_text, format_table, run_plan
+from pdserve.plan.run import cluster_of, cluster_text, format_table, run_plan
 
 
 def planned_cluster(args: argparse.Namespace) -> str | None:

@@ -37,7 +37,7 @@ from typing import Any
 
 from pdserve.distributed import no_named_semaphores
 from pdserve.kv_transfer.agents.base import MemoryRegion
-from pdserve.launch import die_with_parent
+from pdserve.host import die_with_parent
 from pdserve.plan.measurements import Profile, StepTimings
 from pdserve.weights.resolve import CACHE_ENV
 

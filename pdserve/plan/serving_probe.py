@@ -91,11 +91,12 @@ def _probe_cluster(doc: dict, profile, vocab: int, transfer: TransferCost, promp
                    paths: list[tuple[str, int, int]]) -> dict:
     """Starts the cluster `doc` describes (`pdserve launch`'s fields; its logs in a temporary directory) and
     probes each (name, port, port of the instance that prefills, threads) path of it."""
-    from pdserve.launch import Cluster, ClusterConfig
+    from pdserve.launch.config import ClusterConfig
+    from pdserve.launch.local import LocalSupervisor
 
     out = {}
     with tempfile.TemporaryDirectory(prefix="pdserve-probe-") as logs:
-        cluster = Cluster(ClusterConfig(**doc, log_dir=logs))
+        cluster = LocalSupervisor(ClusterConfig(**doc, log_dir=logs))
         try:
             cluster.start()
             gen_port = doc["generation"][0]["port"]

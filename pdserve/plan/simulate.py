@@ -54,7 +54,7 @@ class Workload:
 
 
 @dataclass
-class InstanceSpec:
+class SimulatedInstance:
     cost: StepCost
     max_num_tokens: int
     max_num_seqs: int = 64
@@ -84,7 +84,7 @@ class InstanceSpec:
                                  now, seconds)
 
 
-def run_instance(spec: InstanceSpec, ready: np.ndarray, prompt: int, outputs: int,
+def run_instance(spec: SimulatedInstance, ready: np.ndarray, prompt: int, outputs: int,
                  computed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """One instance serving requests that become ready at `ready` (sorted), each with `prompt` tokens of
     which `computed` arrive computed (generation side: the KV came), to `outputs` tokens in all.
@@ -164,8 +164,8 @@ class Deployment:
     """What the simulator runs; candidates.py builds these and their cluster.yaml."""
 
     kind: str  # "aggregated" | "disaggregated"
-    instances: list[InstanceSpec]  # aggregated: every instance; disaggregated: the generation instances
-    context: list[InstanceSpec] | None = None
+    instances: list[SimulatedInstance]  # aggregated: every instance; disaggregated: the generation instances
+    context: list[SimulatedInstance] | None = None
     transfer: TransferCost | None = None
     kv_bytes_per_token: int = 0
     schedule_style: str = "context_first"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.orchestrator.config import DisaggConfig
-from pdserve.launch import load_cluster_config, worker_configs
+from pdserve.launch.config import load_cluster_config, worker_configs
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("cluster*.yaml"))
 

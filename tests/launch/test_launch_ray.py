@@ -19,7 +19,7 @@ import yaml
 from openai import OpenAI
 
 from pdserve.distributed import free_port
-from pdserve.launch_ray import CONTROLLER, NAMESPACE
+from pdserve.launch.ray_cluster import CONTROLLER, NAMESPACE
 from pdserve.testing import make_tiny_model
 from pdserve.testing.wait import wait_for_line, wait_until
 

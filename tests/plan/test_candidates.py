@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.launch import ClusterConfig, worker_configs
+from pdserve.launch.config import ClusterConfig, worker_configs
 from pdserve.plan.candidates import enumerate_candidates
 
 

@@ -39,7 +39,7 @@ def test_the_kv_dtype_keys_the_profile_and_reaches_the_cluster(tiny):
     assert "kv_cache_dtype" not in profile_key(tiny, "float32", "cpu")  # older cached profiles keep their key
     assert profile_key(tiny, "float32", "cpu", "fp8_e4m3")["kv_cache_dtype"] == "fp8_e4m3"
     from pdserve.plan.candidates import Candidate, Role
-    from pdserve.plan.cli import cluster_of
+    from pdserve.plan.run import cluster_of
 
     cand = Candidate("ctx 1 + gen 1", "disaggregated", Role(1, 1, 512), Role(1, 1, 512))
     args = Namespace(model=str(tiny), backend="shm", port=8000, dtype="float32", kv_cache_dtype="fp8_e4m3")

@@ -15,7 +15,7 @@ from openai import OpenAI
 
 from pdserve.cli import main
 from pdserve.distributed import free_port
-from pdserve.launch import load_cluster_config, worker_configs
+from pdserve.launch.config import load_cluster_config, worker_configs
 from pdserve.plan.profile import Profile, load_or_measure, thread_counts, usable_cores
 from pdserve.testing.tiny import make_tiny_model
 from pdserve.testing.wait import reaped, stop_cleanly, wait_for_line
@@ -103,7 +103,7 @@ def test_a_plan_whose_candidates_move_no_kv_needs_no_transfer_timings(tiny, plan
     # timings (CUDA without nixl) still plans. Before, every plan failed on the missing timings.
     from argparse import Namespace
 
-    from pdserve.plan.cli import plan
+    from pdserve.plan.run import plan
     from pdserve.plan.planner import PlanSLO
 
     profile, _, _ = load_or_measure(tiny, progress=False)

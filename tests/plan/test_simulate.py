@@ -24,7 +24,7 @@ from pdserve.plan.profile import StepTimings
 from pdserve.plan.serving_probe import ROWS
 from pdserve.plan.simulate import (
     Deployment,
-    InstanceSpec,
+    SimulatedInstance,
     Workload,
     run_instance,
     simulate,
@@ -98,14 +98,14 @@ def scheduler_times(cost: StepCost, arrivals: np.ndarray, prompt: int, outputs: 
 def test_an_instance_steps_as_the_engines_scheduler_does(cost, prompt, outputs, budget, rate):
     arrivals = Workload(prompt, outputs, 40, seed=3).arrivals(rate)
     want_first, want_last = scheduler_times(cost, arrivals, prompt, outputs, budget)
-    first, last = run_instance(InstanceSpec(cost, budget), arrivals, prompt, outputs)
+    first, last = run_instance(SimulatedInstance(cost, budget), arrivals, prompt, outputs)
     np.testing.assert_allclose(first, want_first, rtol=1e-9)
     np.testing.assert_allclose(last, want_last, rtol=1e-9)
 
 
 def test_one_request_alone_costs_its_steps(cost):
     wl = Workload(512, 5, num_requests=10)
-    dep = Deployment("aggregated", [InstanceSpec(cost, 256, step_extra_s=0.0)], request_extra_s=0.1)
+    dep = Deployment("aggregated", [SimulatedInstance(cost, 256, step_extra_s=0.0)], request_extra_s=0.1)
     out = simulate(dep, wl, rate=1e-4)  # arrivals hours apart: nobody waits
     prefill = cost.prefill(256) + cost.prefill(256) + cost.alpha * 256 * 256  # two chunks of 256
     np.testing.assert_allclose(out.ttft, prefill + 0.1)
@@ -121,7 +121,7 @@ def test_the_simulated_arrivals_are_the_bench_s_own():
 
 
 def test_each_decode_row_adds_its_serving_time(cost):
-    plain, rowed = InstanceSpec(cost, 256, step_extra_s=0.0), InstanceSpec(cost, 256, step_extra_s=0.0,
+    plain, rowed = SimulatedInstance(cost, 256, step_extra_s=0.0), SimulatedInstance(cost, 256, step_extra_s=0.0,
                                                                             row_extra_s=0.002)
     for batch in (1, 4, 16):
         extra = rowed.step_seconds([], batch, 100 * batch) - plain.step_seconds([], batch, 100 * batch)
@@ -206,7 +206,7 @@ def test_a_context_instance_steps_at_the_speed_its_engine_timed(cost):
 def test_disaggregated_ttft_holds_the_transfer_and_decode_is_never_behind_a_prefill(cost):
     transfer = TransferCost([(1, 0.01), (10**9, 1.01)])  # 10 ms + 1 GB/s
     wl = Workload(1024, 8, num_requests=30)
-    gen, ctx = InstanceSpec(cost, 1024, step_extra_s=0.0), InstanceSpec(cost, 2048, step_extra_s=0.0)
+    gen, ctx = SimulatedInstance(cost, 1024, step_extra_s=0.0), SimulatedInstance(cost, 2048, step_extra_s=0.0)
     dep = Deployment("disaggregated", [gen], [ctx], transfer, kv_bytes_per_token=1000, hop_s=0.004)
     alone = simulate(dep, wl, rate=1e-4)
     np.testing.assert_allclose(alone.ttft, cost.prefill(1024) + 0.004 + transfer.seconds(1024 * 1000))
@@ -220,7 +220,7 @@ def test_a_hybrid_models_state_moves_once_per_request(cost):
     prompt's length."""
     transfer = TransferCost([(1, 0.01), (10**9, 1.01)])
     wl = Workload(1024, 8, num_requests=4)
-    gen, ctx = InstanceSpec(cost, 1024, step_extra_s=0.0), InstanceSpec(cost, 2048, step_extra_s=0.0)
+    gen, ctx = SimulatedInstance(cost, 1024, step_extra_s=0.0), SimulatedInstance(cost, 2048, step_extra_s=0.0)
     dep = Deployment("disaggregated", [gen], [ctx], transfer, kv_bytes_per_token=1000, hop_s=0.004,
                      state_bytes=5_000_000)
     alone = simulate(dep, wl, rate=1e-4)
@@ -229,7 +229,7 @@ def test_a_hybrid_models_state_moves_once_per_request(cost):
 
 def test_goodput_search_agrees_with_brute_force(cost):
     wl = Workload(512, 16, num_requests=60)
-    dep = Deployment("aggregated", [InstanceSpec(cost, 512)])
+    dep = Deployment("aggregated", [SimulatedInstance(cost, 512)])
     slo = PlanSLO(ttft_ms=1500, tpot_ms=60)
     rates = [0.25 * k for k in range(1, 17)]
     brute = distserve_goodput([(r, attainment(dep, wl, r, slo)[0]) for r in rates])
@@ -243,7 +243,7 @@ def test_goodput_search_agrees_with_brute_force(cost):
 
 def test_an_slo_no_single_request_meets_has_zero_goodput(cost):
     wl = Workload(1024, 8, num_requests=20)
-    dep = Deployment("aggregated", [InstanceSpec(cost, 1024)])
+    dep = Deployment("aggregated", [SimulatedInstance(cost, 1024)])
     good, points = search_goodput(dep, wl, PlanSLO(ttft_ms=100, tpot_ms=100), capacity=1.0)
     assert good == 0.0 and len(points) == 1
 
@@ -260,8 +260,8 @@ def test_a_tpot_budget_trades_ttft_for_tpot_as_the_engine_does(cost):
     """tpot_slo_ms in the simulator: the engine's own policy (step_budget.prefill_allowance) on the
     profile's step costs. Under load it holds TPOT down and pays in TTFT; alone it changes nothing."""
     wl = Workload(512, 32, 60)
-    plain = InstanceSpec(cost, 1024)
-    budgeted = InstanceSpec(cost, 1024, tpot_slo_ms=30)
+    plain = SimulatedInstance(cost, 1024)
+    budgeted = SimulatedInstance(cost, 1024, tpot_slo_ms=30)
     lone = [run_instance(spec, np.array([0.0]), 512, 32) for spec in (plain, budgeted)]
     assert lone[0][0] == lone[1][0] and lone[0][1] == lone[1][1]  # nothing decodes beside a lone prompt
     rate = 1.2

@@ -18,7 +18,7 @@ import logging
 import numpy as np
 
 from pdserve.kv_transfer.agents.base import RegionTable
-from pdserve.kv_transfer.bounce import Lease, StagingBuffer, gather, plan_segment_bytes, scatter, segment_bound
+from pdserve.kv_transfer.bounce import StagingBuffer, StagingLease, gather, plan_segment_bytes, scatter, segment_bound
 from pdserve.kv_transfer.control.messages import RequestData, TransferDone
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.rank_info import RankInfo
@@ -42,7 +42,7 @@ class Bouncer:
             self._local.agent.deregister_memory(self.staging.region)
             self.staging = None
 
-    def release(self, lease: Lease) -> None:
+    def release(self, lease: StagingLease) -> None:
         self.staging.release(lease)
 
     # -- receiver -----------------------------------------------------------------------------

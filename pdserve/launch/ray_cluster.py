@@ -36,7 +36,8 @@ from typing import Any
 import httpx
 import yaml
 
-from pdserve.launch import ClusterConfig, checked_cluster_config, die_with_parent, worker_configs, write_private
+from pdserve.host import die_with_parent, write_private
+from pdserve.launch.config import ClusterConfig, checked_cluster_config, worker_configs
 
 NAMESPACE = "pdserve"
 CONTROLLER = "pdserve-controller"
