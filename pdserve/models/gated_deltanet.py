@@ -23,6 +23,7 @@ from torch import nn
 
 from pdserve.distributed import ParallelState
 from pdserve.models.config import LinearAttentionShape
+from pdserve.models import recurrent_kernels
 from pdserve.models.layers import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, _shard
 from pdserve.models.recurrent_state import (RecurrentState, StateGeometry, StateSlice, causal_conv, causal_conv_step,
                                            decode_slots)
@@ -158,9 +159,15 @@ class GatedDeltaNet(nn.Module):
         s = self.shape
         n = x.shape[0]
         qkv = self.in_proj_qkv(x)  # [n, channels]
-        z = self.in_proj_z(x).view(n, self.v_heads, s.v_head_dim)
-        beta = self.in_proj_b(x).sigmoid().float()  # [n, v_heads]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        z, b, a = self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        native = recurrent_kernels.deltanet_forward(qkv, z, b, a, state.conv[:, layer], state.ssm[:, layer], seqs,
+                                                    self.conv_weight, *self._fp32_params(), self.norm.weight,
+                                                    self.norm.eps, self.k_heads)
+        if native is not None:
+            return self.out_proj(native)
+        z = z.view(n, self.v_heads, s.v_head_dim)
+        beta = b.sigmoid().float()  # [n, v_heads]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         batch = decode_slots(seqs, n)
         if batch is not None:  # a decode step: every sequence at once
             slots, fresh = batch
@@ -176,6 +183,13 @@ class GatedDeltaNet(nn.Module):
                 ssm.zero_()
             out[rows] = self._rule(mixed, g[rows], beta[rows], ssm)
         return self.out_proj(self.norm(out, z).view(n, -1))
+
+    def _fp32_params(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """-exp(A_log) and dt_bias in fp32 for the native step, recomputed only when a weight changes."""
+        key = tuple((p.data_ptr(), p._version) for p in (self.A_log, self.dt_bias))
+        if getattr(self, "_fp32_cache", (None,))[0] != key:
+            self._fp32_cache = (key, (-self.A_log.float().exp(), self.dt_bias.float().contiguous()))
+        return self._fp32_cache[1]
 
     def _conv(self, qkv: torch.Tensor, conv_state: torch.Tensor, fresh: bool) -> torch.Tensor:
         return causal_conv(qkv, conv_state, self.conv_weight, None, fresh)

@@ -24,6 +24,7 @@ from torch import nn
 
 from pdserve.distributed import ParallelState
 from pdserve.models.config import Mamba2Shape
+from pdserve.models import recurrent_kernels
 from pdserve.models.layers import MergedColumnParallelLinear, RowParallelLinear, _shard
 from pdserve.models.recurrent_state import (RecurrentState, StateGeometry, StateSlice, causal_conv, causal_conv_step,
                                            decode_slots)
@@ -116,6 +117,11 @@ class Mamba2Mixer(nn.Module):
         s, n = self.shape, x.shape[0]
         inner, bc = self.heads * s.head_dim, self.groups * s.state_size
         z, xbc, dt = self.in_proj(x).split([inner, inner + 2 * bc, self.heads], dim=-1)
+        native = recurrent_kernels.mamba2_forward(z, xbc, dt, state.conv[:, layer], state.ssm[:, layer], seqs,
+                                                  self.conv_weight, self.conv_bias, *self._fp32_params(),
+                                                  s.time_step_min, self.norm_weight, self.eps, self.groups)
+        if native is not None:
+            return self.out_proj(native)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=s.time_step_min)  # [n, heads]
         a = -self.A_log.float().exp()
         per = self.heads // self.groups
@@ -148,6 +154,14 @@ class Mamba2Mixer(nn.Module):
             c = c.view(t, self.groups, s.state_size).repeat_interleave(per, dim=1)
             y[rows] = ssd(xs, dt[rows], a, b, c, ssm) + self.D.float()[:, None] * xs
         return self.out_proj(self._gated_norm(y.view(n, inner), z).to(x.dtype))
+
+    def _fp32_params(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-exp(A_log), dt_bias and D in fp32 for the native step, recomputed only when a weight changes."""
+        key = tuple((p.data_ptr(), p._version) for p in (self.A_log, self.dt_bias, self.D))
+        if getattr(self, "_fp32_cache", (None,))[0] != key:
+            self._fp32_cache = (key, (-self.A_log.float().exp(), self.dt_bias.float().contiguous(),
+                                      self.D.float().contiguous()))
+        return self._fp32_cache[1]
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y * silu(z), RMS-normalised per group (in fp32), times the weight."""

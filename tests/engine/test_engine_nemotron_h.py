@@ -59,6 +59,18 @@ def test_greedy_tokens_equal_transformers(nemotron, engine):
     assert _run(d, prompts, **engine) == ref
 
 
+def test_the_pytorch_recurrence_without_the_native_kernel_equals_transformers(nemotron, monkeypatch):
+    """Where the native kernel cannot be built, the Mamba2 layers run their PyTorch path (the chunked scan,
+    the batched decode step): transformers' tokens too."""
+    from pdserve.models import recurrent_kernels
+
+    asked = []
+    monkeypatch.setattr(recurrent_kernels, "load", lambda: asked.append(1))
+    d, prompts, ref = nemotron
+    assert _run(d, prompts) == ref
+    assert asked  # the layers asked for the kernel, and went on without it
+
+
 def test_bf16_is_as_accurate_as_transformers_bf16(nemotron):
     d, prompts, _ = nemotron
     assert_as_accurate(*errors(d, prompts, "bfloat16", MAX_NEW, tokens_per_block=8))
