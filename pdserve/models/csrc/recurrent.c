@@ -47,6 +47,12 @@ static inline float rnd(float v, int bf) { return bf ? bf16_in(bf16_out(v)) : v;
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
+/* Threads for a step whose recurrence touches `work` state values per call: one below PARALLEL_MIN (a decode
+ * step of a few sequences, microseconds of work, where waking a second thread and its barriers cost more). */
+enum { PARALLEL_MIN = 1 << 18 };
+
+static inline int threads_for(int64_t work, int num_threads) { return work < PARALLEL_MIN ? 1 : num_threads; }
+
 static inline float softplus(float v) { return v > 20.0f ? v : log1pf(expf(v)); } /* PyTorch's threshold */
 
 /* The depthwise causal conv of one step's rows, shared by both mixers. */
@@ -195,7 +201,7 @@ int deltanet_forward(const deltanet_args *a, int dtype, int num_threads) {
     }
     if (status == 0) {
         const float scale = 1.0f / sqrtf((float)K);
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(threads_for(rows * VH * K * a->v_dim, num_threads))
         {
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++) conv_row(&a->conv, a->seqs + row_seq[r] * SEQ_FIELDS, r, wt, mixed, bf);
@@ -287,7 +293,7 @@ int mamba2_forward(const mamba2_args *a, int dtype, int num_threads) {
     }
     if (status == 0) {
         const mamba2_args *m = a;
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(threads_for(rows * inner * a->state_size, num_threads))
         {
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++) conv_row(&m->conv, m->seqs + row_seq[r] * SEQ_FIELDS, r, wt, mixed, bf);
