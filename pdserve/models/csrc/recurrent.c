@@ -154,7 +154,8 @@ static void deltanet_head(const deltanet_args *a, const int64_t *q, int64_t h, c
     const int64_t vcol = 2 * a->k_heads * K + h * V;
     float *S = a->ssm + q[SEQ_SLOT] * a->ssm_slot_stride + h * K * V;
     if (q[SEQ_FRESH]) memset(S, 0, sizeof(float) * K * V);
-    float u[V], o[V];
+    float u[V], o[V], zs[V], nw[V];
+    for (int64_t j = 0; j < V; j++) nw[j] = ld(a->norm_weight, j, bf);
     for (int64_t r = q[SEQ_START]; r < q[SEQ_START] + q[SEQ_LEN]; r++) {
         const float *kv = qk + (r * 2 * a->k_heads + a->k_heads + kh) * K, *qv = qk + (r * 2 * a->k_heads + kh) * K;
         const float *v = mixed + r * C + vcol;
@@ -172,13 +173,23 @@ static void deltanet_head(const deltanet_args *a, const int64_t *q, int64_t h, c
                 o[j] += row[j] * qv[i];
             }
         }
-        float ms = 0.0f; /* the gated RMSNorm of the rule's output, rounded as GatedRMSNorm rounds */
-        for (int64_t j = 0; j < V; j++) { o[j] = rnd(o[j], bf); ms += o[j] * o[j]; }
-        const float inv = 1.0f / sqrtf(ms / (float)V + a->norm_eps);
+        /* the gated RMSNorm of the rule's output, rounded as GatedRMSNorm rounds; loops apart per dtype so
+         * that the silu's expf vectorises */
         const int64_t zrow = r * a->z_stride + h * V, orow = r * a->v_heads * V + h * V;
-        for (int64_t j = 0; j < V; j++) {
-            const float scaled = rnd(ld(a->norm_weight, j, bf) * rnd(o[j] * inv, bf), bf);
-            st(a->out, orow + j, scaled * silu(ld(a->z, zrow + j, bf)), bf);
+        float ms = 0.0f;
+        if (bf) {
+            const uint16_t *z = (const uint16_t *)a->z + zrow;
+            for (int64_t j = 0; j < V; j++) { o[j] = bf16_in(bf16_out(o[j])); ms += o[j] * o[j]; }
+            const float inv = 1.0f / sqrtf(ms / (float)V + a->norm_eps);
+            for (int64_t j = 0; j < V; j++) { zs[j] = silu(bf16_in(z[j])); o[j] = bf16_in(bf16_out(o[j] * inv)); }
+            uint16_t *out = (uint16_t *)a->out + orow;
+            for (int64_t j = 0; j < V; j++) out[j] = bf16_out(bf16_in(bf16_out(nw[j] * o[j])) * zs[j]);
+        } else {
+            const float *z = (const float *)a->z + zrow;
+            for (int64_t j = 0; j < V; j++) ms += o[j] * o[j];
+            const float inv = 1.0f / sqrtf(ms / (float)V + a->norm_eps);
+            float *out = (float *)a->out + orow;
+            for (int64_t j = 0; j < V; j++) out[j] = nw[j] * (o[j] * inv) * silu(z[j]);
         }
     }
 }
