@@ -3,8 +3,8 @@
 import os
 
 # Large CPU tensors (weights, the KV pool, big activations) on 2 MiB transparent huge pages. A decode
-# step reads every weight and every KV row once; with 4 KiB pages the TLB misses are a large share
-# of a small model's batch-1 step (docs/benchmarks.md). PyTorch reads this variable once, at its
+# step reads every weight and every KV row once, and with 4 KiB pages those reads miss the TLB.
+# PyTorch reads this variable once, at its
 # first allocation, so it is set here, before pdserve imports torch; a value already in the
 # environment wins, and `THP_MEM_ALLOC_ENABLE=0` turns it off.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")

@@ -1,12 +1,11 @@
 """All-reduce through shared memory for the tensor-parallel ranks of one host, on CPU.
 
-gloo's all-reduce goes through loopback TCP and wakes a thread on each call. On a 2-core VM it took
-1.2 ms for a decode step's [8, 576] fp32 between 2 ranks, 4.0 ms with 3 ranks on the 2 cores; this
-path took 12 and 118 us (benchmarks/bench_all_reduce.py, docs/benchmarks.md). A decode step of a
-30-layer model makes 60 of them. Here the group's first rank allocates one /dev/shm segment, the
-others map it, and each call is a copy into the rank's slot, a wait for the other ranks' sequence
-numbers, and a sum of the slots in rank order (csrc/shm_all_reduce.c), so every rank gets the same
-bits.
+gloo's all-reduce goes through loopback TCP and wakes a thread on each call, and a decode step of a
+30-layer model makes 60 of them; a shared segment costs a fraction of that
+(benchmarks/bench_all_reduce.py; docs/benchmarks.md, "Tensor-parallel all-reduce through shared
+memory"). Here the group's first rank allocates one /dev/shm segment, the others map it, and each call
+is a copy into the rank's slot, a wait for the other ranks' sequence numbers, and a sum of the slots in
+rank order (csrc/shm_all_reduce.c), so every rank gets the same bits.
 
 Used when every rank of the group runs on this host and loaded the kernel library, and /dev/shm has
 room for the segment (4 MiB per rank), for fp32 and bf16 tensors that fit a slot (`SLOT_BYTES`);

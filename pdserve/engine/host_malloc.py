@@ -4,8 +4,7 @@ PyTorch's CPU allocator is plain malloc. By default glibc serves every block abo
 threshold with a fresh mmap and unmaps it on free, so each large activation of every layer pays
 page faults and page zeroing again, every step. A 2048-token SmolLM2 prefill allocates ~100 MB per
 layer that way. Raising the mmap threshold and the trim threshold keeps freed blocks in the heap for
-the next step: on the development machine a 2048-token fp32 prefill went from ~957 to ~1150 tok/s and
-batch-1 decode from ~19.4 to ~16.2 ms per token (docs/benchmarks.md).
+the next step, which spares every step those faults, prefill and decode alike.
 
 The cost is that the process keeps its peak heap instead of shrinking after a burst, which a serving
 process that reaches its working set on every long prompt wants anyway.
@@ -61,9 +60,8 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     asked of the kernel in transparent huge pages (madvise MADV_HUGEPAGE) before anything touches it.
 
     Why: a decode step streams every weight once, and in 4 KiB pages the hardware's prefetch stops at each
-    page's end and every page costs a TLB walk. On one Zen 4 core a fp32 SmolLM2 decode step of one row
-    took 31.7 ms with the weights where torch put them and 22.9-27.4 ms with them here (one thread,
-    docs/benchmarks.md). Where the kernel grants none (THP off), this is ordinary memory, aligned the same."""
+    page's end and every page costs a TLB walk (docs/benchmarks.md, "The decode GEMV: prefetch and huge
+    pages"). Where the kernel grants none (THP off), this is ordinary memory, aligned the same."""
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` mapped while any view lives
     start = -whole.data_ptr() % HUGE_PAGE

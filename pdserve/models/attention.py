@@ -9,8 +9,8 @@ The KV pool of one rank is a single block-major tensor:
 contiguously, which lets the KV exchange move a block with one descriptor.
 
 Prefills on CPU do not use SDPA, whose CPU flash kernel runs its tiles on the generic BLAS. The
-native kernel `cpu_kernels.flash_prefill` takes them (docs/benchmarks.md times the kernel, the tiled
-path and SDPA). Without the native kernels, prefills of TILED_MIN_TOKENS or more take
+native kernel `cpu_kernels.flash_prefill` takes them (`benchmarks/bench_cpu_paths.py` times it against
+the PyTorch path on a model's shapes). Without the native kernels, prefills of TILED_MIN_TOKENS or more take
 `_tiled_causal_attention`, exact softmax attention tile by tile with oneDNN's GEMMs, and shorter
 ones SDPA.
 """

@@ -2,7 +2,8 @@
 
 With a few sequences in the batch, one token each, a decode step is ~120 skinny matrix products and
 ~150 small kernels and PyTorch ops; the Python around them (module calls, views, wrapper checks) is
-a large share of a small model's step (docs/benchmarks.md). `StageDecoder` hands the whole layer
+a large share of a small model's step (docs/benchmarks.md, "The one-call decode step against the module
+path"). `StageDecoder` hands the whole layer
 stack to C, which calls the same kernels in the same order as `llama.DecoderLayer`
 (docs/architecture.md).
 

@@ -354,7 +354,7 @@ def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 
 # Decode-step row counts that take skinny_linear rather than oneDNN's packed GEMM: those where it
-# beats (or matches) oneDNN on a SmolLM2 step's 120 linears (docs/benchmarks.md). fp32 takes the tiles
+# beats (or matches) oneDNN on a SmolLM2 step's 120 linears. fp32 takes the tiles
 # up to 8 rows and the lane loop from 12; at 9-11 rows the lane loop trails oneDNN, so those stay there.
 SKINNY_ROWS = {torch.float32: frozenset([*range(1, 9), *range(12, 17)]), torch.bfloat16: frozenset(range(1, 17))}
 

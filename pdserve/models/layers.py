@@ -5,9 +5,9 @@ model file never does shard arithmetic.
 
 On CPU, `pack_for_cpu(model)` then hands every linear weight to oneDNN once, in its blocked layout
 (`torch.ops.mkldnn._reorder_linear_weight`), and `linear` runs oneDNN's GEMM on it, which streams
-the weights faster than the plain F.linear path (MKL) in decode and prefill alike
-(benchmarks/bench_engine.py, docs/benchmarks.md). Elsewhere (CUDA, fp16 on CPU, bf16 on a CPU whose
-oneDNN cannot take it: `onednn_packs`) the weights stay plain and `linear` is F.linear.
+the weights faster than the plain F.linear path (MKL) in decode and prefill alike. Elsewhere (CUDA,
+fp16 on CPU, bf16 on a CPU whose oneDNN cannot take it: `onednn_packs`) the weights stay plain and
+`linear` is F.linear.
 
 A decode step of a few sequences is the exception: oneDNN's GEMM streams the weights slower there
 than a plain loop over their rows, so `pack_for_cpu(model, gemv=True)` keeps each linear's plain

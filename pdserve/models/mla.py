@@ -19,7 +19,7 @@ the latent space instead (the absorbed form): q_nope times each head's K block o
 width kv_lora, so every head scores [q_lat | q_pe] against the cached latents themselves (one shared KV head,
 the values the latents' first kv_lora dims), and each head's V block of kv_b_proj maps its output back:
 per step that costs O(heads * ctx * latent_dim) instead of expanding every cached token through kv_b_proj.
-benchmarks/bench_mla_decode.py times both on this machine (docs/benchmarks.md).
+benchmarks/bench_mla_decode.py times both forms.
 
 DeepSeek's checkpoints lay the RoPE dims of q and k_pe out in interleaved pairs (rope_interleave). Those rows
 of q_b_proj and kv_a_proj_with_mqa are reordered at load, evens first, which makes RoPE the rotate-half form

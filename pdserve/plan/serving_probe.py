@@ -25,10 +25,8 @@ A line through two medians of three requests cannot tell slower steps from a lon
 and the two differ under load: only the steps queue the requests behind them. So the probe also reads
 the prefilling engine's own step timer (its /metrics, as `pdserve bench` does): step_factor is the
 served prefill step over the bare one, and step_ttft_s the rest of the TTFT. An aggregated candidate, and
-a split's context instance, are simulated with these. They were added when the line's slope came out at
-0.83 (bf16, two threads: 148 ms at 128 tokens, 350 ms at 512) while the served steps ran at 1.0-1.25x
-the bare ones, and the plan over-predicted aggregated goodput up to 2.7x (docs/benchmarks.md, "pdserve plan
-against measurement").
+a split's context instance, are simulated with these (docs/benchmarks.md, "The probe reads the engine's
+step timer").
 
 Then ROWS requests of a short prompt are sent at once and decode together: every token streamed costs
 the server, the orchestrator and the client some CPU, and on a small machine that is taken from the

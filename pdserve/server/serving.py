@@ -57,7 +57,8 @@ from pdserve.server.streaming import OwnedStream
 SSE_DONE = "data: [DONE]\n\n"
 # A logit_bias key: ASCII digits, few enough for int() (str.isdigit also passes '²', which int() refuses).
 _TOKEN_ID = re.compile(r"[0-9]{1,18}")
-# Texts shorter than this (about 2 ms to encode) are encoded on the event loop, longer ones in a thread
+# Texts shorter than this hold the event loop too briefly to matter and are encoded on it, longer ones
+# in a worker thread
 _ENCODE_IN_PLACE = 8192
 
 
@@ -263,8 +264,8 @@ class OpenAIServing:
 
     async def _encode(self, text: str, add_special_tokens: bool = True, param: str | None = None) -> list[int]:
         """`param`: the field a prompt too long for the context window is blamed on. Such a prompt is
-        refused before encoding when its length alone proves it too long (a megabyte takes about a second
-        to encode, and the event loop waits that long)."""
+        refused before encoding when its length alone proves it too long, since encoding it would only hold
+        the server up."""
         if not text:
             raise bad_request("prompt is empty", "prompt")
         limit = self.engine.max_model_len
@@ -275,8 +276,7 @@ class OpenAIServing:
         if len(text) < _ENCODE_IN_PLACE:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         # A long text is encoded in a worker thread, which lets go of the GIL meanwhile: every other request
-        # keeps its event loop and every running stream its engine steps (a megabyte took 0.5 s on this loop,
-        # and paused the streams of other clients as long)
+        # keeps its event loop and every running stream its engine steps (docs/reliability.md)
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
 
     async def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:

@@ -8,13 +8,10 @@ The NIXL wheel is `nixl-cu12` (module `nixl_cu12`) or `nixl-cu13` (module `nixl_
 imports is used.
 
 The progress thread. NIXL's python wrapper starts the UCX backend's progress thread with a delay of 0,
-a sched_yield loop that holds a whole core while the agent is idle (measured: an idle agent's process
-used 100% of a core; with a 1 ms delay, 2%). An instance pinned to one core then shares it with that
-loop: a 512-token prefill took 1.15 s instead of 0.59 s on one thread, and writes between two
-processes on a 2-core machine were slower too (bench_kv_transfer.py: 512 tokens 8.44 -> 4.43 ms, 8192
-tokens 86.7 -> 55.8 ms, docs/benchmarks.md). `progress_delay_us`
-(cache_transceiver_config.nixl_progress_delay_us, default 1000) is the time the thread waits between
-passes; 0 keeps NIXL's own.
+a sched_yield loop that holds a whole core while the agent is idle, which an instance pinned to one core
+then shares with its own work (docs/benchmarks.md, "NIXL's progress thread on a small machine").
+`progress_delay_us` (cache_transceiver_config.nixl_progress_delay_us, default 1000) is the time the
+thread waits between passes; 0 keeps NIXL's own.
 """
 
 from __future__ import annotations

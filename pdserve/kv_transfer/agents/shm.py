@@ -48,12 +48,10 @@ logger = logging.getLogger(__name__)
 
 _SHM_DIR = "/dev/shm"
 _DESCRIPTOR_VERSION = 1
-# The owner's mapping comes with its pages allocated and its page tables filled. Left to fault in on first
-# touch, the KV pool's pages were faulted in by the requests: a peer's write into blocks never used
-# before took 160-240 ms for 23 MB instead of 15 ms, and a prefill into them ran up to 1.4x slower
-# (docs/benchmarks.md, "The shm KV pool, faulted in up front"). A peer's mapping of the same pages
-# fills its page tables as it writes (~7 ms per 23 MB the first time), which is cheaper than filling
-# them all at first contact.
+# The owner's mapping comes with its pages allocated and its page tables filled, so that no request pays
+# the pool's page faults (docs/benchmarks.md, "The shm KV pool, faulted in up front"). A peer's mapping
+# of the same pages fills its page tables as it writes, which is cheaper than filling them all at first
+# contact.
 _MAP_SHARED_POPULATED = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 

@@ -1,9 +1,8 @@
 /* A decode step of a few sequences (one token each) through a pipeline stage's layers in one call.
  *
  * With one sequence a decode step is ~120 small GEMVs and ~150 small kernels and PyTorch ops, and
- * on the 2-core development machine the Python around them (module calls, views, wrappers) cost
- * ~2.5 ms of a 10 ms bf16 SmolLM2 step (same-process A/B, docs/benchmarks.md); with a few sequences
- * the kernels are the same and so is that cost. This function runs
+ * the Python around them (module calls, views, wrappers) is a large share of a small model's step;
+ * with a few sequences the kernels are the same and so is that cost. This function runs
  * the decoder block of every layer in C, calling the same kernels in the same order as the model's
  * PyTorch code does:
  *

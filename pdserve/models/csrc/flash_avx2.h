@@ -2,12 +2,12 @@
  * (AMD Zen 1-3, most cloud VMs and laptops). Included by flash_prefill.c, beside its AVX-512 forms.
  *
  * An AVX2 core has 16 vector registers of 8 floats. The generic tiles (MR rows x 64 keys in 64-byte
- * vectors) need 24 accumulators of 16 lanes there, 48 ymm: they spilled to the stack on every FMA and
- * ran 6x slower than PyTorch's SDPA at 2048 tokens (docs/benchmarks.md). Here a tile is MR rows in two
- * groups of HR = 3, and 32 keys (or 32 dimensions of V) at a time: 12 accumulators, the K or V row of
- * each step read by the FMA from L1, and one broadcast register. The softmax is the AVX-512 one with
- * 8-lane vectors: masks by comparing key indices, e^x by the same reduction and series, 2^n built in
- * the exponent bits (no scalef), zero below e^-87 (fp32's smallest normal is e^-87.3). */
+ * vectors) need 24 accumulators of 16 lanes there, 48 ymm, which spill to the stack on every FMA.
+ * Here a tile is MR rows in two groups of HR = 3, and 32 keys (or 32 dimensions of V) at a time:
+ * 12 accumulators, the K or V row of each step read by the FMA from L1, and one broadcast register.
+ * The softmax is the AVX-512 one with 8-lane vectors: masks by comparing key indices, e^x by the same
+ * reduction and series, 2^n built in the exponent bits (no scalef), zero below e^-87 (fp32's smallest
+ * normal is e^-87.3). */
 #ifndef PDSERVE_FLASH_AVX2_H
 #define PDSERVE_FLASH_AVX2_H
 

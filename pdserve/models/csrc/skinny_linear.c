@@ -1,12 +1,10 @@
 /* y = x @ W^T (+ bias) for a few rows of x: the linears of a decode step.
  *
  * At a decode step x has one row per sequence, so a linear is a matrix-vector product whose time is
- * the time to stream W from memory once. On the 2-core development machine oneDNN's GEMM on its
- * packed weights streamed SmolLM2's 120 decode linears at 31.6 (bf16) and 37.0 GB/s (fp32) at one
- * row; this loop, on plain row-major weights, at 40.2 and 40.8 GB/s in the same run. With more rows
- * it stays ahead up to 24 bf16 rows and 8 fp32 rows, where fp32 turns compute-bound; 9 to 16 fp32 rows
- * take a second loop (lanes_f32, below). The engine sends it the steps of cpu_kernels.SKINNY_ROWS
- * rows (layers.linear; figures in docs/benchmarks.md).
+ * the time to stream W from memory once, and at a few rows this loop on plain row-major weights streams
+ * W faster than oneDNN's GEMM on its packed weights. Past 8 fp32 rows the tiles turn compute-bound, so
+ * 9 to 16 fp32 rows take a second loop (lanes_f32, below). The engine sends it the steps of
+ * cpu_kernels.SKINNY_ROWS rows (layers.linear), where the kernel dispatch found it the faster.
  *
  * Work is split by output columns (rows of W), NR at a time: each thread streams its own share of W
  * once, and the NR rows it holds meet every row of x before it moves on (for more than MR rows of x,
@@ -58,13 +56,12 @@ INLINE __m512 load_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_
 
 /* Asks for the weights PREFETCH_AHEAD bytes past the NR cache lines a step reads, counting a tile's rows
  * as the one run of memory they are (a thread's tiles follow each other in W). The hardware's own
- * prefetch follows each of the tile's NR row streams on its own and stops at each 4 KiB page, and it fell
- * behind: on one Zen 4 core SmolLM2's decode linears read their weights at 14.9 GB/s at one row of x,
- * where a plain sum reads 34. One row asks into L1 (the line is needed at once); several rows into L2,
+ * prefetch follows each of the tile's NR row streams on its own and stops at each 4 KiB page, and falls
+ * behind the memory's bandwidth. One row asks into L1 (the line is needed at once); several rows into L2,
  * since they work on a tile for a while and later passes over it (more than MR rows) must still find
- * it in L1. On that core, with the weights in huge pages (host_malloc.huge_page_buffer), a fp32 decode
- * step took 1.4-1.8x less time at 1-4 rows and 1.4x less at 8 (docs/benchmarks.md). Past the last
- * tile a prefetch asks for nothing useful, and it never faults. */
+ * it in L1. The weights sit in huge pages (host_malloc.huge_page_buffer; docs/benchmarks.md, "The decode
+ * GEMV: prefetch and huge pages"). Past the last tile a prefetch asks for nothing useful, and it never
+ * faults. */
 #define PREFETCH_AHEAD 16384
 #define PREFETCH_FLAT(w, step, hint) \
     _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) \
