@@ -12,13 +12,11 @@ thread each, KV over shm), and streams a few requests one at a time:
 Then, for each larger instance size T the profile holds (2, 4, ... threads), it launches one T-thread
 instance alone behind the orchestrator, as an aggregated pick is deployed, and probes that path too
 ("aggregated@T"). Such an instance's threads share every core with the HTTP server, the tokenizer and
-the orchestrator, and the one-thread figures did not carry over: on 2 cores a 2-thread instance served
-a 256-token prompt in 352 ms (median TTFT at 0.5 req/s) where the one-thread figures predicted 281.
+the orchestrator, so the one-thread figures do not carry over to it.
 
 Per kind, the median TTFT [less the KV transfer] at two prompt lengths gives TTFT(n) = ttft_s +
-prefill_factor x prefill(n): a server's prefill runs slower than the profile's bare forward step
-(one measurement: 512 tokens in 0.55 s bare, 0.63-0.83 s in a `pdserve serve` with a KV backend, on
-one core), and the median of (inter-token latency - the profile's decode step) is the extra time of
+prefill_factor x prefill(n): a server's prefill can run slower than the profile's bare forward step,
+and the median of (inter-token latency - the profile's decode step) is the extra time of
 each decode step (itl_s).
 
 A line through two medians of three requests cannot tell slower steps from a longer wait outside them,

@@ -132,8 +132,8 @@ class ChatMessage(_Request):
 
 
 # More messages than any context window holds (each renders to a few tokens at least), refused before
-# they are validated and rendered: 800 K one-letter messages (26 MiB) took 2.8 s to validate and 1.8 s to
-# render, all on the event loop
+# they are validated and rendered, which for hundreds of thousands of messages holds the event loop for
+# seconds (docs/reliability.md, "Oversized and hostile requests")
 MAX_MESSAGES = 65536
 
 
