@@ -200,9 +200,9 @@ INLINE int64_t share_start(int64_t tiles, int next) {
 /* fp32 with LANE_MIN_ROWS to 16 rows of x: the rows as the 16 lanes of a vector. Past 8 fp32 rows the
  * tiles above turn compute-bound on their horizontal sums, and oneDNN's GEMM is little better. Here x
  * is transposed once per call into xt [k][16] (zero lanes past m), and LR rows of W at a time meet it:
- * acc[j] (column n0 + j of all 16 rows) += W[n0 + j][kk] * xt[kk], kk in order. No horizontal sums (from
- * 12 rows it beats oneDNN: cpu_kernels.SKINNY_ROWS), and each value of y is one fp32 sum over K in order, whatever the number of
- * rows, so a sequence's result still does not depend on its batch. */
+ * acc[j] (column n0 + j of all 16 rows) += W[n0 + j][kk] * xt[kk], kk in order. No horizontal sums
+ * (from 12 rows it beats oneDNN: cpu_kernels.SKINNY_ROWS), and each value of y is one fp32 sum over K
+ * in order, whatever the number of rows, so a sequence's result still does not depend on its batch. */
 #define LR 16 /* rows of W per tile of the lane kernel */
 #define LANE_MIN_ROWS 9
 
