@@ -41,11 +41,11 @@ _CANARY_ID_BASE = 1 << 63  # canary request ids live above every request id (tho
 BlockIds = dict[int, np.ndarray]
 
 
-def is_canary(request_id: int) -> bool:
-    return request_id >= _CANARY_ID_BASE
+def is_canary(disagg_id: int) -> bool:
+    return disagg_id >= _CANARY_ID_BASE
 
 
-def canary_request_id(gen_instance: str, ctx_endpoint: str) -> int:
+def canary_disagg_id(gen_instance: str, ctx_endpoint: str) -> int:
     """One id per (generation instance, context instance): every rank of the generation instance
     uses the same one, so the context side counts them as one request's requesters."""
     digest = hashlib.blake2b(f"{gen_instance}\0{ctx_endpoint}".encode(), digest_size=8).digest()
@@ -84,7 +84,7 @@ class Gate:
     canary of a rank lands in the same canary blocks."""
 
     endpoint: str  # the context instance's rank-0 control endpoint
-    request_id: int
+    disagg_id: int
     num_tokens: int  # 0: this pair is not checked (see canary_tokens)
     ctx_ranks: tuple[RankInfo, ...]  # the DP group that is asked
     held: list[int] = field(default_factory=list)  # request ids waiting for the canary

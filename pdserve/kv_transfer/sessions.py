@@ -86,7 +86,7 @@ WriteKey = tuple[PeerKey, int]  # (requester, chunk index)
 class SendSession:
     """A context rank's outgoing transfer of one request."""
 
-    request_id: int
+    disagg_id: int
     deadline: float
     chunks: list[SendChunk] = field(default_factory=list)  # offered so far, in order
     num_requesters: int | None = None  # learnt from the first REQUEST_DATA
@@ -111,7 +111,7 @@ class SendSession:
         if self.error is not None:
             return TransferStatus.FAILED
         if time.monotonic() > self.deadline:
-            self.error = f"request {self.request_id}: context side timed out waiting for the generation side"
+            self.error = f"request {self.disagg_id}: context side timed out waiting for the generation side"
             return TransferStatus.FAILED
         if self.num_requesters is not None and len(self.served) >= self.num_requesters:
             return TransferStatus.DONE
@@ -122,7 +122,7 @@ class SendSession:
 class RecvSession:
     """A generation rank's incoming transfer of one request."""
 
-    request_id: int
+    disagg_id: int
     writers: dict[PeerKey, str]  # ctx rank key -> its control endpoint, for CANCEL
     all_ctx: dict[PeerKey, str]  # every ctx rank we sent REQUEST_DATA to
     deadline: float

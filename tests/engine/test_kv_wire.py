@@ -63,7 +63,7 @@ def test_a_positional_list_is_refused():
 
 def test_a_wrong_field_set_is_refused():
     w = command_to_wire(CancelKV(7))
-    with pytest.raises(KVWireError, match=r"CANCEL has fields \['id'\], expected \['request_id'\]"):
+    with pytest.raises(KVWireError, match=r"CANCEL has fields \['id'\], expected \['disagg_id'\]"):
         command_from_wire(w | {"b": {"id": 7}})
     send = command_to_wire(SendKV(9, (0,), 0, 4, True, b""))
     send["b"]["block_ids"] = 7

@@ -150,23 +150,23 @@ class KVConnector:
             try:
                 if isinstance(cmd, SendKV):
                     blocks = self._ids(cmd.block_ids, cmd.state_slot)
-                    self.tx.respond_and_send_async(cmd.request_id, blocks,
+                    self.tx.respond_and_send_async(cmd.disagg_id, blocks,
                                                    token_range=(cmd.token_start, cmd.token_end), last=cmd.last,
                                                    state=cmd.state)
                 elif isinstance(cmd, ReceiveKV):
                     self.tx.add_instance(cmd.ctx_endpoint, cmd.ctx_rank_infos)
-                    self.tx.request_and_receive_async(cmd.request_id, cmd.ctx_endpoint,
+                    self.tx.request_and_receive_async(cmd.disagg_id, cmd.ctx_endpoint,
                                                       self._ids(cmd.block_ids, cmd.state_slot),
                                                       ctx_dp_rank=cmd.ctx_dp_rank, timeout_ms=cmd.timeout_ms,
                                                       wait_for_offer=cmd.wait_for_offer)
                 elif isinstance(cmd, CancelKV):
-                    self._cancelling.add(cmd.request_id)
+                    self._cancelling.add(cmd.disagg_id)
                 elif isinstance(cmd, ForgetPeer):
                     self.tx.forget_instance(cmd.ctx_endpoint)
                 else:
                     raise AssertionError(f"unknown KV command {cmd!r}")
             except Exception as e:  # fails this command's request only, never the step (and the engine)
-                rid = getattr(cmd, "request_id", 0)
+                rid = getattr(cmd, "disagg_id", 0)
                 if isinstance(e, (KVTransferError, OSError, ValueError)):
                     log.warning("rank %d: KV %s of request %d failed: %s", self.ps.rank, cmd.KIND.name, rid, e)
                 else:

@@ -15,8 +15,8 @@ entry) on its way to the generation instance: in `SendKV.state`, riding with the
 
 A command's wire form is a msgpack-friendly map {"v": WIRE_VERSION, "t": CommandKind, "b": fields},
 nested inside the step spec's msgpack; a report is {"v": WIRE_VERSION, "b": fields}. Decoding checks
-the version, the kind and the field names and raises `KVWireError` on anything else. Request ids
-are disagg ids.
+the version, the kind and the field names and raises `KVWireError` on anything else. `disagg_id`
+is the orchestrator's integer id of a disaggregated request (the engine's own request ids are strings).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Callable, ClassVar, Union
 
 import msgpack
 
-WIRE_VERSION = 3  # bumped with any change of a command's or a report's fields
+WIRE_VERSION = 4  # bumped with any change of a command's or a report's fields
 
 
 class CommandKind(enum.IntEnum):
@@ -55,7 +55,7 @@ def _blobs(v) -> tuple[bytes, ...]:
 @dataclass(frozen=True)
 class SendKV:
     KIND: ClassVar[CommandKind] = CommandKind.SEND
-    request_id: int
+    disagg_id: int
     block_ids: tuple[int, ...]  # the request's blocks, -1 where this piece sends none
     token_start: int
     token_end: int
@@ -67,7 +67,7 @@ class SendKV:
 @dataclass(frozen=True)
 class ReceiveKV:
     KIND: ClassVar[CommandKind] = CommandKind.RECEIVE
-    request_id: int
+    disagg_id: int
     ctx_endpoint: str
     block_ids: tuple[int, ...]
     ctx_dp_rank: int
@@ -80,7 +80,7 @@ class ReceiveKV:
 @dataclass(frozen=True)
 class CancelKV:
     KIND: ClassVar[CommandKind] = CommandKind.CANCEL
-    request_id: int
+    disagg_id: int
 
 
 @dataclass(frozen=True)
@@ -92,11 +92,11 @@ class ForgetPeer:
 KVCommand = Union[SendKV, ReceiveKV, CancelKV, ForgetPeer]
 
 _DECODERS: dict[type, dict[str, Callable]] = {
-    SendKV: {"request_id": int, "block_ids": _ints, "token_start": int, "token_end": int, "last": bool,
+    SendKV: {"disagg_id": int, "block_ids": _ints, "token_start": int, "token_end": int, "last": bool,
              "state": bytes, "state_slot": int},
-    ReceiveKV: {"request_id": int, "ctx_endpoint": str, "block_ids": _ints, "ctx_dp_rank": int,
+    ReceiveKV: {"disagg_id": int, "ctx_endpoint": str, "block_ids": _ints, "ctx_dp_rank": int,
                 "ctx_rank_infos": _blobs, "timeout_ms": int, "wait_for_offer": bool, "state_slot": int},
-    CancelKV: {"request_id": int},
+    CancelKV: {"disagg_id": int},
     ForgetPeer: {"ctx_endpoint": str},
 }
 _BY_KIND: dict[int, type] = {cls.KIND: cls for cls in _DECODERS}

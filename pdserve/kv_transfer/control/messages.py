@@ -33,7 +33,7 @@ import numpy as np
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.rank_info import RankInfo
 
-PROTOCOL_VERSION = 5  # bumped with any change of a message's fields: decoding refuses another version
+PROTOCOL_VERSION = 6  # bumped with any change of a message's fields: decoding refuses another version
 
 PeerKey = tuple[str, int]  # (instance name, rank): never a concatenated string
 
@@ -231,7 +231,7 @@ class RequestData(Message):
     """
 
     TYPE: ClassVar[MessageType] = MessageType.REQUEST_DATA
-    request_id: int
+    disagg_id: int
     sender: PeerKey
     block_ids: dict[int, np.ndarray] = field(compare=False)
     token_range: tuple[int, int]
@@ -255,7 +255,7 @@ class TransferDone(Message):
     """
 
     TYPE: ClassVar[MessageType] = MessageType.TRANSFER_DONE
-    request_id: int
+    disagg_id: int
     sender: PeerKey
     num_bytes: int
     bounced: bool = False
@@ -270,7 +270,7 @@ class TransferDone(Message):
 @dataclass(frozen=True)
 class TransferError(Message):
     TYPE: ClassVar[MessageType] = MessageType.TRANSFER_ERROR
-    request_id: int
+    disagg_id: int
     sender: PeerKey
     reason: str
 
@@ -282,7 +282,7 @@ class UnknownRequest(Message):
     fails the request at once; its client is told the KV does not exist."""
 
     TYPE: ClassVar[MessageType] = MessageType.UNKNOWN_REQUEST
-    request_id: int
+    disagg_id: int
     sender: PeerKey
     reason: str
 
@@ -290,7 +290,7 @@ class UnknownRequest(Message):
 @dataclass(frozen=True)
 class Cancel(Message):
     TYPE: ClassVar[MessageType] = MessageType.CANCEL
-    request_id: int
+    disagg_id: int
     sender: PeerKey
 
 
@@ -304,13 +304,13 @@ _DECODERS = {
     RankInfoRequest: {"sender": _peer},
     RankInfoReply: {"rank_infos": _list_of_bytes},
     RegisterPeer: {"rank_info": _rank_info},
-    RequestData: {"request_id": _int, "sender": _peer, "block_ids": _block_ids, "token_range": _token_range,
+    RequestData: {"disagg_id": _int, "sender": _peer, "block_ids": _block_ids, "token_range": _token_range,
                   "num_requesters": _int, "bounce": _optional_map, "checksum": _bool,
                   "canary": _bool, "wait_for_offer": _bool},
-    TransferDone: {"request_id": _int, "sender": _peer, "num_bytes": _int, "bounced": _bool, "chunk": _int,
+    TransferDone: {"disagg_id": _int, "sender": _peer, "num_bytes": _int, "bounced": _bool, "chunk": _int,
                    "last": _bool, "token_range": _token_range, "state": _bytes, "src_block_ids": _block_ids,
                    "digests": _digests},
-    TransferError: {"request_id": _int, "sender": _peer, "reason": _str},
-    UnknownRequest: {"request_id": _int, "sender": _peer, "reason": _str},
-    Cancel: {"request_id": _int, "sender": _peer},
+    TransferError: {"disagg_id": _int, "sender": _peer, "reason": _str},
+    UnknownRequest: {"disagg_id": _int, "sender": _peer, "reason": _str},
+    Cancel: {"disagg_id": _int, "sender": _peer},
 }

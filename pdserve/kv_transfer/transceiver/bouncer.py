@@ -59,7 +59,7 @@ class Bouncer:
         writers = tuple(sorted(k[1] for k in session.writers))
         lease = self.staging.lease(slot * len(writers))
         if lease is None:
-            logger.warning("%s: staging buffer full, request %d goes direct", own.key, session.request_id)
+            logger.warning("%s: staging buffer full, request %d goes direct", own.key, session.disagg_id)
             return None
         session.staging, session.bounce_slot, session.bounce_writers = lease, slot, writers
         return {"params": cfg.to_dict(), "ptr": lease.ptr, "slot": slot, "writers": list(writers)}
@@ -68,7 +68,7 @@ class Bouncer:
         """Unpack a bounced write into our KV; False (the writer's error recorded) when it cannot be."""
         try:
             if session.staging is None or done.sender[1] not in session.bounce_writers:
-                raise KVTransferError(f"{done.sender} bounced request {done.request_id} but we offered no segment")
+                raise KVTransferError(f"{done.sender} bounced request {done.disagg_id} but we offered no segment")
             index = session.bounce_writers.index(done.sender[1])
             kv_regions = RegionTable([r for r in self._local.agent.registered_regions if r != self.staging.region])
             with self._local.timed("scatter"):
@@ -86,7 +86,7 @@ class Bouncer:
             self.staging.release(session.staging)
         else:
             logger.warning("%s: request %d ended with writers unsettled; %d staging bytes quarantined",
-                           self._local.key, session.request_id, session.staging.nbytes)
+                           self._local.key, session.disagg_id, session.staging.nbytes)
         session.staging = None
 
     # -- sender -------------------------------------------------------------------------------
@@ -98,7 +98,7 @@ class Bouncer:
             return None
         if cfg is None or offer.get("params") != cfg.to_dict():
             logger.warning("%s: bounce parameters differ from %s's (%s vs %s); request %d goes direct",
-                           own.key, gen.key, cfg and cfg.to_dict(), offer.get("params"), request.request_id)
+                           own.key, gen.key, cfg and cfg.to_dict(), offer.get("params"), request.disagg_id)
             return None
         num_blocks = sum(int((b >= 0).sum()) for b in request.block_ids.values())
         if not cfg.kv_passes(num_blocks, sizes):
@@ -106,7 +106,7 @@ class Bouncer:
         need = plan_segment_bytes(sizes)
         if need > offer["slot"] or own.rank not in offer["writers"]:
             logger.warning("%s: bounce segment of %d bytes does not fit %s's %d; request %d goes direct",
-                           own.key, need, gen.key, offer["slot"], request.request_id)
+                           own.key, need, gen.key, offer["slot"], request.disagg_id)
             return None
         lease = self.staging.lease(need)
         if lease is None:

@@ -69,9 +69,9 @@ class KVTransceiver:
         self._bouncer.close()
 
     # -- context side -------------------------------------------------------------------------
-    def respond_and_send_async(self, request_id: int, block_ids: Mapping[int, np.ndarray], *,
+    def respond_and_send_async(self, disagg_id: int, block_ids: Mapping[int, np.ndarray], *,
                                token_range: tuple[int, int] = (0, 0), last: bool = True, state: bytes = b"") -> None:
-        """Offer this rank's KV of `request_id` (layer-group id -> src block ids, -1 = skip).
+        """Offer this rank's KV of `disagg_id` (layer-group id -> src block ids, -1 = skip).
 
         One call with `last=True` offers the whole prompt. A pipelined send calls once per prefill
         chunk, `last=False` until the final one; every call's ids are positional over the whole
@@ -79,7 +79,7 @@ class KVTransceiver:
         `token_range`: the exact prompt tokens the chunk completes (reported to the receiver); a
         chunk starting after token 0 continues a send, and is dropped if that send already ended.
         `state`: small bytes delivered with the last chunk (e.g. the first generated token)."""
-        self._send.respond_and_send_async(request_id, block_ids, token_range, last, state)
+        self._send.respond_and_send_async(disagg_id, block_ids, token_range, last, state)
 
     def check_context_transfer_status(self, at_least: int = 0) -> TransferResults:
         """Finished send sessions (their KV may be freed); waits until `at_least` finished, clamped to
@@ -103,18 +103,18 @@ class KVTransceiver:
         return not self._control.events.empty() or bool(self._send.early)
 
     # -- generation side ----------------------------------------------------------------------
-    def request_and_receive_async(self, request_id: int, ctx_endpoint: str,
+    def request_and_receive_async(self, disagg_id: int, ctx_endpoint: str,
                                   block_ids: Mapping[int, np.ndarray], token_range: tuple[int, int] = (0, 0),
                                   ctx_dp_rank: int = 0, timeout_ms: float | None = None,
                                   wait_for_offer: bool = True) -> None:
         """Ask the context instance at `ctx_endpoint` (rank 0's control endpoint) to write
-        `request_id`'s KV into our blocks (layer-group id -> dst block ids, -1 = skip).
+        `disagg_id`'s KV into our blocks (layer-group id -> dst block ids, -1 = skip).
         `ctx_dp_rank`: the context DP group that holds the request (0 without attention DP).
         `timeout_ms`: what is left of the request's transfer timeout (default: all of it).
         `wait_for_offer`: the context side may not hold the request yet and parks the ask until it
         does; False when it must hold it already (it answered first), so that a request it does not
         hold fails at once, reported in `TransferResults.unknown`."""
-        self._recv.request_and_receive_async(request_id, ctx_endpoint, block_ids, token_range, ctx_dp_rank,
+        self._recv.request_and_receive_async(disagg_id, ctx_endpoint, block_ids, token_range, ctx_dp_rank,
                                              timeout_ms, wait_for_offer)
 
     def check_gen_transfer_status(self, at_least: int = 0) -> TransferResults:
@@ -141,15 +141,15 @@ class KVTransceiver:
     def has_inflight_transfer(self) -> bool:
         return bool(self.send_sessions or self.recv_sessions)
 
-    def cancel_request(self, request_id: int) -> bool:
+    def cancel_request(self, disagg_id: int) -> bool:
         """False while a write of this request may still land (call again next step); True once its
         blocks may be freed or reused. Unknown ids are True."""
         self._control.drain()
-        if request_id in self.send_sessions:
-            return self._send.cancel(request_id)
-        if request_id in self.recv_sessions:
-            return self._recv.cancel(request_id)
-        self._send.forget(request_id)
+        if disagg_id in self.send_sessions:
+            return self._send.cancel(disagg_id)
+        if disagg_id in self.recv_sessions:
+            return self._recv.cancel(disagg_id)
+        self._send.forget(disagg_id)
         return True
 
     @property

@@ -45,13 +45,13 @@ class Receiver:
         self.gates: dict[str, canary.Gate] = {}  # ctx endpoint -> first-contact canary
 
     # -- the executor's calls -----------------------------------------------------------------
-    def request_and_receive_async(self, request_id: int, ctx_endpoint: str, block_ids: Mapping[int, np.ndarray],
+    def request_and_receive_async(self, disagg_id: int, ctx_endpoint: str, block_ids: Mapping[int, np.ndarray],
                                   token_range: tuple[int, int], ctx_dp_rank: int, timeout_ms: float | None,
                                   wait_for_offer: bool = True) -> None:
         local = self._local
         own = local.require_started()
-        if request_id in self.sessions:
-            raise KVTransferError(f"request {request_id} is already being received by {own.key}")
+        if disagg_id in self.sessions:
+            raise KVTransferError(f"request {disagg_id} is already being received by {own.key}")
         ctx_ranks = tuple(r for r in self._control.ctx_ranks(ctx_endpoint) if r.dp_rank == ctx_dp_rank)
         if not ctx_ranks:
             raise KVTransferError(f"context instance at {ctx_endpoint} has no DP group {ctx_dp_rank}")
@@ -60,11 +60,11 @@ class Receiver:
         except KVTransferError:
             # The context ranks hold this request's KV for us: tell them now, not at their timeout.
             for ctx in ctx_ranks:
-                self._control.send(ctx.control_endpoint, Cancel(request_id, own.key))
+                self._control.send(ctx.control_endpoint, Cancel(disagg_id, own.key))
             raise
         by_rank = {r.rank: r for r in ctx_ranks}
         session = RecvSession(
-            request_id,
+            disagg_id,
             writers={by_rank[w].key: by_rank[w].control_endpoint for w in writers},
             all_ctx={r.key: r.control_endpoint for r in ctx_ranks},
             deadline=local.deadline() if timeout_ms is None else time.monotonic() + timeout_ms / 1000.0,
@@ -76,21 +76,21 @@ class Receiver:
         # Every rank of our DP group asks every ctx rank, so each ctx rank knows when it served all.
         requesters = len(local.dp_group())
         # Registered before publishing, so a fast writer's notification always finds its session.
-        self.sessions[request_id] = session
-        messages = [(ctx.control_endpoint, RequestData(request_id, own.key, ids, tuple(token_range), requesters,
+        self.sessions[disagg_id] = session
+        messages = [(ctx.control_endpoint, RequestData(disagg_id, own.key, ids, tuple(token_range), requesters,
                                                        offer, local.config.checksum, wait_for_offer=wait_for_offer))
                     for ctx in ctx_ranks]
         gate = self._gate(ctx_endpoint, ctx_ranks)
         if gate is not None:  # first contact: asked once the canary passed
             session.held = messages
-            gate.held.append(request_id)
+            gate.held.append(disagg_id)
             self._start_canary()
             return
         try:
             for endpoint, message in messages:
                 self._control.send(endpoint, message)
         except Exception:
-            self._bouncer.close_recv(self.sessions.pop(request_id))
+            self._bouncer.close_recv(self.sessions.pop(disagg_id))
             raise
 
     def step(self) -> TransferResults:
@@ -122,23 +122,23 @@ class Receiver:
     @property
     def canaries(self) -> set[int]:
         """Ids of the canary sessions running now (ours alone: the executor never asked for them)."""
-        return {g.request_id for g in self.gates.values() if g.started and not g.passed}
+        return {g.disagg_id for g in self.gates.values() if g.started and not g.passed}
 
-    def cancel(self, request_id: int) -> bool:
+    def cancel(self, disagg_id: int) -> bool:
         """False while a writer may still write into this session's blocks; True once none can."""
-        recv = self.sessions[request_id]
+        recv = self.sessions[disagg_id]
         if recv.held:  # never asked for: nothing can be written, but the context side may hold its KV
-            self._bouncer.close_recv(self.sessions.pop(request_id))
+            self._bouncer.close_recv(self.sessions.pop(disagg_id))
             self._cancel_everywhere(recv)
             return True
         if len(recv.done) == len(recv.writers):
-            self._bouncer.close_recv(self.sessions.pop(request_id))
+            self._bouncer.close_recv(self.sessions.pop(disagg_id))
             return True
         if not recv.cancel_sent:
             recv.cancel_sent = True
             self._cancel_everywhere(recv)
         if recv.settled:
-            self._bouncer.close_recv(self.sessions.pop(request_id))
+            self._bouncer.close_recv(self.sessions.pop(disagg_id))
             return True
         return False
 
@@ -151,14 +151,14 @@ class Receiver:
 
     # -- control messages and notifications (ControlPlane.drain) ------------------------------
     def on_error(self, message: TransferError) -> None:
-        session = self.sessions.get(message.request_id)
+        session = self.sessions.get(message.disagg_id)
         if session is not None:
             session.errors[message.sender] = message.reason
 
     def on_unknown(self, message: UnknownRequest) -> None:
         """That ctx rank will not write (every rank of an instance holds the same requests, so the others
         say the same): the session fails once its writers settled, reported as unknown."""
-        session = self.sessions.get(message.request_id)
+        session = self.sessions.get(message.disagg_id)
         if session is None:
             return
         session.unknown = True
@@ -166,21 +166,21 @@ class Receiver:
 
     def on_written(self, done: TransferDone) -> None:
         own = self._local.own
-        session = self.sessions.get(done.request_id)
+        session = self.sessions.get(done.disagg_id)
         if session is None:  # normal after a cancel or timeout: its writes were already in flight
             logger.info("%s: dropped the notification of a write for request %d from %s, which has no "
-                        "receive session here (cancelled, timed out or done)", own.key, done.request_id, done.sender)
+                        "receive session here (cancelled, timed out or done)", own.key, done.disagg_id, done.sender)
             return
         if done.sender not in session.writers:
             logger.warning("%s: dropped a notification for request %d from %s, which is not one of its "
-                           "writers", own.key, done.request_id, done.sender)
+                           "writers", own.key, done.disagg_id, done.sender)
             return
         if done.bounced and not self._bouncer.scatter(session, done):
             return
         if session.checksum or done.digests:
             problem = self._verify(session, done)
             if problem is not None:
-                logger.error("%s: request %d from %s: %s", own.key, done.request_id, done.sender, problem)
+                logger.error("%s: request %d from %s: %s", own.key, done.disagg_id, done.sender, problem)
                 session.corrupted.setdefault(done.sender, problem)
         session.on_chunk(done.sender, done.chunk, done.last, done.token_range, done.state)
         session.deadline = self._local.deadline()  # chunks still arriving: not stalled
@@ -207,7 +207,7 @@ class Receiver:
 
     def _cancel_everywhere(self, session: RecvSession) -> None:
         for endpoint in session.all_ctx.values():
-            self._control.send(endpoint, Cancel(session.request_id, self._local.own.key))
+            self._control.send(endpoint, Cancel(session.disagg_id, self._local.own.key))
 
     def _verify(self, session: RecvSession, done: TransferDone) -> str | None:
         """Digest what `done`'s write left in our blocks; None when it matches what the sender sent."""
@@ -236,7 +236,7 @@ class Receiver:
         if gate is None:
             tokens = canary.canary_tokens(ctx_ranks[0], own)
             gate = self.gates[endpoint] = canary.Gate(
-                endpoint, canary.canary_request_id(own.instance_name, endpoint), tokens, ctx_ranks,
+                endpoint, canary.canary_disagg_id(own.instance_name, endpoint), tokens, ctx_ranks,
                 passed=tokens == 0)
             if not tokens:
                 logger.info("%s: KV from %s is not checked by a first-contact canary (a side reserved no canary "
@@ -255,23 +255,23 @@ class Receiver:
         ids = canary.canary_block_ids(own, gate.num_tokens)
         canary.zero(own, ids, gate.num_tokens)  # what an earlier canary left must not pass for this one
         by_rank = {r.rank: r for r in gate.ctx_ranks}
-        self.sessions[gate.request_id] = RecvSession(
-            gate.request_id, writers={by_rank[w].key: by_rank[w].control_endpoint
+        self.sessions[gate.disagg_id] = RecvSession(
+            gate.disagg_id, writers={by_rank[w].key: by_rank[w].control_endpoint
                                       for w in writers_for(own, gate.ctx_ranks)},
             all_ctx={r.key: r.control_endpoint for r in gate.ctx_ranks}, deadline=self._local.deadline(),
             block_ids=ids)
         requesters = len(self._local.dp_group())
         for ctx in gate.ctx_ranks:
             self._control.send(ctx.control_endpoint, RequestData(
-                gate.request_id, own.key, ids, (0, gate.num_tokens), requesters, canary=True))
+                gate.disagg_id, own.key, ids, (0, gate.num_tokens), requesters, canary=True))
 
     def _settle_canaries(self) -> None:
         for gate in [g for g in self.gates.values() if g.started and not g.passed]:
-            session = self.sessions[gate.request_id]
+            session = self.sessions[gate.disagg_id]
             status = session.local_status()
             if status == TransferStatus.IN_PROGRESS:
                 continue
-            self._bouncer.close_recv(self.sessions.pop(gate.request_id))
+            self._bouncer.close_recv(self.sessions.pop(gate.disagg_id))
             if status == TransferStatus.DONE:
                 problem = canary.check(self._local.own, session.block_ids, gate.num_tokens)
             else:

@@ -53,25 +53,25 @@ class Sender:
         self.canaries: set[int] = set()
 
     # -- the executor's calls -----------------------------------------------------------------
-    def respond_and_send_async(self, request_id: int, block_ids: Mapping[int, np.ndarray],
+    def respond_and_send_async(self, disagg_id: int, block_ids: Mapping[int, np.ndarray],
                                token_range: tuple[int, int], last: bool, state: bytes) -> None:
         own = self._local.require_started()
-        session = self.sessions.get(request_id)
+        session = self.sessions.get(disagg_id)
         if session is not None and session.offered_all:
-            raise KVTransferError(f"request {request_id} is already being sent by {own.key}")
+            raise KVTransferError(f"request {disagg_id} is already being sent by {own.key}")
         if session is not None and session.error is not None:
             return  # failed (e.g. cancelled) and waiting for its writes to settle: nothing more to offer
         early: list[RequestData] = []
-        if session is None and token_range[0] > 0 and request_id in self._closed:
+        if session is None and token_range[0] > 0 and disagg_id in self._closed:
             # A later chunk of a send that already ended (cancelled, failed): drop it, park nothing.
-            logger.debug("%s: dropped a chunk of ended request %d", own.key, request_id)
+            logger.debug("%s: dropped a chunk of ended request %d", own.key, disagg_id)
             return
         if session is None:
-            self._closed.pop(request_id, None)
-            session = self.sessions[request_id] = SendSession(
-                request_id, self._local.deadline(), error=self._cancelled_early.pop(request_id, None))
-            early = self.early.pop(request_id, [])
-            self._early_deadline.pop(request_id, None)
+            self._closed.pop(disagg_id, None)
+            session = self.sessions[disagg_id] = SendSession(
+                disagg_id, self._local.deadline(), error=self._cancelled_early.pop(disagg_id, None))
+            early = self.early.pop(disagg_id, [])
+            self._early_deadline.pop(disagg_id, None)
         session.deadline = self._local.deadline()  # a long pipelined prefill is not a stalled transfer
         ids = {int(g): np.asarray(b, dtype=np.int64) for g, b in block_ids.items()}
         session.chunks.append(SendChunk(ids, (int(token_range[0]), int(token_range[1])), bool(last), bytes(state)))
@@ -103,25 +103,25 @@ class Sender:
             logger.warning("%s: a first-contact canary send failed: %s", self._local.key, results.failed.pop(rid))
         return results
 
-    def cancel(self, request_id: int) -> bool:
+    def cancel(self, disagg_id: int) -> bool:
         """False while a write of this send may still land; True once it is gone."""
-        send = self.sessions[request_id]
+        send = self.sessions[disagg_id]
         self._poll_writes(send)
         if send.writes:
             return False
-        del self.sessions[request_id]
-        self.canaries.discard(request_id)
-        self._remember_closed(request_id)
+        del self.sessions[disagg_id]
+        self.canaries.discard(disagg_id)
+        self._remember_closed(disagg_id)
         # Requesters still waiting for chunks would otherwise wait out their timeout.
         for peer in set(send.targets) | set(send.refuse_after_writes):
-            self._refuse(peer, request_id, "the context side cancelled this request")
+            self._refuse(peer, disagg_id, "the context side cancelled this request")
         return True
 
-    def forget(self, request_id: int) -> None:
+    def forget(self, disagg_id: int) -> None:
         """A request this rank sends nothing of (any more): drop what it parked, refuse what comes late."""
-        self.early.pop(request_id, None)
-        self._early_deadline.pop(request_id, None)
-        self._remember_closed(request_id)
+        self.early.pop(disagg_id, None)
+        self._early_deadline.pop(disagg_id, None)
+        self._remember_closed(disagg_id)
 
     def expire_early(self) -> None:
         now = time.monotonic()
@@ -139,30 +139,30 @@ class Sender:
     def on_request_data(self, message: RequestData) -> None:
         if message.canary:
             self._serve_canary(message)
-        elif message.request_id in self.sessions:
+        elif message.disagg_id in self.sessions:
             self._serve(message)
         elif not message.wait_for_offer:
             # The generation side asks only after our answer (context_first), which came after the offer:
             # a request we hold no session of is one we never had, or whose send ended.
-            ended = message.request_id in self._closed
-            self._unknown(message.sender, message.request_id,
+            ended = message.disagg_id in self._closed
+            self._unknown(message.sender, message.disagg_id,
                           "its KV was already sent, released or timed out" if ended else "it never arrived here")
-        elif message.request_id in self._closed:
-            self._refuse(message.sender, message.request_id, "the context side cancelled this request")
+        elif message.disagg_id in self._closed:
+            self._refuse(message.sender, message.disagg_id, "the context side cancelled this request")
         else:
-            self.early.setdefault(message.request_id, []).append(message)
-            self._early_deadline.setdefault(message.request_id, self._local.deadline())
+            self.early.setdefault(message.disagg_id, []).append(message)
+            self._early_deadline.setdefault(message.disagg_id, self._local.deadline())
 
     def on_cancel(self, message: Cancel) -> None:
-        early = self.early.get(message.request_id, [])
-        self.early[message.request_id] = [r for r in early if r.sender != message.sender]
-        if not self.early[message.request_id]:
-            del self.early[message.request_id]
-            self._early_deadline.pop(message.request_id, None)
-        session = self.sessions.get(message.request_id)
+        early = self.early.get(message.disagg_id, [])
+        self.early[message.disagg_id] = [r for r in early if r.sender != message.sender]
+        if not self.early[message.disagg_id]:
+            del self.early[message.disagg_id]
+            self._early_deadline.pop(message.disagg_id, None)
+        session = self.sessions.get(message.disagg_id)
         if session is None:
             # The generation side gave up before we offered the KV: fail the offer as soon as it comes.
-            self._cancelled_early[message.request_id] = f"generation rank {message.sender} cancelled"
+            self._cancelled_early[message.disagg_id] = f"generation rank {message.sender} cancelled"
             while len(self._cancelled_early) > REMEMBER_CLOSED:
                 self._cancelled_early.popitem(last=False)
         if session is not None and message.sender not in session.served:
@@ -177,34 +177,34 @@ class Sender:
         gen = self.gen_peers.get(message.sender)
         if gen is not None:
             self._control.send(gen.control_endpoint,
-                               TransferError(message.request_id, self._local.own.key, "cancelled"))
+                               TransferError(message.disagg_id, self._local.own.key, "cancelled"))
 
     # -- internals ----------------------------------------------------------------------------
-    def _remember_closed(self, request_id: int) -> None:
-        self._closed[request_id] = None
+    def _remember_closed(self, disagg_id: int) -> None:
+        self._closed[disagg_id] = None
         while len(self._closed) > REMEMBER_CLOSED:
             self._closed.popitem(last=False)
 
-    def _refuse(self, requester: PeerKey, request_id: int, reason: str) -> None:
+    def _refuse(self, requester: PeerKey, disagg_id: int, reason: str) -> None:
         own = self._local.own
         gen = self.gen_peers.get(requester)
         if gen is None:
-            logger.warning("%s: cannot refuse request %d of unregistered %s", own.key, request_id, requester)
+            logger.warning("%s: cannot refuse request %d of unregistered %s", own.key, disagg_id, requester)
             return
-        self._control.send(gen.control_endpoint, TransferError(request_id, own.key, reason))
+        self._control.send(gen.control_endpoint, TransferError(disagg_id, own.key, reason))
 
-    def _unknown(self, requester: PeerKey, request_id: int, why: str) -> None:
+    def _unknown(self, requester: PeerKey, disagg_id: int, why: str) -> None:
         gen = self.gen_peers.get(requester)
         if gen is None:
-            logger.warning("%s: cannot answer request %d of unregistered %s", self._local.own.key, request_id,
+            logger.warning("%s: cannot answer request %d of unregistered %s", self._local.own.key, disagg_id,
                            requester)
             return
         self._control.send(gen.control_endpoint, UnknownRequest(
-            request_id, self._local.own.key, f"the context instance holds no request {request_id}: {why}"))
+            disagg_id, self._local.own.key, f"the context instance holds no request {disagg_id}: {why}"))
 
     def _serve_canary(self, request: RequestData) -> None:
         """Fill our canary blocks with the pattern and offer them to the asking generation rank."""
-        rid, tokens = request.request_id, request.token_range[1]
+        rid, tokens = request.disagg_id, request.token_range[1]
         if rid not in self.sessions:
             try:
                 if not canary.is_canary(rid):
@@ -223,7 +223,7 @@ class Sender:
     def _serve(self, request: RequestData) -> None:
         """Take one requester's REQUEST_DATA and write it every chunk offered so far."""
         own = self._local.own
-        session = self.sessions[request.request_id]
+        session = self.sessions[request.disagg_id]
         session.num_requesters = request.num_requesters
         if request.sender in session.served or request.sender in session.targets:
             return
@@ -251,14 +251,14 @@ class Sender:
                 lease = session.staging.pop((gen.key, index), None)
                 if lease is not None:
                     self._bouncer.release(lease)
-                session.error = f"request {request.request_id} to {gen.key}: {exc}"
+                session.error = f"request {request.disagg_id} to {gen.key}: {exc}"
                 logger.error("%s: %s", self._local.key, session.error)
                 session.targets.pop(gen.key)
                 session.served.add(gen.key)
                 if session.writing_to(gen.key):
                     session.refuse_after_writes[gen.key] = str(exc)
                 else:
-                    self._refuse(gen.key, request.request_id, str(exc))
+                    self._refuse(gen.key, request.disagg_id, str(exc))
                 return
             session.sent[gen.key] = index + 1
             if chunk.last:
@@ -288,12 +288,12 @@ class Sender:
         bounced = self._bouncer.gather(session, request, gen, src, dst, sizes) if index == 0 and chunk.last else None
         if bounced is not None:
             src, dst, sizes = bounced
-        note = TransferDone(request.request_id, own.key, int(np.sum(sizes, dtype=np.uint64)),
+        note = TransferDone(request.disagg_id, own.key, int(np.sum(sizes, dtype=np.uint64)),
                             bounced is not None, index, chunk.last, chunk.token_range,
                             chunk.state if chunk.last else b"", src_ids, digests)
         with local.timed("submit"):
             session.writes[(gen.key, index)] = agent.submit_write(remote, src, dst, sizes, note.to_bytes())
-        if request.request_id in self.canaries:
+        if request.disagg_id in self.canaries:
             self.canary_writes += 1
             return
         local.stats["bounced_writes" if bounced is not None else "direct_writes"] += 1
@@ -313,9 +313,9 @@ class Sender:
                 self._bouncer.release(lease)
             peer = key[0]
             if state is TransferState.FAILED:
-                session.error = f"write of request {session.request_id} to {peer} failed"
+                session.error = f"write of request {session.disagg_id} to {peer} failed"
                 session.targets.pop(peer, None)
                 session.served.add(peer)
                 session.refuse_after_writes.setdefault(peer, "the context side's write failed")
             if peer in session.refuse_after_writes and not session.writing_to(peer):
-                self._refuse(peer, session.request_id, session.refuse_after_writes.pop(peer))
+                self._refuse(peer, session.disagg_id, session.refuse_after_writes.pop(peer))

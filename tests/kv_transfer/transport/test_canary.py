@@ -118,7 +118,7 @@ def test_a_silent_context_instance_times_the_held_request_out_naming_the_canary(
     assert "first-contact canary" in results[0][1][8], results
 
 
-@pytest.mark.parametrize("rid", [2**63 + 5, 2**64 + 1, canary.canary_request_id("gen", "tcp://127.0.0.1:1")])
+@pytest.mark.parametrize("rid", [2**63 + 5, 2**64 + 1, canary.canary_disagg_id("gen", "tcp://127.0.0.1:1")])
 def test_an_offered_request_in_the_canary_id_range_is_reported_like_any_other(pair, rid):
     """A canary is known by how its send began (a canary REQUEST_DATA), not by its id: an offer nobody
     pulls fails at kv_transfer_timeout_ms and is reported, whatever its id, so the engine frees its KV
@@ -170,5 +170,5 @@ def test_the_pattern_depends_on_every_coordinate():
     for axis in range(5):  # moving one step along any axis changes most bytes
         a, b = np.take(p, 0, axis=axis), np.take(p, 1, axis=axis)
         assert (a != b).mean() > 0.9
-    assert canary.canary_request_id("gen", "tcp://a:1") != canary.canary_request_id("gen", "tcp://a:2")
-    assert canary.is_canary(canary.canary_request_id("gen", "tcp://a:1")) and not canary.is_canary((1 << 63) - 1)
+    assert canary.canary_disagg_id("gen", "tcp://a:1") != canary.canary_disagg_id("gen", "tcp://a:2")
+    assert canary.is_canary(canary.canary_disagg_id("gen", "tcp://a:1")) and not canary.is_canary((1 << 63) - 1)

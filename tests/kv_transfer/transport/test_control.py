@@ -47,7 +47,7 @@ def test_checksum_fields_round_trip_and_are_checked():
     req = decode(RequestData(1, ("gen", 0), {0: np.array([1], np.int64)}, (0, 4), 1, None, True).to_bytes())
     assert req.checksum is True and req.canary is False
     canary = decode(RequestData(1 << 63, ("gen", 0), {0: np.array([1], np.int64)}, (0, 4), 1, canary=True).to_bytes())
-    assert canary.canary is True and canary.request_id == 1 << 63
+    assert canary.canary is True and canary.disagg_id == 1 << 63
     done = TransferDone(5, ("ctx", 0), 64, False, 0, True, (0, 4), b"", {0: np.array([2, -1], np.int64)},
                         b"\x01\x02\x03\x04")
     back = decode(done.to_bytes())
@@ -67,18 +67,18 @@ def _frame(t, body, v=PROTOCOL_VERSION):
         (b"\xc1\xff", "undecodable"),
         (msgpack.packb([1, 2]), "map with keys"),
         (_frame(99, {}), "unknown control message type 99"),
-        (_frame(int(MessageType.CANCEL), {"request_id": 1, "sender": ["g", 0]}, v=7), "version 7"),
-        (_frame(int(MessageType.CANCEL), {"request_id": 1}), "expected"),
-        (_frame(int(MessageType.CANCEL), {"request_id": "1", "sender": ["g", 0]}), "integer"),
-        (_frame(int(MessageType.REQUEST_DATA), {"request_id": 1, "sender": ["g", 0], "block_ids": {0: b"abc"},
+        (_frame(int(MessageType.CANCEL), {"disagg_id": 1, "sender": ["g", 0]}, v=7), "version 7"),
+        (_frame(int(MessageType.CANCEL), {"disagg_id": 1}), "expected"),
+        (_frame(int(MessageType.CANCEL), {"disagg_id": "1", "sender": ["g", 0]}), "integer"),
+        (_frame(int(MessageType.REQUEST_DATA), {"disagg_id": 1, "sender": ["g", 0], "block_ids": {0: b"abc"},
                                                 "token_range": [0, 1], "num_requesters": 1, "bounce": None,
                                                 "checksum": False, "canary": False, "wait_for_offer": True}),
          "multiple of 8"),
-        (_frame(int(MessageType.REQUEST_DATA), {"request_id": 1, "sender": ["g", 0], "block_ids": {},
+        (_frame(int(MessageType.REQUEST_DATA), {"disagg_id": 1, "sender": ["g", 0], "block_ids": {},
                                                 "token_range": [5, 1], "num_requesters": 1, "bounce": None,
                                                 "checksum": False, "canary": False, "wait_for_offer": True}),
          "not ordered"),
-        (msgpack.packb({"v": 1, "t": 7, "b": {"request_id": 1, "sender": ["g", 0]}, "x": 1}), "map with keys"),
+        (msgpack.packb({"v": 1, "t": 7, "b": {"disagg_id": 1, "sender": ["g", 0]}, "x": 1}), "map with keys"),
     ],
 )
 def test_malformed_messages_raise_typed_error(data, match):
@@ -90,7 +90,7 @@ def test_messenger_survives_malformed_messages_and_handler_errors():
     seen: queue.Queue = queue.Queue()
 
     def handler(msg):
-        if isinstance(msg, Cancel) and msg.request_id == 666:
+        if isinstance(msg, Cancel) and msg.disagg_id == 666:
             raise RuntimeError("handler bug")
         seen.put(msg)
         if isinstance(msg, RankInfoRequest):

@@ -58,7 +58,7 @@ def test_a_right_frame_with_any_body(kind, body):
 
 @FUZZ
 @given(st.sampled_from(list(MessageType)),
-       st.dictionaries(st.sampled_from(["request_id", "sender", "block_ids", "token_range", "num_requesters",
+       st.dictionaries(st.sampled_from(["disagg_id", "sender", "block_ids", "token_range", "num_requesters",
                                         "bounce", "num_bytes", "bounced", "chunk", "last", "state", "reason",
                                         "rank_info", "rank_infos"]), packable, max_size=8))
 def test_known_field_names_with_any_values(kind, body):
