@@ -1,7 +1,7 @@
 """Each native CPU kernel against the PyTorch path it replaces, on one model's shapes: the timings the
 kernel dispatch (pdserve/models/kernel_dispatch.py) makes at a model's start, as a table.
 
-    python benchmarks/bench_cpu_paths.py [--dtypes float32 bfloat16]
+    python benchmarks/bench_cpu_paths.py [--dtypes float32 bfloat16] [--threads N]
                                          [--shape HEADS KV_HEADS HEAD_DIM HIDDEN INTERMEDIATE]
 
 The default shape is SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64, hidden 576, intermediate
@@ -32,9 +32,11 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     ap.add_argument("--shape", nargs=5, type=int, default=[9, 3, 64, 576, 1536],
                     metavar=("HEADS", "KV_HEADS", "HEAD_DIM", "HIDDEN", "INTERMEDIATE"))
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="PyTorch's and the kernels' threads (default: every core)")
     args = ap.parse_args()
     heads, kv_heads, d, hidden, inter = args.shape
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads)
     if cpu_kernels.load() is None:
         raise SystemExit("no native kernels (no C compiler, or PDSERVE_CPU_KERNELS=0)")
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; ATen "
