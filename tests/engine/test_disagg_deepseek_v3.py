@@ -31,16 +31,15 @@ def _engine(d, **transceiver):
                                       "backend": "shm", "kv_transfer_timeout_ms": 20000, **transceiver}))
 
 
-@pytest.mark.parametrize("pipelined", [False, True], ids=["whole", "pipelined"])
-def test_context_first_equals_transformers(tmp_path, hf_greedy, pipelined):
-    """Prompts of 5, 21 and 40 tokens, prefilled in chunks of 16 (pipelined: each chunk's finished blocks of
-    latents sent as they are done); the generation instance's tokens are transformers' and every block is
-    back on both sides afterwards."""
+def test_context_first_equals_transformers(tmp_path, hf_greedy):
+    """Prompts of 5, 21 and 40 tokens, prefilled in chunks of 16; the generation instance's tokens are
+    transformers' and every block is back on both sides afterwards. (A pipelined send of each chunk's blocks
+    runs through real workers: tests/disagg_e2e/test_e2e_deepseek_v3.py.)"""
     d = make_tiny_deepseek_v3(tmp_path / "m")
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 21, 40)]
     ref = hf_greedy(transformers.AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32), prompts, MAX_NEW)
-    ctx = _engine(d, pipelined_transfer=pipelined)
+    ctx = _engine(d)
     try:
         gen = _engine(d)
     except BaseException:

@@ -71,13 +71,21 @@ def test_batched_prefix_cached_and_either_decode_form_equal_transformers(model):
     assert first[2].num_cached_tokens == 0 and again[2].num_cached_tokens == 32
 
 
-@pytest.mark.parametrize("engine", [
-    {"max_num_tokens": 7},  # prompts in chunks of 7 beside decodes
-    {"num_kv_blocks": 8},  # 8 blocks of 8 tokens cannot hold the five: some are preempted and recomputed
-], ids=["chunks of 7", "preempted"])
-def test_chunked_or_preempted_equal_transformers(model, engine):
+def test_chunked_prefill_equals_transformers(model):
+    """Prompts in chunks of 7: first the 40-token one alone, whose first chunks sample no token, so the last
+    layer's MoE routes no rows (grouped routing once failed to reshape an empty batch); then all five beside
+    each other's decodes."""
     d, prompts, ref = model
-    assert _run(d, prompts, **engine) == ref
+    with LLM(EngineConfig(model=str(d), tokens_per_block=8, max_num_tokens=7)) as llm:
+        alone = llm.generate([prompts[2]], GREEDY)[0].token_ids
+        batched = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert alone == ref[2] and batched == ref
+
+
+def test_preempted_sequences_equal_transformers(model):
+    """8 blocks of 8 tokens cannot hold the five: some are preempted and recomputed."""
+    d, prompts, ref = model
+    assert _run(d, prompts, num_kv_blocks=8) == ref
 
 
 def test_q_without_lora_and_yarn_rope_equal_transformers(tmp_path, hf_greedy):
@@ -117,13 +125,6 @@ def test_the_cache_keeps_one_latent_per_token_and_layer(model):
     with LLM(EngineConfig(model=str(d), tokens_per_block=8, num_kv_blocks=4)) as llm:
         pool = llm.engine.runner.pool
         assert pool.shape == (4, 3, 1, 1, 8, 40) and pool.dtype == torch.float32
-
-
-def test_a_prefill_chunk_that_samples_nothing(model):
-    """The 40-token prompt alone in chunks of 7: the first chunks sample no token, so the last layer's MoE routes
-    no rows (grouped routing once failed to reshape an empty batch)."""
-    d, prompts, ref = model
-    assert _run(d, [prompts[2]], max_num_tokens=7) == [ref[2]]
 
 
 def test_pdserve_serve_answers_the_openai_client_as_transformers_does(model):
