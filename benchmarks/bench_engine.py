@@ -1,6 +1,7 @@
 """Engine throughput and latency on this machine: pdserve beside transformers on the same weights.
 
     python benchmarks/bench_engine.py [--dtypes float32 bfloat16] [--decode-tokens 64] [--device cpu|cuda]
+        [--kv-cache-dtypes auto fp8_e4m3]
 
 The header names the CPU's ISA (AVX2, AVX-512, AVX-512 BF16, AMX, NEON) and the path each CPU kernel takes
 (native build, decode GEMV, flash prefill's bf16 products, oneDNN packing per dtype). Then it prints one
@@ -19,11 +20,19 @@ uses measure_generate and random_prompt from this file, so it sends the very sam
 device's own memory bandwidth for the roofline. The embedded model does not travel to a GPU host, so
 there give --model a directory (`--tiny-smollm2` writes random weights of SmolLM2-135M's shape).
 
+--kv-cache-dtypes adds a pdserve row per KV cache dtype beyond the first (default: auto, the weights' dtype)
+and its ratio to the first: an fp8_e4m3 cache takes the PyTorch attention paths (gather, dequantize, SDPA),
+since the native kernels read no FP8.
+
 --tiny-qwen3-moe DIR benches a Qwen3-MoE of random weights (8 layers of hidden 512, 32 experts of 256,
 top 4): the MoE block's grouped expert products (models/moe.py) against transformers' own.
 --tiny-qwen3-5 DIR and --tiny-nemotron-h DIR bench hybrid models of random weights (8 layers of hidden 512:
 Qwen3.5 with 6 Gated DeltaNet layers of 8 value heads of 64, Nemotron-H with 4 Mamba2 layers of 16 heads
 of 64 and a 64-dim state), the recurrences in PyTorch (gated_deltanet.py, mamba2.py) against transformers'.
+--tiny-deepseek-v3 DIR benches a DeepSeek-V3 of random weights (8 layers of hidden 512, 16 heads of latent
+attention over a 160-wide latent (kv_lora 128 + rope 32), q_lora 256; layer 0 dense, the others 32 experts of
+256 in 8 groups, top 4 within 4 groups, one shared expert): latent attention (models/mla.py, decode absorbed)
+and the grouped-routed MoE against transformers'.
 """
 
 from __future__ import annotations
@@ -158,12 +167,13 @@ def decode_bytes(model) -> int:
     return total
 
 
-def bench_pdserve(dtype: str, decode_tokens: int, model: str | None, device: str = "cpu") -> dict:
+def bench_pdserve(dtype: str, decode_tokens: int, model: str | None, device: str = "cpu",
+                  kv_cache_dtype: str = "auto") -> dict:
     from pdserve.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype, max_num_tokens=4096, enable_prefix_caching=False,
-                                    kv_cache_memory_gb=2.0, device=device))
+                                    kv_cache_memory_gb=2.0, device=device, kv_cache_dtype=kv_cache_dtype))
     vocab = engine.model_cfg.vocab_size
     row = {}
     _drive(engine, [random_prompt(64, vocab, 0)], 4)  # warm-up
@@ -305,6 +315,10 @@ def print_table(dtype: str, rows: dict[str, dict], bandwidth: float) -> None:
     ours, ref = rows["pdserve"], rows["transformers"]
     ratio = [ref[k] / ours[k] if k.startswith("ttft") else ours[k] / ref[k] for k, _, _ in COLUMNS]
     print("| pdserve / transformers | " + " | ".join(f"{r:.2f}x" for r in ratio) + " |")
+    for name in (n for n in rows if n.startswith("pdserve kv ")):
+        kv = rows[name]
+        ratio = [ours[k] / kv[k] if k.startswith("ttft") else kv[k] / ours[k] for k, _, _ in COLUMNS]
+        print(f"| {name} / pdserve | " + " | ".join(f"{r:.2f}x" for r in ratio) + " |")
     if "vllm" in rows:
         v = rows["vllm"]
         ratio = [v[k] / ours[k] if k.startswith("ttft") else ours[k] / v[k] for k, _, _ in COLUMNS]
@@ -336,6 +350,12 @@ def main() -> None:
                     help="write a small Qwen3.5 (hybrid) of random weights to DIR and bench that (see above)")
     ap.add_argument("--tiny-nemotron-h", metavar="DIR", default=None,
                     help="write a small Nemotron-H (hybrid) of random weights to DIR and bench that (see above)")
+    ap.add_argument("--tiny-deepseek-v3", metavar="DIR", default=None,
+                    help="write a small DeepSeek-V3 (MLA + MoE) of random weights to DIR and bench that (see above)")
+    ap.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"],
+                    choices=["auto", "float32", "bfloat16", "float16", "fp8_e4m3"],
+                    help="KV cache dtypes of the pdserve rows: the first is the 'pdserve' row, each other one a "
+                         "'pdserve kv DTYPE' row beside it")
     ap.add_argument("--vllm-child", metavar="MODEL_DIR", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.vllm_child:
@@ -373,6 +393,15 @@ def main() -> None:
                                               max_position_embeddings=4096,
                                               mamba={"mamba_num_heads": 16, "mamba_head_dim": 64, "n_groups": 2,
                                                      "ssm_state_size": 64}))
+    if args.tiny_deepseek_v3:
+        from pdserve.testing.tiny_deepseek_v3 import make_tiny_deepseek_v3
+
+        args.model = str(make_tiny_deepseek_v3(
+            args.tiny_deepseek_v3, num_layers=8, hidden_size=512, num_heads=16, intermediate_size=1024,
+            vocab_size=8192, max_position_embeddings=4096,
+            shape={"q_lora_rank": 256, "kv_lora_rank": 128, "qk_rope_head_dim": 32, "qk_nope_head_dim": 64,
+                   "v_head_dim": 64, "n_routed_experts": 32, "num_experts_per_tok": 4, "n_group": 8, "topk_group": 4,
+                   "moe_intermediate_size": 256}))
     vllm_python = None if args.device == "cuda" else resolve_vllm_python(args.vllm_python)
     if vllm_python is None:
         print("note: no vLLM row (pass --vllm-python or set VLLM_PYTHON to an interpreter with vllm)")
@@ -389,8 +418,11 @@ def main() -> None:
     for dtype in args.dtypes:
         runs: dict[str, list[dict]] = {}
         for _ in range(args.rounds):
-            ours = bench_pdserve(dtype, args.decode_tokens, args.model, args.device)
+            ours = bench_pdserve(dtype, args.decode_tokens, args.model, args.device, args.kv_cache_dtypes[0])
             runs.setdefault("pdserve", []).append(ours)
+            for kv in args.kv_cache_dtypes[1:]:
+                runs.setdefault(f"pdserve kv {kv}", []).append(
+                    bench_pdserve(dtype, args.decode_tokens, args.model, args.device, kv))
             runs.setdefault("transformers", []).append(
                 bench_transformers(ours["model_dir"], dtype, args.decode_tokens, args.device))
             v = bench_vllm(vllm_python, ours["model_dir"], dtype, args.decode_tokens) if vllm_python else None

@@ -42,11 +42,7 @@ def _layer(heads: int, dtype: torch.dtype) -> MlaAttention:
     attn = MlaAttention(SHAPE, HIDDEN, heads, 1e-6, False, ParallelState(), dtype)
     g = torch.Generator().manual_seed(0)
     w = {n: (torch.randn(*p.shape, generator=g) / p.shape[-1] ** 0.5).to(dtype) for n, p in attn.named_parameters()}
-    names = {"q_a_proj.weight": "q_a_proj.weight", "q_a_layernorm.weight": "q_a_layernorm.weight",
-             "q_b_proj.weight": "q_b_proj.weight", "kv_a_proj_with_mqa.weight": "kv_a_proj_with_mqa.weight",
-             "kv_a_layernorm.weight": "kv_a_layernorm.weight", "kv_b_proj.weight": "kv_b_proj.weight",
-             "o_proj.weight": "o_proj.weight"}
-    attn.load(lambda name: w[names[name.removeprefix("p.")]], "p.")
+    attn.load(lambda name: w[name.removeprefix("p.")], "p.")  # the checkpoint's names are the module's
     pack_for_cpu(_Holder(attn), gemv=True)
     return attn
 
