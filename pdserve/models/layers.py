@@ -179,9 +179,11 @@ class ReplicatedLinear(ColumnParallelLinear):
     """y = x @ W.T with the whole W on every rank (MLA's down-projections to its shared latents)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ps: ParallelState, dtype: torch.dtype):
-        super().__init__(in_features, out_features * ps.tp_size, bias, ps, dtype)
+        nn.Module.__init__(self)  # not ColumnParallelLinear's: nothing is split
+        self.ps = ps
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.gemv_weight: torch.Tensor | None = None  # plain copy for steps of a few rows (pack_for_cpu)
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight.copy_(weight)
