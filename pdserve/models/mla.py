@@ -147,7 +147,7 @@ class MlaAttention(nn.Module):
         cache = latent_rows(pool)  # [blocks, layers, T, latent_dim]
         cache[md.slot_blocks, layer, md.slot_offsets] = latent.to(pool.dtype)
         q = torch.cat([q[..., :s.qk_nope_head_dim], q_pe], dim=-1)  # [n, heads, qk_head_dim]
-        out = torch.empty(n, self.heads, s.v_head_dim, dtype=x.dtype, device=x.device)
+        out = None if md.decode_only else torch.empty(n, self.heads, s.v_head_dim, dtype=x.dtype, device=x.device)
         for sl in md.prefills:
             at = slice(sl.q_start, sl.q_start + sl.q_len)
             if sl.q_len == sl.ctx_len:  # nothing cached before: the fresh latents, rounded as the cache keeps them
