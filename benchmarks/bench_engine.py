@@ -1,6 +1,7 @@
 """Engine throughput and latency on this machine: pdserve beside transformers on the same weights.
 
     python benchmarks/bench_engine.py [--dtypes float32 bfloat16] [--decode-tokens 64] [--device cpu|cuda]
+        [--kv-cache-dtypes auto fp8_e4m3]
 
 The header names the CPU's ISA (AVX2, AVX-512, AVX-512 BF16, AMX, NEON) and the path each CPU kernel takes
 (native build, decode GEMV, flash prefill's bf16 products, oneDNN packing per dtype). Then it prints one
@@ -18,6 +19,10 @@ uses measure_generate and random_prompt from this file, so it sends the very sam
 --device cuda runs pdserve and transformers on the first CUDA device (no vLLM row) and reads the
 device's own memory bandwidth for the roofline. The embedded model does not travel to a GPU host, so
 there give --model a directory (`--tiny-smollm2` writes random weights of SmolLM2-135M's shape).
+
+--kv-cache-dtypes adds a pdserve row per KV cache dtype beyond the first (default: auto, the weights' dtype)
+and its ratio to the first: an fp8_e4m3 cache takes the PyTorch attention paths (gather, dequantize, SDPA),
+since the native kernels read no FP8.
 
 --tiny-qwen3-moe DIR benches a Qwen3-MoE of random weights (8 layers of hidden 512, 32 experts of 256,
 top 4): the MoE block's grouped expert products (models/moe.py) against transformers' own.
@@ -162,12 +167,13 @@ def decode_bytes(model) -> int:
     return total
 
 
-def bench_pdserve(dtype: str, decode_tokens: int, model: str | None, device: str = "cpu") -> dict:
+def bench_pdserve(dtype: str, decode_tokens: int, model: str | None, device: str = "cpu",
+                  kv_cache_dtype: str = "auto") -> dict:
     from pdserve.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype, max_num_tokens=4096, enable_prefix_caching=False,
-                                    kv_cache_memory_gb=2.0, device=device))
+                                    kv_cache_memory_gb=2.0, device=device, kv_cache_dtype=kv_cache_dtype))
     vocab = engine.model_cfg.vocab_size
     row = {}
     _drive(engine, [random_prompt(64, vocab, 0)], 4)  # warm-up
@@ -309,6 +315,10 @@ def print_table(dtype: str, rows: dict[str, dict], bandwidth: float) -> None:
     ours, ref = rows["pdserve"], rows["transformers"]
     ratio = [ref[k] / ours[k] if k.startswith("ttft") else ours[k] / ref[k] for k, _, _ in COLUMNS]
     print("| pdserve / transformers | " + " | ".join(f"{r:.2f}x" for r in ratio) + " |")
+    for name in (n for n in rows if n.startswith("pdserve kv ")):
+        kv = rows[name]
+        ratio = [ours[k] / kv[k] if k.startswith("ttft") else kv[k] / ours[k] for k, _, _ in COLUMNS]
+        print(f"| {name} / pdserve | " + " | ".join(f"{r:.2f}x" for r in ratio) + " |")
     if "vllm" in rows:
         v = rows["vllm"]
         ratio = [v[k] / ours[k] if k.startswith("ttft") else ours[k] / v[k] for k, _, _ in COLUMNS]
@@ -342,6 +352,10 @@ def main() -> None:
                     help="write a small Nemotron-H (hybrid) of random weights to DIR and bench that (see above)")
     ap.add_argument("--tiny-deepseek-v3", metavar="DIR", default=None,
                     help="write a small DeepSeek-V3 (MLA + MoE) of random weights to DIR and bench that (see above)")
+    ap.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"],
+                    choices=["auto", "float32", "bfloat16", "float16", "fp8_e4m3"],
+                    help="KV cache dtypes of the pdserve rows: the first is the 'pdserve' row, each other one a "
+                         "'pdserve kv DTYPE' row beside it")
     ap.add_argument("--vllm-child", metavar="MODEL_DIR", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.vllm_child:
@@ -404,8 +418,11 @@ def main() -> None:
     for dtype in args.dtypes:
         runs: dict[str, list[dict]] = {}
         for _ in range(args.rounds):
-            ours = bench_pdserve(dtype, args.decode_tokens, args.model, args.device)
+            ours = bench_pdserve(dtype, args.decode_tokens, args.model, args.device, args.kv_cache_dtypes[0])
             runs.setdefault("pdserve", []).append(ours)
+            for kv in args.kv_cache_dtypes[1:]:
+                runs.setdefault(f"pdserve kv {kv}", []).append(
+                    bench_pdserve(dtype, args.decode_tokens, args.model, args.device, kv))
             runs.setdefault("transformers", []).append(
                 bench_transformers(ours["model_dir"], dtype, args.decode_tokens, args.device))
             v = bench_vllm(vllm_python, ours["model_dir"], dtype, args.decode_tokens) if vllm_python else None

@@ -1,6 +1,6 @@
 """KV transfer, process to process: the transceiver path against a raw NIXL write and a local copy.
 
-    python benchmarks/bench_kv_transfer.py [--tokens 512 2048 8192] [--dtypes fp32 bf16]
+    python benchmarks/bench_kv_transfer.py [--tokens 512 2048 8192] [--dtypes fp32 bf16 fp8]
         [--backend nixl|shm] [--reps 5] [--contiguous-reps 21] [--case-timeout 240]
         [--tables contiguous nhd checksum] [--nixl-progress-delay-us US] [--device cpu|cuda]
 
@@ -56,7 +56,8 @@ from pdserve.kv_transfer.write_plan import plan_write
 from pdserve.kv_transfer.transceiver import POLL_INTERVAL_S, KVTransceiver, TransceiverConfig
 
 LAYERS, HEADS, HEAD_DIM, TPB = 30, 3, 64, 16
-DTYPES = {"fp32": 4, "bf16": 2}
+DTYPES = {"fp32": 4, "bf16": 2, "fp8": 1}  # fp8: kv_cache_dtype fp8_e4m3, half a bf16 cache's bytes
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "float8_e4m3fn"}  # RankInfo.kv_dtype
 STAGES = ("plan", "gather", "submit", "scatter", "checksum")
 _STEP_S = 60.0  # longest wait for one queue message inside a case; the case timeout bounds the total
 
@@ -95,7 +96,7 @@ def make_pool(nbytes: int, device: str):
 
 
 def build(name: str, tp: int, blocks: int, elt: int, layout: str, backend: str, bounce, checksum: bool = False,
-          nixl_delay: int | None = None, device: str = "cpu") -> list:
+          nixl_delay: int | None = None, device: str = "cpu", kv_dtype: str = "unspecified") -> list:
     """One instance in this process: [(transceiver, pool)] per TP rank, pools pre-touched."""
     ranks, infos = [], []
     heads = max(1, HEADS // tp)
@@ -107,7 +108,7 @@ def build(name: str, tp: int, blocks: int, elt: int, layout: str, backend: str, 
         table = page_table_for_block_major_pool(pool.ptr, blocks, LAYERS, heads, TPB, HEAD_DIM, elt,
                                                 MapperKind[layout], range(LAYERS))
         infos.append(RankInfo(name, tp_rank, tp, tp_rank, 1, 0, 1, 0, 1, 0, (LAYERS,), HEADS, heads, HEAD_DIM, elt,
-                              TPB, table, tx.local_descriptor(), tx.endpoint))
+                              TPB, table, tx.local_descriptor(), tx.endpoint, kv_dtype=kv_dtype))
         ranks.append((tx, pool))
     for (tx, _), info in zip(ranks, infos):
         tx.start(info, infos)
@@ -119,7 +120,8 @@ def ctx_main(case: dict, inbox, outbox) -> None:
     stage seconds); ("raw", gen RankInfo bytes list) -> ("raw", seconds); None -> exit."""
     blocks = -(-case["tokens"] // TPB)
     ranks, infos = build("ctx", 1, blocks, case["elt"], case["layout"], case["backend"], case["bounce"],
-                         case.get("checksum", False), case.get("nixl_delay"), case.get("device", "cpu"))
+                         case.get("checksum", False), case.get("nixl_delay"), case.get("device", "cpu"),
+                         case.get("kv_dtype", "unspecified"))
     tx, pool = ranks[0]
     if isinstance(pool, DevicePool):
         pool.fill_random()
@@ -169,7 +171,8 @@ def gen_main(case: dict, results) -> None:
     try:
         blocks = -(-case["tokens"] // TPB)
         gen, infos = build("gen", case["gen_tp"], blocks, case["elt"], case["layout"], case["backend"], case["bounce"],
-                           case.get("checksum", False), case.get("nixl_delay"), case.get("device", "cpu"))
+                           case.get("checksum", False), case.get("nixl_delay"), case.get("device", "cpu"),
+                           case.get("kv_dtype", "unspecified"))
         endpoint = outbox.get(timeout=_STEP_S)
         seen = {"scatter": 0.0, "checksum": 0.0}  # gen-side stage seconds attributed to earlier requests
 
@@ -313,7 +316,8 @@ def contiguous_table(args) -> None:
     for dtype in args.dtypes:
         for tokens in args.tokens:
             nbytes = kv_bytes(tokens, DTYPES[dtype])
-            case = {"tokens": tokens, "elt": DTYPES[dtype], "layout": "HND", "gen_tp": 1, "backend": args.backend,
+            case = {"tokens": tokens, "elt": DTYPES[dtype], "kv_dtype": TORCH_DTYPES[dtype], "layout": "HND",
+                    "gen_tp": 1, "backend": args.backend,
                     "nixl_delay": args.nixl_progress_delay_us, "device": args.device,
                     "bounce": None, "reps": args.contiguous_reps, "raw": True, "warm_full": True}
             r = run_case(case, args.case_timeout)
@@ -341,7 +345,8 @@ def nhd_table(args) -> None:
             rows = {}
             for mode in ("direct",) if args.device == "cuda" else ("direct", "bounce"):
                 bounce = BounceConfig(staging_bytes=3 * nbytes) if mode == "bounce" else None
-                case = {"tokens": tokens, "elt": DTYPES[dtype], "layout": "NHD", "gen_tp": 3, "backend": args.backend,
+                case = {"tokens": tokens, "elt": DTYPES[dtype], "kv_dtype": TORCH_DTYPES[dtype], "layout": "NHD",
+                        "gen_tp": 3, "backend": args.backend,
                         "nixl_delay": args.nixl_progress_delay_us, "device": args.device,
                         "bounce": bounce, "reps": args.reps, "raw": False, "warm_full": mode == "bounce"}
                 rows[mode] = run_case(case, args.case_timeout)
@@ -369,7 +374,8 @@ def checksum_table(args) -> None:
             for pair, layout, gen_tp in (("tp1->tp1", "HND", 1), ("tp1->tp3", "NHD", 3)):
                 rows = {}
                 for checksum in (False, True):
-                    case = {"tokens": tokens, "elt": DTYPES[dtype], "layout": layout, "gen_tp": gen_tp,
+                    case = {"tokens": tokens, "elt": DTYPES[dtype], "kv_dtype": TORCH_DTYPES[dtype], "layout": layout,
+                            "gen_tp": gen_tp,
                             "backend": args.backend, "nixl_delay": args.nixl_progress_delay_us, "bounce": None,
                             "reps": args.reps, "raw": False, "warm_full": False, "checksum": checksum}
                     rows[checksum] = run_case(case, args.case_timeout)
@@ -385,7 +391,7 @@ def checksum_table(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192])
-    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
     parser.add_argument("--backend", default="nixl", choices=["nixl", "shm"])
     parser.add_argument("--nixl-progress-delay-us", type=int, default=None,
                         help="NIXL's progress thread delay (cache_transceiver_config.nixl_progress_delay_us; "
