@@ -20,10 +20,11 @@ against it, and the faster is kept:
   GEMV) is not used.
 
 Each pair is timed in turns, best of five each, so a slow spell of a shared machine falls on both, and
-PyTorch is chosen only where it wins twice; a choice made while other processes fight for the cores may
-still be the wrong one (delete the file below, or force the path). On the 2-core development machine,
-shared with other benchmarks, one race gave the fp32 GEMV 22.9 ms against oneDNN's 2.8 and the next
-2.6 against 2.8 (benchmarks/bench_cpu_paths.py). A choice is kept in the kernel cache beside the
+PyTorch is chosen only where it wins twice, each time by more than TIE; a choice made while other
+processes fight for the cores may still be the wrong one (delete the file below, or force the path). On
+the 2-core development machine, shared with other benchmarks, one race gave the fp32 GEMV 22.9 ms against
+oneDNN's 2.8 and the next 2.6 against 2.8 (benchmarks/bench_cpu_paths.py), and single races chose
+PyTorch for the bf16 GEMV at 128.8 against 128.0 ms (a GEMV of ~1 ms on a quiet machine). A choice is kept in the kernel cache beside the
 library (`choices.json`), keyed by the CPU's model name and flags, the library (its name hashes its
 sources, flags and compiler), the dtype, the shapes and the thread count, so later starts on the same
 machine read it back instead of timing; the choice and its times are logged. `PDSERVE_KERNEL_PATH`
@@ -57,6 +58,7 @@ FLASH_TOKENS = 1024  # a prompt length where attention is a good share of a pref
 PAGED_DECODE_CASES = ((1, 1024), (16, 512))  # (sequences, context tokens) of a decode step
 GEMV_ROWS = (1, 4, 16)  # decode steps of one, a few and the most sequences the GEMV takes
 CHOICES_FILE = "choices.json"
+TIE = 0.05  # a race PyTorch wins by less than this share of native's time is a tie
 
 
 def forced_paths(spec: str | None = None) -> dict[str, bool]:
@@ -188,6 +190,11 @@ def _store_choice(path: Path, key: str, entry: dict) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def _torch_wins(times: tuple[float, float]) -> bool:
+    """PyTorch's time under native's by more than TIE (closer is a tie: the native path, the tuned one)."""
+    return times[1] < (1 - TIE) * times[0]
+
+
 def _decide(kernel: str, dtype: torch.dtype, shape: str, timer: Callable[[], tuple[float, float] | None],
             forced: dict[str, bool], cache: Path) -> bool | None:
     """Native (True) or torch (False) for one kernel; None where the kernel does not run here."""
@@ -206,9 +213,9 @@ def _decide(kernel: str, dtype: torch.dtype, shape: str, timer: Callable[[], tup
         times = timer()
         if times is None:
             return None
-        if times[1] < times[0]:  # PyTorch only where it wins a second race too (a busy spell can fake one)
+        if _torch_wins(times):  # PyTorch only where it wins a second race too (a busy spell can fake one)
             times = timer() or times
-        entry = {"native": times[0] <= times[1], "native_ms": round(times[0], 3), "torch_ms": round(times[1], 3)}
+        entry = {"native": not _torch_wins(times), "native_ms": round(times[0], 3), "torch_ms": round(times[1], 3)}
         _store_choice(cache, key, entry)
         how = "timed"
     cpu_kernels.set_native(kernel, dtype, entry["native"])

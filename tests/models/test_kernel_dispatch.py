@@ -52,12 +52,12 @@ def test_the_forcing_variable_is_read_and_checked():
             kernel_dispatch.forced_paths(bad)
 
 
-@pytest.mark.parametrize("races,native", [([(1.0, 2.0)], True), ([(2.0, 1.0), (1.5, 1.2)], False),
-                                          ([(2.0, 1.0), (1.1, 1.2)], True)],
-                         ids=["native wins", "torch wins twice", "torch wins once"])
+@pytest.mark.parametrize("races,native", [([(1.0, 2.0)], True), ([(1.0, 0.97)], True),
+                                          ([(2.0, 1.0), (1.5, 1.2)], False), ([(2.0, 1.0), (1.1, 1.2)], True)],
+                         ids=["native wins", "a tie", "torch wins twice", "torch wins once"])
 def test_pytorch_is_chosen_only_where_it_wins_two_races(tmp_path, races, native):
     """A busy spell of the machine can make one race go to PyTorch; the choice (and the times kept) is
-    the second race's then."""
+    the second race's then. Within 5% (TIE) a race is the native path's."""
     times = iter(races)
     cache = tmp_path / "choices.json"
     assert kernel_dispatch._decide("gemv", torch.float32, "t", lambda: next(times), {}, cache) == native
