@@ -2,7 +2,7 @@
 # vLLM (CPU build) as the peer of pdserve in the serving sweep, on the same weights and fixed ports:
 #   vllm_agg  :8300  one vLLM server computing on every core (VLLM_CPU_OMP_THREADS_BIND=0-N by default;
 #                    vLLM's own default, auto, computes on all cores but one, i.e. on 1 of 2 here,
-#                    which halves its prefill: docs/benchmarks.md)
+#                    which leaves its prefill one core)
 #   vllm_pd   :8400  benchmarks/vllm_pd_proxy.py in front of
 #                      prefill :8401, OpenMP threads on core 0 (VLLM_CPU_OMP_THREADS_BIND=0)
 #                      decode  :8402, OpenMP threads on core 1
