@@ -268,8 +268,8 @@ def bench_vllm(python: str, model_dir: Path, dtype: str, decode_tokens: int) -> 
            "--decode-tokens", str(decode_tokens)]
     # A KV pool the size of pdserve's (2 GB), not vLLM-CPU's default share of the machine's memory.
     # And the same cores as pdserve: vLLM-CPU's default binding ("auto") computes on all cores but one
-    # and keeps that one for its scheduler, which on this 2-core machine halves its compute (930 vs
-    # 1623 prefill tok/s at 512 tokens, docs/benchmarks.md). Set VLLM_CPU_OMP_THREADS_BIND to override.
+    # and keeps that one for its scheduler, which on a 2-core machine halves its compute. Set
+    # VLLM_CPU_OMP_THREADS_BIND to override.
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")}
     try:
