@@ -105,3 +105,33 @@ def test_a_kv_dtype_mismatch_is_refused_at_first_contact(tiny, ctx_dtype, gen_dt
     finally:
         ctx.shutdown()
         gen.shutdown()
+
+
+def test_the_kv_encoding_travels_in_rank_info_and_other_scales_are_refused():
+    """RankInfo carries the dtype, the scale scheme and each layer's scales through its wire form; the write
+    plan compares them on the layers both sides hold (context PP2 against generation PP1 here)."""
+    from dataclasses import replace
+
+    from pdserve.kv_transfer.errors import AlignmentError
+    from pdserve.kv_transfer.rank_info import RankInfo
+    from pdserve.kv_transfer.write_plan import align
+    from pdserve.plan.transfer import Layout, rank_infos
+
+    def fp8(infos, scales):
+        return [replace(i, kv_dtype="float8_e4m3fn", kv_scale_scheme="per_tensor_static",
+                        kv_scales=tuple((layer, *scales[layer]) for layer in range(*i.layer_range))) for i in infos]
+
+    geometry = dict(num_layers=4, kv_heads=2, head_dim=16, element_bytes=1, tokens_per_block=8, num_blocks=4)
+    scales = {0: (0.5, 0.25), 1: (1.0, 1.0), 2: (2.0, 0.125), 3: (1.0, 0.5)}
+    ctx = fp8(rank_infos("ctx", Layout(pp=2), **geometry), scales)
+    gen = fp8(rank_infos("gen", Layout(), **geometry), scales)
+    wire = RankInfo.from_bytes(ctx[1].to_bytes())
+    assert wire == ctx[1] and wire.kv_scales == ((2, 2.0, 0.125), (3, 1.0, 0.5))
+    assert all(align(c, gen[0]) for c in ctx)
+    other = fp8(rank_infos("gen", Layout(), **geometry), {**scales, 3: (1.0, 0.75)})
+    align(ctx[0], other[0])  # layers 0 and 1 agree
+    with pytest.raises(AlignmentError, match=r"KV scales of layer 3 differ: .*v_scale=0.5.*v_scale=0.75"):
+        align(ctx[1], other[0])
+    unscaled = [replace(g, kv_scale_scheme="none", kv_scales=()) for g in gen]
+    with pytest.raises(AlignmentError, match="KV scale scheme differs: .*per_tensor_static.* none"):
+        align(ctx[0], unscaled[0])
