@@ -19,17 +19,17 @@ against it, and the faster is kept:
   the plain weight copies the GEMV needed are dropped and the one-call C decode step (which runs the
   GEMV) is not used.
 
-Each pair is timed in turns, best of five each, so a slow spell of a shared machine falls on both, and
-PyTorch is chosen only where it wins twice, each time by more than TIE; a choice made while other
-processes fight for the cores may still be the wrong one (delete the file below, or force the path). On
-the 2-core development machine, shared with other benchmarks, one race gave the fp32 GEMV 22.9 ms against
-oneDNN's 2.8 and the next 2.6 against 2.8 (benchmarks/bench_cpu_paths.py), and single races chose
-PyTorch for the bf16 GEMV at 128.8 against 128.0 ms (a GEMV of ~1 ms on a quiet machine). A choice is kept in the kernel cache beside the
-library (`choices.json`), keyed by the CPU's model name and flags, the library (its name hashes its
-sources, flags and compiler), the dtype, the shapes and the thread count, so later starts on the same
-machine read it back instead of timing; the choice and its times are logged. `PDSERVE_KERNEL_PATH`
-forces a path: `native` or `torch` for every kernel, or per kernel, e.g. `flash_prefill=torch,gemv=native`;
-`auto` (the default) times.
+Each pair is timed in turns, best of five each (one, where a side is LEAD times slower), so a slow spell of
+a shared machine falls on both, and PyTorch is chosen only where it wins twice, each time by more than TIE;
+a choice made while other processes fight for the cores may still be the wrong one (delete the file below,
+or force the path). On the 2-core development machine, shared with other benchmarks, one race gave the fp32
+GEMV 22.9 ms against oneDNN's 2.8 and the next 2.6 against 2.8 (benchmarks/bench_cpu_paths.py), and single
+races chose PyTorch for the bf16 GEMV at 128.8 against 128.0 ms (a GEMV of ~1 ms on a quiet machine). A
+choice is kept in the kernel cache beside the library (`choices.json`), keyed by the CPU's model name and
+flags, the library (its name hashes its sources, flags and compiler), the dtype, the shapes and the thread
+count, so later starts on the same machine read it back instead of timing; the choice and its times are
+logged. `PDSERVE_KERNEL_PATH` forces a path: `native` or `torch` for every kernel, or per kernel, e.g.
+`flash_prefill=torch,gemv=native`; `auto` (the default) times.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ PAGED_DECODE_CASES = ((1, 1024), (16, 512))  # (sequences, context tokens) of a 
 GEMV_ROWS = (1, 4, 16)  # decode steps of one, a few and the most sequences the GEMV takes
 CHOICES_FILE = "choices.json"
 TIE = 0.05  # a race PyTorch wins by less than this share of native's time is a tie
+LEAD = 3.0  # a race where one side takes this many times the other's time is decided after one turn
 
 
 def forced_paths(spec: str | None = None) -> dict[str, bool]:
@@ -83,14 +84,18 @@ def forced_paths(spec: str | None = None) -> dict[str, bool]:
 
 def _race(native: Callable[[], object], reference: Callable[[], object], repeats: int = 5) -> tuple[float, float]:
     """(native ms, reference ms): the best of `repeats` runs of each, the two taking turns, so that a slow
-    spell of a shared machine falls on both rather than on whichever ran during it."""
+    spell of a shared machine falls on both rather than on whichever ran during it. A race one side leads
+    by more than LEAD after the first turn ends there (a slow side would cost its time five times over
+    at every first start)."""
     native(), reference()  # the first calls pay for page faults and packing
     best = [float("inf"), float("inf")]
-    for _ in range(repeats):
+    for turn in range(repeats):
         for i, fn in enumerate((native, reference)):
             t = time.perf_counter()
             fn()
             best[i] = min(best[i], time.perf_counter() - t)
+        if turn == 0 and max(best) > LEAD * min(best):
+            break
     return best[0] * 1e3, best[1] * 1e3
 
 

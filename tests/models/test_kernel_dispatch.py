@@ -66,6 +66,22 @@ def test_pytorch_is_chosen_only_where_it_wins_two_races(tmp_path, races, native)
     assert next(times, None) is None  # the second race only where the first went to PyTorch
 
 
+def test_a_race_one_side_leads_by_far_ends_after_one_turn():
+    """Five turns each where the two are close; one (after the warm-up call) where a side is LEAD times
+    slower, so a slow PyTorch path is not paid for five times at a first start."""
+    import time
+
+    for native_s, reference_s, calls in [(0.001, 0.06, 2), (0.02, 0.02, 6)]:
+        counts = [0, 0]
+
+        def run(i, seconds):
+            counts[i] += 1
+            time.sleep(seconds)
+        native_ms, reference_ms = kernel_dispatch._race(lambda: run(0, native_s), lambda: run(1, reference_s))
+        assert counts == [calls, calls]
+        assert native_ms >= native_s * 1e3 and reference_ms >= reference_s * 1e3
+
+
 def test_the_choice_is_timed_once_kept_and_read_back(tiny, tmp_path, monkeypatch, caplog):
     """The first start times both paths and keeps the times and the choice in the cache; the next reads
     them back without timing (shown by a stored choice, flipped by hand, being the one taken)."""
