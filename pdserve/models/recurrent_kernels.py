@@ -135,8 +135,8 @@ def deltanet_forward(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: tor
     model's dtype; neg_a = -exp(A_log), dt_bias: [v_heads] fp32. Returns [n, v_heads * v_dim] in the model's
     dtype, or None where the kernel does not apply (then nothing was touched)."""
     dtype = qkv.dtype
-    if (not _applies(dtype, qkv, z, b, a) or not all(t.dtype == dtype for t in (z, b, a, conv, conv_weight, norm_weight))
-            or ssm.dtype != torch.float32 or not conv[0].is_contiguous() or not ssm[0].is_contiguous()
+    if (not _applies(dtype, qkv, z, b, a)
+            or not all(t.dtype == dtype for t in (z, b, a, conv, conv_weight, norm_weight)) or ssm.dtype != torch.float32 or not conv[0].is_contiguous() or not ssm[0].is_contiguous()
             or not conv_weight.is_contiguous()):
         return None
     lib = load()
