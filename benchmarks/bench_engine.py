@@ -28,7 +28,8 @@ since the native kernels read no FP8.
 top 4): the MoE block's grouped expert products (models/moe.py) against transformers' own.
 --tiny-qwen3-5 DIR and --tiny-nemotron-h DIR bench hybrid models of random weights (8 layers of hidden 512:
 Qwen3.5 with 6 Gated DeltaNet layers of 8 value heads of 64, Nemotron-H with 4 Mamba2 layers of 16 heads
-of 64 and a 64-dim state), the recurrences in PyTorch (gated_deltanet.py, mamba2.py) against transformers'.
+of 64 and a 64-dim state), the recurrent layers in their native kernel (csrc/recurrent.c; PyTorch where it
+cannot be built) against transformers'.
 --tiny-deepseek-v3 DIR benches a DeepSeek-V3 of random weights (8 layers of hidden 512, 16 heads of latent
 attention over a 160-wide latent (kv_lora 128 + rope 32), q_lora 256; layer 0 dense, the others 32 experts of
 256 in 8 groups, top 4 within 4 groups, one shared expert): latent attention (models/mla.py, decode absorbed)
