@@ -21,7 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pdserve.distributed import free_port, init_parallel
+from pdserve.host import free_port
+
+from pdserve.parallel.shm_all_reduce import attach_shm_all_reduce
+from pdserve.parallel.state import init_parallel
 
 ROUNDS = 3
 
@@ -40,6 +43,7 @@ def _all_reduce(ps, path: str, t: torch.Tensor) -> None:
 def _rank(rank: int, world: int, port: int, shapes: list[str], calls: int, out) -> None:
     torch.set_num_threads(1)
     ps = init_parallel(world, 1, rank, "127.0.0.1", port, torch.device("cpu"), 60.0)
+    attach_shm_all_reduce(ps, torch.device("cpu"), 60.0)
     if ps.tp_shm is None:
         raise SystemExit("no shared-memory all-reduce here (PDSERVE_SHM_ALL_REDUCE=0, or no kernel library)")
     rows = []

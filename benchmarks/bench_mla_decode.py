@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from pdserve.distributed import ParallelState
 from pdserve.models.attention import AttentionMetadata
 from pdserve.models.config import MlaShape
 from pdserve.models.layers import RotaryEmbedding, decode_step, pack_for_cpu
 from pdserve.models.mla import MlaAttention
+from pdserve.parallel.state import ParallelState
 
 T = 32  # tokens per block
 SHAPE = MlaShape(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,

@@ -20,12 +20,12 @@ import time
 
 import torch
 
-from pdserve.distributed import ParallelState
 from pdserve.models import recurrent_kernels
 from pdserve.models.config import LinearAttentionShape, Mamba2Shape
 from pdserve.models.gated_deltanet import GatedDeltaNet, deltanet_state
 from pdserve.models.mamba2 import Mamba2Mixer, mamba2_state
 from pdserve.models.recurrent_state import RecurrentState, StateSlice
+from pdserve.parallel.state import ParallelState
 
 HIDDEN, SLOTS = 512, 32
 

@@ -41,7 +41,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from pdserve.distributed import free_port
+from pdserve.host import free_port
 from pdserve.testing import make_tiny_model
 
 MODEL = "tiny"

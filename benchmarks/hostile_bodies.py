@@ -23,7 +23,7 @@ import time
 import httpx
 import psutil
 
-from pdserve.distributed import free_port
+from pdserve.host import free_port
 from pdserve.testing import make_tiny_model
 
 

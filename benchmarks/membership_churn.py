@@ -38,7 +38,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).parent))
 from fault_suite import WORKER, Proc, prompt_for, wait_ready  # noqa: E402
 
-from pdserve.distributed import free_port  # noqa: E402
+from pdserve.host import free_port  # noqa: E402
 from pdserve.testing import make_tiny_model  # noqa: E402
 from pdserve.testing.etcd import EtcdServer  # noqa: E402
 

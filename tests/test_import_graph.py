@@ -1,5 +1,6 @@
-"""pdserve's modules import each other without a cycle: every import counts, at the top of a module,
-inside a function or under TYPE_CHECKING (a cycle there still ties the two modules' designs together)."""
+"""pdserve's modules import each other without a cycle, and no import runs up a floor: every import counts,
+at the top of a module, inside a function or under TYPE_CHECKING (a cycle there still ties the two modules'
+designs together)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,44 @@ def test_the_import_graph_has_no_cycle():
         tuple(graphlib.TopologicalSorter(graph).static_order())
     except graphlib.CycleError as e:
         raise AssertionError(f"import cycle: {' -> '.join(e.args[1])}") from None
+
+
+# The floors, lowest first: a module may import its own floor and those below, never one above. A module's
+# floor is that of the longest prefix listed (the shared-memory all-reduce sits above the rank state it
+# serves, since it runs the models' kernel library over a kv_transfer shared segment).
+FLOORS = [
+    ("pdserve", "pdserve.host", "pdserve.host_malloc", "pdserve.cluster_auth", "pdserve.tokenizer", "pdserve.weights"),
+    ("pdserve.parallel",),
+    ("pdserve.models", "pdserve.kv_transfer"),
+    ("pdserve.parallel.shm_all_reduce", "pdserve.config", "pdserve.engine"),
+    ("pdserve.server",),
+    ("pdserve.orchestrator",),
+    ("pdserve.bench", "pdserve.plan", "pdserve.launch", "pdserve.testing", "pdserve.cli", "pdserve.__main__"),
+]
+
+
+def _floor(module: str) -> int:
+    best, floor = "", None
+    for i, prefixes in enumerate(FLOORS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > len(best):
+                best, floor = p, i
+    return floor
+
+
+def test_no_import_runs_up_a_floor():
+    mods = _modules()
+    unplaced = sorted(m for m in mods if _floor(m) == 0 and m != "pdserve" and not any(
+        m == p or m.startswith(p + ".") for p in FLOORS[0][1:]))
+    assert not unplaced, f"modules on no floor (add them to FLOORS): {unplaced}"
+    upward = sorted(f"{m} -> {t}" for m, f in mods.items() for t in _imports(m, f, mods) if _floor(t) > _floor(m))
+    assert not upward, "imports that run up a floor:\n" + "\n".join(upward)
+
+
+def test_the_kv_exchange_knows_no_model():
+    """kv_transfer/ moves opaque pools between roles: it imports nothing of models/ (and models/ nothing of it)."""
+    mods = _modules()
+    crossing = sorted(f"{m} -> {t}" for m, f in mods.items() for t in _imports(m, f, mods)
+                      for a, b in (("pdserve.kv_transfer", "pdserve.models"), ("pdserve.models", "pdserve.kv_transfer"))
+                      if m.startswith(a) and t.startswith(b))
+    assert not crossing, crossing

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Callable
 
 from pdserve.config import EngineConfig
-from pdserve.distributed import free_port, init_parallel
 from pdserve.engine.block_manager import BlockManager, KVEvent
 from pdserve.engine.model_runner import ModelRunner, SeqStep, StepSpec
 from pdserve.engine.output import OutputTracker, RequestOutput
@@ -35,7 +34,10 @@ from pdserve.engine.kv.wire import KVCommand
 from pdserve.engine.sequence import DisaggInfo, RequestType, Resume, Sequence
 from pdserve.engine.step_budget import TpotBudget, attention_work
 from pdserve.engine.worker import pick_device, set_threads, worker_main
+from pdserve.host import free_port
 from pdserve.models.config import ModelConfig
+from pdserve.parallel.shm_all_reduce import attach_shm_all_reduce
+from pdserve.parallel.state import init_parallel
 from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.weights.hf_dir import read_config
 from pdserve.weights.resolve import resolve_model
@@ -136,6 +138,7 @@ class LLMEngine:
         try:
             ps = init_parallel(ecfg.tensor_parallel_size, ecfg.pipeline_parallel_size, 0, ecfg.dist_host, port,
                                device, ecfg.dist_timeout_s, self._procs)
+            attach_shm_all_reduce(ps, device, ecfg.dist_timeout_s)
             return ModelRunner(ecfg, self.model_cfg, self.model_dir, ps, device, self.max_model_len,
                                self.instance_name, pool_allocator)
         except BaseException:

@@ -17,11 +17,10 @@ import torch.distributed as dist
 from torch import nn
 
 from pdserve.config import EngineConfig
-from pdserve.distributed import ParallelState, broadcast_bytes, recv_bytes, send_bytes
-from pdserve.engine.host_malloc import keep_freed_memory
 from pdserve.engine.kv.connector import KVConnector, KVPoolGeometry, StateBuffer, shared_pool_allocator
 from pdserve.engine.kv.wire import WIRE_VERSION, KVCommand, KVWireError, RankReport, command_from_wire, command_to_wire
 from pdserve.engine.sampler import SampleResult, SampleSpec, sample
+from pdserve.host_malloc import keep_freed_memory
 from pdserve.models import cpu_kernels
 from pdserve.models.attention import AttentionMetadata, PagedKVCache, SeqSlice
 from pdserve.kv_transfer.page_table import Section
@@ -38,6 +37,7 @@ from pdserve.models.layers import decode_step, pack_for_cpu
 from pdserve.models.loader import load_weights, read_kv_scales
 from pdserve.kv_transfer.canary import CANARY_SLOTS
 from pdserve.kv_transfer.rank_info import RankInfo
+from pdserve.parallel.state import ParallelState, broadcast_bytes, recv_bytes, send_bytes
 
 log = logging.getLogger(__name__)
 

@@ -58,7 +58,7 @@ class ServerProcess:
     def __init__(self, name: str, argv: list[str], conf: dict, conf_flag: str, log_dir: str, port: int | None = None):
         import ray
 
-        from pdserve.distributed import free_port
+        from pdserve.host import free_port
 
         self.ip = ray.util.get_node_ip_address()
         self.port = port or free_port(self.ip)

@@ -15,7 +15,7 @@
 - a batch-1 decode step through a stage's layers (`csrc/decode_layers.c`), chaining the kernels above
   in C; its ctypes side is `models/cpu_decode.py`.
 - the tensor-parallel all-reduce of one host's ranks through a shared segment
-  (`csrc/shm_all_reduce.c`); its ctypes side is `shm_collective.py`.
+  (`csrc/shm_all_reduce.c`); its ctypes side is `parallel/shm_all_reduce.py`.
 
 Every `csrc/*.c` goes into one library.
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.distributed import ParallelState
 from pdserve.models.attention import AttentionMetadata
 from pdserve.models.config import ModelConfig
 from pdserve.models.hybrid_stage import HybridStage
@@ -20,6 +19,7 @@ from pdserve.models.layers import RMSNorm
 from pdserve.models.llama import MLP
 from pdserve.models.mla import MlaAttention, MlaRotary
 from pdserve.models.moe import SparseMoeBlock
+from pdserve.parallel.state import ParallelState
 
 
 class DeepseekV3DecoderLayer(nn.Module):

@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.distributed import ParallelState
 from pdserve.models.config import ModelConfig
 from pdserve.models.layers import VocabParallelEmbedding
 from pdserve.models.llama import stage_layers
 from pdserve.models.recurrent_state import RecurrentState
+from pdserve.parallel.state import ParallelState
 
 
 class HybridStage(nn.Module):

@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.distributed import ParallelState
-from pdserve.engine.host_malloc import huge_page_buffer
+from pdserve.host_malloc import huge_page_buffer
 from pdserve.models import cpu_kernels
 from pdserve.models.config import RopeScaling
+from pdserve.parallel.state import ParallelState
 
 
 log = logging.getLogger(__name__)

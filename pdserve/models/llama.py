@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.distributed import ParallelState
 from pdserve.models.attention import AttentionMetadata, PagedKVCache, paged_attention, rotate_and_cache
 from pdserve.models.config import ModelConfig
 from pdserve.models.moe import SparseMoeBlock
@@ -28,6 +27,7 @@ from pdserve.models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from pdserve.parallel.state import ParallelState
 
 
 class Attention(nn.Module):

@@ -22,12 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.distributed import ParallelState
 from pdserve.models.config import Mamba2Shape
 from pdserve.models import recurrent_kernels
 from pdserve.models.layers import MergedColumnParallelLinear, RowParallelLinear, _shard
 from pdserve.models.recurrent_state import (RecurrentState, StateGeometry, StateSlice, causal_conv, causal_conv_step,
                                            decode_slots)
+from pdserve.parallel.state import ParallelState
 
 CHUNK = 64  # tokens the chunked scan takes at once
 

@@ -34,10 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.distributed import ParallelState
 from pdserve.models.attention import AttentionMetadata
 from pdserve.models.config import MlaShape, YarnRope
 from pdserve.models.layers import ColumnParallelLinear, ReplicatedLinear, RMSNorm, RotaryEmbedding, RowParallelLinear
+from pdserve.parallel.state import ParallelState
 
 
 def yarn_inv_freq(dim: int, theta: float, yarn: YarnRope) -> torch.Tensor:

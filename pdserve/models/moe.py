@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.distributed import ParallelState
 from pdserve.models.config import MoeShape
 from pdserve.models.layers import MergedColumnParallelLinear, RowParallelLinear
+from pdserve.parallel.state import ParallelState
 
 
 class Expert(nn.Module):

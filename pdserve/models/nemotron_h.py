@@ -14,13 +14,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.distributed import ParallelState
 from pdserve.models.attention import AttentionMetadata, PagedKVCache, paged_attention
 from pdserve.models.config import ModelConfig
 from pdserve.models.hybrid_stage import HybridStage
 from pdserve.models.layers import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pdserve.models.mamba2 import Mamba2Mixer, mamba2_state
 from pdserve.models.recurrent_state import StateGeometry
+from pdserve.parallel.state import ParallelState
 
 
 class Fp32RMSNorm(nn.Module):

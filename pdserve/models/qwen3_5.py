@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.distributed import ParallelState
 from pdserve.models.attention import AttentionMetadata, PagedKVCache, paged_attention
 from pdserve.models.config import ModelConfig
 from pdserve.models.gated_deltanet import GatedDeltaNet, deltanet_state
@@ -23,6 +22,7 @@ from pdserve.models.hybrid_stage import HybridStage
 from pdserve.models.recurrent_state import StateGeometry
 from pdserve.models.layers import ColumnParallelLinear, MergedColumnParallelLinear, RotaryEmbedding, RowParallelLinear
 from pdserve.models.llama import MLP
+from pdserve.parallel.state import ParallelState
 
 
 class OffsetRMSNorm(nn.Module):

@@ -35,9 +35,9 @@ from datetime import UTC
 from pathlib import Path
 from typing import Any
 
-from pdserve.distributed import no_named_semaphores
-from pdserve.kv_transfer.agents.base import MemoryRegion
+from pdserve.host import no_named_semaphores
 from pdserve.host import die_with_parent
+from pdserve.kv_transfer.agents.base import MemoryRegion
 from pdserve.plan.measurements import Profile, StepTimings
 from pdserve.weights.resolve import CACHE_ENV
 

@@ -45,7 +45,7 @@ import numpy as np
 
 from pdserve.bench.runner import EndpointConfig, run_requests
 from pdserve.bench.workload import WorkloadRequest
-from pdserve.distributed import free_port
+from pdserve.host import free_port
 from pdserve.plan.costmodel import StepCost, TransferCost
 
 log = logging.getLogger(__name__)

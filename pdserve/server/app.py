@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.cluster_auth import NONCE_HEADER, TOKEN_HEADER, member_proof, token_ok
 from pdserve.config import HTTP_KEEP_ALIVE_S, WorkerConfig
-from pdserve.distributed import host_id
+from pdserve.host import host_id
 from pdserve.server.body_limit import BodyLimitMiddleware
 from pdserve.server.errors import APIError
 from pdserve.server.json_body import MalformedBody, parse_json_body

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.distributed import free_port
+from pdserve.host import free_port
 
 
 class EtcdMissing(RuntimeError):

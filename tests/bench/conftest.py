@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pdserve.distributed import free_port
+from pdserve.host import free_port
 from pdserve.testing import make_tiny_model
 from pdserve.testing.servers import wait_for_health
 from pdserve.tokenizer import Tokenizer

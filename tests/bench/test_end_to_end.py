@@ -12,7 +12,7 @@ import yaml
 
 from pdserve.bench.cli import main_bench
 from pdserve.bench.sweep import main_sweep
-from pdserve.distributed import free_port
+from pdserve.host import free_port
 from pdserve.testing.wait import reaped, stop_cleanly, wait_for_line
 
 INPUT_LEN, OUTPUT_LEN, NUM = 32, 8, 8

@@ -20,7 +20,7 @@ import httpx
 import openai
 import yaml
 
-from pdserve.distributed import free_port
+from pdserve.host import free_port
 
 MODEL_NAME = "tiny"
 # Worker keys every tiny instance shares; a spec adds its topology, layout, block size and backend.

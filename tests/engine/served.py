@@ -11,7 +11,7 @@ from pathlib import Path
 
 import openai
 
-from pdserve.distributed import free_port
+from pdserve.host import free_port
 from pdserve.testing.servers import wait_for_health
 from pdserve.tokenizer import Tokenizer
 

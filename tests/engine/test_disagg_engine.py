@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.distributed import free_port
 from pdserve.engine.llm import LLM
 from pdserve.engine.llm_engine import ConflictError, LLMEngine, RequestError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import DisaggInfo, RequestType
+from pdserve.host import free_port
 from pdserve.testing import make_tiny_model
 from pdserve.server.errors import APIError
 from pdserve.server.handoff import first_gen_logprobs

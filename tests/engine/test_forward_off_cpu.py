@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.distributed import ParallelState
 from pdserve.engine import model_runner
 from pdserve.engine.model_runner import ModelRunner, SeqStep, StepSpec
 from pdserve.engine.sampler import SampleSpec
 from pdserve.models.config import ModelConfig
+from pdserve.parallel.state import ParallelState
 from pdserve.testing import make_tiny_model
 from pdserve.weights.hf_dir import read_config
 

@@ -14,7 +14,7 @@ import httpx
 import psutil
 import pytest
 
-from pdserve.distributed import free_port
+from pdserve.host import free_port
 from pdserve.testing import make_tiny_model
 from pdserve.testing.servers import wait_for_health
 from pdserve.testing.wait import reaped, wait_until

@@ -1,4 +1,4 @@
-"""The tensor-parallel all-reduce through shared memory (pdserve/shm_collective.py), between real rank
+"""The tensor-parallel all-reduce through shared memory (pdserve/parallel/shm_all_reduce.py), between real rank
 processes joined as the engine joins them: every rank gets the same bits, the sum in rank order; what
 does not fit a slot goes to gloo; a rank that died or hangs is an error naming it, not a hang."""
 
@@ -11,9 +11,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from pdserve.distributed import free_port, init_parallel
+from pdserve.host import free_port
+
 from pdserve.models import cpu_kernels
-from pdserve.shm_collective import SLOT_BYTES, AllReduceError
+from pdserve.parallel.shm_all_reduce import SLOT_BYTES, AllReduceError, attach_shm_all_reduce
+from pdserve.parallel.state import init_parallel
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no native kernel library here")
 
@@ -26,6 +28,7 @@ def _rank(rank: int, world: int, port: int, scenario: str, out) -> None:
     torch.set_num_threads(1)
     try:
         ps = init_parallel(world, 1, rank, "127.0.0.1", port, torch.device("cpu"), 2.0)
+        attach_shm_all_reduce(ps, torch.device("cpu"), 2.0)
         if scenario == "sums":
             sums = {}
             for name, shape, dtype in (("fp32", (8, 576), torch.float32), ("bf16", (3, 100), torch.bfloat16),

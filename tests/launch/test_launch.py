@@ -17,9 +17,9 @@ from openai import OpenAI
 
 from pdserve.cli import main
 from pdserve.config import EngineConfig
-from pdserve.distributed import free_port
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.host import free_port
 from pdserve.launch.config import ClusterConfig, worker_configs
 from pdserve.testing import make_tiny_model
 from pdserve.testing.wait import reaped, stop_cleanly, wait_for_line

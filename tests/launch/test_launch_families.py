@@ -14,9 +14,9 @@ import yaml
 from openai import OpenAI
 
 from pdserve.config import EngineConfig
-from pdserve.distributed import free_port
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.host import free_port
 from pdserve.testing import make_tiny_model
 from pdserve.testing.tiny_deepseek_v3 import make_tiny_deepseek_v3
 from pdserve.testing.wait import reaped, stop_cleanly, wait_for_line

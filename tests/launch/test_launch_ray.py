@@ -18,7 +18,7 @@ import pytest
 import yaml
 from openai import OpenAI
 
-from pdserve.distributed import free_port
+from pdserve.host import free_port
 from pdserve.launch.ray_cluster import CONTROLLER, NAMESPACE
 from pdserve.testing import make_tiny_model
 from pdserve.testing.wait import wait_for_line, wait_until

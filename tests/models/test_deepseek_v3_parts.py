@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from pdserve.distributed import ParallelState
 from pdserve.models.config import ModelConfig, MoeShape
 from pdserve.models.moe import SparseMoeBlock
+from pdserve.parallel.state import ParallelState
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config  # noqa: E402

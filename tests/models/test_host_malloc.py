@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine.host_malloc import HUGE_PAGE, huge_page_buffer, keep_freed_memory
 from pdserve.engine.llm import LLM
+from pdserve.host_malloc import HUGE_PAGE, huge_page_buffer, keep_freed_memory
 from pdserve.models import cpu_kernels, layers
 from pdserve.testing import make_tiny_model
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.distributed import ParallelState
 from pdserve.models.config import ModelConfig, MoeShape
 from pdserve.models.moe import SparseMoeBlock
+from pdserve.parallel.state import ParallelState
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig  # noqa: E402

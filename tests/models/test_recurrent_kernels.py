@@ -11,12 +11,12 @@ import math
 import pytest
 import torch
 
-from pdserve.distributed import ParallelState
 from pdserve.models import recurrent_kernels
 from pdserve.models.config import LinearAttentionShape, Mamba2Shape
 from pdserve.models.gated_deltanet import GatedDeltaNet, deltanet_state
 from pdserve.models.mamba2 import Mamba2Mixer, mamba2_state
 from pdserve.models.recurrent_state import RecurrentState, StateSlice
+from pdserve.parallel.state import ParallelState
 
 pytestmark = pytest.mark.skipif(recurrent_kernels.load() is None, reason="no C compiler: the native kernels")
 

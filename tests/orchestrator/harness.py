@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from pdserve.distributed import free_port
+from pdserve.host import free_port
 from pdserve.testing.servers import UvicornThread
 
 MODEL_NAME = "tiny"

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from harness import MODEL_NAME, AppThread, start_each
 
 from pdserve.cluster_auth import PROOF_HEADER, TOKEN_HEADER, proof
-from pdserve.distributed import free_port
+from pdserve.host import free_port
 from pdserve.orchestrator.app import build_app
 from pdserve.orchestrator.config import DisaggConfig
 from pdserve.testing.servers import UvicornThread

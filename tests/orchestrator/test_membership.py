@@ -14,7 +14,7 @@ import httpx
 import pytest
 from harness import MODEL_NAME, AppThread, free_port_pair, log_of, run_cli, start_each, start_workers, wait_healthy
 
-from pdserve.distributed import host_id
+from pdserve.host import host_id
 from pdserve.orchestrator.app import build_app
 from pdserve.orchestrator.cluster import LocalCluster
 from pdserve.orchestrator.config import DisaggConfig, RouterConfig

@@ -14,7 +14,7 @@ import yaml
 from openai import OpenAI
 
 from pdserve.cli import main
-from pdserve.distributed import free_port
+from pdserve.host import free_port
 from pdserve.launch.config import load_cluster_config, worker_configs
 from pdserve.plan.profile import Profile, load_or_measure, thread_counts, usable_cores
 from pdserve.testing.tiny import make_tiny_model

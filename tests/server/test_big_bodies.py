@@ -17,7 +17,7 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from pdserve.distributed import free_port
+from pdserve.host import free_port
 from pdserve.server.json_body import MAX_ARRAYS, MAX_DEPTH, OFFLOAD_BYTES, MalformedBody, parse_json_object
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 from pdserve.testing import make_tiny_model

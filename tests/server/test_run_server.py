@@ -10,7 +10,7 @@ import sys
 
 import httpx
 
-from pdserve.distributed import free_port
+from pdserve.host import free_port
 from pdserve.testing.servers import wait_for_health
 
 

@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from pdserve.config import CacheTransceiverConfig
-from pdserve.distributed import ParallelState
 from pdserve.engine.kv.wire import CancelKV, ForgetPeer, KVCommand, RankReport, ReceiveKV, SendKV
 from pdserve.kv_transfer.agents import MemoryRegion, make_agent
 from pdserve.kv_transfer.agents.faults import FaultyAgent
@@ -30,6 +29,7 @@ from pdserve.kv_transfer.page_table import (BufferEntry, LayerGroup, MapperKind,
 from pdserve.kv_transfer.rank_info import RankInfo
 from pdserve.kv_transfer.transceiver import KVTransceiver
 from pdserve.models.kv_quant import SCHEME, KVScales
+from pdserve.parallel.state import ParallelState
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 /* All-reduce (sum) of the tensor-parallel ranks of one host through a shared segment
- * (pdserve/shm_collective.py maps it). Layout: `world` flags of 64 bytes (each rank's sequence
+ * (pdserve/parallel/shm_all_reduce.py maps it). Layout: `world` flags of 64 bytes (each rank's sequence
  * number, alone on its cache line), then two banks of `world` slots of `slot_bytes`.
  *
  * Call `seq` (1, 2, ... the same on every rank, since every rank makes the same calls in the same

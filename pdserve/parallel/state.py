@@ -7,82 +7,12 @@ torch.distributed, so single-process code paths stay free of collectives.
 
 from __future__ import annotations
 
-import os
-import random
-import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-
-_handed_out: set[int] = set()
-
-
-HOST_ID_ENV = "PDSERVE_HOST_ID"
-
-
-def no_named_semaphores() -> None:
-    """For a spawned child that starts no processes itself (a rank, a profiling child). A spawned
-    child's default start method is spawn, under which each multiprocessing lock is a named POSIX
-    semaphore in /dev/shm that only the parent's resource tracker unlinks; kill -9 of the whole process
-    group (a launch that gave up waiting for its members, a test's teardown) takes the tracker too and
-    leaves the semaphores behind. tqdm makes one such lock on first use, for disabled bars too: give it
-    a thread lock."""
-    import threading
-
-    from tqdm import tqdm
-
-    tqdm.set_lock(threading.RLock())
-
-
-def host_id() -> str:
-    """Which host (kernel) this process runs on, for "can these two share memory?": hostname and boot id.
-    Two containers of one machine differ by hostname, as their /dev/shm usually does; two Ray nodes
-    started on one machine agree. PDSERVE_HOST_ID overrides it (containers that do share /dev/shm)."""
-    override = os.environ.get(HOST_ID_ENV)
-    if override:
-        return override
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot = "no-boot-id"
-    return f"{socket.gethostname()}/{boot}"
-
-
-def _ephemeral_low() -> int:
-    """The first port of the kernel's ephemeral range (outgoing connections take their local port there)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on `host` that is free now, for a server that binds it a moment later.
-
-    Picked below the kernel's ephemeral range: a port the OS hands out for `bind(0)` lies in that range,
-    where any outgoing connection in the meantime (a rank dialling its peers, a client) can take it
-    before the server binds. Ports handed out earlier in this process are not handed out again."""
-    low = _ephemeral_low()
-    for _ in range(200):
-        port = random.randrange(10000, max(10001, low))
-        if port in _handed_out:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    with socket.socket() as s:  # a machine with nothing free below the range: let the OS choose
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -93,7 +23,8 @@ class ParallelState:
     tp_group: object | None = field(default=None, repr=False)
     # Control messages (msgpack in CPU tensors) need gloo even when the model's collectives use NCCL.
     cpu_group: object | None = field(default=None, repr=False)
-    # On CPU, the TP group's all-reduce through shared memory where its ranks share a host (shm_collective.py).
+    # On CPU, the TP group's all-reduce through shared memory where its ranks share a host: set by the engine
+    # after init_parallel (parallel/shm_all_reduce.py, attach_shm_all_reduce)
     tp_shm: object | None = field(default=None, repr=False)
 
     @property
@@ -171,11 +102,6 @@ def init_parallel(tp_size: int, pp_size: int, rank: int, host: str, port: int, d
         group = dist.new_group(list(range(pp * tp_size, (pp + 1) * tp_size)))
         if pp == state.pp_rank:
             state.tp_group = group
-    if device.type == "cpu" and tp_size > 1:
-        from pdserve.shm_collective import shm_all_reduce_for
-
-        stage = list(range(state.pp_rank * tp_size, (state.pp_rank + 1) * tp_size))
-        state.tp_shm = shm_all_reduce_for(state.tp_group, stage, rank, timeout_s, host_id())
     return state
 
 

@@ -28,7 +28,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pdserve.host import host_id
 from pdserve.models import cpu_kernels
+from pdserve.parallel.state import ParallelState
 
 log = logging.getLogger(__name__)
 
@@ -158,3 +160,11 @@ def shm_all_reduce_for(group, group_ranks: list[int], rank: int, timeout_s: floa
     except ValueError as exc:
         log.info("tensor-parallel all-reduce stays on gloo: %s", exc)
         return None
+
+
+def attach_shm_all_reduce(state: ParallelState, device: torch.device, timeout_s: float) -> None:
+    """After init_parallel, on every rank: the TP group's all-reduce through shared memory, where it can run
+    (CPU ranks of one host with the kernel library); gloo otherwise."""
+    if device.type == "cpu" and state.tp_size > 1:
+        stage = list(range(state.pp_rank * state.tp_size, (state.pp_rank + 1) * state.tp_size))
+        state.tp_shm = shm_all_reduce_for(state.tp_group, stage, state.rank, timeout_s, host_id())
