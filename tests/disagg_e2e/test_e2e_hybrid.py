@@ -1,5 +1,5 @@
 """Hybrid models (Qwen3.5: Gated DeltaNet + attention; Nemotron-H: Mamba2 + attention) disaggregated across layouts, through
-`pdserve disaggregated` and the official openai client: greedy output equals one aggregated instance
+`pdserve disaggregated` and the official openai client, over shm (Qwen3.5) and NIXL (Nemotron-H): greedy output equals one aggregated instance
 token for token, and neither side keeps a KV block or a state slot afterwards.
 
 The recurrent state moves with the KV: each conv section ([q | k | v]) and the SSM state are re-cut by
@@ -17,6 +17,7 @@ from pdserve.testing import make_tiny_model
 from pdserve.testing.tiny_nemotron_h import make_tiny_nemotron_h
 
 SHM = {"cache_transceiver_config": {"backend": "shm", "kv_transfer_timeout_ms": 6000}, "tokens_per_block": 16}
+NIXL = {"cache_transceiver_config": {"backend": "nixl"}, "tokens_per_block": 16}
 TP2 = {"tensor_parallel_size": 2}
 
 
@@ -57,10 +58,11 @@ def test_generation_first_equals_aggregated(hybrid_group, hybrid_reference, e2e_
 
 @pytest.fixture(scope="module")
 def nemotron_group(e2e_dir):
-    """Nemotron-H: the Mamba2 conv state's [x | B | C] sections cut by heads (x) and groups (B, C)."""
+    """Nemotron-H over NIXL (Qwen3.5's pairs above go over shm): the Mamba2 conv state's [x | B | C] sections
+    cut by heads (x) and groups (B, C)."""
     model = str(make_tiny_nemotron_h(e2e_dir / "tiny-nemotron_h", pattern="M-*-M-M*", max_position_embeddings=1024))
-    specs = [Spec("nemotron-plain", model), Spec("nemotron-tp1", model, SHM),
-             Spec("nemotron-tp2", model, {**SHM, **TP2})]
+    specs = [Spec("nemotron-plain", model), Spec("nemotron-tp1", model, NIXL),
+             Spec("nemotron-tp2", model, {**NIXL, **TP2})]
     insts = start_instances(specs, e2e_dir / "nemotron", TINY_BASE)
     yield insts
     stop_instances(insts.values())
