@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from pdserve.models.attention import AttentionMetadata
+from pdserve.models.attention import AttentionMetadata, PagedKVCache
 from pdserve.models.config import MlaShape
 from pdserve.models.layers import RotaryEmbedding, decode_step, pack_for_cpu
 from pdserve.models.mla import MlaAttention
@@ -49,7 +49,7 @@ def _layer(heads: int, dtype: torch.dtype) -> MlaAttention:
 
 def _time(attn: MlaAttention, absorb: bool, batch: int, context: int, dtype: torch.dtype, reps: int) -> float:
     blocks_per_seq = -(-(context + 1) // T)
-    pool = torch.randn(batch * blocks_per_seq, 1, 1, 1, T, SHAPE.latent_dim).to(dtype)
+    cache = PagedKVCache(torch.randn(batch * blocks_per_seq, 1, 1, 1, T, SHAPE.latent_dim).to(dtype), "HND")
     table = torch.arange(batch * blocks_per_seq).view(batch, blocks_per_seq)
     lens = torch.full((batch,), context + 1)
     md = AttentionMetadata(slot_blocks=table[:, context // T], slot_offsets=torch.full((batch,), context % T),
@@ -62,7 +62,7 @@ def _time(attn: MlaAttention, absorb: bool, batch: int, context: int, dtype: tor
     with torch.inference_mode(), decode_step(True):
         for i in range(reps + 2):
             t0 = time.perf_counter()
-            attn(x, rope, 0, pool, md)
+            attn(x, rope, 0, cache, md)
             if i >= 2:
                 times.append(time.perf_counter() - t0)
     return statistics.median(times)

@@ -125,10 +125,6 @@ class ModelRunner:
         self.device = device
         self.dtype = DTYPES[ecfg.dtype]
         self.kv_dtype = self.dtype if ecfg.kv_cache_dtype == "auto" else DTYPES[ecfg.kv_cache_dtype]
-        if is_quantized(self.kv_dtype) and model_cfg.mla is not None:
-            raise ValueError(f"kv_cache_dtype: {ecfg.kv_cache_dtype} quantizes attention K/V pools; MLA's latent "
-                             f"cache ({model_cfg.architecture}) does not take it yet: set kv_cache_dtype auto, "
-                             "bfloat16 or float32")
         self.tokens_per_block = ecfg.tokens_per_block
         if device.type == "cpu":
             keep_freed_memory()  # activations live in malloc'd host memory: see host_malloc.py

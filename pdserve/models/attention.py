@@ -150,6 +150,14 @@ class PagedKVCache:
             return dequantize(k, self.scales.k[layer], dtype), dequantize(v, self.scales.v[layer], dtype)
         return k.to(dtype), v.to(dtype)
 
+    def encode_latent(self, layer: int, latent: torch.Tensor) -> torch.Tensor:
+        """An MLA pool's one part: latents [n, latent_dim] as the pool stores them (FP8: by the layer's K scale)."""
+        return quantize(latent, self.scales.k[layer]) if self.quantized else latent.to(self.pool.dtype)
+
+    def decode_latent(self, layer: int, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Stored latents (any shape) -> their values in `dtype`."""
+        return dequantize(stored, self.scales.k[layer], dtype) if self.quantized else stored.to(dtype)
+
     def round_trip(self, layer: int, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype):
         """What a later read of fresh k, v returns: rounded through the pool's dtype (and scales)."""
         if not self.quantized:  # no stack: for an fp32 pool and fp32 q these are k and v themselves

@@ -38,9 +38,9 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.input_layernorm.load(take(prefix + "input_layernorm.weight"))
         self.post_attention_layernorm.load(take(prefix + "post_attention_layernorm.weight"))
 
-    def forward(self, x, rope_table, pool, md, rows=None):
+    def forward(self, x, rope_table, cache, md, rows=None):
         """The block's output at `rows` only (default: all), though every row's latent is cached."""
-        attn = self.self_attn(self.input_layernorm(x), rope_table, self.slot, pool, md, rows)
+        attn = self.self_attn(self.input_layernorm(x), rope_table, self.slot, cache, md, rows)
         x = x if rows is None else x[rows]
         h, h_normed = self.post_attention_layernorm.add_and_norm(x, attn)
         return h + self.mlp(h_normed)
@@ -58,4 +58,4 @@ class DeepseekV3ForCausalLM(HybridStage):
 
     def forward(self, ids_or_hidden: torch.Tensor, positions: torch.Tensor, cache, md: AttentionMetadata,
                 out_rows: torch.Tensor | None = None) -> torch.Tensor:
-        return self.run_layers(ids_or_hidden, out_rows, self.rope.table(positions), cache.pool, md)
+        return self.run_layers(ids_or_hidden, out_rows, self.rope.table(positions), cache, md)

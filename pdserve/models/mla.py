@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.models.attention import AttentionMetadata
+from pdserve.models.attention import AttentionMetadata, PagedKVCache
 from pdserve.models.config import MlaShape, YarnRope
 from pdserve.models.layers import ColumnParallelLinear, ReplicatedLinear, RMSNorm, RotaryEmbedding, RowParallelLinear
 from pdserve.parallel.state import ParallelState
@@ -135,8 +135,9 @@ class MlaAttention(nn.Module):
         self.w_uk.copy_(kv_b[:, :s.qk_nope_head_dim])
         self.w_uv.copy_(kv_b[:, s.qk_nope_head_dim:].transpose(1, 2))
 
-    def forward(self, x, rope_table, layer: int, pool: torch.Tensor, md: AttentionMetadata, rows=None):
-        """Every row's latent goes to the cache and every row attends; o_proj covers `rows` only (default: all)."""
+    def forward(self, x, rope_table, layer: int, cache: PagedKVCache, md: AttentionMetadata, rows=None):
+        """Every row's latent goes to the cache and every row attends; o_proj covers `rows` only (default: all).
+        An FP8 pool stores each latent by its layer's static scale, saturated (kv_quant.py)."""
         s, n = self.shape, x.shape[0]
         q = self.q_proj(x) if s.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(n, self.heads, s.qk_head_dim)
@@ -144,21 +145,23 @@ class MlaAttention(nn.Module):
         q_pe = RotaryEmbedding.rotate(q[..., s.qk_nope_head_dim:].contiguous(), rope_table)
         latent = torch.cat([self.kv_a_layernorm(c.contiguous()),
                             RotaryEmbedding.rotate(k_pe.contiguous().unsqueeze(1), rope_table).squeeze(1)], dim=-1)
-        cache = latent_rows(pool)  # [blocks, layers, T, latent_dim]
-        cache[md.slot_blocks, layer, md.slot_offsets] = latent.to(pool.dtype)
+        stored = cache.encode_latent(layer, latent)
+        pool = latent_rows(cache.pool)  # [blocks, layers, T, latent_dim]
+        pool[md.slot_blocks, layer, md.slot_offsets] = stored
         q = torch.cat([q[..., :s.qk_nope_head_dim], q_pe], dim=-1)  # [n, heads, qk_head_dim]
         out = None if md.decode_only else torch.empty(n, self.heads, s.v_head_dim, dtype=x.dtype, device=x.device)
         for sl in md.prefills:
             at = slice(sl.q_start, sl.q_start + sl.q_len)
             if sl.q_len == sl.ctx_len:  # nothing cached before: the fresh latents, rounded as the cache keeps them
-                ctx = latent[at].to(pool.dtype).to(x.dtype)
+                ctx = cache.decode_latent(layer, stored[at], x.dtype)
             else:
-                ctx = cache[:, layer].index_select(0, sl.block_ids).flatten(0, 1)[:sl.ctx_len].to(x.dtype)
+                ctx = pool[:, layer].index_select(0, sl.block_ids).flatten(0, 1)[:sl.ctx_len]
+                ctx = cache.decode_latent(layer, ctx, x.dtype)
             out[at] = self._expanded(q[at], ctx)
         if md.decode_rows.numel():
             qd = q if md.decode_only else q[md.decode_rows]
-            ctx = cache[:, layer].index_select(0, md.decode_blocks.flatten())  # [b * max_blocks, T, latent_dim]
-            ctx = ctx.view(qd.shape[0], -1, s.latent_dim).to(x.dtype)
+            ctx = pool[:, layer].index_select(0, md.decode_blocks.flatten())  # [b * max_blocks, T, latent_dim]
+            ctx = cache.decode_latent(layer, ctx.view(qd.shape[0], -1, s.latent_dim), x.dtype)
             o = self._absorbed(qd, ctx, md.decode_mask) if self.absorb_decode else self._expanded_decode(qd, ctx, md)
             if md.decode_only:
                 out = o

@@ -207,10 +207,37 @@ def test_smollm2_fp8_against_the_bf16_cache(smollm2_path, pdserve_cache):
         assert d.mean() <= 0.1 and d.max() <= 0.4, d
 
 
-def test_an_mla_model_refuses_the_fp8_cache_by_name(tmp_path):
-    """MLA's latent pool (DeepSeek-V3) is not quantized: asking for FP8 there is an error that says so."""
+def test_deepseek_v3_fp8_latents_equal_transformers_expanding_the_same(tmp_path):
+    """MLA's latent cache in FP8 (each layer's K scale, 1.0 here): transformers made to expand its cached
+    latents rounded through float8_e4m3fn (the whole cached latent each step, which is what rounding on
+    write gives: rounding twice is rounding once) picks the engine's tokens one for one, batched with
+    prompts in chunks of 16 and again from the prefix cache. The pool is FP8, twice the blocks of a bf16
+    pool in the same memory."""
     from pdserve.testing.tiny_deepseek_v3 import make_tiny_deepseek_v3
 
-    d = make_tiny_deepseek_v3(tmp_path / "m", num_layers=2)
-    with pytest.raises(ValueError, match="MLA's latent cache .*DeepseekV3ForCausalLM.* kv_cache_dtype auto"):
-        LLM(EngineConfig(model=str(d), kv_cache_dtype="fp8_e4m3"))
+    d = make_tiny_deepseek_v3(tmp_path / "m")
+    prompts = _prompts()
+    blocks = {}
+    for kvd in ("bfloat16", "fp8_e4m3"):
+        with LLM(EngineConfig(model=str(d), tokens_per_block=8, kv_cache_dtype=kvd, max_num_tokens=16,
+                              kv_cache_memory_gb=0.01)) as llm:
+            blocks[kvd] = llm.engine.runner.num_blocks
+            if kvd == "fp8_e4m3":
+                assert llm.engine.runner.pool.dtype == FP8
+                first = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+                assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == first  # prefixes read back as FP8
+    assert blocks["fp8_e4m3"] == 2 * blocks["bfloat16"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+
+    def rounded(x):
+        return dequantize(quantize(x, 1.0), 1.0, x.dtype)
+
+    for layer in hf.model.layers:
+        attn = layer.self_attn
+        attn.expand_kv = lambda kv_nope, k_rot, expand=attn.expand_kv: expand(rounded(kv_nope), rounded(k_rot))
+    bad = []
+    for i, (prompt, out) in enumerate(zip(prompts, first)):
+        with torch.inference_mode():
+            logits = hf(torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1:]
+        bad += [(i, j) for j, (a, b) in enumerate(zip(logits.argmax(-1).tolist(), out)) if a != b]
+    assert bad == []

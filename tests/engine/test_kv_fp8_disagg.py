@@ -16,6 +16,7 @@ from pdserve.models.kv_quant import FP8
 from pdserve.testing import make_tiny_model
 from pdserve.engine.sequence import DisaggInfo, RequestType
 from pdserve.testing.disagg import context_first, handoff, step_until
+from pdserve.testing.tiny_deepseek_v3 import make_tiny_deepseek_v3
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 T = 8  # tokens per block
@@ -25,6 +26,12 @@ T = 8  # tokens per block
 def tiny(tmp_path_factory):
     return str(make_tiny_model(tmp_path_factory.mktemp("fp8") / "m", arch="llama", num_layers=4, num_heads=8,
                                num_kv_heads=2, head_dim=16))
+
+
+@pytest.fixture(scope="module")
+def latent(tmp_path_factory):
+    """DeepSeek-V3: MLA's FP8 latent pool, carried as a REPLICATED pool."""
+    return str(make_tiny_deepseek_v3(tmp_path_factory.mktemp("fp8-mla") / "m"))
 
 
 def _prompts() -> list[list[int]]:
@@ -69,9 +76,12 @@ def _split(ctx: LLMEngine, gen: LLMEngine, prompts: list[list[int]]):
     return [tokens[f"g{i}"] for i in range(len(prompts))], [landed[i] for i in range(len(prompts))]
 
 
-def test_fp8_disaggregated_equals_aggregated_and_the_kv_lands_byte_exact(tiny, layout="HND"):
+@pytest.mark.parametrize("model", ["tiny", "latent"])
+def test_fp8_disaggregated_equals_aggregated_and_the_kv_lands_byte_exact(request, model, layout="HND"):
     """The generation side's copy of each prompt's full blocks equals, byte for byte, what one aggregated
-    FP8 engine computed for the same prompt (the context instance prefills with the same code)."""
+    FP8 engine computed for the same prompt (the context instance prefills with the same code): attention
+    K/V (Llama) and MLA's latents (DeepSeek-V3)."""
+    tiny = request.getfixturevalue(model)
     prompts = _prompts()
     with LLM(EngineConfig(model=tiny, tokens_per_block=T, kv_cache_dtype="fp8_e4m3", kv_layout=layout)) as llm:
         expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
