@@ -20,7 +20,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 AVX2_MACHINE = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "PDSERVE_KERNEL_MARCH": "x86-64-v3"}
-SUITES = ["tests/models", "tests/engine/test_engine_low_precision.py"]
+# The engine's bf16 tests (the crash this file first caught) and the tests of the paths whose speed or
+# numerics depend on the ISA beyond KERNEL_TESTS: the one-call decode step, oneDNN's tiled attention, the
+# recurrent layers' native kernel. The families' torch-only parts (MoE, MLA, RoPE) take no ISA-specific path.
+SUITES = ["tests/engine/test_engine_low_precision.py", "tests/models/test_cpu_decode.py",
+          "tests/models/test_tiled_attention.py", "tests/models/test_recurrent_kernels.py"]
 
 
 def _on_avx2_machine(code: str) -> str:
@@ -67,7 +71,7 @@ def test_kernel_numerics_without_avx512():
 def test_kernel_and_low_precision_tests_pass_without_avx512():
     """bf16 engines start and are as accurate as transformers' bf16 (before: `pack_for_cpu` raised
     'mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw ...' at
-    start), and every kernel test passes against the library built without AVX-512."""
+    start), and the ISA-dependent paths' tests pass against the libraries built without AVX-512."""
     env = {**os.environ, **AVX2_MACHINE}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *SUITES], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=1200)
