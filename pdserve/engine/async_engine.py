@@ -3,8 +3,7 @@
 The step thread is the only one that touches the engine, and it builds the engine too: OpenMP keeps one
 team of worker threads per thread that starts parallel work, and once a process holds more OpenMP
 threads than cores, libgomp's workers barely spin before sleeping between parallel regions, so a
-model loaded in one thread and stepped in another would leave two teams and slow every step
-(docs/benchmarks.md, "One thread per engine").
+model loaded in one thread and stepped in another would leave two teams and slow every step.
 
 Callers talk to the step thread through a command queue (add, abort) and get results through one
 asyncio.Queue per request, filled with `loop.call_soon_threadsafe`. The loop never blocks on a caller,

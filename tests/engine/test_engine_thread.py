@@ -3,7 +3,7 @@
 OpenMP keeps a team of worker threads per thread that starts parallel work. A model loaded in the main
 thread and stepped in the engine thread would leave two teams, more OpenMP threads than cores, and
 libgomp then parks its workers between parallel regions, which slows every decode step of `pdserve
-serve` (docs/benchmarks.md, "One thread per engine"). Timing is for benchmarks; this checks the cause. In a fresh process that built an engine and served a request, the
+serve`. Timing is for benchmarks; this checks the cause. In a fresh process that built an engine and served a request, the
 main thread's first parallel op must start a new worker thread: proof that it had no team before.
 """
 

@@ -49,9 +49,8 @@ logger = logging.getLogger(__name__)
 _SHM_DIR = "/dev/shm"
 _DESCRIPTOR_VERSION = 1
 # The owner's mapping comes with its pages allocated and its page tables filled, so that no request pays
-# the pool's page faults (docs/benchmarks.md, "The shm KV pool, faulted in up front"). A peer's mapping
-# of the same pages fills its page tables as it writes, which is cheaper than filling them all at first
-# contact.
+# the pool's page faults. A peer's mapping of the same pages fills its page tables as it writes, which is
+# cheaper than filling them all at first contact.
 _MAP_SHARED_POPULATED = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 

@@ -4,7 +4,7 @@ Two defects of lazily backed /dev/shm files:
 - a /dev/shm smaller than the pool (Docker's default is 64 MiB) accepted the pool and killed the process
   with SIGBUS at the first write past its end;
 - every block's first write (a prefill into it, a peer's transfer into it) paid the page faults on the
-  request's critical path (docs/benchmarks.md, "The shm KV pool, faulted in up front").
+  request's critical path.
 """
 
 from __future__ import annotations
