@@ -232,7 +232,8 @@ def _decide(kernel: str, dtype: torch.dtype, shape: str, timer: Callable[[], tup
 def choose_paths(model: torch.nn.Module, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
                  cache: Path | None = None) -> dict[str, bool]:
     """Decides each kernel's path for this model (see the module docstring) and returns kernel -> native.
-    `heads`, `kv_heads`: this rank's query and KV heads. Call after `layers.pack_for_cpu`."""
+    `heads`, `kv_heads`: this rank's query and KV heads (heads 0: a model that runs no paged attention
+    kernel; only its GEMV is raced). Call after `layers.pack_for_cpu`."""
     if cpu_kernels.load() is None or dtype not in (torch.float32, torch.bfloat16):
         return {}
     forced = forced_paths()

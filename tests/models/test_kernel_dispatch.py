@@ -135,3 +135,18 @@ def test_each_forced_path_gives_transformers_tokens(tiny, monkeypatch, path):
     if gemv_runs:
         assert all(w is not None for w in gemv_weights) == native and (model.stage_decoder is not None) == native
         assert native or "skinny_linear" not in calls
+
+
+def test_an_mla_model_races_no_attention_kernel(tmp_path, monkeypatch):
+    """DeepSeek-V3 attends over its latents with SDPA (mla.py), never through flash prefill or paged decode:
+    its start decides (and would time) neither, only the GEMV of its linears."""
+    from pdserve.engine import model_runner
+    from pdserve.testing.tiny_deepseek_v3 import make_tiny_deepseek_v3
+
+    decided = []
+    monkeypatch.setattr(model_runner, "choose_paths",
+                        lambda *a, **k: decided.append(kernel_dispatch.choose_paths(*a, **k)) or decided[-1])
+    with LLM(EngineConfig(model=str(make_tiny_deepseek_v3(tmp_path / "m", num_layers=2)))):
+        pass
+    assert len(decided) == 1
+    assert cpu_kernels.FLASH_PREFILL not in decided[0] and cpu_kernels.PAGED_DECODE not in decided[0], decided
