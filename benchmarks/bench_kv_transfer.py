@@ -15,7 +15,7 @@ Table 1 (tp1 -> tp1, HND, one block-major pool per rank: one fragment for the wh
         request before the clock starts (prefill done).
   raw:  on the ctx process, one `submit_write` of the very same fragments (same agents, same
         registered memory, same processes, connections warm) until the initiator sees it DONE,
-        polling every POLL_INTERVAL_S like the transceiver: a busy poll starves NIXL's UCX progress
+        polling every completion_poll_s like the transceiver: a busy poll starves NIXL's UCX progress
         thread on a small machine (1 MiB: 1.3 ms busy vs 0.2 ms with 0.1 ms sleeps, 2 cores).
         The gen process polls its agent meanwhile, as it does during ours. Reps alternate
         raw / ours, each preceded by an untimed warm-up; medians are reported.
@@ -53,7 +53,7 @@ from pdserve.kv_transfer.bounce import BounceConfig
 from pdserve.kv_transfer.page_table import MapperKind, page_table_for_block_major_pool
 from pdserve.kv_transfer.rank_info import RankInfo
 from pdserve.kv_transfer.write_plan import plan_write
-from pdserve.kv_transfer.transceiver import POLL_INTERVAL_S, KVTransceiver, TransceiverConfig
+from pdserve.kv_transfer.transceiver import KVTransceiver, TransceiverConfig
 
 LAYERS, HEADS, HEAD_DIM, TPB = 30, 3, 64, 16
 DTYPES = {"fp32": 4, "bf16": 2, "fp8": 1}  # fp8: kv_cache_dtype fp8_e4m3, half a bf16 cache's bytes
@@ -64,6 +64,12 @@ _STEP_S = 60.0  # longest wait for one queue message inside a case; the case tim
 
 def kv_bytes(tokens: int, elt: int) -> int:
     return LAYERS * 2 * HEADS * HEAD_DIM * elt * (-(-tokens // TPB)) * TPB
+
+
+def poll_s(agent) -> float:
+    """The raw path's polling cadence: the transceiver's for NIXL (completion_poll_s), 0.1 ms for agents
+    that would wake a transceiver instead."""
+    return agent.completion_poll_s or 0.0001
 
 
 def load() -> str:
@@ -155,7 +161,7 @@ def ctx_main(case: dict, inbox, outbox) -> None:
                 t0 = time.perf_counter()
                 handle = tx.agent.submit_write(remote, plan.src_ptrs, plan.dst_ptrs, plan.sizes, b"raw")
                 while tx.agent.poll(handle).value == "in_progress":
-                    time.sleep(POLL_INTERVAL_S)  # the library's cadence; see the module docstring
+                    time.sleep(poll_s(tx.agent))  # the library's cadence; see the module docstring
                 times.append(time.perf_counter() - t0)
                 tx.agent.release(handle)
             outbox.put(("raw", sum(times), len(plan)))
@@ -205,7 +211,7 @@ def gen_main(case: dict, results) -> None:
                 pending = {i for i in pending if not gen[i][0].agent.get_notifications()}
                 if time.monotonic() > deadline:
                     raise RuntimeError("raw write's notification never arrived")
-                time.sleep(POLL_INTERVAL_S)
+                time.sleep(poll_s(gen[0][0].agent))
             _, seconds, frags = outbox.get(timeout=_STEP_S)
             return seconds, frags
 

@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 # An instance with nothing to step still reads its KV control plane this often: REQUEST_DATA that
 # came before (or instead of) its prefill must expire, and CANCELs must be read.
 IDLE_POLL_S = 0.2
-# A step that ran no sequence only polled the transfers: wait this long after it, so an instance with
-# only transfers in flight polls instead of spinning.
+# A step that ran no sequence only polled the transfers: wait up to this long after it, so an instance
+# with only transfers in flight does not spin. The transceiver ends the wait early when a control message,
+# a finished write or a notification (for agents that signal them: shm) comes (KVTransceiver.wait).
 IDLE_STEP_SLEEP_S = 0.001
 
 
@@ -105,7 +106,10 @@ class KVExchange:
             if report is not None:
                 self._settle(report)
         if not batch:
-            time.sleep(IDLE_STEP_SLEEP_S)
+            if self._connector is not None:
+                self._connector.tx.wait(IDLE_STEP_SLEEP_S)
+            else:
+                time.sleep(IDLE_STEP_SLEEP_S)
 
     def _offer(self, batch: list[ScheduledSeq]) -> None:
         """Context side: queue the sends this step's prefill made possible. A request offers its whole

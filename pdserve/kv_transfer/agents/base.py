@@ -20,6 +20,13 @@ Semantics every backend keeps:
 * Addresses are absolute in the owning process (src on the initiator, dst on the target), and a
   fragment must lie inside one registered region; otherwise `TransferAgentError` names it.
 
+Waking the waiter. `set_waker(wake)` hands the agent a callback (cheap, never blocking, safe from any
+thread) that it calls whenever a write it submitted finishes or a notification arrives, so that the
+executor sleeps until something happened instead of polling. `completion_poll_s` is None for agents that
+do (fake, shm); an agent whose backend cannot tell (NIXL's API has no completion event or file
+descriptor, and a write's notification leaves only when the initiator polls it DONE) gives the interval
+at which a waiter must poll it while work it owns is in flight.
+
 The fake and shm agents, whose writes are CPU copies in this process, share `HostCopyAgent`: the
 region table, the shut-down flag and handles the copy marks finished.
 """
@@ -30,6 +37,7 @@ import abc
 import enum
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import msgpack
 import numpy as np
@@ -175,6 +183,18 @@ class TransferAgent(abc.ABC):
     """One rank's data-plane endpoint. Not thread-safe: call it from one thread (the executor's)."""
 
     name: str
+    # None: the agent calls its waker on every completion and notification (see the module docstring);
+    # seconds: it cannot, and a waiter polls it this often while a write or notification is awaited.
+    completion_poll_s: float | None = None
+
+    def set_waker(self, wake: Callable[[], None] | None) -> None:
+        """Call `wake` whenever a write of ours finishes or a notification arrives (None: stop)."""
+        self._waker = wake
+
+    def _wake(self) -> None:
+        wake = getattr(self, "_waker", None)
+        if wake is not None:
+            wake()
 
     @abc.abstractmethod
     def register_memory(self, region: MemoryRegion) -> None: ...
@@ -233,14 +253,16 @@ class CopyHandle(TransferHandle):
         super().__init__(remote, num_bytes, num_fragments)
         self.state = TransferState.IN_PROGRESS
 
-    def run(self, copy, kind: str) -> None:
-        """Do the write (`copy()`, which moves the bytes and then notifies) and record how it ended."""
+    def run(self, copy, kind: str, wake: Callable[[], None]) -> None:
+        """Do the write (`copy()`, which moves the bytes and then notifies), record how it ended, and
+        wake the initiator's waiter."""
         try:
             copy()
             self.state = TransferState.DONE
         except Exception:
             logger.exception("%s write of %d bytes to %r failed", kind, self.num_bytes, self.remote)
             self.state = TransferState.FAILED
+        wake()
 
 
 class HostCopyAgent(TransferAgent):

@@ -122,8 +122,9 @@ class FakeAgent(HostCopyAgent):
 
     def _run(self, handle: _FakeHandle) -> None:
         job, handle.job = handle.job, None
-        handle.run(job, self.kind)
+        handle.run(job, self.kind, self._wake)
 
     def _deliver(self, sender: str, message: bytes) -> None:
         with self._inbox_lock:
             self._inbox.append((sender, message))
+        self._wake()

@@ -62,6 +62,7 @@ class _Injected(TransferHandle):
 
 
 _SCRATCH_BYTES = 4096  # inverted bytes of corrupted writes, used in turn
+_DELAY_POLL_S = 0.001  # how often a waiter polls while delayed writes may be due
 
 
 class FaultyAgent(TransferAgent):
@@ -80,6 +81,15 @@ class FaultyAgent(TransferAgent):
             self._scratch_region = MemoryRegion(self._scratch_buffer.ptr, _SCRATCH_BYTES)
             inner.register_memory(self._scratch_region)
         log.warning("transfer agent %s injects faults: %s", self.name, plan)
+
+    @property
+    def completion_poll_s(self) -> float | None:
+        """A delayed write starts when it is polled after its start time: poll while one waits."""
+        inner = self.inner.completion_poll_s
+        return min(inner or _DELAY_POLL_S, _DELAY_POLL_S) if self.plan.delay_ms else inner
+
+    def set_waker(self, wake) -> None:
+        self.inner.set_waker(wake)
 
     def register_memory(self, region: MemoryRegion) -> None:
         self.inner.register_memory(region)

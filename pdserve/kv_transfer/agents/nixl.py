@@ -89,7 +89,16 @@ def _nixl_agent(nixl, name: str, config, progress_delay_us: int):
             api.nixlBind.nixlAgent = native
 
 
+# NIXL has no completion event: a waiter polls the agent this often while a write or notification of
+# it is awaited. A write's notification leaves only when the initiator polls the write DONE (the UCX
+# backend sends it from its status check), so the initiator's polling is on the transfer's path too.
+# Busy polling is worse, not better: it starves NIXL's UCX progress thread on small machines.
+COMPLETION_POLL_S = 0.0001
+
+
 class NixlAgent(TransferAgent):
+    completion_poll_s = COMPLETION_POLL_S
+
     def __init__(self, name: str | None = None, backend: str = "UCX",
                  progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US) -> None:
         if progress_delay_us < 0:

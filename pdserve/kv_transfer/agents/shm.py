@@ -23,6 +23,7 @@ import logging
 import mmap
 import os
 import queue
+import select
 import socket
 import threading
 import uuid
@@ -180,6 +181,13 @@ class ShmAgent(HostCopyAgent):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._worker = threading.Thread(target=self._work, name=f"{self.name}-copy", daemon=True)
         self._worker.start()
+        # Notifications are read as they arrive by a thread that sleeps in poll() on the inbox, so the
+        # executor is woken by them (set_waker) instead of polling the socket.
+        self._received: list[tuple[str, bytes]] = []
+        self._received_lock = threading.Lock()
+        self._stop_r, self._stop_w = os.pipe()
+        self._reader = threading.Thread(target=self._read_inbox, name=f"{self.name}-inbox", daemon=True)
+        self._reader.start()
 
     # -- memory -------------------------------------------------------------------------------
     def register_memory(self, region: MemoryRegion) -> None:
@@ -242,21 +250,17 @@ class ShmAgent(HostCopyAgent):
         return handle
 
     def get_notifications(self) -> list[tuple[str, bytes]]:
-        out = []
-        while True:
-            try:
-                data = self._inbox.recv(1 << 20)
-            except BlockingIOError:
-                return out
-            try:
-                sender, message = msgpack.unpackb(data)
-                out.append((str(sender), bytes(message)))
-            except Exception:
-                logger.warning("shm agent %s dropped a malformed notification (%d bytes)", self.name, len(data))
+        with self._received_lock:
+            out, self._received = self._received, []
+        return out
 
     def _close(self) -> None:
         self._jobs.put(None)
         self._worker.join(timeout=30)
+        os.write(self._stop_w, b"x")
+        self._reader.join(timeout=30)
+        for fd in (self._stop_r, self._stop_w):
+            os.close(fd)
         self._inbox.close()
         self._outbox.close()
         self._files.clear()
@@ -294,4 +298,28 @@ class ShmAgent(HostCopyAgent):
                 copy_fragments(dst, src, sz)
                 self._outbox.sendto(message, notify)
 
-            handle.run(copy, self.kind)
+            handle.run(copy, self.kind, self._wake)
+
+    def _read_inbox(self) -> None:
+        poller = select.poll()
+        poller.register(self._inbox, select.POLLIN)
+        poller.register(self._stop_r, select.POLLIN)
+        while True:
+            ready = dict(poller.poll())
+            if self._stop_r in ready:
+                return
+            got = []
+            while True:
+                try:
+                    data = self._inbox.recv(1 << 20)
+                except BlockingIOError:
+                    break
+                try:
+                    sender, message = msgpack.unpackb(data)
+                    got.append((str(sender), bytes(message)))
+                except Exception:
+                    logger.warning("shm agent %s dropped a malformed notification (%d bytes)", self.name, len(data))
+            if got:
+                with self._received_lock:
+                    self._received.extend(got)
+                self._wake()

@@ -14,6 +14,9 @@ every requester as soon as both the chunk and its REQUEST_DATA are here.
 
 Generation side: `request_and_receive_async(rid, ctx_endpoint, block_ids)` then poll
 `check_gen_transfer_status()`; resume decoding of requests it reports.
+An executor with transfers in flight and nothing else to do sleeps in `wait(timeout_s)`, which the
+control plane and the agent (a finished write, a notification) end early; `check_*_status(at_least=n)`
+waits the same way, never in a fixed sleep-and-check loop.
 `cancel_request(rid)` is False while a write may still land (retry next step) and True once the
 blocks may be reused. See sessions.py for the lifecycles. Each status is this rank's: the executor
 agrees across its ranks before it changes a request's state.
@@ -34,6 +37,6 @@ The parts, one noun each:
 """
 
 from pdserve.kv_transfer.transceiver.base import TransceiverConfig
-from pdserve.kv_transfer.transceiver.kv_transceiver import POLL_INTERVAL_S, KVTransceiver
+from pdserve.kv_transfer.transceiver.kv_transceiver import HOUSEKEEPING_S, KVTransceiver
 
-__all__ = ["POLL_INTERVAL_S", "KVTransceiver", "TransceiverConfig"]
+__all__ = ["HOUSEKEEPING_S", "KVTransceiver", "TransceiverConfig"]

@@ -16,12 +16,11 @@ from pdserve.kv_transfer.transceiver.control_plane import ControlPlane
 from pdserve.kv_transfer.transceiver.receiver import Receiver
 from pdserve.kv_transfer.transceiver.sender import Sender
 
-# Longest wait between two polls of the agent inside `at_least` waits. Control messages wake the wait
-# at once; agent completions and notifications can only be polled. Polling every 0.1 ms keeps
-# detection well under a millisecond, small next to a write, and costs a fraction of one core while
-# the executor has nothing else to do. Busy polling is worse, not better: it starves NIXL's UCX
-# progress thread on small machines.
-POLL_INTERVAL_S = 0.0001
+# How long a wait sleeps when nothing wakes it: control messages wake it at once, and so do finished
+# writes and notifications of an agent that signals them (TransferAgent.set_waker). What is left to
+# notice by the clock is a session's deadline or a lost writer (peer_lost_ms), for which 10 ms is soon.
+# An agent that cannot signal (NIXL) is polled at its own completion_poll_s instead.
+HOUSEKEEPING_S = 0.01
 
 
 class KVTransceiver:
@@ -38,6 +37,7 @@ class KVTransceiver:
         self._send = Sender(self._local, self._control, self._bouncer)
         self._recv = Receiver(self._local, self._control, self._bouncer)
         self._control.connect(self._send, self._recv)
+        agent.set_waker(self._control.wake.set)  # a finished write or a notification ends a wait()
         # The parts' own tables and counters (one object each, never replaced): empty tables mean "all done".
         self.send_sessions: dict[int, SendSession] = self._send.sessions
         self.recv_sessions: dict[int, RecvSession] = self._recv.sessions
@@ -65,6 +65,7 @@ class KVTransceiver:
 
     def close(self) -> None:
         """Stop the listener and deregister the staging buffer; the caller still owns the agent."""
+        self.agent.set_waker(None)
         self._control.close()
         self._bouncer.close()
 
@@ -157,6 +158,16 @@ class KVTransceiver:
         """First-contact canaries this rank wrote (kept out of `stats`)."""
         return self._send.canary_writes
 
+    def wait(self, timeout_s: float) -> bool:
+        """Sleep until something may have changed (a control message; a finished write or a notification,
+        for an agent that signals them) or `timeout_s` passed; True when woken. An executor with transfers
+        in flight and nothing else to do sleeps here instead of a fixed sleep; the next status check
+        applies what woke it."""
+        wake = self._control.wake
+        woke = wake.wait(timeout_s)
+        wake.clear()  # whatever set it is still queued (control messages) or pollable (agent): not lost
+        return woke
+
     def _check(self, table: dict, canaries: set[int], at_least: int,
                step: Callable[[], TransferResults]) -> TransferResults:
         want = min(max(at_least, 0), sum(1 for rid in table if rid not in canaries))
@@ -164,8 +175,9 @@ class KVTransceiver:
         wake.clear()  # before the step, which drains the queue: no wake-up is lost
         self._control.drain()
         results = step()
+        sleep_s = self.agent.completion_poll_s or HOUSEKEEPING_S
         while len(results) < want:
-            wake.wait(POLL_INTERVAL_S)
+            wake.wait(sleep_s)
             wake.clear()
             self._control.drain()
             results.merge(step())
