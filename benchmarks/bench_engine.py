@@ -21,8 +21,7 @@ device's own memory bandwidth for the roofline. The embedded model does not trav
 there give --model a directory (`--tiny-smollm2` writes random weights of SmolLM2-135M's shape).
 
 --kv-cache-dtypes adds a pdserve row per KV cache dtype beyond the first (default: auto, the weights' dtype)
-and its ratio to the first: an fp8_e4m3 cache takes the PyTorch attention paths (gather, dequantize, SDPA),
-since the native kernels read no FP8.
+and its ratio to the first (an fp8_e4m3 cache: the native kernels read its bytes through their tables).
 
 --tiny-qwen3-moe DIR benches a Qwen3-MoE of random weights (8 layers of hidden 512, 32 experts of 256,
 top 4): the MoE block's grouped expert products (models/moe.py) against transformers' own.

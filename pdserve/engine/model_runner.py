@@ -138,8 +138,8 @@ class ModelRunner:
             # (MLA attends over its latents with SDPA, mla.py: no attention kernel of its to race; 0 heads)
             heads = 0 if model_cfg.mla is not None else model_cfg.num_heads // ps.tp_size
             choose_paths(self.model, self.dtype, heads, max(1, model_cfg.num_kv_heads // ps.tp_size),
-                         model_cfg.head_dim)
-        if isinstance(self.model, LlamaForCausalLM) and not is_quantized(self.kv_dtype):  # it reads no FP8
+                         model_cfg.head_dim, kv_dtype=self.kv_dtype)
+        if isinstance(self.model, LlamaForCausalLM):
             self.model.stage_decoder = StageDecoder.for_model(self.model)  # None where it does not apply
         self.num_blocks = num_kv_blocks(model_cfg, ecfg, self.kv_dtype)
         self._allocator = pool_allocator or shared_pool_allocator(tc.backend)

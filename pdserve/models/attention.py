@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.models import cpu_kernels
-from pdserve.models.kv_quant import KVScales, dequantize, is_quantized, quantize
+from pdserve.models.kv_quant import KVScales, dequant_tables, dequantize, is_quantized, quantize
 from pdserve.models.layers import RotaryEmbedding, onednn_linear
 
 
@@ -131,12 +131,21 @@ class PagedKVCache:
         self.pool = pool
         self.layout = layout
         self.tokens_per_block = pool.shape[4] if layout == "HND" else pool.shape[3]
-        # An FP8 pool (kv_quant.py) stores x / scale saturated; the native kernels read no FP8, so its
-        # reads and writes take the PyTorch paths.
+        # An FP8 pool (kv_quant.py) stores x / scale saturated; the native kernels read it through
+        # dequant_table's values, which are the PyTorch path's.
         self.quantized = is_quantized(pool.dtype)
         self.scales = (scales or KVScales.ones(pool.shape[1])) if self.quantized else None
         if self.scales is not None and len(self.scales.k) != pool.shape[1]:
             raise ValueError(f"{len(self.scales.k)} KV scales for a pool of {pool.shape[1]} layers")
+
+    @cached_property
+    def _dequant_tables(self) -> torch.Tensor:
+        return dequant_tables(self.scales)
+
+    def dequant_table(self, layer: int, dtype: torch.dtype) -> torch.Tensor:
+        """An FP8 pool's [2, 256] fp32 table of what each byte of the layer's K and V reads back as in
+        `dtype` (fp32 or bf16): what the native kernels read the pool through."""
+        return self._dequant_tables[layer, int(dtype == torch.bfloat16)]
 
     def encode(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """k, v: [n, kv_heads, head_dim] -> [n, 2, kv_heads, head_dim] as the pool stores them."""
@@ -219,9 +228,8 @@ def rotate_and_cache(qkv: torch.Tensor, heads: int, rope_table: tuple[torch.Tens
     """RoPE on q and k of qkv [n, heads + 2 * kv_heads, d], and the new K and V written to the cache.
     Returns the rotated q and k side by side, [n, heads + kv_heads, d]. On CPU one native call
     (cpu_kernels.rope_cache_write, the same bits); elsewhere RotaryEmbedding.rotate + PagedKVCache.write."""
-    qk = None if cache.quantized else cpu_kernels.rope_cache_write(qkv, heads, *rope_table, cache.pool,
-                                                                    cache.layout, layer, md.slot_blocks,
-                                                                    md.slot_offsets)
+    qk = cpu_kernels.rope_cache_write(qkv, heads, *rope_table, cache.pool, cache.layout, layer, md.slot_blocks,
+                                      md.slot_offsets, cache.scales)
     if qk is None:
         kv_heads = (qkv.shape[1] - heads) // 2
         qk = RotaryEmbedding.rotate(qkv[:, : heads + kv_heads], rope_table)  # q and k: one rotation covers both
@@ -238,18 +246,24 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     out = None if md.decode_only else torch.empty(n, heads, d, dtype=q.dtype, device=q.device)
     # SDPA gets 4-D [1, heads, len, d] inputs: with 3-D ones PyTorch's CPU backend falls back to the
     # math kernel and materialises the whole [heads, len, len] score matrix.
+    flash = cpu_kernels.native(cpu_kernels.FLASH_PREFILL, q.dtype)  # (kernel_dispatch: where it beats PyTorch)
+    stored = cache.quantized  # FP8 K/V go to the flash kernel as stored, with their dequantisation tables
     for s in md.prefills:
         rows = slice(s.q_start, s.q_start + s.q_len)
         if s.q_len == s.ctx_len:
             # Nothing cached before this chunk: attend to the fresh K/V, rounded through the cache
             # dtype so the result matches what a later step reads back.
-            ks, vs = cache.round_trip(layer, k[rows], v[rows], q.dtype)
+            ks, vs = (cache.encode(layer, k[rows], v[rows]).unbind(1) if stored
+                      else cache.round_trip(layer, k[rows], v[rows], q.dtype))
             ks, vs = ks.transpose(0, 1), vs.transpose(0, 1)  # [kv_heads, q_len, d]
         else:
-            ks, vs = cache.gather(layer, s.block_ids, s.ctx_len, q.dtype)  # [kv_heads, ctx_len, d]
-        if (cpu_kernels.native(cpu_kernels.FLASH_PREFILL, q.dtype)  # (kernel_dispatch: where it beats PyTorch)
-                and cpu_kernels.flash_prefill(q[rows], ks, vs, scale, out=out[rows], window=window) is not None):
+            ks, vs = cache.gather(layer, s.block_ids, s.ctx_len, None if stored else q.dtype)  # [kv_heads, ctx, d]
+        table = cache.dequant_table(layer, q.dtype) if stored else None
+        if flash and cpu_kernels.flash_prefill(q[rows], ks, vs, scale, out=out[rows], window=window,
+                                               dequant=table) is not None:
             continue  # written into out; None off CPU or without the native kernels
+        if stored:
+            ks, vs = cache.decode(layer, ks, vs, q.dtype)
         if _use_tiled(q, s.q_len) and not window:
             out[rows] = _tiled_causal_attention(q[rows], ks, vs, scale)
             continue
@@ -269,10 +283,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     if md.decode_rows.numel():
         # One query per sequence: the native kernel reads the pool directly; else SDPA over a gather.
         qd = q if md.decode_only else q[md.decode_rows]  # [b, heads, d]
-        # (an FP8 pool: not the kernel's; kernel_dispatch: where it beats PyTorch)
-        runs = not cache.quantized and cpu_kernels.native(cpu_kernels.PAGED_DECODE, q.dtype)
+        runs = cpu_kernels.native(cpu_kernels.PAGED_DECODE, q.dtype)  # (kernel_dispatch: where it beats PyTorch)
         o = cpu_kernels.paged_decode_attention(qd, cache.pool, cache.layout, layer, md.decode_blocks, md.decode_lens,
-                                               scale, window) if runs else None
+                                               scale, window, cache.scales) if runs else None
         if o is None:
             o = _sdpa_decode(qd, layer, cache, md, scale, window)
         if md.decode_only:

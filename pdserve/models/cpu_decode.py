@@ -86,7 +86,7 @@ class StageDecoder:
             for i, layer in enumerate(self.layers):
                 attn, mlp = layer.self_attn, layer.mlp
                 bias = attn.qkv_proj.bias
-                args[i] = _LayerArgs(cpu_kernels._layer_view(cache.pool, cache.layout, i),
+                args[i] = _LayerArgs(cpu_kernels._layer_view(cache.pool, cache.layout, i, cache.scales),
                                      layer.input_layernorm.weight.data_ptr(),
                                      layer.post_attention_layernorm.weight.data_ptr(),
                                      attn.qkv_proj.gemv_weight.data_ptr(), None if bias is None else bias.data_ptr(),

@@ -46,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from pdserve.models.kv_quant import FP8, KVScales, dequant_tables
+
 log = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))  # with the headers beside them (*.h)
@@ -57,7 +59,7 @@ CACHE_ENV = "PDSERVE_KERNEL_CACHE"
 # -march for the build: `native` (the default) compiles for this CPU; e.g. `x86-64-v3` (AVX2 + FMA, no
 # AVX-512) builds the form an AVX2-only machine gets, which is how that machine's paths are tested here.
 MARCH_ENV = "PDSERVE_KERNEL_MARCH"
-_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, FP8: 3}  # KV_* in csrc/pool.h
 _FLOAT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # activations: the first two of the same enum
 
 
@@ -66,32 +68,44 @@ class _PoolView(ctypes.Structure):
 
     _fields_ = [("base", ctypes.c_void_p)] + [(name, ctypes.c_int64) for name in (
         "layer_offset", "block_stride", "kv_stride", "head_stride", "token_stride",
-        "num_blocks", "kv_heads", "tokens_per_block", "head_dim")]
+        "num_blocks", "kv_heads", "tokens_per_block", "head_dim")] + [
+        ("dequant", ctypes.c_void_p), ("k_scale", ctypes.c_float), ("v_scale", ctypes.c_float)]
 
 
-def _pool_view(pool: torch.Tensor, layout: str, layer: int) -> _PoolView:
+def _pool_view(pool: torch.Tensor, layout: str, layer: int, tables: torch.Tensor | None = None,
+               scales: KVScales | None = None) -> _PoolView:
     """Layer `layer` of a pool in attention.PagedKVCache's layout, HND [blocks, layers, 2, heads, tokens, d]
-    or NHD [blocks, layers, 2, tokens, heads, d]."""
+    or NHD [blocks, layers, 2, tokens, heads, d]; an FP8 pool's with its `scales` and this layer's
+    dequantisation `tables` (kv_quant.dequant_tables(scales)[layer])."""
     s = pool.stride()
     head_stride, token_stride, kv_heads, tokens = ((s[3], s[4], pool.shape[3], pool.shape[4]) if layout == "HND"
                                                    else (s[4], s[3], pool.shape[4], pool.shape[3]))
+    fp8 = (tables.data_ptr(), scales.k[layer], scales.v[layer]) if tables is not None else (None, 1.0, 1.0)
     return _PoolView(pool.data_ptr(), layer * s[1], s[0], s[2], head_stride, token_stride, pool.shape[0], kv_heads,
-                     tokens, pool.shape[-1])
+                     tokens, pool.shape[-1], *fp8)
 
 
-_views: dict[int, tuple[weakref.ref, dict[tuple[str, int], _PoolView]]] = {}
+# id(pool) -> (the pool, weakly; (layout, layer, id(scales)) -> view; what the views point into or key by)
+_views: dict[int, tuple[weakref.ref, dict[tuple[str, int, int], _PoolView], list]] = {}
 
 
-def _layer_view(pool: torch.Tensor, layout: str, layer: int) -> _PoolView:
-    """`_pool_view`, built once per pool, layout and layer: a decode step asks for every layer's view
-    on every step, and building one costs about a microsecond."""
+def _layer_view(pool: torch.Tensor, layout: str, layer: int, scales: KVScales | None = None) -> _PoolView:
+    """`_pool_view`, built once per pool, layout, layer (and scales): a decode step asks for every layer's
+    view on every step, and building one costs about a microsecond. An FP8 pool needs its `scales`."""
     key = id(pool)
     entry = _views.get(key)
     if entry is None or entry[0]() is not pool:
-        entry = _views[key] = (weakref.ref(pool, lambda _, key=key: _views.pop(key, None)), {})
-    view = entry[1].get((layout, layer))
+        entry = _views[key] = (weakref.ref(pool, lambda _, key=key: _views.pop(key, None)), {}, [])
+    view = entry[1].get((layout, layer, id(scales)))
     if view is None:
-        view = entry[1][(layout, layer)] = _pool_view(pool, layout, layer)
+        tables = None
+        if pool.dtype == FP8:
+            if scales is None or len(scales.k) != pool.shape[1]:
+                raise ValueError(f"an FP8 pool of {pool.shape[1]} layers needs its KV scales, one K and one V scale "
+                                 f"a layer (got {None if scales is None else len(scales.k)})")
+            tables = dequant_tables(scales)[layer]
+            entry[2].extend((tables, scales))  # alive as long as the view that points into or is keyed by them
+        view = entry[1][(layout, layer, id(scales))] = _pool_view(pool, layout, layer, tables, scales)
     return view
 
 
@@ -121,7 +135,7 @@ class _FlashArgs(ctypes.Structure):
         (name, ctypes.c_int64) for name in ("n", "ctx", "heads", "kv_heads", "head_dim", "q_seq_stride",
                                             "k_head_stride", "k_token_stride", "v_head_stride",
                                             "v_token_stride", "window")] + [
-        ("scale", ctypes.c_float)]
+        ("scale", ctypes.c_float), ("dequant", ctypes.c_void_p)]
 
 
 _FLASH_BF16_PAIRS = 2  # FLASH_BF16_PAIRS in csrc/flash_prefill.c
@@ -281,16 +295,19 @@ def load() -> ctypes.CDLL | None:
 
 
 def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layout: str, layer: int, block_table: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor | None:
+                           context_lens: torch.Tensor, scale: float, window: int = 0,
+                           scales: KVScales | None = None) -> torch.Tensor | None:
     """Attention of one query per sequence against its paged K/V (its last `window` keys only, when a
-    sliding window is given).
+    sliding window is given). An FP8 pool is read with its `scales` (kv_quant: the values its PyTorch
+    path dequantizes to, in q's dtype).
 
     q: [b, heads, d] (heads and d contiguous, any stride between sequences); pool: the rank's KV pool
     (attention.PagedKVCache's layout); block_table: [b, max_blocks] int64, padded; context_lens: [b]
     int64. Returns [b, heads, d] in q's dtype, or None where the kernel does not apply (not on CPU, no
     library, an unsupported dtype or shape), in which case the caller takes the PyTorch path.
     """
-    if pool.device.type != "cpu" or pool.dtype not in _KV_DTYPES or pool.stride(-1) != 1:
+    if (pool.device.type != "cpu" or pool.dtype not in _KV_DTYPES or pool.stride(-1) != 1
+            or (pool.dtype == FP8 and q.dtype not in _FLOAT_DTYPES)):  # (the tables are fp32's and bf16's values)
         return None
     lib = load()
     if lib is None:
@@ -305,8 +322,8 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layout: str, lay
     table = block_table.contiguous()
     lens = context_lens.contiguous()
     out = torch.empty(b, heads, d, dtype=q_in.dtype)
-    args = _DecodeArgs(_layer_view(pool, layout, layer), table.data_ptr(), table.shape[1], lens.data_ptr(), b, heads,
-                       scale, q_in.data_ptr(), q_in.stride(0), out.data_ptr(), _FLOAT_DTYPES[q_in.dtype], window)
+    args = _DecodeArgs(_layer_view(pool, layout, layer, scales), table.data_ptr(), table.shape[1], lens.data_ptr(), b,
+                       heads, scale, q_in.data_ptr(), q_in.stride(0), out.data_ptr(), _FLOAT_DTYPES[q_in.dtype], window)
     status = lib.paged_decode_attention(ctypes.byref(args), _KV_DTYPES[pool.dtype], torch.get_num_threads())
     if status == -2:
         raise IndexError(f"paged decode attention: a context length or block id is outside the block table "
@@ -316,24 +333,31 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layout: str, lay
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
-def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  out: torch.Tensor | None = None, window: int = 0) -> torch.Tensor | None:
+def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                  window: int = 0, dequant: torch.Tensor | None = None) -> torch.Tensor | None:
     """Causal attention of a prefill chunk, in one pass over the keys (online softmax).
 
     q: [n, heads, d] fp32 or bf16 for the last n positions (any stride over positions: a view of the
     rotated q and k side by side needs no copy); k, v: [kv_heads, ctx, d] in q's dtype (any strides over
     heads and positions) for positions 0..ctx-1, so query i sits at position ctx - n + i. Returns
     [n, heads, d] in q's dtype, written into `out` when given (contiguous). With a sliding `window`,
-    the query at position P sees keys P - window + 1 .. P only.
+    the query at position P sees keys P - window + 1 .. P only. With `dequant`, k and v are an FP8 cache's
+    bytes and dequant [2, 256] fp32 what each byte of K and of V stands for in q's dtype
+    (kv_quant.dequant_tables).
     Scores and softmax are fp32; for bf16 on a CPU with AVX512-BF16 the two products take bf16
     inputs (the probabilities rounded to bf16), else they are fp32. None where the kernel does not
     apply (no library, not on CPU, another dtype, head_dim not a multiple of 16).
     """
     n, heads, d = q.shape
     kv_heads, ctx, _ = k.shape
-    if (q.device.type != "cpu" or q.dtype not in _FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype
+    kv_dtype = q.dtype if dequant is None else FP8
+    if (q.device.type != "cpu" or q.dtype not in _FLOAT_DTYPES or k.dtype != kv_dtype or v.dtype != kv_dtype
             or d % 16 or heads % kv_heads or ctx < n or k.stride(-1) != 1 or v.stride(-1) != 1):
         return None
+    if dequant is not None and (dequant.shape != (2, 256) or dequant.dtype != torch.float32
+                                or not dequant.is_contiguous()):
+        raise ValueError(f"flash prefill attention: dequant must be a contiguous [2, 256] float32 table, got "
+                         f"{tuple(dequant.shape)} {dequant.dtype}")
     lib = load()
     if lib is None:
         return None
@@ -344,7 +368,8 @@ def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     elif not out.is_contiguous() or out.shape != q.shape or out.dtype != q.dtype:
         raise ValueError(f"flash prefill attention: out must be a contiguous {tuple(q.shape)} {q.dtype} tensor")
     args = _FlashArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, ctx, heads, kv_heads, d,
-                      q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), window, scale)
+                      q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), window, scale,
+                      None if dequant is None else dequant.data_ptr())
     pairs = q.dtype == torch.bfloat16 and lib.flash_prefill_bf16_pairs() == 1
     mode = _FLASH_BF16_PAIRS if pairs else _FLOAT_DTYPES[q.dtype]
     status = lib.flash_prefill(ctypes.byref(args), mode, torch.get_num_threads())
@@ -425,10 +450,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rope_cache_write(qkv: torch.Tensor, heads: int, cos: torch.Tensor, signed_sin: torch.Tensor, pool: torch.Tensor,
-                     layout: str, layer: int, slot_blocks: torch.Tensor,
-                     slot_offsets: torch.Tensor) -> torch.Tensor | None:
+                     layout: str, layer: int, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor,
+                     scales: KVScales | None = None) -> torch.Tensor | None:
     """RoPE on q and k of qkv [n, heads + 2 * kv_heads, d] (contiguous, fp32 or bf16), K and V written
-    to pool (attention.PagedKVCache's layout) at (slot_blocks[i], slot_offsets[i]) for layer `layer`.
+    to pool (attention.PagedKVCache's layout) at (slot_blocks[i], slot_offsets[i]) for layer `layer`
+    (an FP8 pool: by its `scales`, as kv_quant.quantize).
     cos, signed_sin: [n, d] fp32 rows of the rotary table. Returns the rotated q and k,
     [n, heads + kv_heads, d] in qkv's dtype; None where the kernel does not apply."""
     if (qkv.device.type != "cpu" or qkv.dtype not in _FLOAT_DTYPES or pool.dtype not in _KV_DTYPES
@@ -443,7 +469,7 @@ def rope_cache_write(qkv: torch.Tensor, heads: int, cos: torch.Tensor, signed_si
     blocks, offsets = slot_blocks.contiguous(), slot_offsets.contiguous()
     if blocks.dtype != torch.int64 or offsets.dtype != torch.int64:
         raise TypeError("slot_blocks and slot_offsets must be int64")
-    view = _layer_view(pool, layout, layer)
+    view = _layer_view(pool, layout, layer, scales)
     if width != heads + 2 * view.kv_heads or d != view.head_dim:
         raise ValueError(f"qkv rows of {width} heads x {d} do not match {heads} query heads and the pool's "
                          f"{view.kv_heads} KV heads x {view.head_dim}")

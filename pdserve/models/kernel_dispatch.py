@@ -117,14 +117,15 @@ def time_flash_prefill(heads: int, kv_heads: int, head_dim: int, dtype: torch.dt
     return _race(lambda: cpu_kernels.flash_prefill(q, k, v, scale), reference)
 
 
-def time_paged_decode(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                      tokens_per_block: int = 16) -> tuple[float, float] | None:
+def time_paged_decode(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, tokens_per_block: int = 16,
+                      kv_dtype: torch.dtype | None = None) -> tuple[float, float] | None:
     """(native ms, PyTorch ms) for decode attention at PAGED_DECODE_CASES, each sequence's blocks scattered
-    over one pool, summed; None where the kernel does not take the shape."""
+    over one pool (of `kv_dtype`, default `dtype`; an FP8 one with scales 1), summed; None where the kernel
+    does not take the shape."""
     g = torch.Generator().manual_seed(0)
     T = tokens_per_block
     total = sum(b * (ctx // T) for b, ctx in PAGED_DECODE_CASES)
-    pool = torch.randn(total, 1, 2, kv_heads, T, head_dim, generator=g).to(dtype)  # one layer, HND
+    pool = torch.randn(total, 1, 2, kv_heads, T, head_dim, generator=g).to(kv_dtype or dtype)  # one layer, HND
     cache, scale, blocks, at = PagedKVCache(pool, "HND"), head_dim ** -0.5, torch.randperm(total, generator=g), 0
     cases = []
     for b, ctx in PAGED_DECODE_CASES:
@@ -134,13 +135,14 @@ def time_paged_decode(heads: int, kv_heads: int, head_dim: int, dtype: torch.dty
         md = AttentionMetadata(empty, empty, [], torch.arange(b), table, torch.full((b,), ctx), T, decode_only=True)
         cases.append((torch.randn(b, heads, head_dim, generator=g).to(dtype), md))
     if cpu_kernels.paged_decode_attention(cases[0][0], pool, "HND", 0, cases[0][1].decode_blocks,
-                                          cases[0][1].decode_lens, scale) is None:
+                                          cases[0][1].decode_lens, scale, scales=cache.scales) is None:
         return None
 
     def run(native: bool) -> None:
         for q, md in cases:
             if native:
-                cpu_kernels.paged_decode_attention(q, pool, "HND", 0, md.decode_blocks, md.decode_lens, scale)
+                cpu_kernels.paged_decode_attention(q, pool, "HND", 0, md.decode_blocks, md.decode_lens, scale,
+                                                   scales=cache.scales)
             else:
                 _sdpa_decode(q, 0, cache, md, scale, 0)
     return _race(lambda: run(True), lambda: run(False))
@@ -230,19 +232,23 @@ def _decide(kernel: str, dtype: torch.dtype, shape: str, timer: Callable[[], tup
 
 
 def choose_paths(model: torch.nn.Module, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-                 cache: Path | None = None) -> dict[str, bool]:
+                 cache: Path | None = None, kv_dtype: torch.dtype | None = None) -> dict[str, bool]:
     """Decides each kernel's path for this model (see the module docstring) and returns kernel -> native.
     `heads`, `kv_heads`: this rank's query and KV heads (heads 0: a model that runs no paged attention
-    kernel; only its GEMV is raced). Call after `layers.pack_for_cpu`."""
+    kernel; only its GEMV is raced); `kv_dtype`: the KV pool's, where it is not `dtype` (an FP8 pool's
+    paged decode is raced on FP8). Call after `layers.pack_for_cpu`."""
     if cpu_kernels.load() is None or dtype not in (torch.float32, torch.bfloat16):
         return {}
     forced = forced_paths()
     cache = cache or cpu_kernels._cache_dir() / CHOICES_FILE
     chosen = {}
     heads_shape = f"{heads}x{kv_heads}x{head_dim}"
-    decode_shape = ",".join(f"b{b}x{ctx}" for b, ctx in PAGED_DECODE_CASES)
+    kv_dtype = kv_dtype if kv_dtype not in (None, dtype) else None
+    decode_shape = ",".join(f"b{b}x{ctx}" for b, ctx in PAGED_DECODE_CASES) + (
+        f"/{str(kv_dtype).removeprefix('torch.')}" if kv_dtype else "")
     attention = [(cpu_kernels.FLASH_PREFILL, f"{heads_shape}@{FLASH_TOKENS}", time_flash_prefill),
-                 (cpu_kernels.PAGED_DECODE, f"{heads_shape}@{decode_shape}", time_paged_decode)]
+                 (cpu_kernels.PAGED_DECODE, f"{heads_shape}@{decode_shape}",
+                  lambda *a: time_paged_decode(*a, kv_dtype=kv_dtype))]
     for kernel, shape, timer in attention if heads >= 1 else []:
         use = _decide(kernel, dtype, shape, lambda timer=timer: timer(heads, kv_heads, head_dim, dtype), forced, cache)
         if use is not None:

@@ -71,3 +71,14 @@ def dequantize(q: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tenso
     if scale == 1.0:
         return q.to(dtype)
     return (q.float() * scale).to(dtype)
+
+
+def dequant_tables(scales: KVScales) -> torch.Tensor:
+    """[layers, 2, 2, 256] float32: [layer, c, part, byte] is what `byte` of that layer's K (part 0) or V
+    (part 1) reads back as through `dequantize`, in compute dtype c (0 fp32, 1 bf16), widened to fp32
+    (exactly). The native kernels read an FP8 pool through these tables (csrc/fp8.h), so they see the
+    very values the PyTorch path reads."""
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8)
+    return torch.stack([torch.stack([torch.stack([dequantize(codes, s, dtype).float() for s in (k, v)])
+                                     for dtype in (torch.float32, torch.bfloat16)])
+                        for k, v in zip(scales.k, scales.v)]).contiguous()

@@ -32,7 +32,9 @@
  *    contiguous and the heads one after another; query i sits at position ctx - n + i and sees keys
  *    0 .. ctx - n + i.
  * k, v: in q's dtype, key t of KV head h at h * head_stride + t * token_stride (elements), each key's
- *    d values contiguous.
+ *    d values contiguous; or, with `dequant` given, float8_e4m3fn bytes (an FP8 KV cache, fp8.h) read
+ *    through dequant[0][256] (K) and dequant[1][256] (V), what each byte stands for in q's dtype: the
+ *    packing widens them, and the tiles run as for q's dtype.
  * out: [n, heads, d] in q's dtype (bf16 rounded to nearest even), contiguous.
  * window: with a sliding window, query P sees keys P - window + 1 .. P only: key blocks wholly before
  *    a work item's window are not visited, and the keys of a block a row may not see are masked like
@@ -68,6 +70,7 @@ struct flash_args {
     int64_t k_head_stride, k_token_stride, v_head_stride, v_token_stride;
     int64_t window; /* > 0: position P sees keys (P - window, P] only (a sliding window); 0: keys [0, P] */
     float scale;
+    const float *dequant; /* NULL: k and v in q's dtype; else FP8 k and v, and their tables [2][256] */
 };
 
 /* K and V packed for the tiles (see the top of the file), ld keys per KV head. */
@@ -378,24 +381,30 @@ static void work_item(const struct flash_args *a, int mode, const struct packed 
     }
 }
 
+/* Element i of bf16 K or V, or of FP8 K or V through its table (whose values are bf16's: exact). */
+static inline uint16_t bf16_at(const void *src, int64_t i, const float *table) {
+    return table ? bf16_out(table[((const uint8_t *)src)[i]]) : ((const uint16_t *)src)[i];
+}
+
 /* Packs keys [t0, t0 + BK) of KV head h (zeros past ctx) into kv, in the form `mode` reads; the
  * block's reads and writes stay in L1. */
 static void pack_block(const struct flash_args *a, int mode, const struct packed *kv, int64_t h, int64_t t0) {
     const int64_t d = a->head_dim, ld = kv->ld, base = h * d * ld;
     const int64_t kh = h * a->k_head_stride, vh = h * a->v_head_stride;
     const int64_t valid = a->ctx - t0 < BK ? (a->ctx - t0 > 0 ? a->ctx - t0 : 0) : BK;
+    const float *kq = a->dequant, *vq = a->dequant ? a->dequant + 256 : NULL;
     if (mode == FLASH_BF16_PAIRS) {  /* K [ld / BK][d / 2][BK][2], V [ld / 2][d][2] */
-        const uint16_t *ks = (const uint16_t *)a->k + kh, *vs = (const uint16_t *)a->v + vh;
         for (int64_t x = 0; x < d; x += 2) {
             uint16_t *k = (uint16_t *)kv->k + base + t0 * d + (x / 2) * BK * 2;
             for (int64_t t = 0; t < BK; t++) {
-                k[2 * t] = t < valid ? ks[(t0 + t) * a->k_token_stride + x] : 0;
-                k[2 * t + 1] = t < valid ? ks[(t0 + t) * a->k_token_stride + x + 1] : 0;
+                k[2 * t] = t < valid ? bf16_at(a->k, kh + (t0 + t) * a->k_token_stride + x, kq) : 0;
+                k[2 * t + 1] = t < valid ? bf16_at(a->k, kh + (t0 + t) * a->k_token_stride + x + 1, kq) : 0;
             }
         }
         for (int64_t t = 0; t < BK; t++) {
             uint16_t *v = (uint16_t *)kv->v + base + ((t0 + t) / 2) * d * 2 + t % 2;
-            for (int64_t x = 0; x < d; x++) v[2 * x] = t < valid ? vs[(t0 + t) * a->v_token_stride + x] : 0;
+            for (int64_t x = 0; x < d; x++)
+                v[2 * x] = t < valid ? bf16_at(a->v, vh + (t0 + t) * a->v_token_stride + x, vq) : 0;
         }
     } else {  /* K [ld / BK][d][BK], V [ld][d], fp32; a token's row is read once, into K's column t */
         float *k = (float *)kv->k + base + t0 * d, *v = (float *)kv->v + base + t0 * d;
@@ -406,7 +415,11 @@ static void pack_block(const struct flash_args *a, int mode, const struct packed
         for (int64_t t = 0; t < valid; t++) {
             const int64_t kt = kh + (t0 + t) * a->k_token_stride, vt = vh + (t0 + t) * a->v_token_stride;
             float *vr = v + t * d;
-            if (mode == FLASH_F32) {
+            if (a->dequant) {
+                const uint8_t *ks = (const uint8_t *)a->k + kt, *vs = (const uint8_t *)a->v + vt;
+                for (int64_t x = 0; x < d; x++) vr[x] = vq[vs[x]];
+                for (int64_t x = 0; x < d; x++) k[x * BK + t] = kq[ks[x]];
+            } else if (mode == FLASH_F32) {
                 memcpy(vr, (const float *)a->v + vt, d * sizeof(float));
                 for (int64_t x = 0; x < d; x++) k[x * BK + t] = ((const float *)a->k)[kt + x];
             } else {

@@ -11,8 +11,10 @@
  *
  * Query heads [h * group, (h + 1) * group) share KV head h. q is [b, heads, d] with heads and d
  * contiguous and sequences q_seq_stride elements apart (a view into the step's q/k buffer), out is
- * contiguous [b, heads, d]; both fp32 or both bf16 (io_dtype), the arithmetic fp32. Compiled with -ffast-math so that the dot products vectorise (reassociated sums) and
- * expf vectorises through glibc's libmvec. With a sliding window (window > 0) a sequence reads only
+ * contiguous [b, heads, d]; both fp32 or both bf16 (io_dtype), the arithmetic fp32. An FP8 pool's rows
+ * are widened through its dequantisation tables (fp8.h): the values the PyTorch path reads. Compiled
+ * with -ffast-math so that the dot products vectorise (reassociated sums) and expf vectorises through
+ * glibc's libmvec. With a sliding window (window > 0) a sequence reads only
  * its last `window` keys, starting mid-block where the window does.
  */
 #include <float.h>
@@ -27,13 +29,15 @@
 #define MAX_TOKENS_PER_BLOCK 256
 #define MAX_HEAD_DIM 512
 
-enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
-
-/* A pointer to one K or V row as fp32: the pool itself for fp32, else `buf` after conversion. */
+/* A pointer to one K or V row as fp32: the pool itself for fp32, else `buf` after conversion (FP8:
+ * through `table`, the part's dequantisation table, pool.h). */
 static inline __attribute__((always_inline)) const float *row_as_float(const char *pool, int64_t elem, int dtype,
-                                                                       float *buf, int64_t d) {
+                                                                       float *buf, int64_t d, const float *table) {
     if (dtype == KV_F32) return (const float *)pool + elem;
-    if (dtype == KV_BF16) {
+    if (dtype == KV_FP8) {
+        const uint8_t *src = (const uint8_t *)pool + elem;
+        for (int64_t i = 0; i < d; i++) buf[i] = table[src[i]];
+    } else if (dtype == KV_BF16) {
         const uint16_t *src = (const uint16_t *)pool + elem;
         for (int64_t i = 0; i < d; i++) buf[i] = bf16_in(src[i]);
     } else {
@@ -43,7 +47,7 @@ static inline __attribute__((always_inline)) const float *row_as_float(const cha
     return buf;
 }
 
-static inline int64_t elem_bytes(int dtype) { return dtype == KV_F32 ? 4 : 2; }
+static inline int64_t elem_bytes(int dtype) { return dtype == KV_F32 ? 4 : dtype == KV_FP8 ? 1 : 2; }
 
 /* Prefetch one K or V row (`d` elements of `elem` bytes at element `row`). */
 static inline __attribute__((always_inline)) void prefetch_row(const char *pool, int64_t row, int64_t elem, int64_t d) {
@@ -68,6 +72,8 @@ static inline __attribute__((always_inline)) void decode_task(const decode_args 
     }
     memset(acc, 0, sizeof(acc));
     const char *pool = (const char *)a->cache.base;
+    const float *k_table = dtype == KV_FP8 ? pool_dequant(&a->cache, a->io_dtype, 0) : NULL;
+    const float *v_table = dtype == KV_FP8 ? pool_dequant(&a->cache, a->io_dtype, 1) : NULL;
     const int64_t *table = a->block_table + seq * a->max_blocks;
     /* A sliding window starts the walk at the block of key ctx - window, and within it at that key. */
     const int64_t first = a->window > 0 && ctx > a->window ? ctx - a->window : 0;
@@ -82,7 +88,7 @@ static inline __attribute__((always_inline)) void decode_task(const decode_args 
             for (int64_t t = t0; t < n; t++) {
                 const int64_t offset = h * a->cache.head_stride + t * a->cache.token_stride;
                 if (next >= 0) prefetch_row(pool, next + offset, elem_bytes(dtype), d);
-                const float *k = row_as_float(pool, base + offset, dtype, row, d);
+                const float *k = row_as_float(pool, base + offset, dtype, row, d, k_table);
                 for (int64_t r = (h - h0) * group; r < (h - h0 + 1) * group; r++) {
                     float s = 0.0f;
                     for (int64_t i = 0; i < d; i++) s += q[r * d + i] * k[i];
@@ -107,7 +113,7 @@ static inline __attribute__((always_inline)) void decode_task(const decode_args 
             for (int64_t t = t0; t < n; t++) {
                 const int64_t offset = a->cache.kv_stride + h * a->cache.head_stride + t * a->cache.token_stride;
                 if (next >= 0) prefetch_row(pool, next + offset, elem_bytes(dtype), d);
-                const float *v = row_as_float(pool, base + offset, dtype, row, d);
+                const float *v = row_as_float(pool, base + offset, dtype, row, d, v_table);
                 for (int64_t r = (h - h0) * group; r < (h - h0 + 1) * group; r++) {
                     const float p = scores[r * T + t];
                     for (int64_t i = 0; i < d; i++) acc[r * d + i] += p * v[i];
@@ -142,20 +148,23 @@ typedef void (*task_fn)(const decode_args *, int64_t, int64_t, int64_t);
 DEFINE_TASKS(f32, KV_F32)
 DEFINE_TASKS(bf16, KV_BF16)
 DEFINE_TASKS(f16, KV_F16)
+DEFINE_TASKS(fp8, KV_FP8)
 
 static task_fn pick_task(int dtype, int64_t d) {
-    static const task_fn table[3][3] = {{f32_d64, f32_d128, f32_any},
+    static const task_fn table[4][3] = {{f32_d64, f32_d128, f32_any},
                                         {bf16_d64, bf16_d128, bf16_any},
-                                        {f16_d64, f16_d128, f16_any}};
+                                        {f16_d64, f16_d128, f16_any},
+                                        {fp8_d64, fp8_d128, fp8_any}};
     return table[dtype][d == 64 ? 0 : d == 128 ? 1 : 2];
 }
 
-/* kv_dtype: 0 fp32, 1 bf16, 2 fp16. Returns 0; -1 for a shape or dtype the kernel does not take; -2
+/* kv_dtype: KV_F32, KV_BF16, KV_F16 or KV_FP8 (pool.h). Returns 0; -1 for a shape or dtype the kernel
+ * does not take (an FP8 pool without its tables among them); -2
  * for a context length or block id outside the table or the pool. */
 int paged_decode_attention(const decode_args *a, int kv_dtype, int num_threads) {
     if (a->cache.tokens_per_block > MAX_TOKENS_PER_BLOCK || a->cache.head_dim > MAX_HEAD_DIM || a->cache.kv_heads <= 0 ||
-        a->heads % a->cache.kv_heads != 0 || kv_dtype < 0 || kv_dtype > 2 || a->io_dtype < IO_F32 ||
-        a->io_dtype > IO_BF16)
+        a->heads % a->cache.kv_heads != 0 || kv_dtype < KV_F32 || kv_dtype > KV_FP8 || a->io_dtype < IO_F32 ||
+        a->io_dtype > IO_BF16 || (kv_dtype == KV_FP8 && !a->cache.dequant))
         return -1;
     /* A bad block id or length would read outside the pool: refuse the call instead. */
     for (int64_t seq = 0; seq < a->batch; seq++) {

@@ -8,12 +8,15 @@
  * The results are bit-identical to the PyTorch path (layers.RotaryEmbedding.rotate, then
  * attention.PagedKVCache.write): x * cos and rotate_half(x) * sin are each rounded to fp32 and then
  * added (contraction into a fused multiply-add is switched off below), the sum is rounded to the
- * model's dtype, and K and V are then converted to the cache's dtype.
+ * model's dtype, and K and V are then converted to the cache's dtype (an FP8 pool: divided by the
+ * layer's scale, then rounded to e4m3 and saturated, as kv_quant.quantize: in quantize_row, compiled
+ * without -ffast-math, so that the division stays one and is not a product by the reciprocal, which
+ * rounds differently).
  *
  * qkv: [rows, heads + 2 * kv_heads, d] contiguous in the model dtype (fp32 or bf16); cos and
  * signed_sin: [rows, d] fp32 (the rotary table's rows, minus sign of rotate_half folded into the
  * first half of sin); qk_out: [rows, heads + kv_heads, d], the rotated q and k in the model dtype.
- * Token i goes to the pool (pool.h; fp32, bf16 or fp16) at block slot_blocks[i], token
+ * Token i goes to the pool (pool.h; fp32, bf16, fp16 or FP8) at block slot_blocks[i], token
  * slot_offsets[i].
  */
 #pragma GCC optimize("fp-contract=off")
@@ -21,13 +24,14 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fp8.h"
 #include "kernels.h"
 #include "pool.h"
 
 #define MAX_HEAD_DIM 512
 #define MIN_PARALLEL_ROWS 16 /* fewer tokens (a decode step) stay on the calling thread */
 
-enum { F32 = 0, BF16 = 1, F16 = 2 };
+enum { F32 = 0, BF16 = 1 }; /* the model's dtype (KV_F32 and KV_BF16 too, so store_row takes either) */
 
 /* One head's row of the model dtype as fp32. */
 static inline void load_row(const void *base, int64_t elem, int dtype, float *dst, int64_t d) {
@@ -48,14 +52,22 @@ static inline void rotate(const float *x, const float *cos, const float *ssin, f
     }
 }
 
-/* `d` fp32 values into `dst` at element `elem`, converted to `dtype` (fp32, bf16 or fp16). */
-static inline void store_row(void *dst, int64_t elem, int dtype, const float *src, int64_t d) {
-    if (dtype == F32)
+/* dst[i] = e4m3(src[i] / scale), IEEE division (never inlined into the fast-math code around it). */
+__attribute__((optimize("no-fast-math"), noinline)) static void quantize_row(uint8_t *dst, const float *src, int64_t d,
+                                                                             float scale) {
+    for (int64_t i = 0; i < d; i++) dst[i] = fp8_e4m3_out(src[i] / scale);
+}
+
+/* `d` fp32 values into `dst` at element `elem`, converted to `dtype` (a pool's KV_*; FP8 by `scale`). */
+static inline void store_row(void *dst, int64_t elem, int dtype, const float *src, int64_t d, float scale) {
+    if (dtype == KV_F32)
         memcpy((float *)dst + elem, src, d * sizeof(float));
-    else if (dtype == BF16)
+    else if (dtype == KV_BF16)
         for (int64_t i = 0; i < d; i++) ((uint16_t *)dst)[elem + i] = bf16_out(src[i]);
-    else
+    else if (dtype == KV_F16)
         for (int64_t i = 0; i < d; i++) ((_Float16 *)dst)[elem + i] = (_Float16)src[i];
+    else
+        quantize_row((uint8_t *)dst + elem, src, d, scale);
 }
 
 /* One token: q and k rotated into qk_out, k and v stored into the pool. */
@@ -68,10 +80,13 @@ static void token(const rope_cache_args *a, int64_t t, int model_dtype, int pool
         load_row(a->qkv, (t * width + h) * d, model_dtype, x, d);
         if (h < rotated_heads) {
             rotate(x, cos, ssin, rotated, d, model_dtype);
-            store_row(a->qk_out, (t * rotated_heads + h) * d, model_dtype, rotated, d);
-            if (h >= a->heads) store_row(a->cache.base, slot + (h - a->heads) * a->cache.head_stride, pool_dtype, rotated, d);
+            store_row(a->qk_out, (t * rotated_heads + h) * d, model_dtype, rotated, d, 1.0f);
+            if (h >= a->heads)
+                store_row(a->cache.base, slot + (h - a->heads) * a->cache.head_stride, pool_dtype, rotated, d,
+                          a->cache.k_scale);
         } else {
-            store_row(a->cache.base, slot + a->cache.kv_stride + (h - rotated_heads) * a->cache.head_stride, pool_dtype, x, d);
+            store_row(a->cache.base, slot + a->cache.kv_stride + (h - rotated_heads) * a->cache.head_stride, pool_dtype,
+                      x, d, a->cache.v_scale);
         }
     }
 }
@@ -80,7 +95,8 @@ static void token(const rope_cache_args *a, int64_t t, int model_dtype, int pool
  * nothing is written). */
 int rope_cache_write(const rope_cache_args *a, int model_dtype, int pool_dtype, int num_threads) {
     if (a->cache.head_dim > MAX_HEAD_DIM || a->cache.head_dim % 2 || (model_dtype != F32 && model_dtype != BF16) ||
-        pool_dtype < F32 || pool_dtype > F16)
+        pool_dtype < KV_F32 || pool_dtype > KV_FP8 ||
+        (pool_dtype == KV_FP8 && !(a->cache.k_scale > 0.0f && a->cache.v_scale > 0.0f)))
         return -1;
     for (int64_t t = 0; t < a->rows; t++)
         if (a->slot_blocks[t] < 0 || a->slot_blocks[t] >= a->cache.num_blocks || a->slot_offsets[t] < 0 ||
