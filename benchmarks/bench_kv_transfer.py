@@ -24,14 +24,16 @@ Table 1 (tp1 -> tp1, HND, one block-major pool per rank: one fragment for the wh
         reps (they share the machine's load); best: of the fastest reps. On a loaded machine the
         spread between reps of one write can exceed 3x, hence the many reps of this table.
 Table 2 (tp1 -> tp3, NHD: one fragment per layer, K/V and token per gen rank), direct vs bounce,
-  with the per-request CPU stages of the transceiver (plan, gather, submit on ctx; scatter on gen).
+  with the per-request stages of the transceiver (plan, gather, submit on ctx; scatter on gen) and
+  the descriptors one request writes (descs/req, all gen ranks). Bounce gathers on the pool's device:
+  host memory here, GPU memory with --device cuda (kv_transfer/bounce.py).
 Table 3 (tp1 -> tp1, HND contiguous, and tp1 -> tp3 NHD), checksum off vs on (integrity.py): the
   same transfer with a CRC32 per block digested on ctx and checked on gen, reps alternating off / on;
   the checksum stage seconds are summed over both sides.
 The load average is printed with each table: absolute figures on a shared machine are noisy.
 --device cuda puts every pool in GPU memory (VRAM -> VRAM over NIXL, both processes on device 0);
-the copy column is then a device-to-device torch copy. Bounce and checksum stage host memory, so
-with cuda only the direct cases run.
+the copy column is then a device-to-device torch copy. Checksums read host memory, so with cuda the
+checksum table does not run.
 """
 
 from __future__ import annotations
@@ -343,13 +345,14 @@ def contiguous_table(args) -> None:
 def nhd_table(args) -> None:
     print(f"\ntp1 -> tp3 (NHD head mismatch: one fragment per layer, K/V and token per gen rank)   [{load()}]")
     print("stages: per request, summed over the 3 gen ranks (plan/gather/submit on ctx, scatter on gen)")
-    print(f"{'dtype':>5} {'tokens':>6} {'MiB':>7} {'frags/rank':>10} {'mode':>6} {'reps':>4} {'total ms':>9} "
+    print(f"{'dtype':>5} {'tokens':>6} {'MiB':>7} {'frags/rank':>10} {'descs/req':>9} {'mode':>6} {'reps':>4} "
+          f"{'total ms':>9} "
           + " ".join(f"{s + ' ms':>10}" for s in STAGES[:4]) + f" {'speedup':>7}  status")
     for dtype in args.dtypes:
         for tokens in args.tokens:
             nbytes = kv_bytes(tokens, DTYPES[dtype])
             rows = {}
-            for mode in ("direct",) if args.device == "cuda" else ("direct", "bounce"):
+            for mode in ("direct", "bounce"):
                 bounce = BounceConfig(staging_bytes=3 * nbytes) if mode == "bounce" else None
                 case = {"tokens": tokens, "elt": DTYPES[dtype], "kv_dtype": TORCH_DTYPES[dtype], "layout": "NHD",
                         "gen_tp": 3, "backend": args.backend,
@@ -365,7 +368,8 @@ def nhd_table(args) -> None:
                     mode = "gated"  # the bounce gates sent it direct
                 speed = direct / bounced if mode == "bounce" and direct and bounced else None
                 stages = " ".join(_fmt(_median([s[k] for s in r["stages"]]), 1e3, 10, 1) for k in STAGES[:4])
-                print(f"{dtype:>5} {tokens:>6} {nbytes / 2**20:>7.1f} {frags:>10} {mode:>6} {len(r['ours']):>4} "
+                descs = stats.get("fragments_written", 0)
+                print(f"{dtype:>5} {tokens:>6} {nbytes / 2**20:>7.1f} {frags:>10} {descs:>9} {mode:>6} {len(r['ours']):>4} "
                       f"{_fmt(_median(r['ours']), 1e3, 9, 1)} {stages} {_fmt(speed, width=7)}  {r['status']}",
                       flush=True)
 

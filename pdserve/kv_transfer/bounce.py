@@ -15,11 +15,20 @@ The table costs 8 bytes per fragment for equal-sized fragments (the NHD case), 1
 receiver sizes its segments at 1.5x its payload bound to leave room for it.
 
 All address arithmetic stays on the sender; the receiver checks every destination lies in its own
-registered memory before it scatters. Host memory only (the gather/scatter are CPU copies).
+registered memory before it scatters.
+
+Where the copies run: with the KV in host memory (device None) they are CPU copies (numpy rows,
+agents/memcopy.py). With the KV in GPU memory the staging buffer is GPU memory on the pool's device
+and the segment never touches the host: the sender writes the header and table with one small copy and
+packs the payload with one `index_select` per fragment size (device_rows.py); the receiver reads the
+header and table back (a small copy), checks them on the host as above, and unpacks the payload with
+one `index_copy_` per fragment size. Fragments are laid out sorted by size (stable), so each size is
+one packed run. So a head-mismatch write of tens of thousands of fragments is one descriptor per
+(writer, receiver) however the pool is laid out.
 
 Gates (all must pass, and both sides' `BounceConfig` must be equal, else the direct path is used,
-with a warning on a mismatch): the KV payload spans >= min_kv_blocks blocks (or a state payload is
->= min_state_bytes), and the descriptor shape is >= min_fragments fragments averaging
+with a warning on a mismatch): the KV payload spans >= min_kv_blocks blocks (host memory only; or a
+state payload is >= min_state_bytes), and the descriptor shape is >= min_fragments fragments averaging
 <= max_avg_fragment_bytes. Off by default (TransceiverConfig.bounce = None).
 """
 
@@ -62,8 +71,11 @@ class BounceConfig:
         n = len(sizes)
         return n >= self.min_fragments and int(sizes.sum()) <= self.max_avg_fragment_bytes * n
 
-    def kv_passes(self, num_blocks: int, sizes: np.ndarray) -> bool:
-        return num_blocks >= self.min_kv_blocks and self.shape_passes(sizes)
+    def kv_passes(self, num_blocks: int, sizes: np.ndarray, on_device: bool = False) -> bool:
+        """On a device the block gate does not apply: a GPU write costs tens of microseconds per
+        descriptor (30,720 took 862 ms, docs/benchmarks.md) while the gather is one kernel, so any
+        plan of the many-small-fragments shape is staged, however short the prompt."""
+        return (on_device or num_blocks >= self.min_kv_blocks) and self.shape_passes(sizes)
 
     def state_passes(self, sizes: np.ndarray) -> bool:
         return int(sizes.sum()) >= self.min_state_bytes and self.shape_passes(sizes)
@@ -96,11 +108,19 @@ class StagingLease:
 
 
 class StagingBuffer:
-    """A registered host buffer handed out in leases (first fit, coalescing on release)."""
+    """A registered buffer handed out in leases (first fit, coalescing on release): host memory, or GPU
+    memory of `device` (the KV pool's: "cuda:N") so that gathers and scatters stay on the device."""
 
-    def __init__(self, agent: TransferAgent, nbytes: int) -> None:
-        self._memory = allocate_shared(nbytes)  # shareable, so every agent backend can register it
-        self.region = MemoryRegion(self._memory.ptr, nbytes)
+    def __init__(self, agent: TransferAgent, nbytes: int, device: str | None = None) -> None:
+        self.device = device
+        if device is None:
+            self._memory = allocate_shared(nbytes)  # shareable, so every agent backend can register it
+            self.region = MemoryRegion(self._memory.ptr, nbytes)
+        else:
+            import torch
+
+            self._memory = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self.region = MemoryRegion.of_tensor(self._memory)
         agent.register_memory(self.region)
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, size), sorted by offset
         self.nbytes = nbytes
@@ -130,8 +150,12 @@ class StagingBuffer:
         self._free = merged
 
 
-def gather(lease: StagingLease, src_ptrs: np.ndarray, dst_ptrs: np.ndarray, sizes: np.ndarray) -> int:
-    """Pack the plan into `lease` (sender side); returns the segment's byte count."""
+def gather(lease: StagingLease, src_ptrs: np.ndarray, dst_ptrs: np.ndarray, sizes: np.ndarray,
+           device: str | None = None) -> int:
+    """Pack the plan into `lease` (sender side); returns the segment's byte count. `device`: where the
+    source fragments and the lease live (None: host memory)."""
+    if device is not None:
+        return _gather_on(device, lease, src_ptrs, dst_ptrs, sizes)
     n, payload, uniform = len(sizes), int(sizes.sum()), _uniform_size(sizes)
     total = plan_segment_bytes(sizes)
     assert total <= lease.nbytes, (total, lease.nbytes)
@@ -151,29 +175,97 @@ def gather(lease: StagingLease, src_ptrs: np.ndarray, dst_ptrs: np.ndarray, size
     return total
 
 
-def scatter(segment_ptr: int, segment_nbytes: int, local_regions: RegionTable) -> int:
-    """Unpack a segment the sender wrote into our staging (receiver side); returns payload bytes."""
+def scatter(segment_ptr: int, segment_nbytes: int, local_regions: RegionTable, device: str | None = None) -> int:
+    """Unpack a segment the sender wrote into our staging (receiver side); returns payload bytes.
+    `device`: where the segment and our KV live (None: host memory)."""
+    if device is not None:
+        return _scatter_on(device, segment_ptr, segment_nbytes, local_regions)
     magic, n, payload, uniform = host_view(segment_ptr, _HEADER_BYTES, np.uint64).tolist()
+    table_words = _check_header(segment_ptr, segment_nbytes, magic, n, payload, uniform)
+    table = host_view(segment_ptr + _HEADER_BYTES, 8 * table_words, np.uint64)
+    dst = table[:n].copy()  # our own copy: the checks below must hold for the bytes we then use
+    sizes = _checked_sizes(table, n, payload, uniform, dst, local_regions)
+    payload_ptr = segment_ptr + _HEADER_BYTES + 8 * table_words
+    if uniform:
+        scatter_packed(dst, payload_ptr, uniform)
+        return payload
+    offsets = np.zeros(n, np.uint64)
+    np.cumsum(sizes[:-1], out=offsets[1:])
+    copy_fragments(dst, np.uint64(payload_ptr) + offsets, sizes)
+    return payload
+
+
+def _check_header(segment_ptr: int, segment_nbytes: int, magic: int, n: int, payload: int, uniform: int) -> int:
+    """The table's length in words, once the header is one of ours and fits the segment."""
     if magic != _MAGIC or segment_bytes(n, payload, uniform > 0) > segment_nbytes:
         raise KVTransferError(
             f"bounce segment at {segment_ptr:#x} is corrupt (magic {magic:#x}, {n} fragments, {payload} bytes "
             f"in a {segment_nbytes}-byte segment); both sides must run the same bounce protocol"
         )
-    table_words = n if uniform else 2 * n
-    table = host_view(segment_ptr + _HEADER_BYTES, 8 * table_words, np.uint64)
-    dst = table[:n].copy()  # our own copy: the checks below must hold for the bytes we then use
-    payload_ptr = segment_ptr + _HEADER_BYTES + 8 * table_words
+    return n if uniform else 2 * n
+
+
+def _checked_sizes(table: np.ndarray, n: int, payload: int, uniform: int, dst: np.ndarray,
+                   local_regions: RegionTable) -> np.ndarray:
+    """Every fragment's size, once the sizes add up and every destination lies in our KV memory."""
     if uniform:
         if uniform * n != payload:
             raise KVTransferError(f"bounce segment holds {n} fragments of {uniform} bytes, header says {payload}")
         local_regions.locate(dst, np.uint64(uniform), "bounce destination")
-        scatter_packed(dst, payload_ptr, uniform)
-        return payload
-    sizes = table[n:].copy()
+        return np.full(n, uniform, np.uint64)
+    sizes = table[n:2 * n].copy()
     if int(sizes.sum()) != payload:
         raise KVTransferError(f"bounce segment sizes sum to {int(sizes.sum())}, header says {payload}")
     local_regions.locate(dst, sizes, "bounce destination")
-    offsets = np.zeros(n, np.uint64)
-    np.cumsum(sizes[:-1], out=offsets[1:])
-    copy_fragments(dst, np.uint64(payload_ptr) + offsets, sizes)
+    return sizes
+
+
+def _runs(sizes: np.ndarray) -> list[tuple[int, int, int]]:
+    """(start, end, size) of each run of equal consecutive sizes."""
+    starts = np.flatnonzero(np.concatenate(([True], sizes[1:] != sizes[:-1]))).tolist() if len(sizes) else []
+    ends = starts[1:] + [len(sizes)]
+    return [(a, b, int(sizes[a])) for a, b in zip(starts, ends)]
+
+
+def _gather_on(device: str, lease: StagingLease, src_ptrs: np.ndarray, dst_ptrs: np.ndarray,
+               sizes: np.ndarray) -> int:
+    import torch
+
+    from pdserve.kv_transfer import device_rows
+
+    dev = torch.device(device)
+    src, dst, sizes = (np.asarray(a, np.uint64) for a in (src_ptrs, dst_ptrs, sizes))
+    order = np.argsort(sizes, kind="stable")  # one packed run per fragment size
+    src, dst, sizes = src[order], dst[order], sizes[order]
+    n, payload, uniform = len(sizes), int(sizes.sum()), _uniform_size(sizes)
+    total = plan_segment_bytes(sizes)
+    assert total <= lease.nbytes, (total, lease.nbytes)
+    table = [np.array([_MAGIC, n, payload, uniform], np.uint64), dst] + ([] if uniform else [sizes])
+    device_rows.copy_in(lease.ptr, np.concatenate(table), dev)
+    at = lease.ptr + _HEADER_BYTES + 8 * (n if uniform else 2 * n)
+    for start, end, size in _runs(sizes):
+        device_rows.gather_rows(at, src[start:end], size, dev)
+        at += (end - start) * size
+    device_rows.synchronize(dev)  # the peer reads the segment once we submit the write
+    return total
+
+
+def _scatter_on(device: str, segment_ptr: int, segment_nbytes: int, local_regions: RegionTable) -> int:
+    import torch
+
+    from pdserve.kv_transfer import device_rows
+
+    dev = torch.device(device)
+    if segment_nbytes < _HEADER_BYTES:
+        raise KVTransferError(f"bounce segment of {segment_nbytes} bytes cannot hold a header")
+    magic, n, payload, uniform = device_rows.copy_out(segment_ptr, _HEADER_BYTES, dev).view(np.uint64).tolist()
+    table_words = _check_header(segment_ptr, segment_nbytes, magic, n, payload, uniform)
+    table = device_rows.copy_out(segment_ptr + _HEADER_BYTES, 8 * table_words, dev).view(np.uint64)
+    dst = table[:n]
+    sizes = _checked_sizes(table, n, payload, uniform, dst, local_regions)
+    at = segment_ptr + _HEADER_BYTES + 8 * table_words
+    for start, end, size in _runs(sizes):
+        device_rows.scatter_rows(dst[start:end], at, size, dev)
+        at += (end - start) * size
+    device_rows.synchronize(dev)  # the staging lease is reused once we return
     return payload

@@ -54,6 +54,12 @@ class PairRow:
     gate_passes: bool = False  # the bounce gate (BounceConfig.kv_passes) takes these fragments
     pool: str = "HND"  # the pool's mapper kind: HND, NHD, or REPLICATED (MLA's latent)
 
+    @property
+    def written(self) -> int:
+        """Descriptors the transfer agent writes: the plan's fragments, or one gathered write when bounced
+        (on the pool's device: GPU memory for a VRAM pool, kv_transfer/bounce.py)."""
+        return 1 if self.path == "bounce" else self.descriptors
+
 
 def rank_infos(name: str, layout: Layout, num_layers: int, kv_heads: int, head_dim: int, element_bytes: int,
                tokens_per_block: int, num_blocks: int, kv_layout: str = "HND", latent: bool = False) -> list[RankInfo]:
@@ -110,10 +116,14 @@ def format_transfer_plan(ctx: Layout, gen: Layout, rows: list[PairRow], prompt_t
     total = sum(r.nbytes for r in rows)
     lines = [f"KV transfer plan, context {ctx} -> generation {gen}, one request of {prompt_tokens} prompt tokens "
              f"({total / 2**20:.2f} MiB in all; bounce {'on' if bounce else 'off'}):",
-             f"  {'ctx rank':>8}  {'gen rank':>8}  {'owner':>5}  {'descriptors':>11}  {'bytes':>12}  {'pool':>10}  path"]
+             f"  {'ctx rank':>8}  {'gen rank':>8}  {'owner':>5}  {'descriptors':>11}  {'written':>7}  {'bytes':>12}  "
+             f"{'pool':>10}  path"]
     for r in rows:
         lines.append(f"  {r.ctx_rank:>8}  {r.gen_rank:>8}  {'yes' if r.owner else 'no':>5}  {r.descriptors:>11}  "
-                     f"{r.nbytes:>12}  {r.pool:>10}  {r.path}")
+                     f"{r.written:>7}  {r.nbytes:>12}  {r.pool:>10}  {r.path}")
+    owned = [r for r in rows if r.owner]
+    lines.append(f"  per request: {sum(r.descriptors for r in owned)} fragments, {sum(r.written for r in owned)} "
+                 "descriptors written")
     if any(r.pool == "REPLICATED" for r in rows):
         lines.append("  REPLICATED: MLA's latent cache, the same bytes on every context TP rank; each generation rank "
                      "takes its blocks whole from one elected context rank")

@@ -341,8 +341,12 @@ class TransferReport:
 def simulate_transfer(
     ctx: Sequence[SimRank], gen: Sequence[SimRank], model: ModelShape, num_tokens: int,
     ctx_ids: Callable[[RankInfo], BlockIds], gen_ids: Callable[[RankInfo], BlockIds], seed: int = 0,
+    copy: Callable[[TransferPlan], None] | None = None,
 ) -> TransferReport:
     """Oracle: scatter, plan, copy, then assert every gen rank holds its exact re-cut KV.
+
+    ``copy`` moves one plan's bytes (default: a memmove per fragment); a test passes another data path
+    (e.g. the bounce path's gather and scatter) to hold it to the same oracle.
 
     Gen pools must start filled with a sentinel; bytes outside the transferred span must keep it.
     Every ctx rank's ids cover ``ceil(num_tokens / T_ctx)`` blocks (-1 where a CP rank does not
@@ -363,7 +367,7 @@ def simulate_transfer(
             plan = plan_write(c.info, g.info, ctx_ids(c.info), gen_ids(g.info))
             assert (plan is not None) == (c.info.rank in writers), f"ctx {c.info.rank} vs writers {writers}"
             if plan is not None:
-                execute_plan(plan)
+                (copy or execute_plan)(plan)
                 plans.append(plan)
                 report.fragments[(c.info.rank, g.info.rank)] = len(plan)
         report.writers[g.info.rank] = writers

@@ -3,12 +3,15 @@
     receiver: request_and_receive_async ──> offer: lease one staging segment per writer, sent
               with REQUEST_DATA (the receiver's BounceConfig, the segment's pointer, its writers)
     sender:   the write of a one-chunk send ──> gather: when both configs are equal and the plan
-              passes the gates, pack it into our staging and write that into our segment
+              passes the gates, pack it into our staging and write that into our segment (one
+              descriptor per receiver, however many fragments the plan has)
     receiver: its TRANSFER_DONE says "bounced" ──> scatter the segment into the KV pool
     receiver: the session ends ──> its lease is returned, or quarantined while a writer may still write
 
 The receiver never computes an address: it offers room, and checks every destination the sender
-wrote into the segment lies in its own KV regions before it copies (bounce.scatter).
+wrote into the segment lies in its own KV regions before it copies (bounce.scatter). The staging
+buffer lives where the KV does: GPU memory of the pool's device when the KV is there, so a
+head-mismatch write on VRAM is gathered and scattered by the GPU, not staged through the host.
 """
 
 from __future__ import annotations
@@ -34,8 +37,14 @@ class Bouncer:
     def __init__(self, local: Local) -> None:
         self._local = local
         cfg = local.config.bounce
+        # On the KV pool's device, so gathers and scatters never leave it (bounce.py); None: host memory.
+        devices = {r.device_id for r in local.agent.registered_regions if r.is_device}
+        if len(devices) > 1:
+            raise KVTransferError(f"the KV memory of this rank spans GPUs {sorted(devices)}; one rank's KV must "
+                                  "live on one device")
+        self.device = f"cuda:{devices.pop()}" if devices else None
         # Registered before local_descriptor() is taken, so peers can write into it.
-        self.staging = StagingBuffer(local.agent, cfg.staging_bytes) if cfg else None
+        self.staging = StagingBuffer(local.agent, cfg.staging_bytes, self.device) if cfg else None
 
     def close(self) -> None:
         if self.staging is not None:
@@ -50,7 +59,7 @@ class Bouncer:
         """Lease one staging segment per writer when the request is big enough to maybe bounce."""
         cfg, own = self._local.config.bounce, self._local.own
         num_blocks = sum(int((b >= 0).sum()) for b in ids.values())
-        if cfg is None or num_blocks < cfg.min_kv_blocks or not session.writers:
+        if cfg is None or (num_blocks < cfg.min_kv_blocks and self.device is None) or not session.writers:
             return None
         table = own.page_table
         payload = sum(int((ids.get(g.group_id, np.zeros(0)) >= 0).sum()) * table.pools[v.pool_index].slot_bytes
@@ -72,7 +81,8 @@ class Bouncer:
             index = session.bounce_writers.index(done.sender[1])
             kv_regions = RegionTable([r for r in self._local.agent.registered_regions if r != self.staging.region])
             with self._local.timed("scatter"):
-                scatter(session.staging.ptr + index * session.bounce_slot, session.bounce_slot, kv_regions)
+                scatter(session.staging.ptr + index * session.bounce_slot, session.bounce_slot, kv_regions,
+                        self.device)
             return True
         except KVTransferError as exc:
             session.errors[done.sender] = str(exc)
@@ -101,7 +111,7 @@ class Bouncer:
                            own.key, gen.key, cfg and cfg.to_dict(), offer.get("params"), request.disagg_id)
             return None
         num_blocks = sum(int((b >= 0).sum()) for b in request.block_ids.values())
-        if not cfg.kv_passes(num_blocks, sizes):
+        if not cfg.kv_passes(num_blocks, sizes, on_device=self.device is not None):
             return None
         need = plan_segment_bytes(sizes)
         if need > offer["slot"] or own.rank not in offer["writers"]:
@@ -112,7 +122,7 @@ class Bouncer:
         if lease is None:
             return None
         with self._local.timed("gather"):
-            total = gather(lease, src, dst, sizes)
+            total = gather(lease, src, dst, sizes, self.device)
         session.staging[(gen.key, 0)] = lease
         target = offer["ptr"] + offer["writers"].index(own.rank) * offer["slot"]
         return (np.array([lease.ptr], np.uint64), np.array([target], np.uint64), np.array([total], np.uint64))
