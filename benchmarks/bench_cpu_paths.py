@@ -1,14 +1,16 @@
 """Each native CPU kernel against the PyTorch path it replaces, on one model's shapes: the timings the
 kernel dispatch (pdserve/models/kernel_dispatch.py) makes at a model's start, as a table.
 
-    python benchmarks/bench_cpu_paths.py [--dtypes float32 bfloat16] [--threads N]
+    python benchmarks/bench_cpu_paths.py [--dtypes float32 bfloat16] [--threads N] [--fp8]
                                          [--shape HEADS KV_HEADS HEAD_DIM HIDDEN INTERMEDIATE]
 
 The default shape is SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64, hidden 576, intermediate
 1536). Rows: flash prefill at FLASH_TOKENS tokens against the path attention takes without it (the tiled
 oneDNN path, or SDPA), paged decode attention (one sequence of 1024 tokens and 16 of 512) against the
-gather and SDPA, and the decode GEMV on the four linears of a layer at 1, 4 and 16 rows against the GEMM
-(oneDNN on packed weights where it takes the dtype, else F.linear). To see a CPU without AVX-512 from one
+gather and SDPA, the decode GEMV on the four linears of a layer at 1, 4 and 16 rows against the GEMM
+(oneDNN on packed weights where it takes the dtype, else F.linear), RMSNorm and the RoPE / cache write
+against their PyTorch forms at 1, 16 and 512 rows; with --fp8 the cache write and paged decode on an
+fp8_e4m3 pool too. To see a CPU without AVX-512 from one
 with it: ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 PDSERVE_KERNEL_MARCH=x86-64-v3.
 """
 
@@ -22,6 +24,7 @@ from types import SimpleNamespace
 import torch
 
 from pdserve.models import cpu_kernels, kernel_dispatch
+from pdserve.models.kv_quant import FP8
 from pdserve.models.layers import onednn_packs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -32,6 +35,8 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     ap.add_argument("--shape", nargs=5, type=int, default=[9, 3, 64, 576, 1536],
                     metavar=("HEADS", "KV_HEADS", "HEAD_DIM", "HIDDEN", "INTERMEDIATE"))
+    ap.add_argument("--fp8", action="store_true", help="also the kernels that read or write the pool, on an "
+                    "fp8_e4m3 pool")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="PyTorch's and the kernels' threads (default: every core)")
     args = ap.parse_args()
@@ -58,7 +63,15 @@ def main() -> None:
                 ("paged decode", f"{heads}x{kv_heads}x{d}, seqs x tokens {decode}",
                  kernel_dispatch.time_paged_decode(heads, kv_heads, d, dtype)),
                 ("decode GEMV", f"4 linears x rows {kernel_dispatch.GEMV_ROWS}",
-                 kernel_dispatch.time_gemv(linears, dtype))]
+                 kernel_dispatch.time_gemv(linears, dtype)),
+                ("RMSNorm", f"hidden {hidden}, rows {kernel_dispatch.STEP_ROWS}, alone and after an add",
+                 kernel_dispatch.time_rms_norm(hidden, dtype))]
+        for kv_name, kv_dtype in [(name, None), *([("fp8_e4m3", FP8)] if args.fp8 else [])]:
+            rows.append(("RoPE / cache write", f"{heads}x{kv_heads}x{d}, rows {kernel_dispatch.STEP_ROWS}, "
+                         f"{kv_name} pool", kernel_dispatch.time_rope_cache(heads, kv_heads, d, dtype, kv_dtype)))
+        if args.fp8:
+            rows.append(("paged decode", f"{heads}x{kv_heads}x{d}, seqs x tokens {decode}, fp8_e4m3 pool",
+                         kernel_dispatch.time_paged_decode(heads, kv_heads, d, dtype, kv_dtype=FP8)))
         for kernel, shape, times in rows:
             if times is None:
                 print(f"| {kernel} | {name} | {shape} | (not on this build) | | |")

@@ -228,8 +228,9 @@ def rotate_and_cache(qkv: torch.Tensor, heads: int, rope_table: tuple[torch.Tens
     """RoPE on q and k of qkv [n, heads + 2 * kv_heads, d], and the new K and V written to the cache.
     Returns the rotated q and k side by side, [n, heads + kv_heads, d]. On CPU one native call
     (cpu_kernels.rope_cache_write, the same bits); elsewhere RotaryEmbedding.rotate + PagedKVCache.write."""
+    native = cpu_kernels.native(cpu_kernels.ROPE_CACHE, qkv.dtype)  # (kernel_dispatch: where it beats PyTorch)
     qk = cpu_kernels.rope_cache_write(qkv, heads, *rope_table, cache.pool, cache.layout, layer, md.slot_blocks,
-                                      md.slot_offsets, cache.scales)
+                                      md.slot_offsets, cache.scales) if native else None
     if qk is None:
         kv_heads = (qkv.shape[1] - heads) // 2
         qk = RotaryEmbedding.rotate(qkv[:, : heads + kv_heads], rope_table)  # q and k: one rotation covers both

@@ -228,6 +228,8 @@ _tried = False
 FLASH_PREFILL = "flash_prefill"
 GEMV = "gemv"
 PAGED_DECODE = "paged_decode"
+RMS_NORM = "rms_norm"
+ROPE_CACHE = "rope_cache"
 _native: dict[tuple[str, torch.dtype], bool] = {}
 
 

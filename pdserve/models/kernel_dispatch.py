@@ -18,6 +18,11 @@ against it, and the faster is kept:
   packed weight, or F.linear), on the first layer's linears at GEMV_ROWS rows each. Where the GEMM wins,
   the plain weight copies the GEMV needed are dropped and the one-call C decode step (which runs the
   GEMV) is not used.
+- RMSNorm (`cpu_kernels.rms_norm`) against layers.RMSNorm's PyTorch form, alone and after a residual add,
+  and the RoPE / cache write (`cpu_kernels.rope_cache_write`) against RotaryEmbedding.rotate and
+  PagedKVCache.write, each at STEP_ROWS rows with the model's hidden size or heads (and the pool's dtype).
+  The one-call C decode step, where it runs, calls both kernels whatever was chosen: it is a whole
+  step's path, raced by its attention and GEMV.
 
 Each pair is timed in turns, best of five each (one, where a side is LEAD times slower), so a slow spell of
 a shared machine falls on both, and PyTorch is chosen only where it wins twice, each time by more than TIE;
@@ -48,15 +53,17 @@ import torch.nn.functional as F
 from pdserve.models import cpu_kernels
 from pdserve.models.attention import (AttentionMetadata, PagedKVCache, _sdpa_decode, _tiled_causal_attention,
                                       _use_tiled)
-from pdserve.models.layers import linear
+from pdserve.models.layers import RMSNorm, RotaryEmbedding, linear
 
 log = logging.getLogger(__name__)
 
 PATH_ENV = "PDSERVE_KERNEL_PATH"
-KERNELS = (cpu_kernels.FLASH_PREFILL, cpu_kernels.PAGED_DECODE, cpu_kernels.GEMV)
+KERNELS = (cpu_kernels.FLASH_PREFILL, cpu_kernels.PAGED_DECODE, cpu_kernels.GEMV, cpu_kernels.RMS_NORM,
+           cpu_kernels.ROPE_CACHE)
 FLASH_TOKENS = 1024  # a prompt length where attention is a good share of a prefill
 PAGED_DECODE_CASES = ((1, 1024), (16, 512))  # (sequences, context tokens) of a decode step
 GEMV_ROWS = (1, 4, 16)  # decode steps of one, a few and the most sequences the GEMV takes
+STEP_ROWS = (1, 16, 512)  # rows of RMSNorm and the RoPE / cache write: decode steps of 1 and 16, a prefill
 CHOICES_FILE = "choices.json"
 TIE = 0.05  # a race PyTorch wins by less than this share of native's time is a tie
 LEAD = 3.0  # a race where one side takes this many times the other's time is decided after one turn
@@ -166,6 +173,61 @@ def time_gemv(layers: list, dtype: torch.dtype) -> tuple[float, float] | None:
     return _race(lambda: run(True), lambda: run(False))
 
 
+def time_rms_norm(hidden: int, dtype: torch.dtype) -> tuple[float, float] | None:
+    """(native ms, PyTorch ms) for RMSNorm of STEP_ROWS rows of `hidden`, alone and after a residual add
+    (layers.RMSNorm's forward and add_and_norm), summed; None where the kernel does not run."""
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(hidden, 1e-6, dtype)
+    norm.weight.copy_(torch.rand(hidden, generator=g) + 0.5)
+    cases = [tuple(torch.randn(rows, hidden, generator=g).to(dtype) for _ in range(2)) for rows in STEP_ROWS]
+    if cpu_kernels.rms_norm(cases[0][0], norm.weight, norm.eps) is None:
+        return None
+
+    def run(native: bool) -> None:
+        for x, y in cases:
+            if native:
+                cpu_kernels.rms_norm(x, norm.weight, norm.eps)
+                cpu_kernels.rms_norm(y, norm.weight, norm.eps, residual=x)
+            else:
+                norm.torch_forward(x)
+                norm.torch_forward(x + y)
+    return _race(lambda: run(True), lambda: run(False))
+
+
+def time_rope_cache(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    kv_dtype: torch.dtype | None = None) -> tuple[float, float] | None:
+    """(native ms, PyTorch ms) for RoPE on q and k and K and V into scattered slots of a pool (of
+    `kv_dtype`, default `dtype`; FP8 with scales 1) at STEP_ROWS tokens, summed: cpu_kernels.rope_cache_write
+    against RotaryEmbedding.rotate and PagedKVCache.write (attention.rotate_and_cache's two paths); None
+    where the kernel does not take the shape."""
+    g, T = torch.Generator().manual_seed(0), 16
+    blocks = -(-sum(STEP_ROWS) // T)
+    pool = torch.zeros(blocks, 1, 2, kv_heads, T, head_dim, dtype=kv_dtype or dtype)  # one layer, HND
+    cache, rope = PagedKVCache(pool, "HND"), RotaryEmbedding(head_dim, 4096, 10000.0, None)
+    slots, at, cases = torch.randperm(blocks * T, generator=g), 0, []
+    for rows in STEP_ROWS:
+        qkv = torch.randn(rows, heads + 2 * kv_heads, head_dim, generator=g).to(dtype)
+        where = slots[at:at + rows]
+        at += rows
+        md = AttentionMetadata(where // T, where % T, [], torch.zeros(0, dtype=torch.long),
+                               torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long), T)
+        cases.append((qkv, rope.table(torch.arange(rows) + 100), md))
+    first = cases[0]
+    if cpu_kernels.rope_cache_write(first[0], heads, *first[1], pool, "HND", 0, first[2].slot_blocks,
+                                    first[2].slot_offsets, cache.scales) is None:
+        return None
+
+    def run(native: bool) -> None:
+        for qkv, table, md in cases:
+            if native:
+                cpu_kernels.rope_cache_write(qkv, heads, *table, pool, "HND", 0, md.slot_blocks, md.slot_offsets,
+                                             cache.scales)
+            else:
+                qk = RotaryEmbedding.rotate(qkv[:, :heads + kv_heads], table)
+                cache.write(0, qk[:, heads:], qkv[:, heads + kv_heads:], md)
+    return _race(lambda: run(True), lambda: run(False))
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -244,15 +306,25 @@ def choose_paths(model: torch.nn.Module, dtype: torch.dtype, heads: int, kv_head
     chosen = {}
     heads_shape = f"{heads}x{kv_heads}x{head_dim}"
     kv_dtype = kv_dtype if kv_dtype not in (None, dtype) else None
-    decode_shape = ",".join(f"b{b}x{ctx}" for b, ctx in PAGED_DECODE_CASES) + (
-        f"/{str(kv_dtype).removeprefix('torch.')}" if kv_dtype else "")
+    on_pool = f"/{str(kv_dtype).removeprefix('torch.')}" if kv_dtype else ""  # (a pool of another dtype)
+    decode_shape = ",".join(f"b{b}x{ctx}" for b, ctx in PAGED_DECODE_CASES) + on_pool
+    rows = ",".join(map(str, STEP_ROWS))
     attention = [(cpu_kernels.FLASH_PREFILL, f"{heads_shape}@{FLASH_TOKENS}", time_flash_prefill),
                  (cpu_kernels.PAGED_DECODE, f"{heads_shape}@{decode_shape}",
-                  lambda *a: time_paged_decode(*a, kv_dtype=kv_dtype))]
+                  lambda *a: time_paged_decode(*a, kv_dtype=kv_dtype)),
+                 (cpu_kernels.ROPE_CACHE, f"{heads_shape}@{rows}{on_pool}",
+                  lambda *a: time_rope_cache(*a, kv_dtype=kv_dtype))]
     for kernel, shape, timer in attention if heads >= 1 else []:
         use = _decide(kernel, dtype, shape, lambda timer=timer: timer(heads, kv_heads, head_dim, dtype), forced, cache)
         if use is not None:
             chosen[kernel] = use
+    norm = next((m for m in model.modules() if isinstance(m, RMSNorm)), None)
+    if norm is not None:
+        hidden = norm.weight.shape[0]
+        use = _decide(cpu_kernels.RMS_NORM, dtype, f"{hidden}@{rows}", lambda: time_rms_norm(hidden, dtype), forced,
+                      cache)
+        if use is not None:
+            chosen[cpu_kernels.RMS_NORM] = use
     gemv_layers = _first_gemv_linears(model)
     if gemv_layers:
         shape = ",".join(f"{m.gemv_weight.shape[0]}x{m.gemv_weight.shape[1]}" for m in gemv_layers)

@@ -321,19 +321,23 @@ class RMSNorm(nn.Module):
         self.weight.copy_(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        native = cpu_kernels.rms_norm(x, self.weight, self.eps)  # on CPU: one native call, the same rounding
-        if native is not None:
-            return native[1]
-        # Normalise in fp32, as the reference implementation does, then cast back before the weight.
+        native = cpu_kernels.native(cpu_kernels.RMS_NORM, x.dtype)  # (kernel_dispatch: where it beats PyTorch)
+        out = cpu_kernels.rms_norm(x, self.weight, self.eps) if native else None  # one call, the same rounding
+        return out[1] if out is not None else self.torch_forward(x)
+
+    def torch_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The PyTorch form: normalise in fp32, as the reference implementation does, then cast back
+        before the weight."""
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op, same rounding
         return F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype) * self.weight
 
     def add_and_norm(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, norm(h)) for h = x + y: the residual add fused with the norm that follows it."""
-        native = cpu_kernels.rms_norm(y, self.weight, self.eps, residual=x)
-        if native is not None:
-            return native
+        if cpu_kernels.native(cpu_kernels.RMS_NORM, x.dtype):
+            native = cpu_kernels.rms_norm(y, self.weight, self.eps, residual=x)
+            if native is not None:
+                return native
         h = x + y
         return h, self(h)
 

@@ -42,7 +42,8 @@ def tiny(tmp_path_factory, hf_greedy):
 
 
 def test_the_forcing_variable_is_read_and_checked():
-    both = {cpu_kernels.FLASH_PREFILL: False, cpu_kernels.PAGED_DECODE: False, cpu_kernels.GEMV: False}
+    both = dict.fromkeys([cpu_kernels.FLASH_PREFILL, cpu_kernels.PAGED_DECODE, cpu_kernels.GEMV, cpu_kernels.RMS_NORM,
+                          cpu_kernels.ROPE_CACHE], False)
     assert kernel_dispatch.forced_paths("torch") == both
     assert kernel_dispatch.forced_paths("native") == {k: True for k in both}
     assert kernel_dispatch.forced_paths("auto") == kernel_dispatch.forced_paths("") == {}
@@ -89,16 +90,17 @@ def test_the_choice_is_timed_once_kept_and_read_back(tiny, tmp_path, monkeypatch
     monkeypatch.setenv(kernel_dispatch.PATH_ENV, "auto")
     monkeypatch.setattr(kernel_dispatch, "FLASH_TOKENS", 256)  # shorter timings: the test is of the keeping
     monkeypatch.setattr(kernel_dispatch, "PAGED_DECODE_CASES", ((1, 256), (4, 64)))
+    monkeypatch.setattr(kernel_dispatch, "STEP_ROWS", (1, 16))
     cache = tmp_path / "choices.json"
     with LLM(EngineConfig(model=str(d), device="cpu", tokens_per_block=8)) as llm:
         model = llm.engine.runner.model
         heads = (SHAPE["num_heads"], SHAPE["num_kv_heads"], SHAPE["head_dim"])
         with caplog.at_level(logging.INFO, logger=kernel_dispatch.__name__):
             first = kernel_dispatch.choose_paths(model, torch.float32, *heads, cache=cache)
-        assert set(first) == {cpu_kernels.FLASH_PREFILL, cpu_kernels.PAGED_DECODE, cpu_kernels.GEMV}
-        assert caplog.text.count("(timed: native") == 3, caplog.text
+        assert set(first) == set(kernel_dispatch.KERNELS)
+        assert caplog.text.count("(timed: native") == 5, caplog.text
         stored = json.loads(cache.read_text())
-        assert len(stored) == 3
+        assert len(stored) == 5
         for entry in stored.values():
             assert entry["native"] == (entry["native_ms"] < entry["torch_ms"]) and entry["native_ms"] > 0
         (flash_key,) = [key for key in stored if f"|{cpu_kernels.FLASH_PREFILL}|float32|4x2x16@256" in key]
@@ -107,20 +109,20 @@ def test_the_choice_is_timed_once_kept_and_read_back(tiny, tmp_path, monkeypatch
         caplog.clear()
         with caplog.at_level(logging.INFO, logger=kernel_dispatch.__name__):
             again = kernel_dispatch.choose_paths(model, torch.float32, *heads, cache=cache)
-        assert caplog.text.count("(cached: native") == 3 and "timed" not in caplog.text, caplog.text
+        assert caplog.text.count("(cached: native") == 5 and "timed" not in caplog.text, caplog.text
         assert again == {**first, cpu_kernels.FLASH_PREFILL: not first[cpu_kernels.FLASH_PREFILL]}
         assert cpu_kernels.native(cpu_kernels.FLASH_PREFILL, torch.float32) == again[cpu_kernels.FLASH_PREFILL]
 
 
 @pytest.mark.parametrize("path", ["native", "torch"])
 def test_each_forced_path_gives_transformers_tokens(tiny, monkeypatch, path):
-    """Forced to PyTorch, no native attention or GEMV runs (the plain weight copies and the C decode step
-    are gone); forced native, they do. Both give transformers' greedy tokens."""
+    """Forced to PyTorch, no native attention, GEMV, RMSNorm or RoPE / cache write runs (the plain weight
+    copies and the C decode step are gone); forced native, they do. Both give transformers' greedy tokens."""
     d, prompts, ref = tiny
     monkeypatch.setenv(kernel_dispatch.PATH_ENV, path)
     gemv_runs = cpu_kernels.skinny_linear_runs()  # (a trial call: before the calls are counted)
     calls = []
-    for name in ("flash_prefill", "paged_decode_attention", "skinny_linear"):
+    for name in ("flash_prefill", "paged_decode_attention", "skinny_linear", "rms_norm", "rope_cache_write"):
         kernel = getattr(cpu_kernels, name)
         monkeypatch.setattr(cpu_kernels, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
     with LLM(EngineConfig(model=str(d), device="cpu", tokens_per_block=8, max_num_seqs=1)) as llm:
@@ -131,6 +133,7 @@ def test_each_forced_path_gives_transformers_tokens(tiny, monkeypatch, path):
     native = path == "native"
     assert cpu_kernels.native(cpu_kernels.FLASH_PREFILL, torch.float32) == native
     assert ("flash_prefill" in calls) == native
+    assert ("rms_norm" in calls) == native and ("rope_cache_write" in calls) == native  # (prefills: no C step)
     assert native or "paged_decode_attention" not in calls  # (native, the C decode step runs it)
     if gemv_runs:
         assert all(w is not None for w in gemv_weights) == native and (model.stage_decoder is not None) == native
