@@ -69,6 +69,7 @@ class AsyncEngine:
         self.kv_events = kv_events
         self._commands: queue.Queue = queue.Queue()
         self._sinks: dict[str, Callable[[RequestOutput], bool]] = {}
+        self._open: dict[str, int] = {}  # choices of each request with a sink that have not finished
         self._stop = threading.Event()
         self.error: str | None = None  # set if the step loop died; /health reports it
         # Called (on the engine thread) once the step loop died: the server stops, so that the process
@@ -104,7 +105,8 @@ class AsyncEngine:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        request_type: RequestType = RequestType.CONTEXT_AND_GENERATION,
                        disagg: DisaggInfo | None = None, resume: Resume | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs. Raises RequestError before the first output if it is refused.
+        """Stream a request's outputs (with n > 1, every choice's, each output naming its `index`; the stream
+        ends when each has finished). Raises RequestError before the first output if it is refused.
         Abandoning the iterator (client gone) aborts the request and frees its KV blocks."""
         if self.error:
             raise RuntimeError(f"engine is not running: {self.error}")
@@ -128,14 +130,14 @@ class AsyncEngine:
             # and nobody would read it: abort it (queued after the add, so applied after it).
             self._commands.put(_Abort(add=cmd))
             raise
-        finished = False
+        open_choices = params.n
         try:
-            while not finished:
+            while open_choices:
                 out = await outputs.get()
-                finished = out.finished
+                open_choices -= out.finished
                 yield out
         finally:
-            if not finished:
+            if open_choices:
                 self._commands.put(_Abort(rid))
 
     async def call(self, fn: Callable[[LLMEngine], object]):
@@ -234,6 +236,7 @@ class AsyncEngine:
                 cmd.done.set_exception(e)
                 return
             self._sinks[rid] = cmd.sink
+            self._open[rid] = cmd.params.n
             cmd.done.set_result(rid)
         elif isinstance(cmd, _Abort):
             rid = cmd.request_id if cmd.add is None else _added_id(cmd.add)
@@ -241,6 +244,7 @@ class AsyncEngine:
                 return
             self.engine.abort(rid)
             self._sinks.pop(rid, None)
+            self._open.pop(rid, None)
             self.engine.take_abort_output(rid)
         elif isinstance(cmd, _Call):
             if not cmd.done.set_running_or_notify_cancel():
@@ -255,15 +259,17 @@ class AsyncEngine:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
+            rid = out.request_id
+            self._open[rid] -= out.finished
             if not sink(out):
-                log.warning("request %s: its caller's event loop is gone; aborting it", out.request_id)
-                del self._sinks[out.request_id]
-                if not out.finished:
-                    self.engine.abort(out.request_id)
-                    self.engine.take_abort_output(out.request_id)
+                log.warning("request %s: its caller's event loop is gone; aborting it", rid)
+                del self._sinks[rid]
+                if self._open.pop(rid):
+                    self.engine.abort(rid)
+                    self.engine.take_abort_output(rid)
                 continue
-            if out.finished:
-                del self._sinks[out.request_id]
+            if not self._open[rid]:  # every choice finished
+                del self._sinks[rid], self._open[rid]
         if self.on_step is not None and outputs:
             self.on_step(outputs)
 

@@ -18,6 +18,8 @@ class Completion:
     num_cached_tokens: int
     # With SamplingParams.logprobs: one {"token_id", "logprob", "top": [(id, logprob), ...]} per token.
     logprobs: list[dict] = field(default_factory=list)
+    # With SamplingParams.n > 1: every choice in order, this one (choice 0) first.
+    choices: list["Completion"] = field(default_factory=list)
 
 
 class LLM:
@@ -31,19 +33,30 @@ class LLM:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
         rids = [self.engine.add_request(p, sp) for p, sp in zip(ids, params_list)]
-        tokens = {r: [] for r in rids}
-        text = {r: "" for r in rids}
-        logprobs: dict[str, list[dict]] = {r: [] for r in rids}
-        done: dict[str, object] = {}
+        keys = [(r, c) for r, sp in zip(rids, params_list) for c in range(sp.n)]
+        tokens: dict[tuple[str, int], list[int]] = {k: [] for k in keys}
+        text = {k: "" for k in keys}
+        logprobs: dict[tuple[str, int], list[dict]] = {k: [] for k in keys}
+        done: dict[tuple[str, int], object] = {}
         while self.engine.has_unfinished():
             for out in self.engine.step():
-                tokens[out.request_id] += out.new_token_ids
-                text[out.request_id] += out.new_text
-                logprobs[out.request_id] += out.new_logprobs
+                k = (out.request_id, out.index)
+                tokens[k] += out.new_token_ids
+                text[k] += out.new_text
+                logprobs[k] += out.new_logprobs
                 if out.finished:
-                    done[out.request_id] = out
-        return [Completion(p, tokens[r], text[r], done[r].finish_reason, done[r].num_cached_tokens, logprobs[r])
-                for p, r in zip(ids, rids)]
+                    done[k] = out
+
+        def completion(p: list[int], k: tuple[str, int]) -> Completion:
+            return Completion(p, tokens[k], text[k], done[k].finish_reason, done[k].num_cached_tokens, logprobs[k])
+
+        results = []
+        for p, r, sp in zip(ids, rids, params_list):
+            choices = [completion(p, (r, c)) for c in range(sp.n)]
+            if sp.n > 1:
+                choices[0].choices = list(choices)
+            results.append(choices[0])
+        return results
 
     def shutdown(self) -> None:
         self.engine.shutdown()

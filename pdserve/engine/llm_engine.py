@@ -23,6 +23,7 @@ from typing import Callable
 
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager, KVEvent
+from pdserve.engine.guided import Grammars, GuidedError, Guides
 from pdserve.engine.model_runner import ModelRunner, SeqStep, StepSpec
 from pdserve.engine.output import OutputTracker, RequestOutput
 from pdserve.engine.sampler import SampleResult, SampleSpec
@@ -113,6 +114,9 @@ class LLMEngine:
         self.seqs = self.scheduler.seqs  # every request in flight, by id (read-only here: the scheduler owns it)
         self._ids = itertools.count()
         self.kv = KVExchange(self.scheduler, self.runner.connector, ecfg, self.model_cfg.vocab_size)
+        # structured outputs: grammars compiled once per instance, a matcher per guided sequence (engine/guided.py)
+        self.guides = Guides(Grammars(self.tokenizer.backend.to_str(), max(self.model_cfg.vocab_size,
+                                      self.tokenizer.vocab_size), sorted(self.eos_token_ids)))
 
     def _max_model_len(self) -> int:
         """The context window: the configured one, never past the model's positions."""
@@ -192,8 +196,30 @@ class LLMEngine:
                 tracker.on_token(t, False)
         if resume is not None:
             self._resume(seq, tracker, resume)
+        if params.guided is not None:  # compiled (cached) and the output so far allowed, before any compute
+            self._check_guided(seq, resume)
         self.scheduler.add(seq, tracker)
         return request_id
+
+    def _check_guided(self, seq: Sequence, resume: Resume | None) -> None:
+        """RequestError naming the field to blame when the request's grammar cannot be used, or when the output
+        it starts with (a moved stream's tokens, a context instance's first token) is not allowed by it."""
+        param = "resume.token_ids" if resume is not None else "disaggregated_params.first_gen_tokens"
+        try:
+            self.guides.check(seq.params.guided, seq.output_token_ids, param)
+        except GuidedError as e:
+            raise RequestError(str(e), e.param) from None
+
+    def _allowed(self, seq: Sequence) -> bytes | None:
+        """A guided sequence's mask for its next token (None: not guided). Output the grammar does not allow
+        (a generation_first peer's first token) gets an empty mask, which fails the request in the sampler."""
+        if seq.params.guided is None:
+            return None
+        try:
+            return self.guides.mask(seq.request_id, seq.params.guided, seq.output_token_ids)
+        except GuidedError as e:
+            log.error("request %s: %s", seq.request_id, e)
+            return bytes(self.guides.grammars.mask_bytes)
 
     def _fit_context(self, n: int, params: SamplingParams) -> SamplingParams:
         """The context-length rule, checked here only: a prompt of `n` tokens must leave room for a completion,
@@ -302,6 +328,7 @@ class LLMEngine:
             prefill_tokens = sum(s.num_new_tokens for s in batch) - decode_rows
             batch, sampled, reports = self._run(batch, kv)
             self.scheduler.postprocess(batch, sampled)
+            self.guides.retire(self.seqs)
             seconds = time.perf_counter() - start  # before settle, which sleeps when the step ran nothing
             if shape is not None:
                 self.tpot_budget.model.observe(*shape, seconds)
@@ -362,7 +389,7 @@ class LLMEngine:
                                     history=seq.all_token_ids if p.repetition_penalty != 1.0 else None,
                                     presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                                     output=seq.output_token_ids if counted else None,
-                                    logit_bias=list(p.logit_bias.items()) or None,
+                                    logit_bias=list(p.logit_bias.items()) or None, allowed=self._allowed(seq),
                                     banned=self._banned(p) if len(seq.output_token_ids) < p.min_tokens else None)
             steps.append(SeqStep(seq.all_token_ids[start:start + s.num_new_tokens], start, seq.block_ids, sample,
                                  seq.state_slot))

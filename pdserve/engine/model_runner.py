@@ -58,13 +58,17 @@ class StepSpec:
     seqs: list[SeqStep]
     kv: list[KVCommand] = field(default_factory=list)  # KV exchange commands (engine/kv/wire.py)
     shutdown: bool = False
+    # (source, copy) pairs made before anything else: forked choices' last blocks and recurrent states
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     # {"v": WIRE_VERSION, "s": [SeqStep fields, its sample as a map of SampleSpec fields], "k": [KV
-    # commands, kv/wire.py], "x": shutdown}. Every rank runs the same pdserve, so beyond the version
-    # nothing is checked: a field mismatch is a TypeError at once.
+    # commands, kv/wire.py], "x": shutdown, "c": block copies, "sc": state copies}. Every rank runs the
+    # same pdserve, so beyond the version nothing is checked: a field mismatch is a TypeError at once.
     def to_bytes(self) -> bytes:
         kv = [command_to_wire(c) for c in self.kv]
-        return msgpack.packb({"v": WIRE_VERSION, "s": [asdict(s) for s in self.seqs], "k": kv, "x": self.shutdown})
+        return msgpack.packb({"v": WIRE_VERSION, "s": [asdict(s) for s in self.seqs], "k": kv, "x": self.shutdown,
+                              "c": self.block_copies, "sc": self.state_copies})
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "StepSpec":
@@ -74,7 +78,8 @@ class StepSpec:
                               "rank of an instance must run the same pdserve version")
         seqs = [SeqStep(**{**s, "sample": SampleSpec(**s["sample"]) if s["sample"] is not None else None})
                 for s in d["s"]]
-        return cls(seqs, [command_from_wire(c) for c in d["k"]], d["x"])
+        return cls(seqs, [command_from_wire(c) for c in d["k"]], d["x"], [tuple(c) for c in d["c"]],
+                   [tuple(c) for c in d["sc"]])
 
 
 @dataclass
@@ -222,8 +227,9 @@ class ModelRunner:
             self.connector = None
 
     def execute(self, spec: StepSpec) -> StepResult:
-        """Every rank: KV exchange commands and polls, then the forward step. Only rank 0's return
-        value carries anything; the other ranks send theirs to it."""
+        """Every rank: forked choices' copies, KV exchange commands and polls, then the forward step. Only
+        rank 0's return value carries anything; the other ranks send theirs to it."""
+        self._copy(spec)
         report = self.connector.apply(spec.kv) if self.connector is not None else None
         sampled, failure = None, None
         if spec.seqs:
@@ -243,6 +249,17 @@ class ModelRunner:
         reports = [report] + [RankReport.from_wire(msgpack.unpackb(recv_bytes(r, group=self.ps.cpu_group)))
                              for r in range(1, self.ps.world_size)]
         return StepResult(sampled, reports, failure)
+
+    @torch.inference_mode()
+    def _copy(self, spec: StepSpec) -> None:
+        """Make the copies a fork asked for, before a transfer or a forward step can write their sources."""
+        if spec.block_copies:
+            src, dst = (torch.tensor(side, dtype=torch.long, device=self.device) for side in zip(*spec.block_copies))
+            self.pool[dst] = self.pool[src]
+        if spec.state_copies and self.num_state_slots:  # (a PP stage without recurrent layers has none)
+            src, dst = (torch.tensor(side, dtype=torch.long, device=self.device) for side in zip(*spec.state_copies))
+            for buf in (self.model.state.conv, self.model.state.ssm):
+                buf[dst] = buf[src]
 
     @torch.inference_mode()
     def _forward(self, spec: StepSpec) -> SampleResult | None:

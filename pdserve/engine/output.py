@@ -32,6 +32,7 @@ class RequestOutput:
     error: str | None = None
     error_code: str | None = None  # the error's kind, when the client is told one (Sequence.error_code)
     context: ContextResult | None = None  # a finished context_only request's hand-off
+    index: int = 0  # which choice of a request with n > 1 (`finished` is this choice's)
 
 
 class OutputTracker:
@@ -50,6 +51,12 @@ class OutputTracker:
         self.sent_logprobs = 0
         stops = seq.params.stop
         self.holdback = max((len(s) for s in stops), default=1) - 1
+
+    def fork(self, seq: Sequence) -> "OutputTracker":
+        """A tracker for `seq`, another choice of this tracker's request, before either has output."""
+        d = self.detok
+        detok = None if d is None else type(d)(d.tokenizer, seq.prompt_token_ids, d.skip_special_tokens)
+        return OutputTracker(seq, detok)
 
     def on_token(self, token_id: int, is_stop_token: bool, stop_strings: bool = True) -> None:
         """`stop_strings`: whether a stop string may end the output yet (not before min_tokens)."""
@@ -83,7 +90,7 @@ class OutputTracker:
         new_lps = seq.output_logprobs[self.sent_logprobs:]
         self.sent_logprobs = len(seq.output_logprobs)
         return RequestOutput(
-            request_id=seq.request_id,
+            request_id=seq.client_id,
             new_token_ids=new_ids,
             new_text=new_text,
             finished=final,
@@ -95,4 +102,5 @@ class OutputTracker:
             num_cached_tokens=seq.num_cached_tokens,
             error=seq.error,
             error_code=seq.error_code,
+            index=seq.choice,
         )

@@ -1,7 +1,8 @@
 """Turn last-position logits into tokens: penalties and biases, temperature, top-k/top-p/min-p, seeded
 draws. The logit adjustments apply in this order: repetition penalty, presence and frequency penalties,
-logit bias, then the tokens min_tokens bans; logprobs are those of the model's own logits, before any
-of them.
+logit bias, the tokens min_tokens bans, then a structured output's mask (engine/guided.py: every token its
+grammar does not allow next is excluded), all before temperature, top-k, top-p and min-p; logprobs are those
+of the model's own logits, before any of them.
 
 Each row is sampled on its own: legal but degenerate values (a temperature of 1e-300, a top_p that
 rounds to 0 in float32, a repetition penalty whose division overflows) are handled numerically, and a
@@ -13,12 +14,15 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pdserve.engine.sampling_params import GREEDY_BELOW
 
 _U64 = (1 << 64) - 1  # an int64 seed's two's-complement bits: -1 and 2**63 - 1 stay apart
 _DRAW_KEY = b"pdserve seeded draw v1"
+_NOTHING_LEFT = ("no token is left to sample: every token was excluded by the request's penalties, biases, filters "
+                 "or its structured output's grammar")
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class SampleSpec:
     output: list[int] | None = None  # output ids so far, only sent with a presence or frequency penalty
     logit_bias: list[tuple[int, float]] | None = None  # (token id, added to its logit)
     banned: list[int] | None = None  # tokens that may not be sampled this step (min_tokens not yet reached)
+    allowed: bytes | None = None  # structured outputs: the grammar's mask, bit t % 32 of int32 word t // 32
 
 
 @dataclass
@@ -59,7 +64,7 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> SampleResult:
     broken = torch.isnan(logits).any(dim=-1).tolist()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.logprobs is not None for s in specs) else None
     penalized = [(s.repetition_penalty != 1.0 and bool(s.history)) or bool(s.output) or bool(s.logit_bias)
-                 or bool(s.banned) for s in specs]
+                 or bool(s.banned) or s.allowed is not None for s in specs]
     # Greedy rows without a penalty or bias share one batched argmax (one op instead of one per sequence).
     plain_greedy = [s.temperature < GREEDY_BELOW and not p for s, p in zip(specs, penalized)]
     argmax = logits.argmax(dim=-1).tolist() if any(plain_greedy) else None
@@ -95,6 +100,8 @@ def _sample_row(row: torch.Tensor, s: SampleSpec, penalized: bool) -> int:
     if penalized:
         row = _finite(_adjust(row, s))
     if s.temperature < GREEDY_BELOW:  # dividing by a tinier temperature overflows; its limit is greedy
+        if s.allowed is not None and bool(torch.isneginf(row).all()):
+            raise ValueError(_NOTHING_LEFT)
         return int(row.argmax())
     return _draw(_filter(_finite(row / s.temperature), s), s)
 
@@ -125,7 +132,18 @@ def _adjust(row: torch.Tensor, s: SampleSpec) -> torch.Tensor:
         row[ids] += torch.tensor([b for _, b in s.logit_bias], dtype=row.dtype, device=row.device)
     if s.banned:
         row[torch.tensor(s.banned, dtype=torch.long, device=row.device)] = float("-inf")
+    if s.allowed is not None:
+        row.masked_fill_(~allowed_tokens(s.allowed, row.numel()).to(row.device), float("-inf"))
     return row
+
+
+def allowed_tokens(mask: bytes, vocab: int) -> torch.Tensor:
+    """A grammar's bit mask (bit t % 32 of little-endian int32 word t // 32) as one bool per token: [vocab]."""
+    bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
+    out = torch.zeros(vocab, dtype=torch.bool)
+    n = min(vocab, bits.size)  # tokens past the mask's end are never allowed
+    out[:n] = torch.from_numpy(bits[:n].astype(bool))
+    return out
 
 
 def _filter(row: torch.Tensor, s: SampleSpec) -> torch.Tensor:
@@ -148,8 +166,7 @@ def _filter(row: torch.Tensor, s: SampleSpec) -> torch.Tensor:
 
 def _draw(row: torch.Tensor, s: SampleSpec) -> int:
     if bool(torch.isneginf(row).all()):
-        raise ValueError("no token is left to sample: every token was excluded by the request's penalties, "
-                         "biases or filters")
+        raise ValueError(_NOTHING_LEFT)
     probs = torch.softmax(row, dim=-1)
     if s.seed is None:
         return int(torch.multinomial(probs, 1))

@@ -11,6 +11,21 @@ GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
+class GuidedSpec:
+    """What the output must match (structured outputs; engine/guided.py compiles it): `kind` "json" (a JSON
+    schema, as text), "regex" or "grammar" (Lark, llguidance's dialect). `param` is the request field it came
+    from, which an error about it names."""
+
+    kind: str
+    text: str
+    param: str = "response_format"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("json", "regex", "grammar"):
+            raise ValueError(f"guided kind must be json, regex or grammar, got {self.kind!r}")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
@@ -34,6 +49,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return beside the chosen token
     include_stop_str_in_output: bool = False
+    guided: GuidedSpec | None = None  # structured outputs: every output token is one the grammar allows
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -67,6 +83,12 @@ class SamplingParams:
             raise ValueError("logit_bias values must be in [-100, 100]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.guided is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with structured outputs: the output ends where the "
+                             "grammar does, with an EOS; send ignore_eos=false")
+        if self.guided is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with structured outputs: the grammar decides where the "
+                             "output may end; send min_tokens=0")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
         if len(self.stop) > 16:

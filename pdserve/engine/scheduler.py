@@ -50,8 +50,8 @@ from typing import TYPE_CHECKING
 from pdserve.engine.block_manager import BlockManager, block_hashes
 from pdserve.engine.kv.wire import FirstToken
 from pdserve.engine.output import ContextResult, OutputTracker, RequestOutput
-from pdserve.engine.sequence import FinishReason, RequestType, Sequence, SeqState
-from pdserve.engine.step_budget import TpotBudget
+from pdserve.engine.sequence import FinishReason, RequestType, Sequence, SeqState, choice_id
+from pdserve.engine.step_budget import TpotBudget, sliver_waits
 
 if TYPE_CHECKING:
     from pdserve.engine.sampler import SampleResult
@@ -71,46 +71,17 @@ class ScheduledSeq:
     num_new_tokens: int
     start: int = field(init=False)  # the first position this step computes
     samples: bool = field(init=False)  # this step produces the next token (its last pending one is computed)
+    choices: int = field(init=False)  # tokens it samples: n when it forks a request's choices, else 1
 
     def __post_init__(self) -> None:
         self.start = self.seq.num_computed_tokens
         self.samples = self.start + self.num_new_tokens == self.seq.num_tokens
+        self.choices = self.seq.params.n if self.samples and self.seq.forks_now else 1
 
     @property
     def prefills(self) -> bool:
         """Computes prompt tokens (a chunk, or a whole prompt), not one decode token."""
         return self.num_new_tokens > 1 or self.seq.num_tokens - self.start > 1
-
-
-def sliver_waits(rest: int, max_num_tokens: int, step_prefills: bool) -> bool:
-    """Should a new prompt wait rather than take a chunk that leaves it `rest` tokens? Yes when `rest` is
-    under an eighth of the budget and the step already prefills another prompt: the prompt then heads
-    the next step whole.
-
-    Its first token comes from the next step either way, but the chunk would lengthen this one, and with
-    it the first token of every prompt that finishes here. It happens whenever prompts sum to about the
-    budget: two 256-token prompts in a 512-token step beside one decode row got 256 and 255 tokens, and
-    the second waited a whole further step for its last token. A step that prefills no other prompt
-    takes the chunk, so every prompt gets under way. The planner's simulator (plan/simulate.py) applies
-    the same rule."""
-    return step_prefills and rest < max_num_tokens // 8
-
-
-def _pinned(seq: Sequence) -> bool:
-    """A pipelined context_only prefill: its finished blocks are offered to a peer as it goes."""
-    return seq.disagg is not None and seq.disagg.pipelined and seq.request_type is RequestType.CONTEXT_ONLY
-
-
-def transfer_stage(seq: Sequence) -> str:
-    """Where a request's transfer stands, in words, for a log line about it."""
-    d = seq.disagg
-    if seq.request_type is RequestType.GENERATION_ONLY:
-        if seq.state is SeqState.GEN_AWAITING_KV:
-            return f"waiting for its KV from {d.ctx_info_endpoint}"
-        return "decoding (its KV had arrived)"
-    if seq.state is SeqState.RUNNING:
-        return "prefilling, its KV leaving chunk by chunk"
-    return "prefilled, its KV waiting for the generation instance to pull it"
 
 
 class Scheduler:
@@ -134,6 +105,10 @@ class Scheduler:
         self.by_disagg_id: dict[int, Sequence] = {}
         self.outputs: list[RequestOutput] = []  # the output sink: what clients are told, drained each step
         self.cancels: list[int] = []  # disagg ids whose transfer every rank must stop (the KV exchange sends them)
+        # Forked choices' copies of their request's partial last block and recurrent state, (source, copy):
+        # every rank makes them before the next forward step (engine: the step spec carries them).
+        self.block_copies: list[tuple[int, int]] = []
+        self.state_copies: list[tuple[int, int]] = []
 
     def add(self, seq: Sequence, tracker: OutputTracker | None = None) -> None:
         """A new request: WAITING. `tracker` defaults to one without a detokenizer (no text)."""
@@ -166,7 +141,7 @@ class Scheduler:
                 continue
             grown = True
             while not self._grow(seq, seq.num_computed_tokens + n):
-                victim = next((v for v in reversed(self.running) if not _pinned(v)), None)
+                victim = next((v for v in reversed(self.running) if not v.pinned), None)
                 if victim is None:  # only pinned sequences left: this one waits for blocks
                     grown = False
                     break
@@ -215,7 +190,7 @@ class Scheduler:
                 break
             # A pipelined prefill holds its whole prompt's blocks from the start: it is never preempted
             # (its blocks may be mid-transfer) and so must never need to grow.
-            reserve = seq.num_tokens if _pinned(seq) else num_cached + n
+            reserve = seq.num_tokens if seq.pinned else num_cached + n
             new_blocks = self.blocks.blocks_needed(reserve) - len(cached)
             # Reviving evictable cached blocks also consumes free slots.
             revived = sum(1 for b in cached if self.blocks.ref_counts[b] == 0)
@@ -268,7 +243,11 @@ class Scheduler:
         token and apply what it means for its request. `result` holds one row per sampling sequence."""
         sampling = [s for s in batch if s.samples]
         self.commit(batch)
-        for i, s in enumerate(sampling):
+        row = 0
+        for s in sampling:
+            i, row = row, row + s.choices
+            if s.choices > 1:  # before the request's own token, which may finish it and free its blocks
+                self._fork(s.seq, result, range(i + 1, row))
             error = result.error(i)
             try:
                 if error is None:
@@ -278,6 +257,47 @@ class Scheduler:
                 error = f"{type(e).__name__}: {e}"
             if error is not None:
                 self.fail(s.seq, error)
+
+    def _fork(self, seq: Sequence, result: SampleResult, rows: range) -> None:
+        """Choices 1..n-1 of `seq`'s request, from rows `rows` of its first step's samples. Each shares the
+        prompt's full blocks, gets a copy of the partial last one and of the recurrent state (made by every
+        rank before the next step), and decodes on from its own first token. A choice that finds no free
+        block, state slot or batch row waits, to be computed from its prompt like a preempted request."""
+        seq.forked = True
+        tpb, done = self.blocks.tokens_per_block, seq.num_computed_tokens
+        full, tail = divmod(done, tpb)
+        tracker = self.trackers[seq.request_id]
+        for c, i in enumerate(rows, start=1):
+            child = Sequence(choice_id(seq.request_id, c), seq.prompt_token_ids, seq.params, seq.request_type,
+                             output_token_ids=list(seq.output_token_ids), num_cached_tokens=seq.num_cached_tokens,
+                             arrival_time=seq.arrival_time, choice=c, group_id=seq.request_id, forked=True)
+            self.seqs[child.request_id] = child
+            self.trackers[child.request_id] = tracker.fork(child)
+            placed = (len(self.running) < self.max_num_seqs and self.blocks.has_state_slot
+                      and (not tail or self.blocks.num_free_blocks > 0))
+            if placed:
+                self.blocks.take(seq.block_ids[:full])
+                child.block_ids = seq.block_ids[:full] + (self.blocks.allocate(1) if tail else [])
+                child.state_slot = self.blocks.allocate_state()
+                child.num_computed_tokens, child.state = done, SeqState.RUNNING
+                self.running.append(child)
+            else:
+                self.waiting.appendleft(child)
+            if result.error(i) is None:
+                self._take_token(child, result.token_ids[i], result.logprobs[i], result.top_logprobs[i])
+            else:
+                self.fail(child, result.error(i))
+            if placed and child.request_id in self.seqs:  # not ended by its first token
+                if tail:
+                    self.block_copies.append((seq.block_ids[full], child.block_ids[full]))
+                if child.state_slot >= 0:
+                    self.state_copies.append((seq.state_slot, child.state_slot))
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The block and state copies the next step must make first."""
+        out = self.block_copies, self.state_copies
+        self.block_copies, self.state_copies = [], []
+        return out
 
     def commit(self, batch: list[ScheduledSeq]) -> None:
         """After the forward pass: advance computed counts and publish newly full blocks."""
@@ -388,10 +408,17 @@ class Scheduler:
     # -- ending early: any state -> FINISHED ------------------------------------------------------------
 
     def abort(self, request_id: str) -> None:
+        """End a request, every choice of it."""
+        for seq in self._choices(request_id):
+            if not seq.is_finished:
+                self.end(seq, FinishReason.ABORT)
+
+    def _choices(self, request_id: str) -> list[Sequence]:
+        """The request's sequences not yet retired: itself, or each of its n > 1 choices still going."""
         seq = self.seqs.get(request_id)
-        if seq is None or seq.is_finished:
-            return
-        self.end(seq, FinishReason.ABORT)
+        if seq is not None and seq.params.n == 1:
+            return [seq]
+        return [s for s in self.seqs.values() if s.client_id == request_id]
 
     def release_kv(self, disagg_request_id: int) -> bool:
         """An answered context_only request whose KV nobody will pull: free it now. False when no such
@@ -422,7 +449,7 @@ class Scheduler:
         d = seq.disagg
         cancel = d is not None and d.may_still_write
         if cancel:
-            d.cancelled_while = transfer_stage(seq)
+            d.cancelled_while = seq.transfer_stage
         if not seq.is_finished or error is not None:
             seq.error = error
             seq.finish(reason)
@@ -433,8 +460,10 @@ class Scheduler:
             self._retire(seq)
 
     def take_abort_output(self, request_id: str) -> RequestOutput | None:
-        tracker = self.trackers.pop(request_id, None)
-        return tracker.flush() if tracker else None
+        """An aborted request's last output (its first choice's; its other choices' are dropped)."""
+        ids = [k for k, t in self.trackers.items() if t.seq.client_id == request_id]
+        outs = [self.trackers.pop(k).flush() for k in ids]
+        return outs[0] if outs else None
 
     # -- where a request is ------------------------------------------------------------------------
 

@@ -73,6 +73,11 @@ class DisaggInfo:
         return self.schedule_style == "generation_first"
 
 
+def choice_id(request_id: str, choice: int) -> str:
+    """The engine's id of choice `choice` of a request with n > 1 (choice 0 has the request's own id)."""
+    return request_id if choice == 0 else f"{request_id}/choice{choice}"
+
+
 @dataclass
 class Sequence:
     request_id: str
@@ -93,6 +98,39 @@ class Sequence:
     disagg: "DisaggInfo | None" = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    # A request with n > 1 choices: its first sequence (choice 0, `request_id` the request's) computes the
+    # prompt once, and its first sampling step forks the others (scheduler.py: _fork), which share its KV.
+    choice: int = 0
+    group_id: str | None = None  # choices 1..n-1: the request's id (their own ids are choice_id's)
+    forked: bool = False
+
+    @property
+    def client_id(self) -> str:
+        """The request id its outputs are reported under: the request's, for every choice."""
+        return self.group_id or self.request_id
+
+    @property
+    def forks_now(self) -> bool:
+        """Its next sampled token is its first and it has choices to fork (choice 0 of an n > 1 request)."""
+        return self.params.n > 1 and self.choice == 0 and not self.forked
+
+    @property
+    def pinned(self) -> bool:
+        """A pipelined context_only prefill: its finished blocks are offered to a peer as it goes, so it is
+        never preempted."""
+        d = self.disagg
+        return d is not None and d.pipelined and self.request_type is RequestType.CONTEXT_ONLY
+
+    @property
+    def transfer_stage(self) -> str:
+        """Where its transfer stands, in words, for a log line about it."""
+        if self.request_type is RequestType.GENERATION_ONLY:
+            if self.state is SeqState.GEN_AWAITING_KV:
+                return f"waiting for its KV from {self.disagg.ctx_info_endpoint}"
+            return "decoding (its KV had arrived)"
+        if self.state is SeqState.RUNNING:
+            return "prefilling, its KV leaving chunk by chunk"
+        return "prefilled, its KV waiting for the generation instance to pull it"
 
     @property
     def all_token_ids(self) -> list[int]:

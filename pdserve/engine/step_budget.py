@@ -134,3 +134,17 @@ class TpotBudget:
         n = prefill_allowance(self.tpot_s, self.max_tokens, self.min_tokens, decoding, now, step_seconds)
         self.capped_steps += n < self.max_tokens
         return n
+
+
+def sliver_waits(rest: int, max_num_tokens: int, step_prefills: bool) -> bool:
+    """Should a new prompt wait rather than take a chunk that leaves it `rest` tokens? Yes when `rest` is
+    under an eighth of the budget and the step already prefills another prompt: the prompt then heads
+    the next step whole.
+
+    Its first token comes from the next step either way, but the chunk would lengthen this one, and with
+    it the first token of every prompt that finishes here. It happens whenever prompts sum to about the
+    budget: two 256-token prompts in a 512-token step beside one decode row got 256 and 255 tokens, and
+    the second waited a whole further step for its last token. A step that prefills no other prompt
+    takes the chunk, so every prompt gets under way. The planner's simulator (plan/simulate.py) applies
+    the same rule."""
+    return step_prefills and rest < max_num_tokens // 8

@@ -3,7 +3,7 @@
 An instance runs the engine's schedule (scheduler.py): each step, every running sequence in
 admission order takes its next tokens (a decode token, or the next prefill chunk) while the step's
 token budget (max_num_tokens) lasts, then waiting requests are admitted into what is left (a prompt
-that would be left a sliver waits, scheduler.sliver_waits). The step
+that would be left a sliver waits, step_budget.sliver_waits). The step
 takes StepCost.step seconds; a sequence whose prompt is complete gets its first token at the end of
 that step, a decoding one its next token.
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdserve.bench.arrivals import arrival_offsets
-from pdserve.engine.scheduler import sliver_waits
+from pdserve.engine.step_budget import sliver_waits
 from pdserve.engine.step_budget import MARGIN, prefill_allowance
 from pdserve.plan.costmodel import StepCost, TransferCost
 

@@ -7,7 +7,8 @@ working; fields we know but cannot honour (n > 1, echo, tools, ...) are refused 
 
 Extensions beyond the OpenAI API (accepted as vLLM accepts them, e.g. through the openai client's
 `extra_body`): top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos,
-include_stop_str_in_output; on chat also add_generation_prompt.
+include_stop_str_in_output, structured_outputs (server/guided_request.py), and response_format on
+/v1/completions too; on chat also add_generation_prompt.
 """
 
 from __future__ import annotations
@@ -112,6 +113,9 @@ class SamplingFields(_Request):
     # request may go on from another instance's output (ResumeParams).
     return_token_ids: bool = False
     resume: ResumeParams | None = None
+    # Structured outputs (server/guided_request.py reads both): OpenAI's, and vLLM's extension.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -151,7 +155,6 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: Dicts | None = None
-    response_format: dict[str, Any] | None = None
     # Extension: render the assistant turn opener after the messages (default, like OpenAI).
     add_generation_prompt: bool = True
 

@@ -19,12 +19,14 @@ import time
 from contextlib import aclosing
 from typing import AsyncIterator
 
+from pdserve.engine.guided import GuidedError
 from pdserve.engine.llm_engine import ConflictError, RequestError
 from pdserve.engine.output import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import GuidedSpec, SamplingParams
 from pdserve.engine.scheduler import KV_NOT_FOUND
 from pdserve.engine.sequence import DisaggInfo, RequestType, Resume
 from pdserve.server.errors import APIError, bad_request
+from pdserve.server.guided_request import guided_spec
 from pdserve.server.handoff import context_answer_params, first_gen_logprobs
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import (
@@ -105,7 +107,7 @@ class OpenAIServing:
         if req.best_of not in (None, 1):
             raise bad_request(f"best_of must be 1, got {req.best_of}", "best_of")
         ids = await self._completion_prompt(req.prompt)
-        params = self._sampling_params(req, req.max_tokens, logprobs=req.logprobs)
+        params = self._sampling_params(req, req.max_tokens, logprobs=req.logprobs, guided=await self._guided(req))
         rid, created = self._identity(req, "cmpl")
         outputs, first = await self._start(rid, ids, params, req, {})
         if req.stream:
@@ -149,8 +151,6 @@ class OpenAIServing:
         self._check_common(req)
         if req.tools:
             raise bad_request("tools are not supported by this server", "tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         ids = await self._chat_prompt(req)
@@ -158,7 +158,8 @@ class OpenAIServing:
         if req.max_completion_tokens is not None:
             max_tokens, max_tokens_param = req.max_completion_tokens, "max_completion_tokens"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self._sampling_params(req, max_tokens, logprobs=logprobs, max_tokens_param=max_tokens_param)
+        params = self._sampling_params(req, max_tokens, logprobs=logprobs, max_tokens_param=max_tokens_param,
+                                       guided=await self._guided(req))
         rid, created = self._identity(req, "chatcmpl")
         fields = {"prompt": "messages", "max_tokens": max_tokens_param}
         outputs, first = await self._start(rid, ids, params, req, fields)
@@ -301,8 +302,19 @@ class OpenAIServing:
         # The template already wrote any BOS it wants; encoding must not add a second one.
         return await self._encode(rendered, add_special_tokens=False, param="messages")
 
+    async def _guided(self, req: SamplingFields) -> GuidedSpec | None:
+        """The request's structured-output spec, compiled (once per distinct spec, in a worker thread: a large
+        schema takes milliseconds) so that a bad one is a 400 naming its field before any compute."""
+        spec = guided_spec(req.response_format, req.structured_outputs)
+        if spec is not None:
+            try:
+                await asyncio.to_thread(self.engine.engine.guides.grammars.compile, spec)
+            except GuidedError as e:
+                raise bad_request(str(e), e.param) from None
+        return spec
+
     def _sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                         max_tokens_param: str = "max_tokens") -> SamplingParams:
+                         max_tokens_param: str = "max_tokens", guided: GuidedSpec | None = None) -> SamplingParams:
         """`max_tokens` None: the engine gives the request what the context window leaves (its one check of
         the context-length rule)."""
         defaults = self.engine.sampling_defaults  # the checkpoint's recommendations (sampling_defaults.py)
@@ -317,6 +329,7 @@ class OpenAIServing:
             return SamplingParams(max_tokens=max_tokens, seed=req.seed, stop=tuple(stop),
                                   stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                                   include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
+                                  guided=guided,
                                   **{k: v for k, v in fields.items() if v is not None})
         except ValueError as e:
             message = str(e)

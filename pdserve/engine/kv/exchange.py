@@ -21,7 +21,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.kv.connector import LAYER_GROUP, STATE_GROUP, KVConnector, PeerDirectory, TransferTally
 from pdserve.engine.kv.wire import (CancelKV, FirstToken, ForgetPeer, KVCommand, KVWireError, RankReport, ReceiveKV,
                                     SendKV)
-from pdserve.engine.scheduler import KV_NOT_FOUND, ScheduledSeq, Scheduler, transfer_stage
+from pdserve.engine.scheduler import KV_NOT_FOUND, ScheduledSeq, Scheduler
 from pdserve.engine.sequence import RequestType, Sequence, SeqState
 from pdserve.kv_transfer.chunking import chunk_blocks
 
@@ -176,7 +176,7 @@ class KVExchange:
         elif unknown:  # a live context instance answered: nothing to forget about it
             log.info("KV transfer of request %d failed: %s", rid, failure)
         elif failure is not None:
-            log.warning("KV transfer of request %d failed while %s: %s", rid, transfer_stage(seq), failure)
+            log.warning("KV transfer of request %d failed while %s: %s", rid, seq.transfer_stage, failure)
             if seq.disagg.ctx_info_endpoint:  # it may have restarted: ask again next time
                 self._peers.forget(seq.disagg.ctx_info_endpoint)
                 self._forget.add(seq.disagg.ctx_info_endpoint)
