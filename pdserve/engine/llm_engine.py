@@ -32,7 +32,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler
 from pdserve.engine.kv.exchange import KVExchange
 from pdserve.engine.kv.wire import KVCommand
-from pdserve.engine.sequence import DisaggInfo, RequestType, Resume, Sequence
+from pdserve.engine.sequence import DisaggInfo, RequestType, Resume, Sequence, choice_id
 from pdserve.engine.step_budget import TpotBudget, attention_work
 from pdserve.engine.worker import pick_device, set_threads, worker_main
 from pdserve.host import free_port
@@ -166,8 +166,11 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_type is not RequestType.CONTEXT_AND_GENERATION:
             self._check_disagg(request_type, disagg)
-        if request_id in self.seqs:
+        if any(choice_id(request_id, c) in self.seqs for c in range(params.n)):
             raise RequestError(f"request id {request_id!r} is already in flight")
+        if params.n > 1 and (request_type is not RequestType.CONTEXT_AND_GENERATION or resume is not None):
+            raise RequestError("n > 1 is served by one instance from the start: send it without "
+                               "disaggregated_params and resume, or with n = 1", "n")
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestError("the prompt is empty", "prompt")
@@ -371,7 +374,7 @@ class LLMEngine:
                 sampled.token_ids += one.token_ids
                 sampled.logprobs += one.logprobs
                 sampled.top_logprobs += one.top_logprobs
-                sampled.errors.append(one.error(0))
+                sampled.errors += [one.error(i) for i in range(s.choices)]
         return kept, sampled, reports
 
     def _spec(self, batch: list[ScheduledSeq]) -> StepSpec:
@@ -390,10 +393,12 @@ class LLMEngine:
                                     presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                                     output=seq.output_token_ids if counted else None,
                                     logit_bias=list(p.logit_bias.items()) or None, allowed=self._allowed(seq),
-                                    banned=self._banned(p) if len(seq.output_token_ids) < p.min_tokens else None)
+                                    banned=self._banned(p) if len(seq.output_token_ids) < p.min_tokens else None,
+                                    choice=seq.choice, choices=s.choices)
             steps.append(SeqStep(seq.all_token_ids[start:start + s.num_new_tokens], start, seq.block_ids, sample,
                                  seq.state_slot))
-        return StepSpec(steps)
+        block_copies, state_copies = self.scheduler.take_copies()
+        return StepSpec(steps, block_copies=block_copies, state_copies=state_copies)
 
     def _ending(self, p: SamplingParams) -> frozenset[int]:
         """The tokens that end a request's output: its stop token ids, and EOS unless it ignores EOS."""

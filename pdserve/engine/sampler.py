@@ -12,7 +12,7 @@ request alone, through `SampleResult.errors`, never the batch."""
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -44,6 +44,9 @@ class SampleSpec:
     logit_bias: list[tuple[int, float]] | None = None  # (token id, added to its logit)
     banned: list[int] | None = None  # tokens that may not be sampled this step (min_tokens not yet reached)
     allowed: bytes | None = None  # structured outputs: the grammar's mask, bit t % 32 of int32 word t // 32
+    choice: int = 0  # which of a request's `n` choices this row is: each draws from a stream of its own
+    choices: int = 1  # rows to sample from these logits, choices choice..choice+choices-1 (a prompt's first
+    # token for every choice of a request with n > 1: the prompt is computed once, then forked)
 
 
 @dataclass
@@ -58,8 +61,13 @@ class SampleResult:
 
 
 def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> SampleResult:
-    """logits: [n, vocab] float32, one row per sampling sequence."""
+    """logits: [n, vocab] float32, one row per sampling sequence. The result has a row per choice: one
+    per spec, and `choices` in order for a spec that forks."""
     logits = logits.float()
+    if any(s.choices != 1 for s in specs):
+        rows = [i for i, s in enumerate(specs) for _ in range(s.choices)]
+        specs = [replace(s, choice=s.choice + c, choices=1) for s in specs for c in range(s.choices)]
+        logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
     # A NaN logit makes argmax and softmax meaningless: such a row fails rather than emit a made-up token.
     broken = torch.isnan(logits).any(dim=-1).tolist()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.logprobs is not None for s in specs) else None
@@ -170,18 +178,22 @@ def _draw(row: torch.Tensor, s: SampleSpec) -> int:
     probs = torch.softmax(row, dim=-1)
     if s.seed is None:
         return int(torch.multinomial(probs, 1))
-    return _inverse_cdf(probs, seeded_uniform(s.seed, s.step))
+    return _inverse_cdf(probs, seeded_uniform(s.seed, s.step, s.choice))
 
 
-def seeded_uniform(seed: int, step: int) -> float:
-    """Draw number `step` of `seed`'s stream, in [0, 1) with 53 random bits.
+def seeded_uniform(seed: int, step: int, choice: int = 0) -> float:
+    """Draw number `step` of `seed`'s stream for a request's choice `choice`, in [0, 1) with 53 random bits.
 
     A counter-based generator (as Philox is): a keyed hash of all 64 bits of the int64 seed and of the
     output position. A draw depends on (seed, step) alone, not on the batch, the rank or the draws
     before it, so a stream resumed at position N goes on as it would have; and seeds that differ only
     above bit 32 (torch's CPU generator keeps 32 bits of its seed) or in the sign get streams of their own.
+    Each choice of an n > 1 request has its stream too (choice 0's is the n = 1 stream, so choice 0 of a
+    seeded request is what the same request with n = 1 gives).
     """
     msg = (seed & _U64).to_bytes(8, "little") + step.to_bytes(8, "little")
+    if choice:
+        msg += choice.to_bytes(8, "little")
     bits = int.from_bytes(hashlib.blake2b(msg, digest_size=8, key=_DRAW_KEY).digest(), "little")
     return (bits >> 11) * 2.0 ** -53
 

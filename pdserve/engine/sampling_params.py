@@ -9,6 +9,8 @@ from functools import cached_property
 # and the distribution they approach is the argmax anyway.
 GREEDY_BELOW = 1e-5
 
+MAX_CHOICES = 128  # OpenAI's limit on `n`
+
 
 @dataclass(frozen=True)
 class GuidedSpec:
@@ -50,6 +52,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives to return beside the chosen token
     include_stop_str_in_output: bool = False
     guided: GuidedSpec | None = None  # structured outputs: every output token is one the grammar allows
+    n: int = 1  # choices: the prompt is computed once and each choice samples on from its own draws
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -83,6 +86,8 @@ class SamplingParams:
             raise ValueError("logit_bias values must be in [-100, 100]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}], got {self.n!r}")
         if self.guided is not None and self.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with structured outputs: the output ends where the "
                              "grammar does, with an EOS; send ignore_eos=false")
