@@ -17,6 +17,7 @@ ones SDPA.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -223,6 +224,17 @@ def _sdpa_decode(q: torch.Tensor, layer: int, cache: PagedKVCache, md: Attention
     return F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
 
 
+@functools.cache
+def _fused_decode():
+    """triton_decode.paged_decode (one kernel, reading the pool where it lies), or None without Triton,
+    which CUDA builds of torch ship with."""
+    try:
+        from pdserve.models import triton_decode
+    except ImportError:
+        return None
+    return triton_decode.paged_decode
+
+
 def rotate_and_cache(qkv: torch.Tensor, heads: int, rope_table: tuple[torch.Tensor, torch.Tensor], layer: int,
                      cache: PagedKVCache, md: AttentionMetadata) -> torch.Tensor:
     """RoPE on q and k of qkv [n, heads + 2 * kv_heads, d], and the new K and V written to the cache.
@@ -287,6 +299,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         runs = cpu_kernels.native(cpu_kernels.PAGED_DECODE, q.dtype)  # (kernel_dispatch: where it beats PyTorch)
         o = cpu_kernels.paged_decode_attention(qd, cache.pool, cache.layout, layer, md.decode_blocks, md.decode_lens,
                                                scale, window, cache.scales) if runs else None
+        if o is None and qd.is_cuda and _fused_decode() is not None:  # no gather of the pool on the GPU
+            o = _fused_decode()(qd, cache.pool, cache.layout, layer, md.decode_blocks, md.decode_lens, scale, window)
         if o is None:
             o = _sdpa_decode(qd, layer, cache, md, scale, window)
         if md.decode_only:
