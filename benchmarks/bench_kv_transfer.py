@@ -23,6 +23,11 @@ Table 1 (tp1 -> tp1, HND, one block-major pool per rank: one fragment for the wh
   ours/raw: bandwidth ratio of the medians; paired: median of raw_i / ours_i over neighbouring
         reps (they share the machine's load); best: of the fastest reps. On a loaded machine the
         spread between reps of one write can exceed 3x, hence the many reps of this table.
+  +ms:  what ours adds to raw per transfer (median ours - median raw).
+  gf:   generation_first: the gen's REQUEST_DATA already waits at the ctx (parked), which then offers;
+        from the offer (the ctx's clock: CLOCK_MONOTONIC, shared by both processes) until the gen's
+        status reports the KV. The request over ZeroMQ is off this path; the plan and the
+        notification are on it.
 Table 2 (tp1 -> tp3, NHD: one fragment per layer, K/V and token per gen rank), direct vs bounce,
   with the per-request stages of the transceiver (plan, gather, submit on ctx; scatter on gen) and
   the descriptors one request writes (descs/req, all gen ranks). Bounce gathers on the pool's device:
@@ -124,8 +129,9 @@ def build(name: str, tp: int, blocks: int, elt: int, layout: str, backend: str, 
 
 
 def ctx_main(case: dict, inbox, outbox) -> None:
-    """Context instance (tp1). Commands: ("offer", rid, n_blocks) -> serve it, answer ("served", rid,
-    stage seconds); ("raw", gen RankInfo bytes list) -> ("raw", seconds); None -> exit."""
+    """Context instance (tp1). Commands: ("offer", rid, n_blocks, parked) -> serve it (parked: once the
+    gen's REQUEST_DATA waits for it), answer ("offered", rid, offer time) and ("served", stage seconds,
+    stats); ("raw", gen RankInfo bytes list) -> ("raw", seconds); None -> exit."""
     blocks = -(-case["tokens"] // TPB)
     ranks, infos = build("ctx", 1, blocks, case["elt"], case["layout"], case["backend"], case["bounce"],
                          case.get("checksum", False), case.get("nixl_delay"), case.get("device", "cpu"),
@@ -143,10 +149,15 @@ def ctx_main(case: dict, inbox, outbox) -> None:
             tx.agent.shutdown()
             return
         if cmd[0] == "offer":
-            _, rid, n = cmd
+            _, rid, n, parked = cmd
+            while parked and rid not in tx.parked_requests:  # generation_first: its REQUEST_DATA came first
+                tx.poll_control()
+                if rid not in tx.parked_requests:
+                    tx.wait(_STEP_S)
             before, before_stats = dict(tx.stage_seconds), dict(tx.stats)
+            t_offer = time.perf_counter()  # CLOCK_MONOTONIC: comparable with the gen process's
             tx.respond_and_send_async(rid, {0: np.arange(n, dtype=np.int64)})
-            outbox.put(("offered", rid))
+            outbox.put(("offered", rid, t_offer))
             while tx.has_inflight_transfer():
                 res = tx.check_context_transfer_status(at_least=1)
                 if res.failed:
@@ -184,18 +195,24 @@ def gen_main(case: dict, results) -> None:
         endpoint = outbox.get(timeout=_STEP_S)
         seen = {"scatter": 0.0, "checksum": 0.0}  # gen-side stage seconds attributed to earlier requests
 
-        def ours(rid: int, n: int) -> tuple[float, dict, dict]:
-            inbox.put(("offer", rid, n))
-            assert outbox.get(timeout=_STEP_S) == ("offered", rid)
+        def ours(rid: int, n: int, gen_first: bool = False) -> tuple[float, dict, dict]:
+            """context_first: from our REQUEST_DATA to the KV in place (the ctx offered before).
+            gen_first: our REQUEST_DATA waits at the ctx, which offers; from its offer to the KV in place."""
             ids = {0: np.arange(n, dtype=np.int64)}
+            if not gen_first:
+                inbox.put(("offer", rid, n, False))
+                assert outbox.get(timeout=_STEP_S)[:2] == ("offered", rid)
             t0 = time.perf_counter()
             for tx, _ in gen:
                 tx.request_and_receive_async(rid, endpoint, ids, (0, n * TPB))
+            if gen_first:
+                inbox.put(("offer", rid, n, True))
             for tx, _ in gen:
                 res = tx.check_gen_transfer_status(at_least=1)
                 if res.failed or res.completed != [rid]:
                     raise RuntimeError(f"gen: transfer of {rid} failed: {res}")
-            elapsed = time.perf_counter() - t0
+            t_end = time.perf_counter()
+            elapsed = t_end - (outbox.get(timeout=_STEP_S)[2] if gen_first else t0)
             _, stages, stats = outbox.get(timeout=_STEP_S)
             for stage in seen:  # add the gen side's share of these stages
                 total = sum(tx.stage_seconds[stage] for tx, _ in gen)
@@ -229,6 +246,8 @@ def gen_main(case: dict, results) -> None:
                 results.put(("raw", seconds, frags))
             elapsed, stages, stats = ours(rep, blocks)
             results.put(("ours", elapsed, stages, stats))
+            if case.get("gen_first"):
+                results.put(("gen_first", ours(100_000 + rep, blocks, gen_first=True)[0]))
             if time.monotonic() > deadline:
                 break  # keep the reps we have rather than overrun the case timeout
         inbox.put(None)
@@ -252,7 +271,7 @@ def run_case(case: dict, timeout_s: float) -> dict:
     case = dict(case, budget_s=timeout_s / 2)
     proc = spawn.Process(target=gen_main, args=(case, results))
     proc.start()
-    out = {"ours": [], "raw": [], "frags_raw": 0, "stages": [], "stats": {}, "status": "timeout"}
+    out = {"ours": [], "raw": [], "gen_first": [], "frags_raw": 0, "stages": [], "stats": {}, "status": "timeout"}
     pids = []
     deadline = time.monotonic() + timeout_s
     try:
@@ -269,6 +288,8 @@ def run_case(case: dict, timeout_s: float) -> dict:
             elif msg[0] == "raw":
                 out["raw"].append(msg[1])
                 out["frags_raw"] = msg[2]
+            elif msg[0] == "gen_first":
+                out["gen_first"].append(msg[1])
             elif msg[0] == "ours":
                 out["ours"].append(msg[1])
                 out["stages"].append(msg[2])
@@ -320,16 +341,18 @@ def _fmt(x: float | None, scale: float = 1.0, width: int = 9, digits: int = 2) -
 def contiguous_table(args) -> None:
     print(f"tp1 -> tp1 (HND, contiguous)   [{load()}]")
     print(f"{'dtype':>5} {'tokens':>6} {'MiB':>7} {'descs':>7} {'reps':>4} {'ours ms':>9} {'raw ms':>9} "
-          f"{'ours GB/s':>9} {'raw GB/s':>9} {'copy GB/s':>9} {'ours/raw':>8} {'paired':>6} {'best':>5}  status")
+          f"{'ours GB/s':>9} {'raw GB/s':>9} {'copy GB/s':>9} {'ours/raw':>8} {'paired':>6} {'best':>5} "
+          f"{'+ms':>6} {'gf ms':>7} {'gf/raw':>6} {'gf +ms':>6}  status")
     for dtype in args.dtypes:
         for tokens in args.tokens:
             nbytes = kv_bytes(tokens, DTYPES[dtype])
             case = {"tokens": tokens, "elt": DTYPES[dtype], "kv_dtype": TORCH_DTYPES[dtype], "layout": "HND",
                     "gen_tp": 1, "backend": args.backend,
                     "nixl_delay": args.nixl_progress_delay_us, "device": args.device,
-                    "bounce": None, "reps": args.contiguous_reps, "raw": True, "warm_full": True}
+                    "bounce": None, "reps": args.contiguous_reps, "raw": True, "warm_full": True, "gen_first": True}
             r = run_case(case, args.case_timeout)
-            ours, raw = _median(r["ours"]), _median(r["raw"])
+            ours, raw, gf = _median(r["ours"]), _median(r["raw"]), _median(r["gen_first"])
+            added = lambda t: None if t is None or raw is None else t - raw  # noqa: E731
             descs = f"{r['stats'].get('fragments_written', 0)}/{r['frags_raw']}"  # ours/raw, per request
             copy = torch_copy_s(nbytes, args.reps, args.device)
             bw = lambda s: None if s is None else nbytes / s / 1e9  # noqa: E731
@@ -338,7 +361,8 @@ def contiguous_table(args) -> None:
             paired = _median([a / b for a, b in zip(r["raw"], r["ours"])])
             print(f"{dtype:>5} {tokens:>6} {nbytes / 2**20:>7.1f} {descs:>7} {len(r['ours']):>4} {_fmt(ours, 1e3)} "
                   f"{_fmt(raw, 1e3)} {_fmt(bw(ours))} {_fmt(bw(raw))} {_fmt(bw(copy))} {_fmt(ratio, width=8)} "
-                  f"{_fmt(paired, width=6)} {_fmt(best, width=5)}  "
+                  f"{_fmt(paired, width=6)} {_fmt(best, width=5)} {_fmt(added(ours), 1e3, 6)} {_fmt(gf, 1e3, 7)} "
+                  f"{_fmt(None if gf is None or raw is None else raw / gf, width=6)} {_fmt(added(gf), 1e3, 6)}  "
                   f"{r['status']}", flush=True)
 
 
@@ -352,7 +376,8 @@ def nhd_table(args) -> None:
         for tokens in args.tokens:
             nbytes = kv_bytes(tokens, DTYPES[dtype])
             rows = {}
-            for mode in ("direct", "bounce"):
+            skip_direct = args.direct_max_tokens is not None and tokens > args.direct_max_tokens
+            for mode in ("bounce",) if skip_direct else ("direct", "bounce"):
                 bounce = BounceConfig(staging_bytes=3 * nbytes) if mode == "bounce" else None
                 case = {"tokens": tokens, "elt": DTYPES[dtype], "kv_dtype": TORCH_DTYPES[dtype], "layout": "NHD",
                         "gen_tp": 3, "backend": args.backend,
@@ -411,9 +436,14 @@ def main() -> None:
     parser.add_argument("--case-timeout", type=float, default=240.0,
                         help="seconds per case (processes started, warm-up, reps); past half of it no new rep starts")
     parser.add_argument("--tables", nargs="+", default=["contiguous", "nhd"], choices=["contiguous", "nhd", "checksum"])
+    parser.add_argument("--direct-max-tokens", type=int, default=None,
+                        help="NHD table: skip the direct case above this many tokens (default: none on cpu, 2048 "
+                             "with --device cuda, where 8192 tokens direct outlast a device run's budget)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="where the KV pools live (cuda: VRAM -> VRAM; needs --backend nixl, no checksum table)")
     args = parser.parse_args()
+    if args.direct_max_tokens is None and args.device == "cuda":
+        args.direct_max_tokens = 2048
     if args.device == "cuda" and (args.backend != "nixl" or "checksum" in args.tables):
         parser.error("--device cuda moves VRAM with NIXL only and has no checksum table (CRC32 reads host memory)")
     print(f"backend={args.backend}  device={args.device}  SmolLM2 KV: {LAYERS} layers x {HEADS} KV heads x "

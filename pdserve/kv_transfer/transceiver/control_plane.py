@@ -102,15 +102,18 @@ class ControlPlane:
         return None
 
     # -- executor thread ----------------------------------------------------------------------
-    def drain(self) -> None:
-        """Apply queued control messages and agent notifications to the session tables."""
+    def drain(self) -> int:
+        """Apply queued control messages and agent notifications to the session tables; how many."""
+        applied = 0
         while not self.events.empty():  # this thread is the queue's only reader: the get never waits
+            applied += 1
             message = self.events.get_nowait()
             try:
                 self._apply(message)
             except Exception:
                 logger.exception("%s: failed to apply %s", self._local.key, message.TYPE.name)
         for sender, payload in self._local.agent.get_notifications():
+            applied += 1
             try:
                 done = decode(payload)
             except ProtocolError as exc:
@@ -120,6 +123,7 @@ class ControlPlane:
                 logger.warning("dropped a %s sent as a transfer notification by %s", done.TYPE.name, sender)
                 continue
             self._receiver.on_written(done)
+        return applied
 
     def _apply(self, message: Message) -> None:
         if isinstance(message, RegisterPeer):

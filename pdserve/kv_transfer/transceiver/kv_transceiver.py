@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -159,14 +160,27 @@ class KVTransceiver:
         return self._send.canary_writes
 
     def wait(self, timeout_s: float) -> bool:
-        """Sleep until something may have changed (a control message; a finished write or a notification,
-        for an agent that signals them) or `timeout_s` passed; True when woken. An executor with transfers
-        in flight and nothing else to do sleeps here instead of a fixed sleep; the next status check
-        applies what woke it."""
-        wake = self._control.wake
-        woke = wake.wait(timeout_s)
-        wake.clear()  # whatever set it is still queued (control messages) or pollable (agent): not lost
-        return woke
+        """Sleep until something may have changed (a control message; a finished write or a notification)
+        or `timeout_s` passed; True when woken. An executor with transfers in flight and nothing else to
+        do sleeps here instead of a fixed sleep; the next status check reports what woke it. An agent
+        that cannot signal (NIXL) is polled meanwhile at its completion_poll_s, while transfers are in
+        flight: its writes (which sends their notifications) and its notifications."""
+        wake, poll_s = self._control.wake, self.agent.completion_poll_s
+        if poll_s is None or not self.has_inflight_transfer():
+            woke = wake.wait(timeout_s)
+            wake.clear()  # whatever set it is still queued (control messages) or pollable (agent): not lost
+            return woke
+        deadline = time.monotonic() + timeout_s
+        while True:
+            wake.clear()
+            if self._control.drain() + self._send.poll_writes():
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if wake.wait(min(poll_s, left)):
+                wake.clear()
+                return True
 
     def _check(self, table: dict, canaries: set[int], at_least: int,
                step: Callable[[], TransferResults]) -> TransferResults:

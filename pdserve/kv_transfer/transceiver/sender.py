@@ -103,6 +103,14 @@ class Sender:
             logger.warning("%s: a first-contact canary send failed: %s", self._local.key, results.failed.pop(rid))
         return results
 
+    def poll_writes(self) -> int:
+        """Poll every write in flight (a NIXL write's notification leaves when it is polled DONE); how
+        many finished. The sessions stay in the table for the next step to report."""
+        before = sum(len(s.writes) for s in self.sessions.values())
+        for session in list(self.sessions.values()):
+            self._poll_writes(session)
+        return before - sum(len(s.writes) for s in self.sessions.values())
+
     def cancel(self, disagg_id: int) -> bool:
         """False while a write of this send may still land; True once it is gone."""
         send = self.sessions[disagg_id]

@@ -65,3 +65,23 @@ def test_waiting_transceivers_wake_when_the_kv_lands(pair):
         assert ctx.tx.check_context_transfer_status().completed == [1]
     finally:
         release.join()
+
+
+def test_wait_polls_an_agent_that_cannot_signal(pair):
+    """An agent without completion events (NIXL; here a fake whose writes start late, which only a poll
+    starts) is polled inside wait() while a transfer is in flight, so the write goes out and wakes the
+    sender without any status call."""
+    from pdserve.kv_transfer.agents.faults import FaultPlan
+
+    (ctx,), (gen,) = pair(ctx_options={"faults": FaultPlan(delay_ms=20)})
+    assert ctx.tx.agent.completion_poll_s is not None
+    ids_c, ids_g = ctx_block_ids(Topology("ctx"), 12), gen_block_ids(Topology("gen"), 12)
+    fill(ctx, ids_c)
+    gen.tx.request_and_receive_async(1, ctx.tx.endpoint, {0: ids_g})
+    ctx.tx.respond_and_send_async(1, {0: ids_c})
+    while not ctx.tx.send_sessions[1].writes:
+        assert ctx.tx.wait(WAIT_S), "REQUEST_DATA did not wake the context side"
+        ctx.tx.check_context_transfer_status()
+    assert ctx.tx.wait(WAIT_S), "the delayed write was never polled out"
+    assert gen.tx.wait(WAIT_S) and gen.tx.check_gen_transfer_status().completed == [1]
+    assert mismatches(gen, ids_g, 12) == 0
