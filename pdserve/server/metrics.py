@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -44,6 +44,8 @@ class _Live:
     arrival: float
     first: float | None = None
     last: float | None = None
+    open: int = 1  # choices not finished (n > 1: one request, timed per choice, counted once)
+    others: dict[int, "_Live"] = field(default_factory=dict)  # choices 1..n-1's timing
 
 
 class _EngineStats:
@@ -92,9 +94,9 @@ class ServerMetrics:
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
 
-    def request_started(self, request_id: str) -> None:
+    def request_started(self, request_id: str, n: int = 1) -> None:
         with self._lock:
-            self._live[request_id] = _Live(time.monotonic())
+            self._live[request_id] = _Live(time.monotonic(), open=n)
 
     def request_ended(self, request_id: str, how: str) -> None:
         """The HTTP layer stopped listening. `how`: "finished" (a step finished it; on_step records
@@ -116,8 +118,10 @@ class ServerMetrics:
                 live = self._live.get(out.request_id)
                 if live is None:
                     continue  # not an HTTP request of this server
-                self._observe(live, out, now)
-                if out.finished:
+                choice = live.others.setdefault(out.index, _Live(live.arrival)) if out.index else live
+                live.open -= out.finished
+                self._observe(choice, out, now, first_choice=not out.index, last_choice=not live.open)
+                if not live.open:
                     del self._live[out.request_id]
 
     def on_step_record(self, step: StepRecord) -> None:
@@ -128,20 +132,25 @@ class ServerMetrics:
         if step.decode_rows:
             self.step_tokens.labels("decode").inc(step.decode_rows)
 
-    def _observe(self, live: _Live, out: RequestOutput, now: float) -> None:
+    def _observe(self, live: _Live, out: RequestOutput, now: float, first_choice: bool = True,
+                 last_choice: bool = True) -> None:
+        """One choice's output (`live` its timing). The request's first token and prompt are counted by its
+        first choice, its end by the last to finish; inter-token gaps and TPOT are each choice's own."""
         n_new = len(out.new_token_ids)
         self.generation_tokens.inc(n_new)
         if live.first is None and n_new:
             live.first = now
-            self.ttft.observe(now - live.arrival)
-            self.prompt_tokens.inc(out.num_prompt_tokens)
+            if first_choice:
+                self.ttft.observe(now - live.arrival)
+                self.prompt_tokens.inc(out.num_prompt_tokens)
         elif n_new and live.last is not None:
             self.itl.observe(now - live.last)
         if n_new:
             live.last = now
-        if out.finished:
+        if out.finished and last_choice:
             self.success.labels(out.finish_reason or "stop").inc()
             self.e2e.observe(now - live.arrival)
+        if out.finished:
             if live.first is not None and out.num_output_tokens > 1:
                 self.tpot.observe((now - live.first) / (out.num_output_tokens - 1))
 

@@ -76,9 +76,11 @@ def sse(payload) -> str:
     return f"data: {body}\n\n"
 
 
-def usage_of(out: RequestOutput) -> Usage:
-    return Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
-                 total_tokens=out.num_prompt_tokens + out.num_output_tokens,
+def usage_of(*outs: RequestOutput) -> Usage:
+    """The usage of a request from each choice's last output: its prompt once, every choice's completion."""
+    out, completion = outs[0], sum(o.num_output_tokens for o in outs)
+    return Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=completion,
+                 total_tokens=out.num_prompt_tokens + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
 
 
@@ -112,35 +114,41 @@ class OpenAIServing:
         outputs, first = await self._start(rid, ids, params, req, {})
         if req.stream:
             return OwnedStream(self._stream_completion(req, rid, created, outputs, first), outputs)
+        texts, logprobs, lasts = [""] * req.n, [None] * req.n, [first] * req.n
         async with aclosing(outputs):
-            text, logprobs, last = "", None, first
             async for out in _chain(first, outputs):
-                logprobs = self._completion_logprobs(out, len(text), logprobs)
-                text, last = text + out.new_text, out
-        self._raise_if_failed(last)
-        choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=last.finish_reason,
-                                  stop_reason=last.stop_reason)
-        return CompletionResponse(id=rid, created=created, model=self.engine.model_name, choices=[choice],
-                                  usage=usage_of(last), disaggregated_params=self._handoff(last))
+                i = out.index
+                logprobs[i] = self._completion_logprobs(out, len(texts[i]), logprobs[i])
+                texts[i], lasts[i] = texts[i] + out.new_text, out
+        for last in lasts:
+            self._raise_if_failed(last)
+        choices = [CompletionChoice(index=i, text=texts[i], logprobs=logprobs[i], finish_reason=last.finish_reason,
+                                    stop_reason=last.stop_reason) for i, last in enumerate(lasts)]
+        return CompletionResponse(id=rid, created=created, model=self.engine.model_name, choices=choices,
+                                  usage=usage_of(*lasts), disaggregated_params=self._handoff(lasts[0]))
 
     async def _stream_completion(self, req, rid, created, outputs, first) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        offset = req.resume.sent_chars if req.resume else 0
+        offsets = [req.resume.sent_chars if req.resume else 0] * req.n  # each choice's text so far
+        lasts: dict[int, RequestOutput] = {}
         async with aclosing(outputs):
             out = first
             while True:
                 if out.finish_reason == "error":
                     yield sse(self._error_body(out))
                     break
-                choice = CompletionChoice(text=out.new_text, logprobs=self._completion_logprobs(out, offset),
+                i = out.index
+                choice = CompletionChoice(index=i, text=out.new_text, logprobs=self._completion_logprobs(out, offsets[i]),
                                           finish_reason=out.finish_reason, stop_reason=out.stop_reason)
-                offset += len(out.new_text)
+                offsets[i] += len(out.new_text)
                 yield self._with_ids(req, CompletionChunk(id=rid, created=created, model=self.engine.model_name,
                                                           choices=[choice]), out)
                 if out.finished:
+                    lasts[i] = out
+                if len(lasts) == req.n:
                     if include_usage:
                         yield sse(CompletionChunk(id=rid, created=created, model=self.engine.model_name,
-                                                  choices=[], usage=usage_of(out)))
+                                                  choices=[], usage=usage_of(*lasts.values())))
                     break
                 out = await anext(outputs)
         yield SSE_DONE
@@ -165,18 +173,21 @@ class OpenAIServing:
         outputs, first = await self._start(rid, ids, params, req, fields)
         if req.stream:
             return OwnedStream(self._stream_chat(req, rid, created, outputs, first), outputs)
+        texts, lasts = [""] * req.n, [first] * req.n
+        lps = [ChatLogprobs(content=[]) if req.logprobs else None for _ in range(req.n)]
         async with aclosing(outputs):
-            text, last = "", first
-            lps = ChatLogprobs(content=[]) if req.logprobs else None
             async for out in _chain(first, outputs):
-                text, last = text + out.new_text, out
-                if lps is not None and out.new_logprobs:
-                    lps.content += self._chat_logprobs(out).content
-        self._raise_if_failed(last)
-        choice = ChatChoice(message=AssistantMessage(content=text), logprobs=lps, finish_reason=last.finish_reason,
-                            stop_reason=last.stop_reason)
-        return ChatCompletionResponse(id=rid, created=created, model=self.engine.model_name, choices=[choice],
-                                      usage=usage_of(last), disaggregated_params=self._handoff(last))
+                i = out.index
+                texts[i], lasts[i] = texts[i] + out.new_text, out
+                if lps[i] is not None and out.new_logprobs:
+                    lps[i].content += self._chat_logprobs(out).content
+        for last in lasts:
+            self._raise_if_failed(last)
+        choices = [ChatChoice(index=i, message=AssistantMessage(content=texts[i]), logprobs=lps[i],
+                              finish_reason=last.finish_reason, stop_reason=last.stop_reason)
+                   for i, last in enumerate(lasts)]
+        return ChatCompletionResponse(id=rid, created=created, model=self.engine.model_name, choices=choices,
+                                      usage=usage_of(*lasts), disaggregated_params=self._handoff(lasts[0]))
 
     async def _stream_chat(self, req, rid, created, outputs, first) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -187,20 +198,23 @@ class OpenAIServing:
 
         async with aclosing(outputs):
             if req.resume is None:  # a resumed stream's client has had its opening chunk
-                yield chunk([ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
-            out = first
+                for i in range(req.n):
+                    yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+            out, lasts = first, {}
             while True:
                 if out.finish_reason == "error":
                     yield sse(self._error_body(out))
                     break
                 if out.new_text or out.new_logprobs or out.finished or (req.return_token_ids and out.new_token_ids):
-                    yield chunk([ChatChunkChoice(delta=DeltaMessage(content=out.new_text or None),
+                    yield chunk([ChatChunkChoice(index=out.index, delta=DeltaMessage(content=out.new_text or None),
                                                  logprobs=self._chat_logprobs(out),
                                                  finish_reason=out.finish_reason, stop_reason=out.stop_reason)],
                                 out=out)
                 if out.finished:
+                    lasts[out.index] = out
+                if len(lasts) == req.n:
                     if include_usage:
-                        yield chunk([], usage_of(out))
+                        yield chunk([], usage_of(*lasts.values()))
                     break
                 out = await anext(outputs)
         yield SSE_DONE
@@ -248,8 +262,6 @@ class OpenAIServing:
                                 f"'{self.engine.model_name}' (see GET /v1/models)", "model", "model_not_found")
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
-        if req.n != 1:
-            raise bad_request(f"n must be 1 (one choice per request), got {req.n}", "n")
         if req.logit_bias and not all(_TOKEN_ID.fullmatch(k.strip()) for k in req.logit_bias):
             raise bad_request("logit_bias keys must be token ids (non-negative integers as strings)", "logit_bias")
 
@@ -326,7 +338,7 @@ class OpenAIServing:
                       frequency_penalty=req.frequency_penalty, min_tokens=req.min_tokens,
                       logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None)
         try:
-            return SamplingParams(max_tokens=max_tokens, seed=req.seed, stop=tuple(stop),
+            return SamplingParams(max_tokens=max_tokens, seed=req.seed, n=req.n, stop=tuple(stop),
                                   stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                                   include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
                                   guided=guided,
@@ -394,7 +406,7 @@ class OpenAIServing:
                        disagg: DisaggInfo | None, resume: Resume | None = None) -> AsyncIterator[RequestOutput]:
         # A normal finish is recorded by the engine's step hook; only requests that end outside a
         # step (client gone -> abort; dead step loop -> error) are recorded here.
-        self.metrics.request_started(rid)
+        self.metrics.request_started(rid, params.n)
         how = "abort"
         try:
             async with aclosing(self.engine.generate(ids, params, request_id=rid, request_type=request_type,
