@@ -394,7 +394,8 @@ def nhd_table(args) -> None:
                 speed = direct / bounced if mode == "bounce" and direct and bounced else None
                 stages = " ".join(_fmt(_median([s[k] for s in r["stages"]]), 1e3, 10, 1) for k in STAGES[:4])
                 descs = stats.get("fragments_written", 0)
-                print(f"{dtype:>5} {tokens:>6} {nbytes / 2**20:>7.1f} {frags:>10} {descs:>9} {mode:>6} {len(r['ours']):>4} "
+                print(f"{dtype:>5} {tokens:>6} {nbytes / 2**20:>7.1f} {frags:>10} {descs:>9} {mode:>6} "
+                      f"{len(r['ours']):>4} "
                       f"{_fmt(_median(r['ours']), 1e3, 9, 1)} {stages} {_fmt(speed, width=7)}  {r['status']}",
                       flush=True)
 

@@ -90,8 +90,9 @@ def rank_infos(name: str, layout: Layout, num_layers: int, kv_heads: int, head_d
 
 def transfer_plan(ctx: Layout, gen: Layout, *, num_layers: int, kv_heads: int, head_dim: int, element_bytes: int,
                   prompt_tokens: int, tokens_per_block: int = 32, kv_layout: str = "HND",
-                  bounce: BounceConfig | None = None, latent: bool = False) -> list[PairRow]:
-    """One row per (context rank, generation rank) pair for a request of `prompt_tokens` tokens."""
+                  bounce: BounceConfig | None = None, latent: bool = False, on_device: bool = False) -> list[PairRow]:
+    """One row per (context rank, generation rank) pair for a request of `prompt_tokens` tokens.
+    `on_device`: the KV pools are in GPU memory, where the bounce gate takes any prompt length."""
     blocks = -(-prompt_tokens // tokens_per_block)
     ids = {0: np.arange(blocks, dtype=np.int64)}
     geometry = (num_layers, kv_heads, head_dim, element_bytes, tokens_per_block, blocks + 1, kv_layout, latent)
@@ -105,7 +106,7 @@ def transfer_plan(ctx: Layout, gen: Layout, *, num_layers: int, kv_heads: int, h
             if plan is None:
                 rows.append(PairRow(c.rank, g.rank, False, 0, 0, "-", pool=pool))
                 continue
-            passes = (bounce or BounceConfig()).kv_passes(blocks, plan.sizes)
+            passes = (bounce or BounceConfig()).kv_passes(blocks, plan.sizes, on_device)
             path = "bounce" if bounce is not None and passes else "direct"
             rows.append(PairRow(c.rank, g.rank, True, len(plan), plan.num_bytes, path, passes, pool))
     return rows

@@ -63,3 +63,16 @@ def test_an_mla_latent_pool_is_replicated_and_each_generation_rank_has_one_write
         assert len(owners) == 1 and owners[0].pool == "REPLICATED"
     text = format_transfer_plan(c, g, rows, 100, None)
     assert "REPLICATED" in text and "one elected context rank" in text
+
+
+def test_on_a_gpu_a_short_nhd_prompt_is_one_descriptor_per_pair():
+    """A GPU pays per descriptor, so the bounce path takes a 512-token NHD request there (on the host
+    its block gate sends it direct); `written` is what the agent writes."""
+    args = dict(num_layers=30, kv_heads=3, head_dim=64, element_bytes=2, prompt_tokens=512, kv_layout="NHD",
+                bounce=BounceConfig())
+    host = transfer_plan(Layout(), Layout(tp=3), **args)
+    gpu = transfer_plan(Layout(), Layout(tp=3), on_device=True, **args)
+    assert [(r.path, r.descriptors, r.written) for r in host] == [("direct", 30720, 30720)] * 3
+    assert [(r.path, r.descriptors, r.written) for r in gpu] == [("bounce", 30720, 1)] * 3
+    assert "per request: 92160 fragments, 3 descriptors written" in format_transfer_plan(
+        Layout(), Layout(tp=3), gpu, 512, BounceConfig())

@@ -88,7 +88,8 @@ def _staged_copy(plan) -> None:
     ptr = -(-segment.ctypes.data // 64) * 64
     lease = type("Lease", (), {"ptr": ptr, "nbytes": plan_segment_bytes(plan.sizes)})()
     gather(lease, plan.src_ptrs, plan.dst_ptrs, plan.sizes, "cpu")
-    span = RegionTable([MemoryRegion(int(plan.dst_ptrs.min()), int((plan.dst_ptrs + plan.sizes).max() - plan.dst_ptrs.min()))])
+    lo, hi = int(plan.dst_ptrs.min()), int((plan.dst_ptrs + plan.sizes).max())
+    span = RegionTable([MemoryRegion(lo, hi - lo)])
     scatter(ptr, lease.nbytes, span, "cpu")
 
 
