@@ -80,7 +80,7 @@ class Orchestrator:
         req.route_req = RouteRequest(num_tokens=len(tokens) if tokens else 0, token_ids=tokens,
                                      session_key=session_key(body, conversation_id, self._session_router()))
         try:
-            if self._aggregated():
+            if self._aggregated() or _choices(body) > 1:
                 return await self._whole(req)
             if self.cfg.conditional_disagg is not None or self.cfg.schedule_style == "generation_first":
                 # conditional disaggregation decides by this instance's cache, so it is chosen first and
@@ -435,6 +435,14 @@ def _lost(role: str, e: BaseException) -> str | None:
     if role == "generation":
         return {"kv_transfer_failed": "context", "kv_not_found": "context", "worker_failed": "generation"}.get(e.code)
     return "context" if isinstance(e, WorkerUnreachable) or e.code in ("worker_failed", "draining") else None
+
+
+def _choices(body: dict) -> int:
+    """The request's `n`. More than one is served whole on a generation instance, which computes the prompt
+    once and forks the choices (engine: scheduler._fork); a context instance's answer carries one first token.
+    A malformed `n` counts as 1: the instance's 400 names it."""
+    n = body.get("n", 1)
+    return n if isinstance(n, int) and not isinstance(n, bool) else 1
 
 
 async def _cancel_both(ctx: asyncio.Task, gen: asyncio.Task) -> None:

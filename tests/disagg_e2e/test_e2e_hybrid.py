@@ -73,3 +73,20 @@ def nemotron_group(e2e_dir):
 def test_nemotron_h_pair_equals_aggregated(nemotron_group, e2e_dir, ctx, gen):
     reference = Reference(openai_client(nemotron_group["nemotron-plain"].url))
     check_split(nemotron_group, ctx, gen, reference, e2e_dir / "nemotron")
+
+
+def test_n_choices_through_the_orchestrator_equal_aggregated(hybrid_group, e2e_dir):
+    """n > 1 is served whole on the generation instance (the prompt computed once, its state forked per
+    choice): the same choices as one aggregated instance, and no block or state slot left on either side."""
+    from e2e_cluster import MODEL_NAME, Orchestrator
+
+    body = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Count on"}], max_tokens=8, n=3,
+                temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    want = openai_client(hybrid_group["hybrid-plain"].url).chat.completions.create(**body)
+    with Orchestrator(hybrid_group["hybrid-tp1"].url, hybrid_group["hybrid-tp2"].url, e2e_dir / "hybrid",
+                      "n-choices") as orch:
+        got = orch.client().chat.completions.create(**body)
+    assert [c.message.content for c in got.choices] == [c.message.content for c in want.choices]
+    assert len({c.message.content for c in got.choices}) > 1
+    for name in ("hybrid-tp1", "hybrid-tp2"):
+        hybrid_group[name].wait_blocks_free()
