@@ -63,7 +63,8 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...
             options = [a for a in typing.get_args(kind) if a is not type(None)]
             kind = options[0] if len(options) == 1 else None
         choice = typing.get_origin(kind) is typing.Literal
-        if name in skip or not (choice or kind in (str, int, float, bool)):
+        numbers = typing.get_origin(kind) is list and typing.get_args(kind) == (int,)  # `--key 1 2 4`
+        if name in skip or not (choice or numbers or kind in (str, int, float, bool)):
             continue
         default = "unset" if field.default is None else str(field.default).lower() if kind is bool else field.default
         help_text = field.description or ""
@@ -73,6 +74,8 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...
             extra = {"action": argparse.BooleanOptionalAction}
         elif choice:
             extra = {"choices": list(typing.get_args(kind))}
+        elif numbers:
+            extra = {"nargs": "+", "type": int, "metavar": "N"}
         else:
             extra = {"metavar": {int: "N", float: "X", str: "TEXT"}[kind]}
         help_text = help_text.replace("%", "%%")  # argparse %-formats help

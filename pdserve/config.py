@@ -139,6 +139,16 @@ class EngineConfig(BaseModel):
                           "second, plain copy of every linear weight (the linear weights' memory twice), and a "
                           "one-sequence step without TP runs the whole layer stack in one native call; false "
                           "keeps oneDNN's packed copy only")
+    cuda_graphs: bool = Field(
+        True, description="CUDA, one rank: decode steps replay a CUDA graph captured once per batch size of "
+                          "cuda_graph_batch_sizes (the batch padded up to the next), sampling included "
+                          "(engine/static_decode.py); false runs every step eagerly")
+    cuda_graph_batch_sizes: list[int] | None = Field(
+        None, description="the batch sizes decode graphs are captured for; default 1, 2, 4, 8, then every "
+                          "multiple of 8 up to max_num_seqs (at most 256). A larger decode batch runs eagerly")
+    static_decode_on_cpu: bool = Field(
+        False, description="CPU: run decode steps through the padded, host-sync-free step that CUDA captures as "
+                           "graphs, eagerly; for checking that step against the eager one, not for speed")
     dist_host: str = Field("127.0.0.1", description="address of rank 0's torch.distributed store")
     dist_port: int = Field(0, ge=0, le=65535, description="0 = pick a free port")
     dist_timeout_s: float = Field(300.0, gt=0, description="rank start-up and collective timeout")
@@ -150,6 +160,14 @@ class EngineConfig(BaseModel):
                             "(as vLLM does); none: OpenAI's defaults")
     instance_name: str | None = Field(None, description="this instance's name towards KV peers; default: random")
     cache_transceiver_config: CacheTransceiverConfig = CacheTransceiverConfig()
+
+    @field_validator("cuda_graph_batch_sizes")
+    @classmethod
+    def _check_graph_sizes(cls, sizes: list[int] | None) -> list[int] | None:
+        if sizes is not None and (not sizes or any(n < 1 or n > 1024 for n in sizes)):
+            raise ValueError(f"cuda_graph_batch_sizes must be a non-empty list of batch sizes in [1, 1024], "
+                             f"got {sizes}")
+        return None if sizes is None else sorted(set(sizes))
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":

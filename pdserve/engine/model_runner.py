@@ -19,6 +19,7 @@ from torch import nn
 from pdserve.config import EngineConfig
 from pdserve.engine.kv.connector import KVConnector, KVPoolGeometry, StateBuffer, shared_pool_allocator
 from pdserve.engine.kv.wire import WIRE_VERSION, KVCommand, KVWireError, RankReport, command_from_wire, command_to_wire
+from pdserve.engine import static_decode
 from pdserve.engine.sampler import SampleResult, SampleSpec, sample
 from pdserve.host_malloc import keep_freed_memory
 from pdserve.models import cpu_kernels
@@ -161,7 +162,10 @@ class ModelRunner:
         canary_slots = CANARY_SLOTS if tc.backend is not None and tc.canary and device.type == "cpu" else 0
         if tc.backend is not None and tc.canary and not canary_slots and ps.rank == 0:
             log.info("first-contact canary off: the KV cache is in %s memory (the canary needs host memory)", device)
-        rows = self.num_blocks + canary_slots
+        # The static decode step's padding rows write into a spare block past the cache manager's (before
+        # the canary's, which are the pool's last)
+        static = static_decode.applies(ecfg, self.model, ps, device)
+        rows = self.num_blocks + int(static) + canary_slots
         P = model_cfg.kv_parts  # K and V, or MLA's one latent (of one "head": num_kv_heads 1)
         shape = [rows, L, P, kv_heads, T, D] if ecfg.kv_layout == "HND" else [rows, L, P, T, kv_heads, D]
         if self._allocator is not None:
@@ -174,6 +178,8 @@ class ModelRunner:
         if is_quantized(self.kv_dtype):
             scales = KVScales.from_checkpoint(read_kv_scales(model_dir), kv_layer_ids)
         self.cache = PagedKVCache(self.pool, ecfg.kv_layout, scales)
+        self.static_decode = (static_decode.for_runner(ecfg, self.model, self.cache, device, max_model_len,
+                                                       pad_block=self.num_blocks) if static else None)
         self.kv_heads_per_rank = kv_heads
         self.connector: KVConnector | None = None
         if tc.backend is not None:
@@ -263,6 +269,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _forward(self, spec: StepSpec) -> SampleResult | None:
+        if self.static_decode is not None and self.static_decode.fits(spec.seqs):  # (one rank: world_size 1)
+            return self.static_decode.step(spec.seqs)
         ids, positions, md, sample_rows = self._prepare(spec)
         ps = self.ps
         if ps.is_first_stage:
