@@ -17,8 +17,9 @@ $VLLM_PYTHON, else this interpreter when it can import vllm) and reads back one 
 uses measure_generate and random_prompt from this file, so it sends the very same prompts.
 
 --device cuda runs pdserve and transformers on the first CUDA device (no vLLM row) and reads the
-device's own memory bandwidth for the roofline. The embedded model does not travel to a GPU host, so
-there give --model a directory (`--tiny-smollm2` writes random weights of SmolLM2-135M's shape).
+device's own memory bandwidth for the roofline; --eager-row adds pdserve with `cuda_graphs: false`. The
+embedded model does not travel to a GPU host, so there give --model a directory (`--tiny-smollm2` writes
+random weights of SmolLM2-135M's shape).
 
 --kv-cache-dtypes adds a pdserve row per KV cache dtype beyond the first (default: auto, the weights' dtype)
 and its ratio to the first (an fp8_e4m3 cache: the native kernels read its bytes through their tables).
@@ -168,12 +169,13 @@ def decode_bytes(model) -> int:
 
 
 def bench_pdserve(dtype: str, decode_tokens: int, model: str | None, device: str = "cpu",
-                  kv_cache_dtype: str = "auto") -> dict:
+                  kv_cache_dtype: str = "auto", cuda_graphs: bool = True) -> dict:
     from pdserve.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype, max_num_tokens=4096, enable_prefix_caching=False,
-                                    kv_cache_memory_gb=2.0, device=device, kv_cache_dtype=kv_cache_dtype))
+                                    kv_cache_memory_gb=2.0, device=device, kv_cache_dtype=kv_cache_dtype,
+                                    cuda_graphs=cuda_graphs))
     vocab = engine.model_cfg.vocab_size
     row = {}
     _drive(engine, [random_prompt(64, vocab, 0)], 4)  # warm-up
@@ -315,6 +317,10 @@ def print_table(dtype: str, rows: dict[str, dict], bandwidth: float) -> None:
     ours, ref = rows["pdserve"], rows["transformers"]
     ratio = [ref[k] / ours[k] if k.startswith("ttft") else ours[k] / ref[k] for k, _, _ in COLUMNS]
     print("| pdserve / transformers | " + " | ".join(f"{r:.2f}x" for r in ratio) + " |")
+    if "pdserve eager" in rows:  # CUDA graphs' gain (--eager-row)
+        e = rows["pdserve eager"]
+        ratio = [e[k] / ours[k] if k.startswith("ttft") else ours[k] / e[k] for k, _, _ in COLUMNS]
+        print("| pdserve / pdserve eager | " + " | ".join(f"{r:.2f}x" for r in ratio) + " |")
     for name in (n for n in rows if n.startswith("pdserve kv ")):
         kv = rows[name]
         ratio = [ours[k] / kv[k] if k.startswith("ttft") else kv[k] / ours[k] for k, _, _ in COLUMNS]
@@ -356,6 +362,8 @@ def main() -> None:
                     choices=["auto", "float32", "bfloat16", "float16", "fp8_e4m3"],
                     help="KV cache dtypes of the pdserve rows: the first is the 'pdserve' row, each other one a "
                          "'pdserve kv DTYPE' row beside it")
+    ap.add_argument("--eager-row", action="store_true",
+                    help="cuda: also a 'pdserve eager' row, with cuda_graphs: false (every decode step eager)")
     ap.add_argument("--vllm-child", metavar="MODEL_DIR", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.vllm_child:
@@ -423,6 +431,9 @@ def main() -> None:
             for kv in args.kv_cache_dtypes[1:]:
                 runs.setdefault(f"pdserve kv {kv}", []).append(
                     bench_pdserve(dtype, args.decode_tokens, args.model, args.device, kv))
+            if args.eager_row and args.device == "cuda":
+                runs.setdefault("pdserve eager", []).append(
+                    bench_pdserve(dtype, args.decode_tokens, args.model, args.device, args.kv_cache_dtypes[0], False))
             runs.setdefault("transformers", []).append(
                 bench_transformers(ours["model_dir"], dtype, args.decode_tokens, args.device))
             v = bench_vllm(vllm_python, ours["model_dir"], dtype, args.decode_tokens) if vllm_python else None
