@@ -61,6 +61,10 @@ class Bouncer:
         num_blocks = sum(int((b >= 0).sum()) for b in ids.values())
         if cfg is None or (num_blocks < cfg.min_kv_blocks and self.device is None) or not session.writers:
             return None
+        if self.device is not None and all(w.kv_heads_per_rank == own.kv_heads_per_rank
+                                           and w.tokens_per_block == own.tokens_per_block
+                                           for w in session.writer_infos.values()):
+            return None  # intact pairs write a few large runs, which never bounce: hold no device memory for them
         table = own.page_table
         payload = sum(int((ids.get(g.group_id, np.zeros(0)) >= 0).sum()) * table.pools[v.pool_index].slot_bytes
                       for g in table.layer_groups for v in g.views)

@@ -117,3 +117,27 @@ def test_tp1_to_tp3_nhd_is_byte_exact_in_one_descriptor_per_rank(device):
             tx.close()
             tx.agent.shutdown()
         _KEEP.clear()
+
+
+def test_an_intact_pair_on_a_device_leases_no_staging():
+    """Same heads on both sides: a few large runs, which never bounce, so the receiver on a device
+    offers no staging segment (device memory held for nothing) and the write goes direct."""
+    torch = _torch("cpu")
+    bounce = BounceConfig(staging_bytes=8 << 20, min_kv_blocks=8, min_fragments=64)
+    ctx, gen = _instance("ctx", 1, 32, bounce, torch, "cpu-rows"), _instance("gen", 1, 32, bounce, torch, "cpu-rows")
+    try:
+        (tx_c, _, _), (tx_g, _, _) = ctx[0], gen[0]
+        ids = np.arange(13, dtype=np.int64)
+        tx_c.respond_and_send_async(7, {0: ids})
+        tx_g.request_and_receive_async(7, tx_c.endpoint, {0: ids})
+        assert tx_g.recv_sessions[7].staging is None
+        deadline = time.monotonic() + 30
+        while tx_g.recv_sessions and time.monotonic() < deadline:
+            tx_c.check_context_transfer_status()
+            assert not tx_g.check_gen_transfer_status().failed
+        assert not tx_g.recv_sessions and tx_c.stats["direct_writes"] == 1 and tx_c.stats["bounced_writes"] == 0
+    finally:
+        for tx, _, _ in ctx + gen:
+            tx.close()
+            tx.agent.shutdown()
+        _KEEP.clear()
