@@ -235,14 +235,27 @@ def _fused_decode():
     return triton_decode.paged_decode
 
 
+@functools.cache
+def _fused_rope():
+    """triton_rope.rope_cache_write (RoPE and the K/V write in one kernel), or None without Triton."""
+    try:
+        from pdserve.models import triton_rope
+    except ImportError:
+        return None
+    return triton_rope.rope_cache_write
+
+
 def rotate_and_cache(qkv: torch.Tensor, heads: int, rope_table: tuple[torch.Tensor, torch.Tensor], layer: int,
                      cache: PagedKVCache, md: AttentionMetadata) -> torch.Tensor:
     """RoPE on q and k of qkv [n, heads + 2 * kv_heads, d], and the new K and V written to the cache.
     Returns the rotated q and k side by side, [n, heads + kv_heads, d]. On CPU one native call
-    (cpu_kernels.rope_cache_write, the same bits); elsewhere RotaryEmbedding.rotate + PagedKVCache.write."""
+    (cpu_kernels.rope_cache_write, the same bits), on CUDA one Triton kernel (triton_rope.py, the same
+    bits); elsewhere RotaryEmbedding.rotate + PagedKVCache.write."""
     native = cpu_kernels.native(cpu_kernels.ROPE_CACHE, qkv.dtype)  # (kernel_dispatch: where it beats PyTorch)
     qk = cpu_kernels.rope_cache_write(qkv, heads, *rope_table, cache.pool, cache.layout, layer, md.slot_blocks,
                                       md.slot_offsets, cache.scales) if native else None
+    if qk is None and qkv.is_cuda and _fused_rope() is not None:  # one kernel, the PyTorch form's bits
+        qk = _fused_rope()(qkv, heads, *rope_table, cache.pool, cache.layout, layer, md.slot_blocks, md.slot_offsets)
     if qk is None:
         kv_heads = (qkv.shape[1] - heads) // 2
         qk = RotaryEmbedding.rotate(qkv[:, : heads + kv_heads], rope_table)  # q and k: one rotation covers both

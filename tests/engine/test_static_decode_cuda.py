@@ -105,3 +105,30 @@ def test_fused_decode_kernel_matches_sdpa(layout, dtype):
         ref = _sdpa_decode(q, 1, PagedKVCache(pool, layout), md, d ** -0.5, window).reshape(5, heads, d).float()
         out = paged_decode(q, pool, layout, 1, table, lens, d ** -0.5, window)
         assert (out.float() - ref).abs().max().item() < (1e-4 if dtype == torch.float32 else 3e-2)
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rope_cache_write_gives_the_pytorch_bits(layout, dtype):
+    """One kernel for RoPE and the K/V write (models/triton_rope.py) writes what RotaryEmbedding.rotate and
+    PagedKVCache.write write, bit for bit, at a decode's few tokens and a prefill's many (the two forms of
+    rotate)."""
+    from pdserve.models.attention import AttentionMetadata, PagedKVCache
+    from pdserve.models.layers import RotaryEmbedding
+    from pdserve.models.triton_rope import rope_cache_write
+
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, d, T, blocks = 9, 3, 64, 16, 32
+    rope = RotaryEmbedding(d, 4096, 100000.0, None).cuda()
+    for n in (3, 200):
+        table = rope.table(torch.randint(0, 4000, (n,), generator=g).cuda())
+        qkv = torch.randn(n, heads + 2 * kv_heads, d, generator=g).to(dtype).cuda()
+        shape = [blocks, 2, 2, kv_heads, T, d] if layout == "HND" else [blocks, 2, 2, T, kv_heads, d]
+        ref_pool, pool = torch.zeros(shape, dtype=dtype, device="cuda"), torch.zeros(shape, dtype=dtype, device="cuda")
+        slots = torch.randperm(blocks * T, generator=g)[:n].cuda()
+        md = AttentionMetadata(slots // T, slots % T, [], torch.arange(0), torch.zeros(0, 1, dtype=torch.long),
+                               torch.zeros(0, dtype=torch.long), T)
+        ref = RotaryEmbedding.rotate(qkv[:, :heads + kv_heads], table)
+        PagedKVCache(ref_pool, layout).write(1, ref[:, heads:], qkv[:, heads + kv_heads:], md)
+        out = rope_cache_write(qkv, heads, *table, pool, layout, 1, slots // T, slots % T)
+        assert torch.equal(out, ref) and torch.equal(pool, ref_pool), n

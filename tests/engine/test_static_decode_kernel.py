@@ -29,14 +29,39 @@ for layout, dtype, window in (("HND", torch.float32, 0), ("NHD", torch.float32, 
     out = paged_decode(q, pool, layout, 1, table, lens, 0.25, window)
     err = (out.float() - ref).abs().max().item()
     assert out.dtype == dtype and err < (1e-5 if dtype == torch.float32 else 2e-2), (layout, dtype, window, err)
+
+from pdserve.models.layers import RotaryEmbedding
+from pdserve.models.triton_rope import rope_cache_write
+heads, kv_heads, d, T, blocks = 6, 2, 16, 4, 24
+rope = RotaryEmbedding(d, 256, 10000.0, None)
+for layout, dtype, pool_dtype, n in (("HND", torch.float32, torch.float32, 5), ("NHD", torch.float32, torch.float32, 9),
+                                     ("HND", torch.bfloat16, torch.float32, 3)):
+    table = rope.table(torch.randint(0, 200, (n,), generator=g))
+    qkv = torch.randn(n, heads + 2 * kv_heads, d, generator=g).to(dtype)
+    shape = [blocks, 2, 2, kv_heads, T, d] if layout == "HND" else [blocks, 2, 2, T, kv_heads, d]
+    ref_pool, pool = torch.zeros(shape, dtype=pool_dtype), torch.zeros(shape, dtype=pool_dtype)
+    slots = torch.randperm(blocks * T, generator=g)[:n]  # distinct slots
+    md = AttentionMetadata(slots // T, slots % T, [], torch.arange(0), torch.zeros(0, 1, dtype=torch.long),
+                           torch.zeros(0, dtype=torch.long), T)
+    ref = RotaryEmbedding.rotate(qkv[:, :heads + kv_heads], table)
+    PagedKVCache(ref_pool, layout).write(1, ref[:, heads:], qkv[:, heads + kv_heads:], md)
+    out = rope_cache_write(qkv, heads, *table, pool, layout, 1, slots // T, slots % T)
+    if dtype == torch.float32:  # the same bits
+        assert torch.equal(out, ref) and torch.equal(pool, ref_pool), (layout, n)
+    else:  # (the interpreter casts fp32 to bf16 by truncation, the GPU to nearest: within one bf16 step)
+        step = ref.float().abs() * 2 ** -7 + 1e-30
+        assert ((out.float() - ref.float()).abs() <= step).all() and ((pool - ref_pool).abs() <= 2 ** -6).all()
+        assert pool.count_nonzero() == ref_pool.count_nonzero() == n * 2 * kv_heads * d
 print("ok")
 """
 
 
-def test_fused_decode_kernel_matches_the_pytorch_path_interpreted():
-    """The CUDA decode kernel, run by Triton's interpreter (its own process: the interpreter is chosen when
-    Triton is imported): HND and NHD pools, fp32 and bf16, grouped query heads, blocks of 5 tokens,
-    sequences of 1 to 40 keys, with and without a sliding window."""
+def test_fused_kernels_match_the_pytorch_paths_interpreted():
+    """The CUDA kernels, run by Triton's interpreter (its own process: the interpreter is chosen when Triton
+    is imported). Decode attention: HND and NHD pools, fp32 and bf16, grouped query heads, blocks of 5 tokens,
+    sequences of 1 to 40 keys, with and without a sliding window. RoPE + cache write: the bits of
+    RotaryEmbedding.rotate and PagedKVCache.write in fp32 (HND and NHD), and in bf16 into
+    an fp32 pool."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=120,
@@ -44,24 +69,34 @@ def test_fused_decode_kernel_matches_the_pytorch_path_interpreted():
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
 
 
-@pytest.mark.parametrize("dtype,window,head_dim", [("bf16", 0, 64), ("fp32", 100, 80)])
-def test_fused_decode_kernel_compiles_for_hopper(tmp_path, monkeypatch, dtype, window, head_dim):
-    """The same kernel through Triton's real compiler, to an sm_90 cubin (Triton ships its own ptxas; no GPU
-    needed): what the interpreter does not check (types of loop-carried values, constexpr branches) fails here."""
+def _compile(kernel_fn, pointers: dict[str, str], constants: dict, options: dict | None = None):
+    """Triton's real compiler on `kernel_fn` for sm_90; every argument not named is an i32 but stride_blk (i64)."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    kernel = triton.jit(kernel_fn)
+    kinds = {name: pointers.get(name, "constexpr" if name in constants else "i64" if name == "stride_blk" else "i32")
+             for name in kernel.arg_names} | {"scale": "fp32"}
+    source = ASTSource(fn=kernel, signature={k: kinds[k] for k in kernel.arg_names},
+                       constexprs={(kernel.arg_names.index(k),): v for k, v in constants.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
+
+
+@pytest.mark.parametrize("dtype,window,head_dim", [("bf16", 0, 64), ("fp32", 100, 80)])
+def test_fused_kernels_compile_for_hopper(tmp_path, monkeypatch, dtype, window, head_dim):
+    """The same kernels through Triton's real compiler, to sm_90 cubins (Triton ships its own ptxas; no GPU
+    needed): what the interpreter does not check (types of loop-carried values, constexpr branches) fails here."""
+    pytest.importorskip("triton")
     from pdserve.models.triton_decode import _paged_decode_kernel
+    from pdserve.models.triton_rope import _rope_cache_kernel
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    kernel = triton.jit(_paged_decode_kernel)
-    ints = ("tokens_per_block", "stride_qb", "stride_qh", "stride_kv", "stride_head", "stride_tok", "stride_tb")
-    signature = {"q_ptr": f"*{dtype}", "pool_ptr": f"*{dtype}", "table_ptr": "*i64", "lens_ptr": "*i64",
-                 "out_ptr": f"*{dtype}", "scale": "fp32", "stride_blk": "i64", **dict.fromkeys(ints, "i32")}
-    constants = {"group": 3, "head_dim": head_dim, "D_PAD": triton.next_power_of_2(head_dim), "KEYS": 32,
-                 "WINDOW": window}
-    signature |= dict.fromkeys(constants, "constexpr")
-    source = ASTSource(fn=kernel, signature={k: signature[k] for k in kernel.arg_names},
-                       constexprs={(kernel.arg_names.index(k),): v for k, v in constants.items()})
-    assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+    pointers = {"table_ptr": "*i64", "lens_ptr": "*i64", "blocks_ptr": "*i64", "offsets_ptr": "*i64"}
+    pointers |= {p: f"*{dtype}" for p in ("q_ptr", "pool_ptr", "out_ptr", "qkv_ptr", "qk_ptr")}
+    pointers |= {"cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+    pad = 1 << (head_dim - 1).bit_length()
+    assert _compile(_paged_decode_kernel, pointers, {"group": 3, "head_dim": head_dim, "D_PAD": pad, "KEYS": 32,
+                                                     "WINDOW": window})
+    assert _compile(_rope_cache_kernel, pointers, {"HALF": head_dim // 2, "H_PAD": pad // 2},
+                    {"enable_fp_fusion": False})
