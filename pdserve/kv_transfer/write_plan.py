@@ -336,17 +336,28 @@ def plan_write(
         if pair.recurrent:
             parts.append(_slot_write(pair, c_ids, g_ids))
             continue
-        s = np.arange(min(c_ids.size * rc, g_ids.size * rg))
-        cb, gb = c_ids[s // rc], g_ids[s // rg]
-        keep = (cb >= 0) & (gb >= 0)
-        s, cb, gb = s[keep], cb[keep], gb[keep]
-        src_tok = ((s % rc) * m).astype(np.uint64)
-        dst_tok = ((s % rg) * m).astype(np.uint64)
+        if rc == rg == 1:  # one block size: sub-block s is block s on both sides, from its token 0
+            n = min(c_ids.size, g_ids.size)
+            cb, gb = c_ids[:n], g_ids[:n]
+            if n and min(int(cb.min()), int(gb.min())) < 0:
+                keep = (cb >= 0) & (gb >= 0)
+                cb, gb = cb[keep], gb[keep]
+            src_tok = dst_tok = None
+        else:
+            s = np.arange(min(c_ids.size * rc, g_ids.size * rg))
+            cb, gb = c_ids[s // rc], g_ids[s // rg]
+            keep = (cb >= 0) & (gb >= 0)
+            s, cb, gb = s[keep], cb[keep], gb[keep]
+            src_tok = ((s % rc) * m).astype(np.uint64)
+            dst_tok = ((s % rg) * m).astype(np.uint64)
         parts.append(pair.mapper.map(
             _slots(pair.ctx_pool, cb, "ctx", pair.ctx_group_id), src_tok,
             _slots(pair.gen_pool, gb, "gen", pair.gen_group_id), dst_tok,
         ))
-    src, dst, sizes = (np.concatenate([p[i] for p in parts]).astype(np.uint64, copy=False) for i in range(3))
+    if len(parts) == 1:
+        src, dst, sizes = (a.astype(np.uint64, copy=False) for a in parts[0])
+    else:
+        src, dst, sizes = (np.concatenate([p[i] for p in parts]).astype(np.uint64, copy=False) for i in range(3))
     return TransferPlan(*merge_contiguous(src, dst, sizes))
 
 

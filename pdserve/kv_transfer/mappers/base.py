@@ -146,11 +146,17 @@ class RegionMapper(ABC):
         return int(self.sizes.size)
 
     def map(
-        self, src_slots: np.ndarray, src_tokens: np.ndarray, dst_slots: np.ndarray, dst_tokens: np.ndarray
+        self, src_slots: np.ndarray, src_tokens: np.ndarray | None, dst_slots: np.ndarray,
+        dst_tokens: np.ndarray | None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Expand to absolute (src, dst, size) for sub-blocks [S]; each output is uint64 [S*F]."""
-        src = np.add.outer(src_slots, self.src_offsets) + np.multiply.outer(src_tokens, self.src_token_stride)
-        dst = np.add.outer(dst_slots, self.dst_offsets) + np.multiply.outer(dst_tokens, self.dst_token_stride)
+        """Expand to absolute (src, dst, size) for sub-blocks [S]; each output is uint64 [S*F]. Tokens
+        None: every sub-block starts at its block's token 0 (one block size on both sides)."""
+        src = np.add.outer(src_slots, self.src_offsets)
+        dst = np.add.outer(dst_slots, self.dst_offsets)
+        if src_tokens is not None:
+            src += np.multiply.outer(src_tokens, self.src_token_stride)
+        if dst_tokens is not None:
+            dst += np.multiply.outer(dst_tokens, self.dst_token_stride)
         sizes = np.broadcast_to(self.sizes, src.shape)
         return src.ravel(), dst.ravel(), sizes.ravel()
 
