@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx-layout", default=None, help="transfer plan: the context instance's layout, e.g. tp2")
     p.add_argument("--gen-layout", default=None, help="transfer plan: the generation instance's layout, e.g. pp2")
     p.add_argument("--bounce", action="store_true", help="transfer plan: with the bounce buffer on")
+    p.add_argument("--kv-layout", default="HND", choices=["HND", "NHD"],
+                   help="transfer plan: the KV pools' layout (the workers' kv_layout)")
     p.add_argument("--json", default=None, help="write every prediction here")
     p.add_argument("--grid-ttft", type=float, nargs="+", default=None, help="with --rates and --json: TTFT SLOs (ms)")
     p.add_argument("--grid-tpot", type=float, nargs="+", default=None, help="with --rates and --json: TPOT SLOs (ms)")

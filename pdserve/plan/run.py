@@ -101,7 +101,8 @@ def layout_transfer(args: argparse.Namespace, profile: Profile) -> tuple:
     bounce = BounceConfig() if args.bounce else None
     rows = transfer_plan(ctx, gen, num_layers=m["num_layers"], kv_heads=m["num_kv_heads"], head_dim=m["head_dim"],
                          element_bytes=m["element_bytes"], prompt_tokens=args.input_len, bounce=bounce,
-                         latent=m.get("latent", False), on_device=profile.key.get("device") == "cuda")
+                         latent=m.get("latent", False), on_device=profile.key.get("device") == "cuda",
+                         kv_layout=getattr(args, "kv_layout", "HND"))
     return ctx, gen, rows, bounce
 
 

@@ -76,3 +76,19 @@ def test_on_a_gpu_a_short_nhd_prompt_is_one_descriptor_per_pair():
     assert [(r.path, r.descriptors, r.written) for r in gpu] == [("bounce", 30720, 1)] * 3
     assert "per request: 92160 fragments, 3 descriptors written" in format_transfer_plan(
         Layout(), Layout(tp=3), gpu, 512, BounceConfig())
+
+
+def test_pdserve_plan_takes_the_kv_layout_and_the_profile_device():
+    """`pdserve plan --ctx-layout tp1 --gen-layout tp3 [--kv-layout NHD] [--bounce]`: the transfer section
+    of a GPU profile stages an NHD request into one descriptor per pair, a CPU profile's does not."""
+    from types import SimpleNamespace
+
+    from pdserve.plan.cli import build_parser
+    from pdserve.plan.run import layout_transfer
+
+    model = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "element_bytes": 2}
+    args = build_parser().parse_args(["--slo", "ttft:1000,tpot:100", "--input-len", "512", "--ctx-layout", "tp1",
+                                      "--gen-layout", "tp3", "--kv-layout", "NHD", "--bounce"])
+    for device, written in (("cuda", 1), ("cpu", 30720)):
+        _, _, rows, _ = layout_transfer(args, SimpleNamespace(model=model, key={"device": device}))
+        assert [(r.descriptors, r.written) for r in rows] == [(30720, written)] * 3
