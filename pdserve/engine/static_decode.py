@@ -38,7 +38,7 @@ from pdserve.engine.sampler import SampleResult
 from pdserve.engine.sampling_params import GREEDY_BELOW
 from pdserve.engine.static_sampler import (FLOAT_FIELDS, INT_FIELDS, Columns, fill_padding, fill_rows, read_result,
                                            sample_static, static_row)
-from pdserve.models.attention import AttentionMetadata, PagedKVCache
+from pdserve.models.attention import AttentionMetadata, PagedKVCache, fused_decode
 from pdserve.models.layers import decode_step
 from pdserve.models.llama import LlamaForCausalLM
 
@@ -46,8 +46,14 @@ log = logging.getLogger(__name__)
 
 
 def applies(ecfg, model, ps, device: torch.device) -> bool:
-    """Whether this rank decodes through the static step (see the module docstring for why not elsewhere)."""
+    """Whether this rank decodes through the static step (see the module docstring for why not elsewhere).
+    On CUDA it needs the Triton decode kernel, which reads each row's keys only: the PyTorch path (an FP8
+    pool's, or without Triton) would gather the table's whole width, the context window, every layer."""
     on = ecfg.cuda_graphs if device.type == "cuda" else ecfg.static_decode_on_cpu
+    if on and device.type == "cuda" and (ecfg.kv_cache_dtype == "fp8_e4m3" or fused_decode() is None):
+        log.info("CUDA graphs off: decode attention over %s takes the PyTorch path",
+                 "an FP8 KV cache" if ecfg.kv_cache_dtype == "fp8_e4m3" else "a pool without Triton")
+        return False
     return (on and ps.world_size == 1 and type(model) is LlamaForCausalLM
             and not any(model.cfg.is_moe(i) for i in range(model.cfg.num_layers)))
 
@@ -93,6 +99,7 @@ class StaticDecode:
         self._h = self._fields(self.host.numpy())  # numpy views the host fills
         self._d = self._fields(self.dev)  # the same fields on the device, which the step reads
         self._row_ids = torch.arange(R, device=device)
+        cache.pool[pad_block].zero_()  # (an allocator's pool may start as anything)
         self._graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
         self._pool = torch.cuda.graph_pool_handle() if graphs else None
         self.steps: Counter[int] = Counter()  # steps this path ran, by bucket (graph replays and eager runs alike)

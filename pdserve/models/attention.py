@@ -225,7 +225,7 @@ def _sdpa_decode(q: torch.Tensor, layer: int, cache: PagedKVCache, md: Attention
 
 
 @functools.cache
-def _fused_decode():
+def fused_decode():
     """triton_decode.paged_decode (one kernel, reading the pool where it lies), or None without Triton,
     which CUDA builds of torch ship with."""
     try:
@@ -312,8 +312,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         runs = cpu_kernels.native(cpu_kernels.PAGED_DECODE, q.dtype)  # (kernel_dispatch: where it beats PyTorch)
         o = cpu_kernels.paged_decode_attention(qd, cache.pool, cache.layout, layer, md.decode_blocks, md.decode_lens,
                                                scale, window, cache.scales) if runs else None
-        if o is None and qd.is_cuda and _fused_decode() is not None:  # no gather of the pool on the GPU
-            o = _fused_decode()(qd, cache.pool, cache.layout, layer, md.decode_blocks, md.decode_lens, scale, window)
+        if o is None and qd.is_cuda and fused_decode() is not None:  # no gather of the pool on the GPU
+            o = fused_decode()(qd, cache.pool, cache.layout, layer, md.decode_blocks, md.decode_lens, scale, window)
         if o is None:
             o = _sdpa_decode(qd, layer, cache, md, scale, window)
         if md.decode_only:
