@@ -229,6 +229,7 @@ FLASH_PREFILL = "flash_prefill"
 GEMV = "gemv"
 PAGED_DECODE = "paged_decode"
 RMS_NORM = "rms_norm"
+GEMM = "gemm"  # bf16 only, where oneDNN takes no bf16 (cpu_gemm.py)
 ROPE_CACHE = "rope_cache"
 _native: dict[tuple[str, torch.dtype], bool] = {}
 

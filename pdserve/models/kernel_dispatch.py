@@ -23,6 +23,9 @@ against it, and the faster is kept:
   PagedKVCache.write, each at STEP_ROWS rows with the model's hidden size or heads (and the pool's dtype).
   The one-call C decode step, where it runs, calls both kernels whatever was chosen: it is a whole
   step's path, raced by its attention and GEMV.
+- where oneDNN takes no bf16 (`layers.onednn_packs`), the bf16 GEMM of `cpu_gemm` against F.linear, on the
+  first layer's linears at GEMM_ROWS rows (layers.linear takes it for every linear of more rows than the
+  GEMV's).
 
 Each pair is timed in turns, best of five each (one, where a side is LEAD times slower), so a slow spell of
 a shared machine falls on both, and PyTorch is chosen only where it wins twice, each time by more than TIE;
@@ -50,20 +53,21 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pdserve.models import cpu_kernels
+from pdserve.models import cpu_gemm, cpu_kernels
 from pdserve.models.attention import (AttentionMetadata, PagedKVCache, _sdpa_decode, _tiled_causal_attention,
                                       _use_tiled)
-from pdserve.models.layers import RMSNorm, RotaryEmbedding, linear
+from pdserve.models.layers import _LINEARS, RMSNorm, RotaryEmbedding, linear, onednn_packs
 
 log = logging.getLogger(__name__)
 
 PATH_ENV = "PDSERVE_KERNEL_PATH"
 KERNELS = (cpu_kernels.FLASH_PREFILL, cpu_kernels.PAGED_DECODE, cpu_kernels.GEMV, cpu_kernels.RMS_NORM,
-           cpu_kernels.ROPE_CACHE)
+           cpu_kernels.ROPE_CACHE, cpu_kernels.GEMM)
 FLASH_TOKENS = 1024  # a prompt length where attention is a good share of a prefill
 PAGED_DECODE_CASES = ((1, 1024), (16, 512))  # (sequences, context tokens) of a decode step
 GEMV_ROWS = (1, 4, 16)  # decode steps of one, a few and the most sequences the GEMV takes
 STEP_ROWS = (1, 16, 512)  # rows of RMSNorm and the RoPE / cache write: decode steps of 1 and 16, a prefill
+GEMM_ROWS = 128  # a prefill chunk's rows, for the bf16 GEMM
 CHOICES_FILE = "choices.json"
 TIE = 0.05  # a race PyTorch wins by less than this share of native's time is a tie
 LEAD = 3.0  # a race where one side takes this many times the other's time is decided after one turn
@@ -228,6 +232,20 @@ def time_rope_cache(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
     return _race(lambda: run(True), lambda: run(False))
 
 
+def time_gemm(layers: list, dtype: torch.dtype) -> tuple[float, float] | None:
+    """(native ms, F.linear ms) for `layers`' linears (plain weights) at GEMM_ROWS rows, summed: the bf16
+    GEMM of cpu_gemm against F.linear; None where it does not run (another dtype, no AVX2 + FMA)."""
+    g = torch.Generator().manual_seed(0)
+    cases = [(m, torch.randn(GEMM_ROWS, m.weight.shape[1], generator=g).to(dtype)) for m in layers]
+    if not cases or cpu_gemm.gemm_bf16(cases[0][1], cases[0][0].weight) is None:
+        return None
+
+    def run(native: bool) -> None:
+        for m, x in cases:
+            (cpu_gemm.gemm_bf16 if native else F.linear)(x, m.weight, m.bias)
+    return _race(lambda: run(True), lambda: run(False))
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -325,6 +343,12 @@ def choose_paths(model: torch.nn.Module, dtype: torch.dtype, heads: int, kv_head
                       cache)
         if use is not None:
             chosen[cpu_kernels.RMS_NORM] = use
+    plain = [m for m in _first_linears(model) if not m.weight.is_mkldnn]
+    if dtype == torch.bfloat16 and plain and not onednn_packs(dtype):  # (elsewhere oneDNN takes bf16)
+        shape = ",".join(f"{m.weight.shape[0]}x{m.weight.shape[1]}" for m in plain) + f"@{GEMM_ROWS}"
+        use = _decide(cpu_kernels.GEMM, dtype, shape, lambda: time_gemm(plain, dtype), forced, cache)
+        if use is not None:
+            chosen[cpu_kernels.GEMM] = use
     gemv_layers = _first_gemv_linears(model)
     if gemv_layers:
         shape = ",".join(f"{m.gemv_weight.shape[0]}x{m.gemv_weight.shape[1]}" for m in gemv_layers)
@@ -334,6 +358,16 @@ def choose_paths(model: torch.nn.Module, dtype: torch.dtype, heads: int, kv_head
         if gemv is False:
             _drop_gemv_weights(model)
     return chosen
+
+
+def _first_linears(model: torch.nn.Module) -> list:
+    """The linears, one per weight shape, in model order."""
+    seen, out = set(), []
+    for m in model.modules():
+        if isinstance(m, _LINEARS) and isinstance(m.weight, torch.Tensor) and tuple(m.weight.shape) not in seen:
+            seen.add(tuple(m.weight.shape))
+            out.append(m)
+    return out
 
 
 def _first_gemv_linears(model: torch.nn.Module) -> list:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.host_malloc import huge_page_buffer
-from pdserve.models import cpu_kernels
+from pdserve.models import cpu_gemm, cpu_kernels
 from pdserve.models.config import RopeScaling
 from pdserve.parallel.state import ParallelState
 
@@ -73,7 +73,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            gemv_weight: torch.Tensor | None = None) -> torch.Tensor:
     """x: [..., in] @ weight: [out, in] (plain, or packed by `pack_for_cpu`) -> [..., out]; in a decode
     step (`decode_step`) of cpu_kernels.SKINNY_ROWS rows, the native GEMV, when the layer keeps a plain
-    `gemv_weight`."""
+    `gemv_weight`; a plain bf16 weight where oneDNN takes no bf16, the native bf16 GEMM (cpu_gemm)."""
     if (gemv_weight is not None and _DECODE_STEP.get()
             and x.numel() // x.shape[-1] in cpu_kernels.SKINNY_ROWS.get(x.dtype, ())):
         out = cpu_kernels.skinny_linear(x, gemv_weight, bias)
@@ -81,7 +81,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return out
     if weight.is_mkldnn:
         return onednn_linear(x, weight, bias)
+    if x.dtype == torch.bfloat16 and not _onednn_bf16() and cpu_kernels.native(cpu_kernels.GEMM, x.dtype):
+        out = cpu_gemm.gemm_bf16(x, weight, bias)  # (kernel_dispatch: where it beats F.linear)
+        if out is not None:
+            return out
     return F.linear(x, weight, bias)
+
+
+@functools.cache
+def _onednn_bf16() -> bool:
+    return onednn_packs(torch.bfloat16)
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

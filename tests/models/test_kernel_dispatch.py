@@ -43,7 +43,7 @@ def tiny(tmp_path_factory, hf_greedy):
 
 def test_the_forcing_variable_is_read_and_checked():
     both = dict.fromkeys([cpu_kernels.FLASH_PREFILL, cpu_kernels.PAGED_DECODE, cpu_kernels.GEMV, cpu_kernels.RMS_NORM,
-                          cpu_kernels.ROPE_CACHE], False)
+                          cpu_kernels.ROPE_CACHE, cpu_kernels.GEMM], False)
     assert kernel_dispatch.forced_paths("torch") == both
     assert kernel_dispatch.forced_paths("native") == {k: True for k in both}
     assert kernel_dispatch.forced_paths("auto") == kernel_dispatch.forced_paths("") == {}
@@ -97,12 +97,13 @@ def test_the_choice_is_timed_once_kept_and_read_back(tiny, tmp_path, monkeypatch
         heads = (SHAPE["num_heads"], SHAPE["num_kv_heads"], SHAPE["head_dim"])
         with caplog.at_level(logging.INFO, logger=kernel_dispatch.__name__):
             first = kernel_dispatch.choose_paths(model, torch.float32, *heads, cache=cache)
-        assert set(first) == set(kernel_dispatch.KERNELS)
+        assert set(first) == set(kernel_dispatch.KERNELS) - {cpu_kernels.GEMM}  # (bf16 only)
         assert caplog.text.count("(timed: native") == 5, caplog.text
         stored = json.loads(cache.read_text())
         assert len(stored) == 5
         for entry in stored.values():
-            assert entry["native"] == (entry["native_ms"] < entry["torch_ms"]) and entry["native_ms"] > 0
+            times = (entry["native_ms"], entry["torch_ms"])  # (within TIE a race is native's)
+            assert entry["native"] == (not kernel_dispatch._torch_wins(times)) and entry["native_ms"] > 0
         (flash_key,) = [key for key in stored if f"|{cpu_kernels.FLASH_PREFILL}|float32|4x2x16@256" in key]
         stored[flash_key]["native"] = not first[cpu_kernels.FLASH_PREFILL]
         cache.write_text(json.dumps(stored))
