@@ -42,6 +42,7 @@ logged. `PDSERVE_KERNEL_PATH` forces a path: `native` or `torch` for every kerne
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -263,14 +264,19 @@ def _load_choices(path: Path) -> dict:
 
 
 def _store_choice(path: Path, key: str, entry: dict) -> None:
-    """Adds one entry to the choices file (written to a temporary file and renamed, as the library is)."""
-    choices = _load_choices(path)
-    choices[key] = entry
+    """Adds one entry to the choices file: written to a temporary file and renamed (as the library is), so a
+    reader sees one whole file, and read, changed and written under a lock on a file beside it, so the
+    ranks of a tensor-parallel instance, which time at once, each add their entries rather than the last
+    writer's file replacing the others'."""
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(choices, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes)
+            choices = _load_choices(path)
+            choices[key] = entry
+            tmp.write_text(json.dumps(choices, indent=1, sort_keys=True))
+            os.replace(tmp, path)
     except OSError as exc:
         log.warning("kernel dispatch: cannot keep the choice in %s (%s); it is timed again at the next start",
                     path, exc)

@@ -154,3 +154,27 @@ def test_an_mla_model_races_no_attention_kernel(tmp_path, monkeypatch):
         pass
     assert len(decided) == 1
     assert cpu_kernels.FLASH_PREFILL not in decided[0] and cpu_kernels.PAGED_DECODE not in decided[0], decided
+
+
+def test_ranks_storing_choices_at_once_keep_every_entry(tmp_path):
+    """The ranks of a TP instance time and store their choices at the same moment: each entry survives
+    (before, each rank read the file, added its entry and renamed its copy over it, and the last rename
+    dropped the others' entries), and the file is whole JSON throughout."""
+    import threading
+
+    cache = tmp_path / "choices.json"
+    seen_broken = []
+
+    def rank(r: int) -> None:
+        for i in range(25):
+            kernel_dispatch._store_choice(cache, f"rank{r}|{i}", {"native": True, "native_ms": 1.0, "torch_ms": 2.0})
+            if cache.exists() and not kernel_dispatch._load_choices(cache):
+                seen_broken.append(r)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(json.loads(cache.read_text())) == 100 and not seen_broken
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
