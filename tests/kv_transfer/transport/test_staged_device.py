@@ -13,6 +13,7 @@ import pytest
 from kvt_instance import ELT, Topology, ctx_block_ids, expected, gen_block_ids
 from pdserve.kv_transfer.agents import MemoryRegion, make_agent
 from pdserve.kv_transfer.agents.base import RegionTable
+from pdserve.kv_transfer.agents.faults import FaultPlan, FaultyAgent
 from pdserve.kv_transfer.agents.shm import allocate_shared
 from pdserve.kv_transfer.bounce import BounceConfig, StagingLease, gather, plan_segment_bytes, scatter
 from pdserve.kv_transfer.page_table import MapperKind, page_table_for_block_major_pool
@@ -45,7 +46,8 @@ def test_a_segment_is_gathered_and_scattered_on_the_gpu():
     assert torch.equal(dst, want)
 
 
-def _instance(name: str, tp: int, num_blocks: int, bounce: BounceConfig, torch, device: str) -> list:
+def _instance(name: str, tp: int, num_blocks: int, bounce: BounceConfig, torch, device: str,
+              checksum: bool = False, faults: FaultPlan | None = None) -> list:
     """Every rank of a 3-head NHD instance in this process, its pool a tensor on `device` (cpu: shared
     memory and the shm agent; cuda: GPU memory and NIXL)."""
     layers, tpb, head_dim, heads = 4, 4, 8, 3 // tp
@@ -58,8 +60,11 @@ def _instance(name: str, tp: int, num_blocks: int, bounce: BounceConfig, torch, 
             shared = allocate_shared(nbytes)  # kept alive by the tensor's numpy base
             pool, agent = shared.torch(), make_agent("shm")
             _KEEP.append(shared)
+        if faults is not None:
+            agent = FaultyAgent(agent, faults)
         agent.register_memory(MemoryRegion.of_tensor(pool))
-        tx = KVTransceiver(agent, TransceiverConfig(kv_transfer_timeout_ms=30_000, bounce=bounce))
+        tx = KVTransceiver(agent, TransceiverConfig(kv_transfer_timeout_ms=30_000, bounce=bounce,
+                                                    checksum=checksum and device != "cuda"))
         if device == "cpu-rows":
             tx._bouncer.device = "cpu"  # host memory through the device path's torch copies
         table = page_table_for_block_major_pool(pool.data_ptr(), num_blocks, layers, heads, tpb, head_dim, ELT,
@@ -87,7 +92,9 @@ def test_tp1_to_tp3_nhd_is_byte_exact_in_one_descriptor_per_rank(device):
     memory (what cuda runs, minus the GPU)."""
     torch = _torch(device)
     bounce = BounceConfig(staging_bytes=8 << 20, min_kv_blocks=8, min_fragments=64)
-    ctx, gen = _instance("ctx", 1, 32, bounce, torch, device), _instance("gen", 3, 32, bounce, torch, device)
+    # Checksums on (host memory only): the receiver digests what the scatter left against the sender's.
+    ctx = _instance("ctx", 1, 32, bounce, torch, device, checksum=True)
+    gen = _instance("gen", 3, 32, bounce, torch, device, checksum=True)
     try:
         num_tokens = 52
         ids_c = ctx_block_ids(Topology("ctx"), num_tokens)
@@ -136,6 +143,36 @@ def test_an_intact_pair_on_a_device_leases_no_staging():
             tx_c.check_context_transfer_status()
             assert not tx_g.check_gen_transfer_status().failed
         assert not tx_g.recv_sessions and tx_c.stats["direct_writes"] == 1 and tx_c.stats["bounced_writes"] == 0
+    finally:
+        for tx, _, _ in ctx + gen:
+            tx.close()
+            tx.agent.shutdown()
+        _KEEP.clear()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cpu-rows"])
+def test_a_corrupted_staged_write_fails_and_writes_nothing_wrong_silently(device):
+    """One byte of the staged write inverted in transit (header, table or payload): the receiver refuses
+    the segment or its checksum does not match; the request fails, never lands as good KV."""
+    torch = _torch("cpu")
+    bounce = BounceConfig(staging_bytes=8 << 20, min_kv_blocks=8, min_fragments=64)
+    ctx = _instance("ctx", 1, 32, bounce, torch, device, checksum=True, faults=FaultPlan(corrupt_rate=1.0, seed=3))
+    gen = _instance("gen", 3, 32, bounce, torch, device, checksum=True)
+    try:
+        ids = np.arange(13, dtype=np.int64)
+        tx_c = ctx[0][0]
+        tx_c.respond_and_send_async(7, {0: ids})
+        for tx, _, _ in gen:
+            tx.request_and_receive_async(7, tx_c.endpoint, {0: ids})
+        failed, done, deadline = {}, set(), time.monotonic() + 30
+        while len(failed) + len(done) < len(gen) and time.monotonic() < deadline:
+            tx_c.check_context_transfer_status()
+            for i, (tx, _, _) in enumerate(gen):
+                res = tx.check_gen_transfer_status()
+                failed.update({i: res.failed[7]} if 7 in res.failed else {})
+                done |= {i} if res.completed == [7] else set()
+        assert not done and len(failed) == len(gen), (done, failed)
+        assert tx_c.agent.injected["corrupted_writes"] == 3 and tx_c.stats["bounced_writes"] == 3
     finally:
         for tx, _, _ in ctx + gen:
             tx.close()
