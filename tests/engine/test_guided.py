@@ -205,3 +205,16 @@ def test_a_first_token_the_grammar_refuses_is_a_400(pair, engine):
         gen.add_request(PROMPTS[0], SamplingParams(guided=GUIDED), "g", RequestType.GENERATION_ONLY,
                         DisaggInfo(9, "tcp://127.0.0.1:1", first_gen_tokens=(x,)))
     assert e.value.param == "disaggregated_params.first_gen_tokens" and "g" not in gen.seqs
+
+
+@pytest.mark.slow
+def test_the_mask_reaches_a_sampling_rank_in_another_process(tiny, engine):
+    """Pipeline parallel over two ranks: rank 1 (the last stage) samples, rank 0 holds the matchers; the mask
+    travels in the step spec, and the output equals the one-process engine's."""
+    params = SamplingParams(max_tokens=100, temperature=1.0, seed=8, guided=GUIDED)
+    expected = _run(engine, PROMPTS[:2], params)
+    pp = LLMEngine(EngineConfig(model=tiny, tokens_per_block=8, num_kv_blocks=64, pipeline_parallel_size=2))
+    try:
+        assert _run(pp, PROMPTS[:2], params) == expected
+    finally:
+        pp.shutdown()
