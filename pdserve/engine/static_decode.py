@@ -218,7 +218,7 @@ class StaticDecode:
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 out = self._run(b, sampling, logprobs)
             return graph, out
-        except RuntimeError as e:
+        except Exception as e:  # (a capture that fails for any reason leaves the step eager, said)
             log.warning("CUDA graph capture failed for %d rows (sampling=%s, logprobs=%s); those steps run "
                         "eagerly: %s", b, sampling, logprobs, e)
             torch.cuda.synchronize()

@@ -19,12 +19,15 @@ CPU suite checks it against the PyTorch path.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import triton
 import triton.language as tl
 
+log = logging.getLogger(__name__)
 _POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_failed: list[str] = []  # why the kernel could not run here (then the PyTorch path, said once)
 
 
 def _paged_decode_kernel(q_ptr, pool_ptr, table_ptr, lens_ptr, out_ptr, scale, tokens_per_block,
@@ -80,8 +83,9 @@ def paged_decode(q: torch.Tensor, pool: torch.Tensor, layout: str, layer: int, b
                  context_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor | None:
     """q: [b, heads, d] (d contiguous), pool: the rank's KV pool (attention.PagedKVCache's layout),
     block_table: [b, max_blocks] int64, context_lens: [b] int64 (each >= 1) -> [b, heads, d] in q's
-    dtype; None where the kernel does not apply (an FP8 pool, a strided head_dim)."""
-    if pool.dtype not in _POOL_DTYPES or pool.stride(-1) != 1 or q.stride(-1) != 1:
+    dtype; None where the kernel does not apply (an FP8 pool, a strided head_dim) or failed to build or launch
+    here (logged once)."""
+    if _failed or pool.dtype not in _POOL_DTYPES or pool.stride(-1) != 1 or q.stride(-1) != 1:
         return None
     b, heads, d = q.shape
     kv_heads = pool.shape[3] if layout == "HND" else pool.shape[4]
@@ -96,8 +100,14 @@ def paged_decode(q: torch.Tensor, pool: torch.Tensor, layout: str, layer: int, b
         layer_pool.stride(3), layer_pool.stride(2))
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     d_pad = triton.next_power_of_2(d)
-    _kernel(q.device.type == "cpu")[(b, heads)](
-        q, layer_pool, table, context_lens, out, scale, pool.shape[4] if layout == "HND" else pool.shape[3],
-        q.stride(0), q.stride(1), layer_pool.stride(0), layer_pool.stride(1), s_head, s_tok, table.stride(0),
-        group=heads // kv_heads, head_dim=d, D_PAD=d_pad, KEYS=64 if d_pad <= 64 else 32, WINDOW=window)
+    try:
+        _kernel(q.device.type == "cpu")[(b, heads)](
+            q, layer_pool, table, context_lens, out, scale, pool.shape[4] if layout == "HND" else pool.shape[3],
+            q.stride(0), q.stride(1), layer_pool.stride(0), layer_pool.stride(1), s_head, s_tok, table.stride(0),
+            group=heads // kv_heads, head_dim=d, D_PAD=d_pad, KEYS=64 if d_pad <= 64 else 32, WINDOW=window)
+    except Exception as e:  # a compile or launch failure on this machine: the PyTorch path from now on
+        _failed.append(f"{type(e).__name__}: {e}")
+        log.warning("the Triton decode attention kernel failed; decode attention takes the PyTorch path: %s",
+                    _failed[0])
+        return None
     return out

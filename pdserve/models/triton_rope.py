@@ -17,11 +17,14 @@ PyTorch path). Off CUDA it runs in Triton's interpreter (the CPU suite's check).
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import triton
 import triton.language as tl
 
+log = logging.getLogger(__name__)
+_failed: list[str] = []  # why the kernel could not run here (then the PyTorch path, said once)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -70,10 +73,11 @@ def rope_cache_write(qkv: torch.Tensor, heads: int, cos: torch.Tensor, signed_si
                      slot_offsets: torch.Tensor) -> torch.Tensor | None:
     """qkv [n, heads + 2 * kv_heads, d] (d contiguous); cos, signed_sin [n, 1, d] fp32 (RotaryEmbedding.table);
     slot_blocks, slot_offsets [n] int64 -> the rotated q and k, [n, heads + kv_heads, d] in qkv's dtype, with
-    K and V written to the pool; None where the kernel does not apply (an FP8 pool, other dtypes or strides)."""
+    K and V written to the pool; None where the kernel does not apply (an FP8 pool, other dtypes or strides) or
+    failed to build or launch here (logged once)."""
     n, width, d = qkv.shape
     kv_heads = (width - heads) // 2
-    if (pool.dtype not in _DTYPES or qkv.dtype not in _DTYPES or qkv.stride(2) != 1 or pool.stride(-1) != 1
+    if (_failed or pool.dtype not in _DTYPES or qkv.dtype not in _DTYPES or qkv.stride(2) != 1 or pool.stride(-1) != 1
             or d % 2 or cos.dtype != torch.float32 or cos.stride(-1) != 1 or signed_sin.stride() != cos.stride()
             or slot_blocks.stride(0) != 1 or slot_offsets.stride(0) != 1):
         return None
@@ -83,8 +87,13 @@ def rope_cache_write(qkv: torch.Tensor, heads: int, cos: torch.Tensor, signed_si
     layer_pool = pool[:, layer]  # [NB, 2, H, T, D] (HND) or [NB, 2, T, H, D] (NHD)
     s_head, s_tok = (layer_pool.stride(2), layer_pool.stride(3)) if layout == "HND" else (
         layer_pool.stride(3), layer_pool.stride(2))
-    _kernel(qkv.device.type == "cpu")[(n, heads + kv_heads)](
-        qkv, cos, signed_sin, qk, layer_pool, slot_blocks, slot_offsets, heads, kv_heads, qkv.stride(0), qkv.stride(1),
-        cos.stride(0), layer_pool.stride(0), layer_pool.stride(1), s_head, s_tok,
-        HALF=d // 2, H_PAD=triton.next_power_of_2(d // 2), enable_fp_fusion=False)
+    try:
+        _kernel(qkv.device.type == "cpu")[(n, heads + kv_heads)](
+            qkv, cos, signed_sin, qk, layer_pool, slot_blocks, slot_offsets, heads, kv_heads, qkv.stride(0),
+            qkv.stride(1), cos.stride(0), layer_pool.stride(0), layer_pool.stride(1), s_head, s_tok,
+            HALF=d // 2, H_PAD=triton.next_power_of_2(d // 2), enable_fp_fusion=False)
+    except Exception as e:  # a compile or launch failure on this machine: the PyTorch path from now on
+        _failed.append(f"{type(e).__name__}: {e}")
+        log.warning("the Triton RoPE + cache write kernel failed; it takes the PyTorch path: %s", _failed[0])
+        return None
     return qk

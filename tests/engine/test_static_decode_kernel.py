@@ -100,3 +100,28 @@ def test_fused_kernels_compile_for_hopper(tmp_path, monkeypatch, dtype, window, 
                                                      "WINDOW": window})
     assert _compile(_rope_cache_kernel, pointers, {"HALF": head_dim // 2, "H_PAD": pad // 2},
                     {"enable_fp_fusion": False})
+
+
+def test_a_kernel_that_fails_here_leaves_the_pytorch_path_said_once(monkeypatch, caplog):
+    """A machine whose Triton cannot build or launch a kernel (no C compiler for its launcher, a driver too old)
+    decodes through the PyTorch path: the wrappers return None from then on, and say why once."""
+    pytest.importorskip("triton")
+    import torch
+
+    from pdserve.models import triton_decode, triton_rope
+
+    def unbuildable(interpret):
+        raise RuntimeError("no compiler here")
+
+    for module in (triton_decode, triton_rope):
+        monkeypatch.setattr(module, "_kernel", unbuildable)
+        monkeypatch.setattr(module, "_failed", [])
+    pool = torch.zeros(4, 1, 2, 2, 4, 8)
+    table, lens, q = torch.zeros(1, 2, dtype=torch.long), torch.tensor([3]), torch.zeros(1, 4, 8)
+    qkv, cos = torch.zeros(1, 8, 8), torch.zeros(1, 1, 8)
+    slot = torch.zeros(1, dtype=torch.long)
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            assert triton_decode.paged_decode(q, pool, "HND", 0, table, lens, 0.5) is None
+            assert triton_rope.rope_cache_write(qkv, 4, cos, cos, pool, "HND", 0, slot, slot) is None
+    assert [r.getMessage().count("no compiler here") for r in caplog.records] == [1, 1]
