@@ -320,6 +320,16 @@ class VocabParallelEmbedding(nn.Module):
         return full[..., : self.vocab_size]
 
 
+@functools.cache
+def _fused_norm():
+    """triton_norm.rms_norm (the residual add and the norm in one kernel), or None without Triton."""
+    try:
+        from pdserve.models import triton_norm
+    except ImportError:
+        return None
+    return triton_norm.rms_norm
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden: int, eps: float, dtype: torch.dtype):
         super().__init__()
@@ -332,6 +342,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         native = cpu_kernels.native(cpu_kernels.RMS_NORM, x.dtype)  # (kernel_dispatch: where it beats PyTorch)
         out = cpu_kernels.rms_norm(x, self.weight, self.eps) if native else None  # one call, the same rounding
+        if out is None and x.is_cuda and _fused_norm() is not None:  # one Triton kernel (triton_norm.py)
+            out = _fused_norm()(x, self.weight, self.eps)
         return out[1] if out is not None else self.torch_forward(x)
 
     def torch_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -347,6 +359,10 @@ class RMSNorm(nn.Module):
             native = cpu_kernels.rms_norm(y, self.weight, self.eps, residual=x)
             if native is not None:
                 return native
+        if x.is_cuda and _fused_norm() is not None:
+            fused = _fused_norm()(y, self.weight, self.eps, residual=x)
+            if fused is not None:
+                return fused
         h = x + y
         return h, self(h)
 

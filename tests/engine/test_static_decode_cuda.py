@@ -132,3 +132,22 @@ def test_fused_rope_cache_write_gives_the_pytorch_bits(layout, dtype):
         PagedKVCache(ref_pool, layout).write(1, ref[:, heads:], qkv[:, heads + kv_heads:], md)
         out = rope_cache_write(qkv, heads, *table, pool, layout, 1, slots // T, slots % T)
         assert torch.equal(out, ref) and torch.equal(pool, ref_pool), n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rms_norm_matches_the_pytorch_form(dtype):
+    """One kernel for the residual add and RMSNorm (models/triton_norm.py): the add's bits, and the norm within
+    the last bit of RMSNorm.torch_forward (its sum of squares is reduced in another order)."""
+    from pdserve.models.layers import RMSNorm
+    from pdserve.models.triton_norm import rms_norm
+
+    g = torch.Generator().manual_seed(2)
+    for hidden, rows in ((576, 1), (576, 16), (4096, 300)):
+        norm = RMSNorm(hidden, 1e-5, dtype).cuda()
+        norm.weight.copy_(torch.randn(hidden, generator=g).to(dtype))
+        x, y = (torch.randn(rows, hidden, generator=g).to(dtype).cuda() for _ in range(2))
+        h, out = rms_norm(y, norm.weight, 1e-5, residual=x)
+        assert torch.equal(h, x + y)
+        want = norm.torch_forward(x + y).float()
+        step = want.abs() * (2 ** -7 if dtype == torch.bfloat16 else 1e-5) + 1e-6
+        assert ((out.float() - want).abs() <= step).all(), (hidden, rows)

@@ -52,6 +52,19 @@ for layout, dtype, pool_dtype, n in (("HND", torch.float32, torch.float32, 5), (
         step = ref.float().abs() * 2 ** -7 + 1e-30
         assert ((out.float() - ref.float()).abs() <= step).all() and ((pool - ref_pool).abs() <= 2 ** -6).all()
         assert pool.count_nonzero() == ref_pool.count_nonzero() == n * 2 * kv_heads * d
+
+from pdserve.models.layers import RMSNorm
+from pdserve.models.triton_norm import rms_norm
+for dtype, hidden, rows in ((torch.float32, 96, 5), (torch.bfloat16, 160, 3), (torch.float16, 64, 2)):
+    norm = RMSNorm(hidden, 1e-5, dtype)
+    norm.weight.copy_(torch.randn(hidden, generator=g).to(dtype))
+    x, y = (torch.randn(rows, hidden, generator=g).to(dtype) for _ in range(2))
+    (h, out), (_, alone) = rms_norm(y, norm.weight, 1e-5, residual=x), rms_norm(x, norm.weight, 1e-5)
+    for got, want in ((h, x + y), (out, norm.torch_forward(x + y)), (alone, norm.torch_forward(x))):
+        # (fp32 and fp16 within rounding; bf16 within a few steps: the interpreter casts by truncation, three
+        # times on the way: the sum, the normalised row, the product)
+        step = want.float().abs() * (2 ** -5 if dtype == torch.bfloat16 else 1e-5) + 1e-6
+        assert got.dtype == dtype and ((got.float() - want.float()).abs() <= step).all(), dtype
 print("ok")
 """
 
@@ -61,7 +74,7 @@ def test_fused_kernels_match_the_pytorch_paths_interpreted():
     is imported). Decode attention: HND and NHD pools, fp32 and bf16, grouped query heads, blocks of 5 tokens,
     sequences of 1 to 40 keys, with and without a sliding window. RoPE + cache write: the bits of
     RotaryEmbedding.rotate and PagedKVCache.write in fp32 (HND and NHD), and in bf16 into
-    an fp32 pool."""
+    an fp32 pool. RMSNorm with and without the residual add: RMSNorm.torch_forward's values, fp32, bf16, fp16."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=120,
@@ -89,6 +102,7 @@ def test_fused_kernels_compile_for_hopper(tmp_path, monkeypatch, dtype, window, 
     needed): what the interpreter does not check (types of loop-carried values, constexpr branches) fails here."""
     pytest.importorskip("triton")
     from pdserve.models.triton_decode import _paged_decode_kernel
+    from pdserve.models.triton_norm import _rms_norm_kernel
     from pdserve.models.triton_rope import _rope_cache_kernel
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
@@ -100,6 +114,9 @@ def test_fused_kernels_compile_for_hopper(tmp_path, monkeypatch, dtype, window, 
                                                      "WINDOW": window})
     assert _compile(_rope_cache_kernel, pointers, {"HALF": head_dim // 2, "H_PAD": pad // 2},
                     {"enable_fp_fusion": False})
+    pointers |= {p: f"*{dtype}" for p in ("x_ptr", "res_ptr", "h_ptr", "w_ptr")}
+    assert _compile(_rms_norm_kernel, pointers | {"eps": "fp32"}, {"ADD": window > 0, "CAST": dtype == "bf16",
+                                                                  "BLOCK": 1024})
 
 
 def test_a_kernel_that_fails_here_leaves_the_pytorch_path_said_once(monkeypatch, caplog):
@@ -108,12 +125,12 @@ def test_a_kernel_that_fails_here_leaves_the_pytorch_path_said_once(monkeypatch,
     pytest.importorskip("triton")
     import torch
 
-    from pdserve.models import triton_decode, triton_rope
+    from pdserve.models import triton_decode, triton_norm, triton_rope
 
     def unbuildable(interpret):
         raise RuntimeError("no compiler here")
 
-    for module in (triton_decode, triton_rope):
+    for module in (triton_decode, triton_rope, triton_norm):
         monkeypatch.setattr(module, "_kernel", unbuildable)
         monkeypatch.setattr(module, "_failed", [])
     pool = torch.zeros(4, 1, 2, 2, 4, 8)
@@ -124,4 +141,5 @@ def test_a_kernel_that_fails_here_leaves_the_pytorch_path_said_once(monkeypatch,
         for _ in range(2):
             assert triton_decode.paged_decode(q, pool, "HND", 0, table, lens, 0.5) is None
             assert triton_rope.rope_cache_write(qkv, 4, cos, cos, pool, "HND", 0, slot, slot) is None
-    assert [r.getMessage().count("no compiler here") for r in caplog.records] == [1, 1]
+            assert triton_norm.rms_norm(q, torch.ones(8), 1e-5) is None
+    assert [r.getMessage().count("no compiler here") for r in caplog.records] == [1, 1, 1]
