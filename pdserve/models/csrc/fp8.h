@@ -37,4 +37,43 @@ static inline uint8_t fp8_e4m3_out(float f) {
     return sign | (uint8_t)(m + (rest > half || (rest == half && (m & 1u))));
 }
 
+/* 16 e4m3 bytes -> what they read back as: times `scale` in fp32, then rounded to bf16 when `to_bf16` (the
+ * numbers the tables hold, computed, for a hot loop: no lookups). The byte's bits placed in an fp32 with the
+ * exponent rebiased from 7 to 127 (normal values), or its 3-bit mantissa times 2^-9 (subnormals and zero);
+ * 0x7f / 0xff a NaN. Integer and exact-float steps only, in GCC vector types of FP8_LANES lanes, which the
+ * compiler lowers to the target's vectors (16 for AVX-512; 8 elsewhere, as wider ones go lane by lane on
+ * AVX2). */
+#ifdef __AVX512F__
+#define FP8_LANES 16
+#else
+#define FP8_LANES 8
+#endif
+typedef uint32_t fp8_u32v __attribute__((vector_size(FP8_LANES * 4)));
+typedef int32_t fp8_i32v __attribute__((vector_size(FP8_LANES * 4)));
+typedef float fp8_f32v __attribute__((vector_size(FP8_LANES * 4)));
+
+static inline __attribute__((always_inline)) void fp8_e4m3_in_lanes(const uint8_t *src, float *dst, float scale,
+                                                                    int to_bf16) {
+    uint32_t wide[FP8_LANES]; /* (a loop GCC widens in one instruction; its convertvector goes lane by lane) */
+    for (int i = 0; i < FP8_LANES; i++) wide[i] = src[i];
+    fp8_u32v u;
+    memcpy(&u, wide, sizeof u);
+    const fp8_u32v mag = u & 0x7fu;
+    const fp8_u32v tiny = (fp8_u32v)(mag < 8u); /* all ones where the exponent field is 0 */
+    const fp8_f32v sub = __builtin_convertvector((fp8_i32v)mag, fp8_f32v) * (1.0f / 512.0f);
+    fp8_u32v bits = (((mag << 20) + (120u << 23)) & ~tiny) | ((fp8_u32v)sub & tiny);
+    bits |= (fp8_u32v)(mag == 0x7fu) & 0x7fc00000u;
+    fp8_f32v v = (fp8_f32v)(bits | ((u & 0x80u) << 24)) * scale;
+    if (to_bf16) { /* round to nearest even, as bf16_out (a NaN stays a NaN) */
+        const fp8_u32v w = (fp8_u32v)v;
+        v = (fp8_f32v)((w + 0x7fffu + ((w >> 16) & 1u)) & 0xffff0000u);
+    }
+    memcpy(dst, &v, sizeof v);
+}
+
+static inline __attribute__((always_inline)) void fp8_e4m3_in16(const uint8_t *src, float *dst, float scale,
+                                                                int to_bf16) {
+    for (int i = 0; i < 16; i += FP8_LANES) fp8_e4m3_in_lanes(src + i, dst + i, scale, to_bf16);
+}
+
 #endif

@@ -23,20 +23,24 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fp8.h"
 #include "kernels.h"
 #include "pool.h"
 
 #define MAX_TOKENS_PER_BLOCK 256
 #define MAX_HEAD_DIM 512
 
-/* A pointer to one K or V row as fp32: the pool itself for fp32, else `buf` after conversion (FP8:
- * through `table`, the part's dequantisation table, pool.h). */
+/* A pointer to one K or V row as fp32: the pool itself for fp32, else `buf` after conversion (FP8: by its
+ * `scale`, rounded to bf16 for bf16 queries, as the part's dequantisation `table` holds it, pool.h). */
 static inline __attribute__((always_inline)) const float *row_as_float(const char *pool, int64_t elem, int dtype,
-                                                                       float *buf, int64_t d, const float *table) {
+                                                                       float *buf, int64_t d, const float *table,
+                                                                       float scale, int io_dtype) {
     if (dtype == KV_F32) return (const float *)pool + elem;
     if (dtype == KV_FP8) {
         const uint8_t *src = (const uint8_t *)pool + elem;
-        for (int64_t i = 0; i < d; i++) buf[i] = table[src[i]];
+        int64_t i = 0;
+        for (; i + 16 <= d; i += 16) fp8_e4m3_in16(src + i, buf + i, scale, io_dtype == IO_BF16);
+        for (; i < d; i++) buf[i] = table[src[i]];
     } else if (dtype == KV_BF16) {
         const uint16_t *src = (const uint16_t *)pool + elem;
         for (int64_t i = 0; i < d; i++) buf[i] = bf16_in(src[i]);
@@ -88,7 +92,7 @@ static inline __attribute__((always_inline)) void decode_task(const decode_args 
             for (int64_t t = t0; t < n; t++) {
                 const int64_t offset = h * a->cache.head_stride + t * a->cache.token_stride;
                 if (next >= 0) prefetch_row(pool, next + offset, elem_bytes(dtype), d);
-                const float *k = row_as_float(pool, base + offset, dtype, row, d, k_table);
+                const float *k = row_as_float(pool, base + offset, dtype, row, d, k_table, a->cache.k_scale, a->io_dtype);
                 for (int64_t r = (h - h0) * group; r < (h - h0 + 1) * group; r++) {
                     float s = 0.0f;
                     for (int64_t i = 0; i < d; i++) s += q[r * d + i] * k[i];
@@ -113,7 +117,7 @@ static inline __attribute__((always_inline)) void decode_task(const decode_args 
             for (int64_t t = t0; t < n; t++) {
                 const int64_t offset = a->cache.kv_stride + h * a->cache.head_stride + t * a->cache.token_stride;
                 if (next >= 0) prefetch_row(pool, next + offset, elem_bytes(dtype), d);
-                const float *v = row_as_float(pool, base + offset, dtype, row, d, v_table);
+                const float *v = row_as_float(pool, base + offset, dtype, row, d, v_table, a->cache.v_scale, a->io_dtype);
                 for (int64_t r = (h - h0) * group; r < (h - h0 + 1) * group; r++) {
                     const float p = scores[r * T + t];
                     for (int64_t i = 0; i < d; i++) acc[r * d + i] += p * v[i];
