@@ -12,13 +12,33 @@ is submitted, so a bad one is a 400 before any compute.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+from pdserve.engine.guided import Grammars, GuidedError
 from pdserve.engine.sampling_params import GuidedSpec
 from pdserve.server.errors import bad_request
 
 ANY_OBJECT = json.dumps({"type": "object"})
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+async def compiled_spec(grammars: Grammars, req, tools=None) -> GuidedSpec | None:
+    """The request's output constraint (its own, or the one its tool_choice forces: server/tools.py), compiled
+    (once per distinct spec, in a worker thread: a large schema takes milliseconds) so that a bad one is a 400
+    naming its field before any compute."""
+    spec = guided_spec(req.response_format, req.structured_outputs)
+    if tools is not None and tools.guided is not None:
+        if spec is not None:
+            raise bad_request("tool_choice required or a named function holds the output to a tool call: send "
+                              "no response_format or structured_outputs with it", "tool_choice")
+        spec = tools.guided
+    if spec is not None:
+        try:
+            await asyncio.to_thread(grammars.compile, spec)
+        except GuidedError as e:
+            raise bad_request(str(e), e.param) from None
+    return spec
 
 
 def guided_spec(response_format: dict | None, structured_outputs: dict | None) -> GuidedSpec | None:

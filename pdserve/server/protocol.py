@@ -133,6 +133,8 @@ class ChatMessage(_Request):
     # A plain string, or a list of content parts of which only text parts are supported.
     content: str | Dicts | None = None
     name: str | None = None
+    tool_calls: Dicts | None = None  # an assistant's earlier calls (server/tools.py)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 # More messages than any context window holds (each renders to a few tokens at least), refused before
@@ -155,6 +157,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: Dicts | None = None
+    tool_choice: str | dict[str, Any] | None = None  # none | auto | required | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None
     # Extension: render the assistant turn opener after the messages (default, like OpenAI).
     add_generation_prompt: bool = True
 
@@ -216,7 +220,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -240,6 +245,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -19,18 +19,16 @@ import time
 from contextlib import aclosing
 from typing import AsyncIterator
 
-from pdserve.engine.guided import GuidedError
 from pdserve.engine.llm_engine import ConflictError, RequestError
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import GuidedSpec, SamplingParams
 from pdserve.engine.scheduler import KV_NOT_FOUND
 from pdserve.engine.sequence import DisaggInfo, RequestType, Resume
 from pdserve.server.errors import APIError, bad_request
-from pdserve.server.guided_request import guided_spec
+from pdserve.server.guided_request import compiled_spec
 from pdserve.server.handoff import context_answer_params, first_gen_logprobs
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import (
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -55,6 +53,7 @@ from pdserve.server.protocol import (
     random_id,
 )
 from pdserve.server.streaming import OwnedStream
+from pdserve.server.tools import assistant_message, render_messages, tool_call_deltas, tool_setup
 
 SSE_DONE = "data: [DONE]\n\n"
 # A logit_bias key: ASCII digits, few enough for int() (str.isdigit also passes '²', which int() refuses).
@@ -109,7 +108,8 @@ class OpenAIServing:
         if req.best_of not in (None, 1):
             raise bad_request(f"best_of must be 1, got {req.best_of}", "best_of")
         ids = await self._completion_prompt(req.prompt)
-        params = self._sampling_params(req, req.max_tokens, logprobs=req.logprobs, guided=await self._guided(req))
+        params = self._sampling_params(req, req.max_tokens, logprobs=req.logprobs,
+                                       guided=await compiled_spec(self.engine.engine.guides.grammars, req))
         rid, created = self._identity(req, "cmpl")
         outputs, first = await self._start(rid, ids, params, req, {})
         if req.stream:
@@ -157,22 +157,21 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
         self._check_common(req)
-        if req.tools:
-            raise bad_request("tools are not supported by this server", "tools")
+        tools = tool_setup(req.tools, req.tool_choice, req.parallel_tool_calls)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-        ids = await self._chat_prompt(req)
+        ids = await self._chat_prompt(req, tools)
         max_tokens, max_tokens_param = req.max_tokens, "max_tokens"
         if req.max_completion_tokens is not None:
             max_tokens, max_tokens_param = req.max_completion_tokens, "max_completion_tokens"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling_params(req, max_tokens, logprobs=logprobs, max_tokens_param=max_tokens_param,
-                                       guided=await self._guided(req))
+                                       guided=await compiled_spec(self.engine.engine.guides.grammars, req, tools))
         rid, created = self._identity(req, "chatcmpl")
         fields = {"prompt": "messages", "max_tokens": max_tokens_param}
         outputs, first = await self._start(rid, ids, params, req, fields)
         if req.stream:
-            return OwnedStream(self._stream_chat(req, rid, created, outputs, first), outputs)
+            return OwnedStream(self._stream_chat(req, rid, created, outputs, first, tools), outputs)
         texts, lasts = [""] * req.n, [first] * req.n
         lps = [ChatLogprobs(content=[]) if req.logprobs else None for _ in range(req.n)]
         async with aclosing(outputs):
@@ -183,13 +182,13 @@ class OpenAIServing:
                     lps[i].content += self._chat_logprobs(out).content
         for last in lasts:
             self._raise_if_failed(last)
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=texts[i]), logprobs=lps[i],
-                              finish_reason=last.finish_reason, stop_reason=last.stop_reason)
-                   for i, last in enumerate(lasts)]
+        messages = [assistant_message(texts[i], last.finish_reason, tools) for i, last in enumerate(lasts)]
+        choices = [ChatChoice(index=i, message=messages[i][0], logprobs=lps[i], finish_reason=messages[i][1],
+                              stop_reason=last.stop_reason) for i, last in enumerate(lasts)]
         return ChatCompletionResponse(id=rid, created=created, model=self.engine.model_name, choices=choices,
                                       usage=usage_of(*lasts), disaggregated_params=self._handoff(lasts[0]))
 
-    async def _stream_chat(self, req, rid, created, outputs, first) -> AsyncIterator[str]:
+    async def _stream_chat(self, req, rid, created, outputs, first, tools=None) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk(choices, usage=None, out: RequestOutput | None = None) -> str:
@@ -200,12 +199,17 @@ class OpenAIServing:
             if req.resume is None:  # a resumed stream's client has had its opening chunk
                 for i in range(req.n):
                     yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-            out, lasts = first, {}
+            out, lasts, held = first, {}, {}  # held: a tool-calling choice's text so far
             while True:
                 if out.finish_reason == "error":
                     yield sse(self._error_body(out))
                     break
-                if out.new_text or out.new_logprobs or out.finished or (req.return_token_ids and out.new_token_ids):
+                if tools is not None and tools.parse:  # held back: a call is told from text only once it ends
+                    held[out.index] = held.get(out.index, "") + out.new_text
+                    if out.finished:
+                        for c in tool_call_deltas(held[out.index], out.finish_reason, tools, out.index):
+                            yield chunk([c])
+                elif out.new_text or out.new_logprobs or out.finished or (req.return_token_ids and out.new_token_ids):
                     yield chunk([ChatChunkChoice(index=out.index, delta=DeltaMessage(content=out.new_text or None),
                                                  logprobs=self._chat_logprobs(out),
                                                  finish_reason=out.finish_reason, stop_reason=out.stop_reason)],
@@ -292,7 +296,7 @@ class OpenAIServing:
         # keeps its event loop and every running stream its engine steps (docs/reliability.md)
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
 
-    async def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    async def _chat_prompt(self, req: ChatCompletionRequest, tools=None) -> list[int]:
         messages = []
         for i, m in enumerate(req.messages):
             content = m.content or ""
@@ -304,26 +308,18 @@ class OpenAIServing:
                                           f"\"text\": ...}}) are supported, got {part.get('type')!r}", "messages")
                     parts.append(part["text"])
                 content = "\n".join(parts)
-            messages.append({"role": m.role, "content": content})
+            messages.append({"role": m.role, "content": content, **m.model_dump(include={"tool_calls", "tool_call_id"},
+                                                                                exclude_none=True)})
+        messages, extra = render_messages(messages, tools, self.tokenizer.chat_template)
         try:
-            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                          **extra)
         except ValueError as e:  # no template, or the template refused these messages
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
         except Exception as e:  # jinja2 raises its own TemplateError (e.g. raise_exception in the template)
             raise bad_request(f"the chat template refused these messages: {e}", "messages") from None
         # The template already wrote any BOS it wants; encoding must not add a second one.
         return await self._encode(rendered, add_special_tokens=False, param="messages")
-
-    async def _guided(self, req: SamplingFields) -> GuidedSpec | None:
-        """The request's structured-output spec, compiled (once per distinct spec, in a worker thread: a large
-        schema takes milliseconds) so that a bad one is a 400 naming its field before any compute."""
-        spec = guided_spec(req.response_format, req.structured_outputs)
-        if spec is not None:
-            try:
-                await asyncio.to_thread(self.engine.engine.guides.grammars.compile, spec)
-            except GuidedError as e:
-                raise bad_request(str(e), e.param) from None
-        return spec
 
     def _sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
                          max_tokens_param: str = "max_tokens", guided: GuidedSpec | None = None) -> SamplingParams:

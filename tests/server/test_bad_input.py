@@ -113,8 +113,8 @@ CASES = [
      "prompt"),
     ("image-part", CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
      400, ["only text parts", "image_url"], "messages"),
-    ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, ["tools are not supported"],
-     "tools"),
+    ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f g"}}]), 400, ["function.name must be"],
+     "tools.0.function.name"),
     ("unknown-model", COMPLETIONS, completion(model="gpt-9"), 404, ["'gpt-9' does not exist", "'tiny'"], "model"),
     ("unknown-model-chat", CHAT, chat(model="gpt-9"), 404, ["'gpt-9' does not exist"], "model"),
     # Python's json takes what JSON does not: each used to reach the engine or the tokenizer (a 500).

@@ -1,0 +1,119 @@
+"""Tool calling through the official openai client on the tiny model: tool_choice "required" and a named
+function are enforced by the grammar (the call's name is a tool's, its arguments validate against the tool's
+parameters), streamed as OpenAI's tool-call deltas; earlier calls and tool results go back through the chat
+template; text that is not a call stays content; malformed tools and tool_choice are 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from server_harness import ServerThread
+
+from pdserve.config import EngineConfig, WorkerConfig
+from pdserve.server.app import build_app
+from pdserve.server.tools import parse_calls
+from pdserve.testing import make_tiny_model
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                        "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+       "required": ["a", "b"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "description": "Sum", "parameters": ADD}}]
+PARAMS = {"get_weather": WEATHER, "add": ADD}
+ASK = [{"role": "user", "content": "Weather?"}]
+
+
+@pytest.fixture(scope="module")
+def tool_client(tmp_path_factory):
+    """A tiny model with room for the tools' description (~650 tokens of its small vocabulary)."""
+    openai = pytest.importorskip("openai")
+    from pdserve.engine.async_engine import AsyncEngine
+
+    model = make_tiny_model(tmp_path_factory.mktemp("tools") / "tiny", num_layers=2, max_position_embeddings=1024)
+    engine = AsyncEngine.from_config(EngineConfig(model=str(model), served_model_name="tiny", device="cpu",
+                                                  max_model_len=1024, num_kv_blocks=256, tokens_per_block=8))
+    try:
+        with ServerThread(build_app(engine, WorkerConfig(model=str(model)))) as srv:
+            yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+    finally:
+        engine.shutdown()
+
+
+def _check(call) -> dict:
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, PARAMS[call.function.name])
+    assert call.type == "function" and call.id.startswith("call_")
+    return args
+
+
+def test_required_and_named_calls_are_enforced(tool_client):
+    reply = tool_client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                                parallel_tool_calls=False, max_tokens=80, temperature=1.0, seed=1)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
+    _check(choice.message.tool_calls[0])
+    named = tool_client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=80,
+                                                tool_choice={"type": "function", "function": {"name": "add"}},
+                                                temperature=0)
+    call = named.choices[0].message.tool_calls[0]
+    assert call.function.name == "add" and named.choices[0].finish_reason == "tool_calls"
+    _check(call)
+    stream = tool_client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=80,
+                                                 tool_choice={"type": "function", "function": {"name": "add"}},
+                                                 temperature=0, stream=True)
+    calls, reasons = {}, []
+    for chunk in stream:
+        for c in chunk.choices:
+            reasons.append(c.finish_reason)
+            for d in c.delta.tool_calls or []:
+                got = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                got["id"] = d.id or got["id"]
+                got["name"] += (d.function.name or "") if d.function else ""
+                got["arguments"] += (d.function.arguments or "") if d.function else ""
+    assert reasons[-1] == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("add", json.loads(
+        call.function.arguments))]
+
+
+def test_a_conversation_with_calls_and_results_goes_on(tool_client):
+    first = tool_client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                                max_tokens=80, temperature=0)
+    msg = first.choices[0].message
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in msg.tool_calls]},
+                     {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "sunny"}]
+    reply = tool_client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, tool_choice="none",
+                                                max_tokens=8, temperature=0)
+    assert reply.choices[0].message.tool_calls is None and isinstance(reply.choices[0].message.content, str)
+
+
+def test_text_that_is_not_a_call_stays_content():
+    assert parse_calls("hello") == ("hello", [])
+    broken = 'x <tool_call>\n{"name": "add", "arguments": {</tool_call>'
+    assert parse_calls(broken) == (broken, [])
+    content, calls = parse_calls('ok <tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>')
+    assert content == "ok" and calls[0]["function"] == {"name": "add", "arguments": '{"a": 1}'}
+
+
+@pytest.mark.parametrize("fields,param,why", [
+    ({"tools": [{"type": "function", "function": {"parameters": ADD}}]}, "tools.0.function.name", "name"),
+    ({"tools": [{"type": "retrieval"}]}, "tools.0.type", "function"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name",
+     "not among the tools"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "required"),
+    ({"tools": TOOLS + TOOLS[:1]}, "tools", "distinct"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "no response_format"),
+], ids=["no-name", "not-a-function", "unknown-function", "choice-without-tools", "bad-choice", "duplicate-name",
+        "with-response-format"])
+def test_bad_tools_are_400s_naming_the_field(tool_client, fields, param, why):
+    openai = pytest.importorskip("openai")
+    with pytest.raises(openai.BadRequestError) as e:
+        tool_client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, extra_body=fields)
+    err = e.value.body
+    assert err["param"] == param and why in err["message"], err
