@@ -66,7 +66,7 @@ class Grammars:
         self.vocab_size = vocab_size  # the model's logits width (the mask covers every logit)
         self._eos = sorted(eos_token_ids)
         self._tokenizer = None
-        self._cache: dict[GuidedSpec, object] = {}
+        self._cache: dict[tuple[str, str], object] = {}  # (kind, text) -> pristine matcher, least recent first
         self._lock = threading.Lock()
 
     @property
@@ -86,10 +86,11 @@ class Grammars:
 
     def compile(self, spec: GuidedSpec):
         """The pristine matcher of `spec`, compiled on first use; GuidedError says what is wrong with it."""
+        key = (spec.kind, spec.text)
         with self._lock:
-            hit = self._cache.pop(spec, None)
+            hit = self._cache.pop(key, None)
             if hit is not None:
-                self._cache[spec] = hit  # most recently used last
+                self._cache[key] = hit
                 return hit
             tokenizer = self._ll_tokenizer()
         try:  # outside the lock: llguidance drops the GIL while it compiles
@@ -99,7 +100,7 @@ class Grammars:
         except Exception as e:  # llguidance's own refusals (ValueError, RuntimeError) of what it cannot take
             raise GuidedError(f"the {spec.kind} cannot be used: {_first_line(str(e))}", spec.param) from None
         with self._lock:
-            self._cache[spec] = matcher
+            self._cache[key] = matcher
             while len(self._cache) > MAX_CACHED:
                 self._cache.pop(next(iter(self._cache)))
         return matcher

@@ -157,7 +157,7 @@ def test_bad_grammars_are_refused_with_the_field(engine):
 def test_a_compiled_grammar_is_cached_by_its_text(engine):
     grammars = Grammars(engine.tokenizer.backend.to_str(), 512, [2])
     first = grammars.compile(GUIDED)
-    assert grammars.compile(GuidedSpec("json", json.dumps(SCHEMA))) is first
+    assert grammars.compile(GuidedSpec("json", json.dumps(SCHEMA), "structured_outputs.json")) is first
     a, b = grammars.guide(GUIDED), grammars.guide(GUIDED)
     a.sync(engine.tokenizer.encode("{", add_special_tokens=False))
     assert a.consumed == 1 and b.consumed == 0  # each sequence its own matcher
