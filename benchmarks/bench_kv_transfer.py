@@ -23,7 +23,10 @@ Table 1 (tp1 -> tp1, HND, one block-major pool per rank: one fragment for the wh
   ours/raw: bandwidth ratio of the medians; paired: median of raw_i / ours_i over neighbouring
         reps (they share the machine's load); best: of the fastest reps. On a loaded machine the
         spread between reps of one write can exceed 3x, hence the many reps of this table.
-  +ms:  what ours adds to raw per transfer (median ours - median raw).
+  +ms:  what ours adds to raw per transfer (median ours - median raw); plan / submit: ours' context-side
+        stages (plan_write; the agent's submit_write, which holds the whole copy when the backend does
+        it synchronously). The rest of +ms is the request (REQUEST_DATA built, sent over ZeroMQ, handed
+        from the listener to the executor) and the notification's way back.
   gf:   generation_first: the gen's REQUEST_DATA already waits at the ctx (parked), which then offers;
         from the offer (the ctx's clock: CLOCK_MONOTONIC, shared by both processes) until the gen's
         status reports the KV. The request over ZeroMQ is off this path; the plan and the
@@ -342,7 +345,7 @@ def contiguous_table(args) -> None:
     print(f"tp1 -> tp1 (HND, contiguous)   [{load()}]")
     print(f"{'dtype':>5} {'tokens':>6} {'MiB':>7} {'descs':>7} {'reps':>4} {'ours ms':>9} {'raw ms':>9} "
           f"{'ours GB/s':>9} {'raw GB/s':>9} {'copy GB/s':>9} {'ours/raw':>8} {'paired':>6} {'best':>5} "
-          f"{'+ms':>6} {'gf ms':>7} {'gf/raw':>6} {'gf +ms':>6}  status")
+          f"{'+ms':>6} {'gf ms':>7} {'gf/raw':>6} {'gf +ms':>6} {'plan ms':>7} {'submit ms':>9}  status")
     for dtype in args.dtypes:
         for tokens in args.tokens:
             nbytes = kv_bytes(tokens, DTYPES[dtype])
@@ -362,8 +365,9 @@ def contiguous_table(args) -> None:
             print(f"{dtype:>5} {tokens:>6} {nbytes / 2**20:>7.1f} {descs:>7} {len(r['ours']):>4} {_fmt(ours, 1e3)} "
                   f"{_fmt(raw, 1e3)} {_fmt(bw(ours))} {_fmt(bw(raw))} {_fmt(bw(copy))} {_fmt(ratio, width=8)} "
                   f"{_fmt(paired, width=6)} {_fmt(best, width=5)} {_fmt(added(ours), 1e3, 6)} {_fmt(gf, 1e3, 7)} "
-                  f"{_fmt(None if gf is None or raw is None else raw / gf, width=6)} {_fmt(added(gf), 1e3, 6)}  "
-                  f"{r['status']}", flush=True)
+                  f"{_fmt(None if gf is None or raw is None else raw / gf, width=6)} {_fmt(added(gf), 1e3, 6)} "
+                  f"{_fmt(_median([st['plan'] for st in r['stages']]), 1e3, 7, 3)} "
+                  f"{_fmt(_median([st['submit'] for st in r['stages']]), 1e3, 9, 3)}  {r['status']}", flush=True)
 
 
 def nhd_table(args) -> None:
