@@ -139,6 +139,12 @@ class EngineConfig(BaseModel):
                           "second, plain copy of every linear weight (the linear weights' memory twice), and a "
                           "one-sequence step without TP runs the whole layer stack in one native call; false "
                           "keeps oneDNN's packed copy only")
+    moe_experts: Literal["sharded", "replicated"] = Field(
+        "sharded", description="tensor parallelism of a MoE model's routed experts: sharded cuts every expert's "
+                               "intermediate dimension over the TP ranks, each rank computing every routed token "
+                               "on its slice; replicated keeps every expert whole on every rank (their memory "
+                               "tp_size times), each rank computing its 1/tp_size of the step's expert-sorted "
+                               "choices (docs/configuration.md)")
     cuda_graphs: bool = Field(
         True, description="CUDA, one rank: decode steps replay a CUDA graph captured once per batch size of "
                           "cuda_graph_batch_sizes (the batch padded up to the next), sampling included "

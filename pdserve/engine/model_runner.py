@@ -8,7 +8,7 @@ The last stage's first TP rank samples and returns the tokens to rank 0.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import msgpack
@@ -136,6 +136,8 @@ class ModelRunner:
             keep_freed_memory()  # activations live in malloc'd host memory: see host_malloc.py
             cpu_kernels.load()  # build the native CPU kernels now, not inside the first request
         tc = ecfg.cache_transceiver_config
+        if model_cfg.moe is not None and ecfg.moe_experts == "replicated":
+            model_cfg = replace(model_cfg, moe=replace(model_cfg.moe, replicated=True))  # models/moe.py
         with torch.device(device):
             self.model = model_class(model_cfg)(model_cfg, ps, self.dtype, max_model_len)
         load_weights(self.model, model_dir, show_progress=ps.rank == 0)

@@ -75,6 +75,8 @@ class MoeShape:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_intermediate_size: int = 0
+    # how tensor parallelism places the routed experts (EngineConfig.moe_experts; moe.py), not the checkpoint's
+    replicated: bool = False
 
 
 @dataclass(frozen=True)

@@ -4,18 +4,27 @@
     w, e  = top_k(probs)                           (w / sum(w) with norm_topk_prob; then the model dtype)
     out   = sum_j w_j * expert_{e_j}(x)            (each expert a SwiGLU MLP of moe_intermediate_size)
 
-Tensor parallelism cuts every expert as the dense MLP is cut: gate/up by rows of its intermediate
-dimension, down by the same columns, and the router is replicated. Every rank then routes the same way
-and computes every routed token on its slice, so the ranks stay balanced whatever the routing (giving
-each rank whole experts would leave a rank idle whenever its experts get few tokens, and would need an
-all-to-all of the tokens), and the block needs one all-reduce, as the dense MLP does: of the weighted
-sum of the experts' partial outputs.
+Tensor parallelism places the routed experts one of two ways (EngineConfig.moe_experts); the router is
+replicated, so every rank routes the same way, and either way the block needs one all-reduce, as the dense
+MLP does:
+
+- sharded (the default): every expert cut as the dense MLP is cut, gate/up by rows of its intermediate
+  dimension, down by the same columns. Every rank computes every routed token on its slice, and the
+  all-reduce sums the experts' partial outputs. Balanced whatever the routing.
+- replicated: every rank holds every expert whole (their memory tp_size times). The step's [tokens * top_k]
+  choices, sorted by expert, are cut into tp_size contiguous spans of equal length, and each rank computes
+  its span on whole experts: as many rows each, whatever the routing, and each expert's weights read by one
+  rank, or two where a span boundary falls inside it. The other ranks' rows are zeros in a rank's sum, so
+  the all-reduce adds each token's outputs from the ranks that computed them.
+  Giving each rank whole experts of its own instead (expert parallelism) would leave a rank idle whenever
+  its experts get few tokens; replicating them keeps the ranks balanced at the cost of memory.
 
 DeepSeek-V3 (`MoeShape.scoring == "sigmoid"`) routes otherwise, in fp32 with an fp32 router as transformers
 keeps it: scores = sigmoid(x @ router.T); the experts are ranked by scores + e_score_correction_bias, only
 within the `topk_group` groups whose two best biased scores sum highest; the weights are the chosen unbiased
 scores (renormalised with norm_topk_prob) times routed_scaling_factor. Its shared experts are one SwiGLU MLP
-every token takes, cut over TP like the dense MLP and added to the partial sum before the one all-reduce.
+every token takes, cut over TP like the dense MLP (either way) and added to the partial sum before the one
+all-reduce.
 
 On CPU the choices are grouped by expert (a stable sort of the [tokens * top_k] choices, the rows gathered once),
 and the loop runs over the experts that got a token: one gate/up and one down product each, on its span of
@@ -62,7 +71,8 @@ class SparseMoeBlock(nn.Module):
         self.router = nn.Parameter(torch.empty(shape.num_experts, hidden, dtype=torch.float32 if sigmoid else dtype),
                                    requires_grad=False)
         self.score_bias = (nn.Parameter(torch.zeros(shape.num_experts), requires_grad=False) if sigmoid else None)
-        self.experts = nn.ModuleList(Expert(hidden, shape.intermediate_size, ps, dtype)
+        whole = ParallelState() if shape.replicated else ps  # a replicated expert's linears keep every row
+        self.experts = nn.ModuleList(Expert(hidden, shape.intermediate_size, whole, dtype)
                                      for _ in range(shape.num_experts))
         self.shared_experts = (Expert(hidden, shape.shared_intermediate_size, ps, dtype)
                                if shape.shared_intermediate_size else None)
@@ -117,19 +127,17 @@ class SparseMoeBlock(nn.Module):
         return self.ps.tp_all_reduce(out)
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        """The weighted sum of each token's top_k experts (the module docstring): weights, chosen [n, top_k]."""
+        """The weighted sum of each token's top_k experts (the module docstring): weights, chosen [n, top_k].
+        Replicated experts: of the choices in this rank's span only, the others' rows zero."""
         n, k = chosen.shape
         choices = chosen.flatten()  # [n * k]: token t's j-th choice at t * k + j
         order = torch.argsort(choices, stable=True)  # choices grouped by expert, tokens ascending within one
-        counts = torch.bincount(choices, minlength=len(self.experts)).tolist()
-        rows = x[order // k]
-        ys, start = [], 0
-        for e, count in enumerate(counts):
-            if count:
-                ys.append(self.experts[e](rows[start:start + count]))
-                start += count
-        y = torch.cat(ys) if len(ys) > 1 else ys[0]
-        y.mul_(weights.flatten()[order].unsqueeze(1))  # [n * k, hidden] in expert order
+        lo, hi = self._span(n * k)
+        mine = order[lo:hi]
+        y = self._experts_on(x[mine // k], choices[mine], x.shape[1])
+        y.mul_(weights.flatten()[mine].unsqueeze(1))  # [hi - lo, hidden] in expert order
+        if hi - lo < n * k:
+            y = torch.cat([y.new_zeros(lo, y.shape[1]), y, y.new_zeros(n * k - hi, y.shape[1])])
         sorted_at = torch.empty_like(order)
         sorted_at[order] = torch.arange(n * k, device=x.device)  # choice -> its row of y
         by_expert = chosen.argsort(dim=1, stable=True) + torch.arange(0, n * k, k, device=x.device).unsqueeze(1)
@@ -140,3 +148,22 @@ class SparseMoeBlock(nn.Module):
         for j in range(2, k):
             out += y[:, j]
         return out
+
+    def _span(self, choices: int) -> tuple[int, int]:
+        """The expert-sorted choices this rank computes: all of them, or its 1/tp_size when replicated."""
+        if not self.shape.replicated:
+            return 0, choices
+        tp, r = self.ps.tp_size, self.ps.tp_rank
+        return choices * r // tp, choices * (r + 1) // tp
+
+    def _experts_on(self, rows: torch.Tensor, experts: torch.Tensor, hidden: int) -> torch.Tensor:
+        """rows [m, hidden] grouped by their experts [m] (ascending) -> each row through its expert."""
+        counts = torch.bincount(experts, minlength=len(self.experts)).tolist()
+        ys, start = [], 0
+        for e, count in enumerate(counts):
+            if count:
+                ys.append(self.experts[e](rows[start:start + count]))
+                start += count
+        if len(ys) == 1:
+            return ys[0]
+        return torch.cat(ys) if ys else rows.new_empty(0, hidden)
