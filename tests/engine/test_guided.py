@@ -85,6 +85,17 @@ def test_every_output_parses_and_validates(engine, temperature):
     assert len(engine.guides) == 0  # every matcher dropped with its sequence
 
 
+def test_each_choice_of_a_request_has_its_own_matcher(engine):
+    """n = 3: the first token of every choice is drawn under the grammar's first mask, then each forked choice
+    gets a matcher of its own, started from its first token."""
+    engine.add_request(PROMPTS[0], SamplingParams(n=3, max_tokens=60, temperature=1.0, seed=2, guided=GUIDED), "n3")
+    outs = step_until([engine], lambda outs: sum(o.finished for o in outs) == 3)
+    texts = [[t for o in outs if o.index == c for t in o.new_token_ids] for c in range(3)]
+    assert len({tuple(t) for t in texts}) > 1  # the choices went their own ways
+    for tokens in texts:
+        _valid(engine, tokens)
+
+
 def test_regex_choice_and_grammar(engine):
     regex = SamplingParams(max_tokens=30, temperature=1.0, seed=5, guided=GuidedSpec("regex", r"[0-9]{3}-[a-c]{2}"))
     lark = GuidedSpec("grammar", 'start: "yes" | "no" | "maybe " NUM\nNUM: /[0-9]/')
