@@ -137,7 +137,9 @@ def exchange():
 
     def make(fetch=None, world_size: int = 2) -> tuple[KVExchange, Scheduler]:
         s = Scheduler(BlockManager(8, 4), 8, 64, True)
-        tx = SimpleNamespace(fetch_instance=fetch or (lambda ep: INFOS), control_pending=False)
+        # (wait: an idle step's wait for a control message or a finished write, which this fake never has)
+        tx = SimpleNamespace(fetch_instance=fetch or (lambda ep: INFOS), control_pending=False,
+                             wait=lambda timeout_s: None)
         kv = KVExchange(s, SimpleNamespace(tx=tx), EngineConfig(tensor_parallel_size=world_size, tokens_per_block=4),
                         vocab_size=512)
         made.append(kv)
