@@ -301,15 +301,17 @@ class Scheduler:
 
     def commit(self, batch: list[ScheduledSeq]) -> None:
         """After the forward pass: advance computed counts and publish newly full blocks."""
-        tpb = self.blocks.tokens_per_block
         for s in batch:
-            seq = s.seq
-            before = seq.num_computed_tokens // tpb
-            seq.num_computed_tokens += s.num_new_tokens
-            full = seq.num_computed_tokens // tpb
-            if full > before:
-                hashes = block_hashes(seq.all_token_ids[: full * tpb], tpb)
-                self.blocks.commit_full_blocks(seq.block_ids, hashes, before)
+            before = s.seq.num_computed_tokens
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self._publish(s.seq, before)
+
+    def _publish(self, seq: Sequence, before: int) -> None:
+        """Offer the prefix cache `seq`'s blocks that became full past its first `before` computed tokens."""
+        tpb = self.blocks.tokens_per_block
+        first, full = before // tpb, seq.num_computed_tokens // tpb
+        if full > first:
+            self.blocks.commit_full_blocks(seq.block_ids, block_hashes(seq.all_token_ids[: full * tpb], tpb), first)
 
     def _take_token(self, seq: Sequence, token: int, logprob: float | None, top: list | None) -> None:
         seq.output_token_ids.append(token)
@@ -369,6 +371,7 @@ class Scheduler:
         del self.parked[seq.request_id]
         assert seq.state is SeqState.GEN_AWAITING_KV, f"{seq.request_id} is {seq.state.name}, not awaiting KV"
         seq.num_computed_tokens = seq.num_prompt_tokens
+        self._publish(seq, 0)  # the prompt's KV came whole: a later request with its prefix reuses it here
         seq.state = SeqState.RUNNING
         self.running.append(seq)
         if first is not None:

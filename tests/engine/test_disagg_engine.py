@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine.block_manager import block_hashes
 from pdserve.engine.llm import LLM
 from pdserve.engine.llm_engine import ConflictError, LLMEngine, RequestError
 from pdserve.engine.sampling_params import SamplingParams
@@ -400,4 +401,25 @@ def test_first_contact_counts_against_the_transfer_timeout(tiny):
         assert "first contact" in outs[-1].error and silent in outs[-1].error
         assert gen.blocks.num_free_blocks == gen.blocks.num_blocks
     finally:
+        gen.shutdown()
+
+
+def test_a_prompt_whose_kv_arrived_is_a_prefix_cache_hit_on_the_generation_instance(tiny):
+    """The prompt blocks a generation instance received are its own cache afterwards: a request served whole
+    there (conditional disaggregation's local prefill, a request the orchestrator sends whole) with that
+    prefix computes only the rest, and the router hears of them (KV events). Before, only blocks the instance
+    computed itself were offered to its cache."""
+    prompt = _prompts()[2]  # 40 tokens: five full blocks of 8
+    ctx, gen = _engine(tiny, "shm"), _engine(tiny, "shm")
+    stored = []
+    gen.blocks.on_event = lambda e: stored.extend(e.block_hashes) if e.kind == "stored" else None
+    try:
+        context_first(ctx, gen, [prompt], GREEDY)
+        assert stored[:5] == block_hashes(prompt, 8)  # the prompt's, before any block decoding filled
+        gen.add_request(prompt + [7, 8], GREEDY, "again")
+        outs = step_until([gen], lambda outs: any(o.finished for o in outs))
+        assert outs[-1].num_cached_tokens == 40
+        _assert_everything_freed(ctx, gen)
+    finally:
+        ctx.shutdown()
         gen.shutdown()
