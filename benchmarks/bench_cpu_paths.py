@@ -9,8 +9,8 @@ The default shape is SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64, hid
 oneDNN path, or SDPA), paged decode attention (one sequence of 1024 tokens and 16 of 512) against the
 gather and SDPA, the decode GEMV on the four linears of a layer at 1, 4 and 16 rows against the GEMM
 (oneDNN on packed weights where it takes the dtype, else F.linear), RMSNorm and the RoPE / cache write
-against their PyTorch forms at 1, 16 and 512 rows; with --fp8 the cache write and paged decode on an
-fp8_e4m3 pool too. To see a CPU without AVX-512 from one
+against their PyTorch forms at 1, 16 and 512 rows, and where oneDNN takes no bf16 the native bf16 GEMM
+against F.linear; with --fp8 the cache write and paged decode on an fp8_e4m3 pool too. To see a CPU without AVX-512 from one
 with it: ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 PDSERVE_KERNEL_MARCH=x86-64-v3.
 """
 
@@ -66,6 +66,9 @@ def main() -> None:
                  kernel_dispatch.time_gemv(linears, dtype)),
                 ("RMSNorm", f"hidden {hidden}, rows {kernel_dispatch.STEP_ROWS}, alone and after an add",
                  kernel_dispatch.time_rms_norm(hidden, dtype))]
+        if dtype == torch.bfloat16 and not onednn_packs(dtype):  # (where oneDNN takes bf16 the GEMM is its)
+            rows.append(("bf16 GEMM", f"4 linears x {kernel_dispatch.GEMM_ROWS} rows",
+                         kernel_dispatch.time_gemm(linears, dtype)))
         for kv_name, kv_dtype in [(name, None), *([("fp8_e4m3", FP8)] if args.fp8 else [])]:
             rows.append(("RoPE / cache write", f"{heads}x{kv_heads}x{d}, rows {kernel_dispatch.STEP_ROWS}, "
                          f"{kv_name} pool", kernel_dispatch.time_rope_cache(heads, kv_heads, d, dtype, kv_dtype)))
