@@ -11,7 +11,9 @@ conversion undoes, relative to how llama.cpp wrote the file:
   attn_q / attn_k from HF's "rotate half" layout [x0 .. x(d/2-1) | x(d/2) .. x(d-1)] to interleaved
   pairs [x0 x(d/2) x1 x(d/2+1) ...]; we invert that (qwen2 files keep HF's layout);
 * metadata: config.json, generation_config.json, tokenizer.json and tokenizer_config.json
-  (see gguf_tokenizer.py) are rebuilt from the GGUF key/value fields.
+  (see gguf_tokenizer.py) are rebuilt from the GGUF key/value fields;
+* DeepSeek-V3 (`deepseek2`): latent attention's split kv_b, its head sizes and the router's score bias
+  (gguf_deepseek2.py).
 
 The result loads in transformers and gives the same tensors as transformers' own
 `from_pretrained(dir, gguf_file=...)`.
@@ -31,6 +33,9 @@ from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
+from pdserve.weights.gguf_deepseek2 import ARCH as DEEPSEEK2
+from pdserve.weights.gguf_deepseek2 import LAYER_NAMES as DEEPSEEK2_LAYER_NAMES
+from pdserve.weights.gguf_deepseek2 import Deepseek2Tensors, deepseek2_config
 from pdserve.weights.gguf_tokenizer import build_tokenizer_files
 from pdserve.weights.hf_dir import (
     CONFIG_FILE,
@@ -48,6 +53,7 @@ _ARCHS = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    DEEPSEEK2: ("DeepseekV3ForCausalLM", "deepseek_v3"),
 }
 
 # Per-layer GGUF tensor suffix -> HF suffix under model.layers.N.
@@ -64,6 +70,7 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # a MoE layer's router
+    **DEEPSEEK2_LAYER_NAMES,
 }
 # A MoE layer's experts, one GGUF tensor per projection: [experts, out, in] in torch order.
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
@@ -179,7 +186,7 @@ def build_config(meta: Mapping[str, Any], tensors: Mapping[str, ReaderTensor], d
     if arch not in _ARCHS:
         raise ValueError(
             f"GGUF architecture {arch!r} is not supported (supported: {sorted(_ARCHS)}); "
-            "use a Llama-family model (Llama, Mistral, SmolLM2, Qwen2), Qwen3 or Qwen3-MoE"
+            "use a Llama-family model (Llama, Mistral, SmolLM2, Qwen2), Qwen3, Qwen3-MoE or DeepSeek-V3"
         )
     cls, model_type = _ARCHS[arch]
     name = str(_get(meta, "general.name", "")).lower()
@@ -190,6 +197,8 @@ def build_config(meta: Mapping[str, Any], tensors: Mapping[str, ReaderTensor], d
     heads = int(_get(meta, f"{arch}.attention.head_count", required=True))
     kv_heads = int(_get(meta, f"{arch}.attention.head_count_kv", heads))
     head_dim = int(_get(meta, f"{arch}.attention.key_length", hidden // heads))
+    if model_type == "deepseek_v3":  # key_length is the latent's; the head sizes are deepseek2_config's
+        head_dim = int(_get(meta, f"{arch}.rope.dimension_count", required=True))
     rotary_dim = int(_get(meta, f"{arch}.rope.dimension_count", head_dim))
     if rotary_dim != head_dim:
         raise NotImplementedError(f"partial rotary (rope.dimension_count={rotary_dim} < head_dim={head_dim}) "
@@ -200,7 +209,8 @@ def build_config(meta: Mapping[str, Any], tensors: Mapping[str, ReaderTensor], d
     context = int(_get(meta, f"{arch}.context_length", 2048))
     rope_theta = _f32(_get(meta, f"{arch}.rope.freq_base", 10000.0))
     n_layers = int(_get(meta, f"{arch}.block_count", required=True))
-    moe = _moe_config(meta, tensors, arch, n_layers) if model_type == "qwen3_moe" else {}
+    moe = _moe_config(meta, tensors, arch, n_layers) if model_type == "qwen3_moe" else \
+        deepseek2_config(meta, tensors, n_layers) if model_type == "deepseek_v3" else {}
     # A MoE file may leave out the dense MLP's width; then the experts' stands in.
     dense_ff = _get(meta, f"{arch}.feed_forward_length", moe.get("moe_intermediate_size"), required=not moe)
     cfg: dict[str, Any] = {
@@ -240,6 +250,9 @@ def build_config(meta: Mapping[str, Any], tensors: Mapping[str, ReaderTensor], d
         cfg.update(attention_bias="blk.0.attn_q.bias" in tensors, mlp_bias=False)
     elif model_type == "mistral":
         cfg.update(sliding_window=None)
+    elif model_type == "deepseek_v3":
+        cfg.update(moe)
+        del cfg["head_dim"]  # transformers' DeepseekV3Config derives it (the RoPE width)
     else:
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg["num_hidden_layers"])
     if model_type in ("qwen3", "qwen3_moe"):
@@ -290,6 +303,7 @@ def convert_gguf(
         raise ValueError(f"{gguf_path} has no token_embd.weight tensor; it is not a decoder language model")
     cfg = build_config(meta, tensors, dtype)
     permute = meta["general.architecture"] == "llama"
+    deepseek = Deepseek2Tensors(cfg) if cfg["model_type"] == "deepseek_v3" else None
     out.mkdir(parents=True, exist_ok=True)
     writer = ShardedWriter(out, max_shard_bytes)
     bar = tqdm(reader.tensors, desc=f"Converting {gguf_path.name}", unit="tensor", disable=not progress)
@@ -306,8 +320,11 @@ def convert_gguf(
             w = unpermute_rotary(w, cfg["num_attention_heads"])
         elif permute and ".attn_k." in t.name:
             w = unpermute_rotary(w, cfg["num_key_value_heads"])
-        for name, part in hf_tensors(t.name, w):
+        own = deepseek.take(t.name, w) if deepseek is not None else None
+        for name, part in own if own is not None else hf_tensors(t.name, w):
             writer.add(name, part.to(dtype))
+    if deepseek is not None:
+        deepseek.finish()
     writer.close()
     write_json(out / CONFIG_FILE, cfg)
     tokenizer, tokenizer_config, generation_config = build_tokenizer_files(

@@ -67,8 +67,7 @@ def write_tiny_gguf(hf_dir: Path, path: Path, *, quant: str = "Q8_0", pre: str =
     quantizes every 2-D or 3-D weight whose rows are a multiple of 32.
     """
     cfg = json.loads((hf_dir / "config.json").read_text())
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    tok_cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    tok, tok_cfg = _tokenizer_files(hf_dir)
     arch = _GGUF_ARCH[cfg["model_type"]]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny {arch}")
@@ -91,6 +90,27 @@ def write_tiny_gguf(hf_dir: Path, path: Path, *, quant: str = "Q8_0", pre: str =
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
         if not cfg["norm_topk_prob"]:  # llama.cpp's qwen3moe renormalises unless the file says otherwise
             w.add_expert_weights_norm(False)
+    _add_tokenizer(w, tok, tok_cfg, pre)
+    weights = {}
+    for name, t in load_file(str(hf_dir / "model.safetensors")).items():
+        a = t.float().numpy()
+        if arch == "llama" and ".q_proj." in name:
+            a = _permute(a, cfg["num_attention_heads"])
+        elif arch == "llama" and ".k_proj." in name:
+            a = _permute(a, cfg["num_key_value_heads"])
+        weights[name] = a
+    tensors = _stack_experts(weights)
+    if rope_freqs is not None:
+        tensors["rope_freqs.weight"] = rope_freqs.astype(np.float32)
+    return _add_tensors_and_close(w, tensors, quant, path)
+
+
+def _tokenizer_files(hf_dir: Path) -> tuple[dict, dict]:
+    return (json.loads((hf_dir / "tokenizer.json").read_text()),
+            json.loads((hf_dir / "tokenizer_config.json").read_text()))
+
+
+def _add_tokenizer(w: gguf.GGUFWriter, tok: dict, tok_cfg: dict, pre: str) -> None:
     vocab = tok["model"]["vocab"] | {t["content"]: t["id"] for t in tok["added_tokens"]}
     tokens = sorted(vocab, key=vocab.get)
     special = {t["content"] for t in tok["added_tokens"] if t["special"]}
@@ -104,22 +124,20 @@ def write_tiny_gguf(hf_dir: Path, path: Path, *, quant: str = "Q8_0", pre: str =
     w.add_pad_token_id(2)
     w.add_add_bos_token(False)
     w.add_chat_template(tok_cfg["chat_template"])
-    weights = {}
-    for name, t in load_file(str(hf_dir / "model.safetensors")).items():
-        a = t.float().numpy()
-        if arch == "llama" and ".q_proj." in name:
-            a = _permute(a, cfg["num_attention_heads"])
-        elif arch == "llama" and ".k_proj." in name:
-            a = _permute(a, cfg["num_key_value_heads"])
-        weights[name] = a
-    for name, a in _stack_experts(weights).items():
-        if quant == "Q8_0" and a.ndim in (2, 3) and a.shape[-1] % 32 == 0:
+
+
+def q8_0_kept(a: np.ndarray) -> bool:
+    """Whether write_*_gguf(quant="Q8_0") quantizes this weight: 2-D or 3-D, rows a multiple of 32."""
+    return a.ndim in (2, 3) and a.shape[-1] % 32 == 0
+
+
+def _add_tensors_and_close(w: gguf.GGUFWriter, tensors: dict[str, np.ndarray], quant: str, path: Path) -> Path:
+    for name, a in tensors.items():
+        if quant == "Q8_0" and q8_0_kept(a):
             w.add_tensor(name, gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             w.add_tensor(name, np.ascontiguousarray(a))
-    if rope_freqs is not None:
-        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
