@@ -335,6 +335,27 @@ def print_table(dtype: str, rows: dict[str, dict], bandwidth: float) -> None:
           f"{ours['decode_b1'] * roof_ms / 1e3 * 100:.0f}% of it")
 
 
+def tiny_qwen3_moe(out_dir: str) -> Path:
+    """--tiny-qwen3-moe's model (the module docstring); bench_moe_tp.py benches it too."""
+    from pdserve.testing.tiny import make_tiny_model
+
+    return make_tiny_model(out_dir, arch="qwen3_moe", num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
+                           intermediate_size=1024, vocab_size=8192, max_position_embeddings=4096,
+                           moe_shape={"num_experts": 32, "num_experts_per_tok": 4, "moe_intermediate_size": 256})
+
+
+def tiny_deepseek_v3(out_dir: str) -> Path:
+    """--tiny-deepseek-v3's model (the module docstring); bench_moe_tp.py benches it too."""
+    from pdserve.testing.tiny_deepseek_v3 import make_tiny_deepseek_v3
+
+    return make_tiny_deepseek_v3(
+        out_dir, num_layers=8, hidden_size=512, num_heads=16, intermediate_size=1024, vocab_size=8192,
+        max_position_embeddings=4096,
+        shape={"q_lora_rank": 256, "kv_lora_rank": 128, "qk_rope_head_dim": 32, "qk_nope_head_dim": 64,
+               "v_head_dim": 64, "n_routed_experts": 32, "num_experts_per_tok": 4, "n_group": 8, "topk_group": 4,
+               "moe_intermediate_size": 256})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
@@ -378,13 +399,7 @@ def main() -> None:
                                          intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
                                          rope_theta=100000.0, max_position_embeddings=8192))
     if args.tiny_qwen3_moe:
-        from pdserve.testing.tiny import make_tiny_model
-
-        args.model = str(make_tiny_model(args.tiny_qwen3_moe, arch="qwen3_moe", num_layers=8, num_heads=8,
-                                         num_kv_heads=4, head_dim=64, intermediate_size=1024, vocab_size=8192,
-                                         max_position_embeddings=4096,
-                                         moe_shape={"num_experts": 32, "num_experts_per_tok": 4,
-                                                    "moe_intermediate_size": 256}))
+        args.model = str(tiny_qwen3_moe(args.tiny_qwen3_moe))
     if args.tiny_qwen3_5:
         from pdserve.testing.tiny import make_tiny_model
 
@@ -402,14 +417,7 @@ def main() -> None:
                                               mamba={"mamba_num_heads": 16, "mamba_head_dim": 64, "n_groups": 2,
                                                      "ssm_state_size": 64}))
     if args.tiny_deepseek_v3:
-        from pdserve.testing.tiny_deepseek_v3 import make_tiny_deepseek_v3
-
-        args.model = str(make_tiny_deepseek_v3(
-            args.tiny_deepseek_v3, num_layers=8, hidden_size=512, num_heads=16, intermediate_size=1024,
-            vocab_size=8192, max_position_embeddings=4096,
-            shape={"q_lora_rank": 256, "kv_lora_rank": 128, "qk_rope_head_dim": 32, "qk_nope_head_dim": 64,
-                   "v_head_dim": 64, "n_routed_experts": 32, "num_experts_per_tok": 4, "n_group": 8, "topk_group": 4,
-                   "moe_intermediate_size": 256}))
+        args.model = str(tiny_deepseek_v3(args.tiny_deepseek_v3))
     vllm_python = None if args.device == "cuda" else resolve_vllm_python(args.vllm_python)
     if vllm_python is None:
         print("note: no vLLM row (pass --vllm-python or set VLLM_PYTHON to an interpreter with vllm)")
