@@ -58,7 +58,8 @@ def tool_setup(tools: list[dict] | None, tool_choice, parallel: bool | None) -> 
     if choice == "required":
         return ToolSetup(functions, _grammar(functions, parallel is not False), True)
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        fn = choice.get("function")
+        name = fn.get("name") if choice.get("type") == "function" and isinstance(fn, dict) else None
         if not isinstance(name, str):
             raise bad_request("tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": "
                               "{\"name\": ...}}", "tool_choice")
@@ -100,6 +101,13 @@ def _grammar(functions: list[dict], parallel: bool) -> GuidedSpec:
 
 def render_messages(messages: list[dict], setup: ToolSetup | None, template: str | None) -> tuple[list[dict], dict]:
     """The messages and extra template variables for the chat template."""
+    calls = [(i, j, c) for i, m in enumerate(messages) for j, c in enumerate(m.get("tool_calls") or [])]
+    for i, j, c in calls:
+        fn = c.get("function")
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments", ""), str)):
+            raise bad_request(f"messages[{i}].tool_calls[{j}] must be {{\"id\": ..., \"type\": \"function\", "
+                              f"\"function\": {{\"name\": ..., \"arguments\": \"<JSON text>\"}}}}",
+                              f"messages.{i}.tool_calls.{j}")
     if setup is None or not setup.tools:
         return [_flatten(m) for m in messages], {}
     if template and "tools" in template:
@@ -154,14 +162,16 @@ def parse_calls(text: str) -> tuple[str | None, list[dict]]:
     return content or None, calls
 
 
-def assistant_message(text: str, finish_reason: str | None, setup: ToolSetup | None) -> tuple[AssistantMessage, str | None]:
+def assistant_message(text: str, finish_reason: str | None,
+                      setup: ToolSetup | None) -> tuple[AssistantMessage, str | None]:
     """A finished choice's message and finish_reason: its calls as tool_calls ("tool_calls") when it made any."""
     if setup is None or not setup.parse:
         return AssistantMessage(content=text), finish_reason
     content, calls = parse_calls(text)
     if not calls:
         return AssistantMessage(content=text), finish_reason
-    return AssistantMessage(content=content, tool_calls=calls), "tool_calls" if finish_reason == "stop" else finish_reason
+    reason = "tool_calls" if finish_reason == "stop" else finish_reason
+    return AssistantMessage(content=content, tool_calls=calls), reason
 
 
 def tool_call_deltas(text: str, finish_reason: str | None, setup: ToolSetup, index: int) -> list[ChatChunkChoice]:

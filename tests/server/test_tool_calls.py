@@ -107,10 +107,13 @@ def test_text_that_is_not_a_call_stays_content():
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "required"),
     ({"tools": TOOLS + TOOLS[:1]}, "tools", "distinct"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": ["add"]}}, "tool_choice", "required"),
+    ({"tools": TOOLS, "messages": ASK + [{"role": "assistant", "tool_calls": [{"id": "c", "function": "add"}]}]},
+     "messages.1.tool_calls.0", "arguments"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
      "no response_format"),
 ], ids=["no-name", "not-a-function", "unknown-function", "choice-without-tools", "bad-choice", "duplicate-name",
-        "with-response-format"])
+        "function-not-object", "past-call-malformed", "with-response-format"])
 def test_bad_tools_are_400s_naming_the_field(tool_client, fields, param, why):
     openai = pytest.importorskip("openai")
     with pytest.raises(openai.BadRequestError) as e:
