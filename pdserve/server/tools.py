@@ -110,8 +110,9 @@ def render_messages(messages: list[dict], setup: ToolSetup | None, template: str
                               f"messages.{i}.tool_calls.{j}")
     if setup is None or not setup.tools:
         return [_flatten(m) for m in messages], {}
-    if template and "tools" in template:
-        return messages, {"tools": [{"type": "function", "function": f} for f in setup.tools]}
+    if template and "tools" in template:  # (templates read a call's arguments as an object, HF's convention)
+        return [_with_object_arguments(m) for m in messages], {"tools": [{"type": "function", "function": f}
+                                                                         for f in setup.tools]}
     described = "\n".join(json.dumps({"type": "function", "function": f}) for f in setup.tools)
     system = ("You may call one or more functions to answer. The functions are:\n<tools>\n" + described +
               "\n</tools>\nTo call one, write its name and arguments as JSON inside tags:\n<tool_call>\n"
@@ -132,6 +133,14 @@ def _flatten(m: dict) -> dict:
     text = "\n".join(f"<tool_call>\n{json.dumps({'name': c['function']['name'], 'arguments': _args(c)})}"
                      "\n</tool_call>" for c in calls)
     return {"role": m["role"], "content": ((m.get("content") or "") + "\n" + text).lstrip("\n")}
+
+
+def _with_object_arguments(m: dict) -> dict:
+    """`m` with each tool call's arguments (OpenAI's JSON text) as the object a chat template reads."""
+    if not m.get("tool_calls"):
+        return m
+    calls = [{**c, "function": {**c["function"], "arguments": _args(c)}} for c in m["tool_calls"]]
+    return {**m, "tool_calls": calls}
 
 
 def _args(call: dict):

@@ -13,7 +13,7 @@ from server_harness import ServerThread
 
 from pdserve.config import EngineConfig, WorkerConfig
 from pdserve.server.app import build_app
-from pdserve.server.tools import parse_calls
+from pdserve.server.tools import parse_calls, render_messages, tool_setup
 from pdserve.testing import make_tiny_model
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"},
@@ -89,6 +89,19 @@ def test_a_conversation_with_calls_and_results_goes_on(tool_client):
     reply = tool_client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, tool_choice="none",
                                                 max_tokens=8, temperature=0)
     assert reply.choices[0].message.tool_calls is None and isinstance(reply.choices[0].message.content, str)
+
+
+def test_a_template_that_reads_tools_gets_them_and_calls_with_object_arguments():
+    """HF chat templates (Qwen's, Llama 3's) write a call's arguments with `| tojson`: they get an object, not
+    OpenAI's JSON text, which would be written twice encoded."""
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    history = ASK + [{"role": "assistant", "content": "", "tool_calls": [call]}]
+    messages, extra = render_messages(history, tool_setup(TOOLS, "auto", None), "{{ tools }}{{ messages }}")
+    assert extra["tools"][1]["function"]["name"] == "add"
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1, "b": 2}
+    assert history[1]["tool_calls"][0]["function"]["arguments"] == '{"a": 1, "b": 2}'  # the request's untouched
+    plain, extra = render_messages(history, tool_setup(TOOLS, "auto", None), "{{ messages }}")
+    assert extra == {} and "get_weather" in plain[0]["content"] and '"a": 1' in plain[2]["content"]
 
 
 def test_text_that_is_not_a_call_stays_content():
