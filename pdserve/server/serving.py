@@ -157,7 +157,7 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
         self._check_common(req)
-        tools = tool_setup(req.tools, req.tool_choice, req.parallel_tool_calls)
+        tools = tool_setup(req.tools, req.tool_choice, req.parallel_tool_calls, self.tokenizer.chat_template)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         ids = await self._chat_prompt(req, tools)

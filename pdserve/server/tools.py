@@ -7,6 +7,9 @@ The call syntax is the Hermes / Qwen one, which SmolLM2's family and Qwen's temp
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
+or, for a chat template that asks for Llama 3.1's (its text names `"parameters": dictionary of argument name`,
+or it writes `<|python_tag|>`), one bare JSON object: {"name": "get_weather", "parameters": {"city": "Paris"}}.
+
 - A chat template that reads `tools` gets them (and the messages as sent); one that does not (SmolLM2-135M's)
   gets the tools described in a system message, and past calls written in the syntax above.
 - `tool_choice` "required" or a named function is enforced by a grammar (engine/guided.py): the output is one
@@ -38,9 +41,17 @@ class ToolSetup:
     tools: list[dict]  # each {"name", "description", "parameters"}
     guided: GuidedSpec | None
     parse: bool  # look for calls in the output
+    syntax: str = "hermes"  # or "llama3"
 
 
-def tool_setup(tools: list[dict] | None, tool_choice, parallel: bool | None) -> ToolSetup | None:
+def call_syntax(template: str | None) -> str:
+    """The tool-call syntax a chat template asks the model for."""
+    llama3 = template and ('"parameters": dictionary of argument name' in template or "<|python_tag|>" in template)
+    return "llama3" if llama3 else "hermes"
+
+
+def tool_setup(tools: list[dict] | None, tool_choice, parallel: bool | None,
+               template: str | None = None) -> ToolSetup | None:
     """None when the request uses no tools; a 400 naming the field for a malformed tool or tool_choice."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
@@ -51,12 +62,13 @@ def tool_setup(tools: list[dict] | None, tool_choice, parallel: bool | None) -> 
     if len(set(names)) != len(names):
         raise bad_request("tools must have distinct function names", "tools")
     choice = "auto" if tool_choice is None else tool_choice
+    syntax = call_syntax(template)
     if choice == "none":
-        return ToolSetup([], None, False)
+        return ToolSetup([], None, False, syntax)
     if choice == "auto":
-        return ToolSetup(functions, None, True)
+        return ToolSetup(functions, None, True, syntax)
     if choice == "required":
-        return ToolSetup(functions, _grammar(functions, parallel is not False), True)
+        return ToolSetup(functions, _grammar(functions, parallel is not False, syntax), True, syntax)
     if isinstance(choice, dict):
         fn = choice.get("function")
         name = fn.get("name") if choice.get("type") == "function" and isinstance(fn, dict) else None
@@ -66,7 +78,8 @@ def tool_setup(tools: list[dict] | None, tool_choice, parallel: bool | None) -> 
         if name not in names:
             raise bad_request(f"tool_choice names {name!r}, which is not among the tools ({', '.join(names)})",
                               "tool_choice.function.name")
-        return ToolSetup(functions, _grammar([f for f in functions if f["name"] == name], False), True)
+        named = [f for f in functions if f["name"] == name]
+        return ToolSetup(functions, _grammar(named, False, syntax), True, syntax)
     raise bad_request("tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": "
                       "{\"name\": ...}}", "tool_choice")
 
@@ -87,12 +100,15 @@ def _function(i: int, tool: dict) -> dict:
     return {"name": name, "description": f.get("description") or "", "parameters": params}
 
 
-def _grammar(functions: list[dict], parallel: bool) -> GuidedSpec:
-    """One call (several, with `parallel`) of one of `functions`, in the Hermes syntax (Lark with an embedded
+def _grammar(functions: list[dict], parallel: bool, syntax: str) -> GuidedSpec:
+    """One call (several, with `parallel`, in the Hermes syntax) of one of `functions` (Lark with an embedded
     JSON schema, llguidance's %json)."""
-    calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
-              "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+    key = "parameters" if syntax == "llama3" else "arguments"
+    calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, key: f["parameters"]},
+              "required": ["name", key], "additionalProperties": False} for f in functions]
     schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_LAYOUT}
+    if syntax == "llama3":  # one call per turn, as Llama 3.1's template asks
+        return GuidedSpec("grammar", f"start: %json {json.dumps(schema)}\n", "tools")
     repeat = "+" if parallel else ""
     lark = (f'start: call{repeat}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\n'
             f"body: %json {json.dumps(schema)}\n")
@@ -151,9 +167,13 @@ def _args(call: dict):
         return raw
 
 
-def parse_calls(text: str) -> tuple[str | None, list[dict]]:
+def parse_calls(text: str, syntax: str = "hermes") -> tuple[str | None, list[dict]]:
     """(content, tool_calls) of a finished output. Calls that do not parse leave the whole text as content."""
-    found = _CALL.findall(text)
+    if syntax == "llama3":
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        found = [body] if body.startswith("{") and body.endswith("}") else []
+    else:
+        found = _CALL.findall(text)
     if not found:
         return text, []
     calls = []
@@ -162,12 +182,13 @@ def parse_calls(text: str) -> tuple[str | None, list[dict]]:
             call = json.loads(body)
         except ValueError:
             return text, []
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or (
+                syntax == "llama3" and not ("parameters" in call or "arguments" in call)):  # JSON, not a call
             return text, []
         args = call.get("arguments", call.get("parameters", {}))
         calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                       "function": {"name": call["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
-    content = _CALL.sub("", text).strip()
+    content = _CALL.sub("", text).strip() if syntax == "hermes" else ""
     return content or None, calls
 
 
@@ -176,7 +197,7 @@ def assistant_message(text: str, finish_reason: str | None,
     """A finished choice's message and finish_reason: its calls as tool_calls ("tool_calls") when it made any."""
     if setup is None or not setup.parse:
         return AssistantMessage(content=text), finish_reason
-    content, calls = parse_calls(text)
+    content, calls = parse_calls(text, setup.syntax)
     if not calls:
         return AssistantMessage(content=text), finish_reason
     reason = "tool_calls" if finish_reason == "stop" else finish_reason

@@ -13,8 +13,10 @@ from server_harness import ServerThread
 
 from pdserve.config import EngineConfig, WorkerConfig
 from pdserve.server.app import build_app
-from pdserve.server.tools import parse_calls, render_messages, tool_setup
+from pdserve.engine.guided import Grammars
+from pdserve.server.tools import call_syntax, parse_calls, render_messages, tool_setup
 from pdserve.testing import make_tiny_model
+from pdserve.tokenizer import Tokenizer
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -29,12 +31,17 @@ ASK = [{"role": "user", "content": "Weather?"}]
 
 
 @pytest.fixture(scope="module")
-def tool_client(tmp_path_factory):
+def tool_model(tmp_path_factory):
     """A tiny model with room for the tools' description (~650 tokens of its small vocabulary)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tools") / "tiny", num_layers=2, max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def tool_client(tool_model):
     openai = pytest.importorskip("openai")
     from pdserve.engine.async_engine import AsyncEngine
 
-    model = make_tiny_model(tmp_path_factory.mktemp("tools") / "tiny", num_layers=2, max_position_embeddings=1024)
+    model = tool_model
     engine = AsyncEngine.from_config(EngineConfig(model=str(model), served_model_name="tiny", device="cpu",
                                                   max_model_len=1024, num_kv_blocks=256, tokens_per_block=8))
     try:
@@ -133,3 +140,22 @@ def test_bad_tools_are_400s_naming_the_field(tool_client, fields, param, why):
         tool_client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, extra_body=fields)
     err = e.value.body
     assert err["param"] == param and why in err["message"], err
+
+
+LLAMA3_TEMPLATE = ('{% if tools %}Respond in the format {"name": function name, "parameters": dictionary of argument '
+                   'name and its value}.{{ tools | tojson }}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}')
+
+
+def test_llama3_calls_are_bare_json_enforced_and_parsed(tool_model):
+    """A template asking for Llama 3.1's syntax: the grammar forces one bare {"name", "parameters"} object, and
+    such an output (after an optional <|python_tag|>) is the call; JSON without parameters stays content."""
+    assert call_syntax(LLAMA3_TEMPLATE) == "llama3" and call_syntax("{{ messages }}") == "hermes"
+    setup = tool_setup(TOOLS, {"type": "function", "function": {"name": "add"}}, None, LLAMA3_TEMPLATE)
+    tokenizer = Tokenizer.from_dir(tool_model)
+    grammars = Grammars(tokenizer.backend.to_str(), 512, [2])
+    guide = grammars.guide(setup.guided)
+    guide.sync(tokenizer.encode('{"name": "add", "parameters": {"a": 3, "b": 4}}', add_special_tokens=False))
+    assert guide.matcher.is_accepting()
+    content, calls = parse_calls('<|python_tag|>{"name": "add", "parameters": {"a": 3, "b": 4}}', "llama3")
+    assert content is None and calls[0]["function"] == {"name": "add", "arguments": '{"a": 3, "b": 4}'}
+    assert parse_calls('{"name": "Ada", "age": 36}', "llama3") == ('{"name": "Ada", "age": 36}', [])
