@@ -20,6 +20,9 @@ from pdserve.engine.sampling_params import GuidedSpec
 from pdserve.server.errors import bad_request
 
 ANY_OBJECT = json.dumps({"type": "object"})
+# A grammar that takes longer to compile is refused. Its compile goes on in its worker thread (it cannot be
+# stopped) and is cached, so the same request sent again is served.
+COMPILE_TIMEOUT_S = 10.0
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -35,9 +38,12 @@ async def compiled_spec(grammars: Grammars, req, tools=None) -> GuidedSpec | Non
         spec = tools.guided
     if spec is not None:
         try:
-            await asyncio.to_thread(grammars.compile, spec)
+            await asyncio.wait_for(asyncio.to_thread(grammars.compile, spec), COMPILE_TIMEOUT_S)
         except GuidedError as e:
             raise bad_request(str(e), e.param) from None
+        except TimeoutError:
+            raise bad_request(f"the {spec.kind} took longer than {COMPILE_TIMEOUT_S:g} s to compile: simplify it "
+                              "(fewer properties, alternatives or counted repetitions)", spec.param) from None
     return spec
 
 

@@ -135,3 +135,14 @@ def test_parse_with_a_pydantic_model_on_smollm2(smollm2_server):
     city = reply.choices[0].message.parsed
     assert isinstance(city, City) and reply.choices[0].finish_reason == "stop", reply.choices[0].message.content
     assert "paris" in city.name.lower() and "france" in city.country.lower(), city
+
+
+def test_a_grammar_slower_to_compile_than_the_bound_is_a_400(http, monkeypatch):
+    from pdserve.server import guided_request
+
+    monkeypatch.setattr(guided_request, "COMPILE_TIMEOUT_S", 1e-6)
+    schema = {"type": "object", "properties": {f"slow{i}": {"type": "integer"} for i in range(50)}}  # not cached yet
+    r = http.post(CHAT, json={"model": "tiny", "messages": MESSAGES, "max_tokens": 4,
+                              "response_format": _json_schema(schema)})
+    assert r.status_code == 400 and r.json()["error"]["param"] == SCHEMA_PARAM, r.text
+    assert "longer than" in r.json()["error"]["message"]
