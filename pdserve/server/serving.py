@@ -53,7 +53,7 @@ from pdserve.server.protocol import (
     random_id,
 )
 from pdserve.server.streaming import OwnedStream
-from pdserve.server.tools import assistant_message, render_messages, tool_call_deltas, tool_setup
+from pdserve.server.tools import CallStream, assistant_message, render_messages, tool_setup
 
 SSE_DONE = "data: [DONE]\n\n"
 # A logit_bias key: ASCII digits, few enough for int() (str.isdigit also passes '²', which int() refuses).
@@ -199,16 +199,15 @@ class OpenAIServing:
             if req.resume is None:  # a resumed stream's client has had its opening chunk
                 for i in range(req.n):
                     yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-            out, lasts, held = first, {}, {}  # held: a tool-calling choice's text so far
+            out, lasts, held = first, {}, {}  # held: each tool-calling choice's CallStream
             while True:
                 if out.finish_reason == "error":
                     yield sse(self._error_body(out))
                     break
-                if tools is not None and tools.parse:  # held back: a call is told from text only once it ends
-                    held[out.index] = held.get(out.index, "") + out.new_text
-                    if out.finished:
-                        for c in tool_call_deltas(held[out.index], out.finish_reason, tools, out.index):
-                            yield chunk([c])
+                if tools is not None and tools.parse:  # content at once, a call's text held until the choice ends
+                    stream = held.setdefault(out.index, CallStream(tools, out.index))
+                    for c in stream.chunks(out.new_text, out.finished, out.finish_reason):
+                        yield chunk([c])
                 elif out.new_text or out.new_logprobs or out.finished or (req.return_token_ids and out.new_token_ids):
                     yield chunk([ChatChunkChoice(index=out.index, delta=DeltaMessage(content=out.new_text or None),
                                                  logprobs=self._chat_logprobs(out),

@@ -204,9 +204,55 @@ def assistant_message(text: str, finish_reason: str | None,
     return AssistantMessage(content=content, tool_calls=calls), reason
 
 
+_TAG, _PYTHON_TAG = "<tool_call>", "<|python_tag|>"
+
+
+class CallStream:
+    """One streamed choice whose tools may be called. Text that cannot be (the start of) a call is sent as content
+    at once; from where a call starts (or may start) on, the text is held, and sent when the choice ends as
+    OpenAI's tool-call deltas (tool_call_deltas), or as content where it is no call after all."""
+
+    def __init__(self, setup: ToolSetup, index: int):
+        self.setup, self.index = setup, index
+        self.text, self.sent = "", 0  # the choice's text so far, and how much of it went out as content
+        self.call_started = False
+        self.plain = False  # llama3: the text began as no call does, so all of it is content
+
+    def chunks(self, new_text: str, finished: bool, finish_reason: str | None) -> list[ChatChunkChoice]:
+        self.text += new_text
+        out = []
+        safe = self._safe_end()
+        if safe > self.sent:
+            out.append(ChatChunkChoice(index=self.index, delta=DeltaMessage(content=self.text[self.sent:safe])))
+            self.sent = safe
+        if finished:
+            out += tool_call_deltas(self.text[self.sent:], finish_reason, self.setup, self.index)
+        return out
+
+    def _safe_end(self) -> int:
+        """How much of the text may go out as content: up to where a call starts or may yet start."""
+        if self.call_started:
+            return self.sent
+        if self.setup.syntax == "llama3":  # a call is the whole output
+            body = self.text.lstrip()
+            if self.plain or (body and not body.startswith(("{", _PYTHON_TAG)) and not _PYTHON_TAG.startswith(body)):
+                self.plain = True
+                return len(self.text)
+            self.call_started = bool(body)
+            return self.sent
+        start = self.text.find(_TAG, self.sent)
+        if start >= 0:
+            self.call_started = True
+            return start
+        for k in range(min(len(_TAG) - 1, len(self.text) - self.sent), 0, -1):
+            if self.text.endswith(_TAG[:k]):
+                return len(self.text) - k
+        return len(self.text)
+
+
 def tool_call_deltas(text: str, finish_reason: str | None, setup: ToolSetup, index: int) -> list[ChatChunkChoice]:
-    """A streamed choice whose tools may be called, sent when it ends (its text cannot be told from a call
-    before): OpenAI's delta shape, a first delta per call with its id, type and name, then its arguments."""
+    """The rest of a streamed choice (CallStream's held text) when it ends: OpenAI's delta shape, a first delta
+    per call with its id, type and name, then its arguments; text that holds no call goes out as content."""
     message, reason = assistant_message(text, finish_reason, setup)
     if not message.tool_calls:
         return [ChatChunkChoice(index=index, delta=DeltaMessage(content=text or None), finish_reason=finish_reason)]

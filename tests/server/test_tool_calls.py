@@ -14,7 +14,7 @@ from server_harness import ServerThread
 from pdserve.config import EngineConfig, WorkerConfig
 from pdserve.server.app import build_app
 from pdserve.engine.guided import Grammars
-from pdserve.server.tools import call_syntax, parse_calls, render_messages, tool_setup
+from pdserve.server.tools import CallStream, call_syntax, parse_calls, render_messages, tool_setup
 from pdserve.testing import make_tiny_model
 from pdserve.tokenizer import Tokenizer
 
@@ -159,3 +159,38 @@ def test_llama3_calls_are_bare_json_enforced_and_parsed(tool_model):
     content, calls = parse_calls('<|python_tag|>{"name": "add", "parameters": {"a": 3, "b": 4}}', "llama3")
     assert content is None and calls[0]["function"] == {"name": "add", "arguments": '{"a": 3, "b": 4}'}
     assert parse_calls('{"name": "Ada", "age": 36}', "llama3") == ('{"name": "Ada", "age": 36}', [])
+
+
+def _replay(pieces: list[str], syntax_template: str | None = None) -> list[dict]:
+    stream = CallStream(tool_setup(TOOLS, "auto", None, syntax_template), 0)
+    out = []
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        out += [c.delta.model_dump(exclude_none=True) | ({"finish": c.finish_reason} if c.finish_reason else {})
+                for c in stream.chunks(piece, last, "stop" if last else None)]
+    return out
+
+
+def test_streamed_content_goes_out_at_once_and_a_call_when_it_ends():
+    """auto: text that cannot start a call is sent as it comes; a tag's first characters are held until they
+    turn out to be text or a call; the call goes out as OpenAI's deltas when the choice ends."""
+    deltas = _replay(["Let me ", "check <to", "ol_call>\n{\"name\": \"add\", ", '"arguments": {"a": 1}}\n</tool_call>'])
+    assert [d.get("content") for d in deltas[:2]] == ["Let me ", "check "]  # "<to" held, then the call
+    head, args, end = deltas[2:]
+    assert head["tool_calls"][0]["function"] == {"name": "add", "arguments": ""}
+    assert args["tool_calls"][0]["function"]["arguments"] == '{"a": 1}' and end == {"finish": "tool_calls"}
+    plain = _replay(["a <b", "r> and <to", "o much"])
+    assert "".join(d.get("content", "") for d in plain) == "a <br> and <too much" and plain[-1]["finish"] == "stop"
+    assert [d.get("content") for d in plain[:3]] == ["a <b", "r> and ", "<too much"]  # only "<to" was held
+    llama = _replay(["  <|python", '_tag|>{"name": "add", "parameters": {}}'], LLAMA3_TEMPLATE)
+    assert llama[0]["tool_calls"][0]["function"]["name"] == "add" and llama[-1] == {"finish": "tool_calls"}
+    assert _replay(["Sure", ", 2"], LLAMA3_TEMPLATE)[0] == {"content": "Sure"}
+
+
+def test_auto_streams_text_as_it_comes(tool_client):
+    """The tiny model writes no call: its text streams in pieces, equal to the whole answer's."""
+    kw = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=24, temperature=0)
+    whole = tool_client.chat.completions.create(**kw).choices[0].message
+    pieces = [c.choices[0].delta.content for c in tool_client.chat.completions.create(**kw, stream=True)
+              if c.choices and c.choices[0].delta.content]
+    assert whole.tool_calls is None and len(pieces) > 3 and "".join(pieces) == whole.content
