@@ -97,13 +97,21 @@ def test_q_without_lora_and_yarn_rope_equal_transformers(tmp_path, hf_greedy):
     assert _run(d, prompts) == ref
 
 
-@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
-                         ids=["tp2", "pp2"])
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2},
+                                    {"tensor_parallel_size": 2, "moe_experts": "replicated"},
+                                    {"pipeline_parallel_size": 2}], ids=["tp2", "tp2-replicated-experts", "pp2"])
 def test_parallel_layouts_equal_transformers(model, layout):
-    """TP2 cuts the heads (q_b_proj, kv_b_proj, o_proj) and every expert's intermediate dimension, each rank
-    keeping the whole latent cache; PP2 gives the first stage layers 0-1, the second layer 2."""
+    """TP2 cuts the heads (q_b_proj, kv_b_proj, o_proj) and every expert's intermediate dimension, or keeps every
+    routed expert whole on both ranks, each computing half the step's choices (moe_experts: replicated; the shared
+    expert cut either way), each rank keeping the whole latent cache; PP2 gives the first stage layers 0-1, the
+    second layer 2."""
     d, prompts, ref = model
-    assert _run(d, prompts, **layout) == ref
+    with LLM(EngineConfig(model=str(d), tokens_per_block=8, **layout)) as llm:
+        expert = llm.engine.runner.model.layers[1].mlp.experts[0]  # rank 0's: its down_proj's input columns
+        cut = layout.get("tensor_parallel_size", 1) == 2 and "moe_experts" not in layout
+        assert expert.down_proj.weight.shape[-1] == (16 if cut else 32)
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
+        assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
 
 
 def test_bf16_is_as_accurate_as_transformers_bf16(model):
