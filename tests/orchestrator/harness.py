@@ -171,3 +171,22 @@ class Occupied:
 
     def __exit__(self, *exc) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def router_views(orch_url: str) -> dict[str, dict]:
+    """The orchestrator's view of each instance (/cluster_info), by URL, both roles."""
+    info = httpx.get(orch_url + "/cluster_info", timeout=5).json()
+    return {i["url"]: i for role in ("context_servers", "generation_servers") for i in info[role]["instances"]}
+
+
+def caught_up(orch_url: str, workers, timeout: float = 10.0) -> dict[str, dict]:
+    """The router's view of each worker once it has applied every KV event the worker published (its seq equal
+    to the worker's own snapshot's): a count read then is the router's settled one, not one still in flight."""
+    deadline = time.monotonic() + timeout
+    while True:
+        views = router_views(orch_url)
+        seqs = {w.url: httpx.get(w.url + "/v1/kv_blocks", timeout=5).json()["seq"] for w in workers}
+        if all(views[url]["kv_events_seq"] == seq for url, seq in seqs.items()):
+            return views
+        assert time.monotonic() < deadline, f"the router's KV event seqs {views} never reached the workers' {seqs}"
+        time.sleep(0.05)

@@ -20,7 +20,7 @@ import time
 
 import httpx
 import pytest
-from harness import MODEL_NAME, TOKENS_PER_BLOCK, AppThread, start_each, wait_healthy
+from harness import MODEL_NAME, TOKENS_PER_BLOCK, AppThread, caught_up, start_each, wait_healthy
 
 from pdserve.orchestrator.app import build_app
 from pdserve.orchestrator.config import DisaggConfig
@@ -46,24 +46,6 @@ def hybrid_cluster(tmp_path_factory):
         w.stop()
 
 
-def _views(orch_url: str) -> dict[str, dict]:
-    info = httpx.get(orch_url + "/cluster_info", timeout=5).json()
-    return {i["url"]: i for role in ("context_servers", "generation_servers") for i in info[role]["instances"]}
-
-
-def _caught_up(orch_url: str, workers, timeout: float = 10.0) -> dict[str, dict]:
-    """The router's view of each worker once it has applied every event the worker published (its seq equal
-    to the worker's own snapshot's): a count read then is the router's settled one, not one still in flight."""
-    deadline = time.monotonic() + timeout
-    while True:
-        views = _views(orch_url)
-        seqs = {w.url: httpx.get(w.url + "/v1/kv_blocks", timeout=5).json()["seq"] for w in workers}
-        if all(views[url]["kv_events_seq"] == seq for url, seq in seqs.items()):
-            return views
-        assert time.monotonic() < deadline, f"the router's KV event seqs {views} never reached the workers' {seqs}"
-        time.sleep(0.05)
-
-
 def _holds_kv(worker) -> bool:
     return worker.metric("pdserve_kv_cache_blocks_free") < worker.metric("pdserve_kv_cache_blocks_total")
 
@@ -85,7 +67,7 @@ def test_a_hybrid_prefix_is_never_counted_as_cached(hybrid_cluster):
             out = client.post("/v1/completions", json=BODY).json()
             assert out["choices"][0]["text"] == expected
             assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-            views = _caught_up(orch.url, hybrid_cluster)
+            views = caught_up(orch.url, hybrid_cluster)
             assert {url: v["cached_blocks"] for url, v in views.items()} == dict.fromkeys(views, 0), views
         for w in hybrid_cluster:  # nothing published: the workers' own snapshots are empty
             assert httpx.get(w.url + "/v1/kv_blocks", timeout=5).json()["block_hashes"] == []

@@ -11,11 +11,9 @@ from there as a prefix-cache hit of all of them."""
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
-from harness import MODEL_NAME, AppThread, start_each, wait_healthy
+from harness import MODEL_NAME, AppThread, caught_up, router_views, start_each, wait_healthy
 
 from pdserve.orchestrator.app import build_app
 from pdserve.orchestrator.config import DisaggConfig
@@ -39,23 +37,6 @@ def mla_workers(tmp_path_factory):
         w.stop()
 
 
-def _instances(orch_url: str) -> dict[str, dict]:
-    info = httpx.get(orch_url + "/cluster_info", timeout=5).json()
-    return {i["url"]: i for i in info["generation_servers"]["instances"]}
-
-
-def _caught_up(orch_url: str, workers, timeout: float = 10.0) -> dict[str, dict]:
-    """The router's view once it has applied every KV event each worker published."""
-    deadline = time.monotonic() + timeout
-    while True:
-        views = _instances(orch_url)
-        seqs = {w.url: httpx.get(w.url + "/v1/kv_blocks", timeout=5).json()["seq"] for w in workers}
-        if all(views[url]["kv_events_seq"] == seq for url, seq in seqs.items()):
-            return views
-        assert time.monotonic() < deadline, f"the router's KV event seqs {views} never reached the workers' {seqs}"
-        time.sleep(0.05)
-
-
 def test_a_repeated_prefix_goes_to_the_instance_holding_its_latent_blocks(mla_workers):
     per_token_kv = LAYERS * HEADS * (QK + V) * 4  # what per-head K and V of this model would take
     assert per_token_kv == 4 * LAYERS * LATENT * 4
@@ -71,7 +52,7 @@ def test_a_repeated_prefix_goes_to_the_instance_holding_its_latent_blocks(mla_wo
         wait_healthy(orch.url)
         first = client.post("/v1/completions", json={**body, "prompt": a}).json()
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        views = _caught_up(orch.url, mla_workers)
+        views = caught_up(orch.url, mla_workers)
         holder = next(url for url, v in views.items() if v["selected"] == 1)
         # 163 prompt tokens + 4 generated: 10 whole blocks hashed, the 11th partial
         assert {url: v["cached_blocks"] for url, v in views.items()} == \
@@ -79,12 +60,12 @@ def test_a_repeated_prefix_goes_to_the_instance_holding_its_latent_blocks(mla_wo
         for suffix in (11, 12):
             out = client.post("/v1/completions", json={**body, "prompt": a[:10 * TPB] + [suffix, 5]}).json()
             assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 10 * TPB
-            _caught_up(orch.url, mla_workers)
+            caught_up(orch.url, mla_workers)
         other = client.post("/v1/completions", json={**body, "prompt": b}).json()  # no prefix anywhere: the idle one
         assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        _caught_up(orch.url, mla_workers)
+        caught_up(orch.url, mla_workers)
         again = client.post("/v1/completions", json={**body, "prompt": b[:10 * TPB] + [4]}).json()
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 10 * TPB
-        views = _instances(orch.url)
+        views = router_views(orch.url)
     assert {url: v["selected"] for url, v in views.items()} == \
         {w.url: 3 if w.url == holder else 2 for w in mla_workers}
