@@ -1,8 +1,9 @@
 """Turn last-position logits into tokens: penalties and biases, temperature, top-k/top-p/min-p, seeded
 draws. The logit adjustments apply in this order: repetition penalty, presence and frequency penalties,
 logit bias, the tokens min_tokens bans, then a structured output's mask (engine/guided.py: every token its
-grammar does not allow next is excluded), all before temperature, top-k, top-p and min-p; logprobs are those
-of the model's own logits, before any of them.
+grammar does not allow next is excluded; applied first, to the whole batch at once, which gives the same tokens:
+see _mask_batch), all before temperature, top-k, top-p and min-p; logprobs are those of the model's own logits,
+before any of them.
 
 Each row is sampled on its own: legal but degenerate values (a temperature of 1e-300, a top_p that
 rounds to 0 in float32, a repetition penalty whose division overflows) are handled numerically, and a
@@ -71,8 +72,12 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> SampleResult:
     # A NaN logit makes argmax and softmax meaningless: such a row fails rather than emit a made-up token.
     broken = torch.isnan(logits).any(dim=-1).tolist()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.logprobs is not None for s in specs) else None
+    nothing_left = None
+    if any(s.allowed is not None for s in specs):  # structured outputs
+        logits = logits.clone()  # (the caller's tensor stays as it was)
+        nothing_left = _mask_batch(logits, specs)
     penalized = [(s.repetition_penalty != 1.0 and bool(s.history)) or bool(s.output) or bool(s.logit_bias)
-                 or bool(s.banned) or s.allowed is not None for s in specs]
+                 or bool(s.banned) for s in specs]
     # Greedy rows without a penalty or bias share one batched argmax (one op instead of one per sequence).
     plain_greedy = [s.temperature < GREEDY_BELOW and not p for s, p in zip(specs, penalized)]
     argmax = logits.argmax(dim=-1).tolist() if any(plain_greedy) else None
@@ -81,6 +86,9 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> SampleResult:
     for i, s in enumerate(specs):
         if broken[i]:
             errors[i] = "the model's logits for this position contain NaN (a numeric overflow in the forward pass)"
+            tokens.append(-1)
+        elif nothing_left is not None and nothing_left[i]:
+            errors[i] = f"sampling failed: {_NOTHING_LEFT}"
             tokens.append(-1)
         elif plain_greedy[i]:
             tokens.append(argmax[i])
@@ -108,8 +116,6 @@ def _sample_row(row: torch.Tensor, s: SampleSpec, penalized: bool) -> int:
     if penalized:
         row = _finite(_adjust(row, s))
     if s.temperature < GREEDY_BELOW:  # dividing by a tinier temperature overflows; its limit is greedy
-        if s.allowed is not None and bool(torch.isneginf(row).all()):
-            raise ValueError(_NOTHING_LEFT)
         return int(row.argmax())
     return _draw(_filter(_finite(row / s.temperature), s), s)
 
@@ -140,17 +146,28 @@ def _adjust(row: torch.Tensor, s: SampleSpec) -> torch.Tensor:
         row[ids] += torch.tensor([b for _, b in s.logit_bias], dtype=row.dtype, device=row.device)
     if s.banned:
         row[torch.tensor(s.banned, dtype=torch.long, device=row.device)] = float("-inf")
-    if s.allowed is not None:
-        row.masked_fill_(~allowed_tokens(s.allowed, row.numel()).to(row.device), float("-inf"))
     return row
 
 
-def allowed_tokens(mask: bytes, vocab: int) -> torch.Tensor:
-    """A grammar's bit mask (bit t % 32 of little-endian int32 word t // 32) as one bool per token: [vocab]."""
-    bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
-    out = torch.zeros(vocab, dtype=torch.bool)
-    n = min(vocab, bits.size)  # tokens past the mask's end are never allowed
-    out[:n] = torch.from_numpy(bits[:n].astype(bool))
+def _mask_batch(logits: torch.Tensor, specs: list[SampleSpec]) -> list[bool]:
+    """Set, in place, every token a guided row's grammar does not allow next to -inf, the whole batch in a few
+    ops; per row, whether no token is left. The masks come first here, though the documented order puts them
+    after the adjustments: a token at -inf stays there under each of them (a bias adds, a penalty scales or
+    subtracts a finite amount, min_tokens bans), so the tokens drawn are the same, and a greedy guided row with
+    no other processor keeps the batched argmax. logits: [n, vocab]."""
+    rows = [i for i, s in enumerate(specs) if s.allowed is not None]
+    vocab = logits.shape[-1]
+    allowed = np.zeros((len(rows), vocab), dtype=bool)  # tokens past a mask's end are never allowed
+    for r, i in enumerate(rows):
+        bits = np.unpackbits(np.frombuffer(specs[i].allowed, dtype=np.uint8), bitorder="little")[:vocab]
+        allowed[r, :bits.size] = bits
+    allowed = torch.from_numpy(allowed).to(logits.device)
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    left = allowed.any(dim=-1).tolist()
+    out = [False] * len(specs)
+    for r, i in enumerate(rows):
+        out[i] = not left[r]
     return out
 
 
