@@ -17,7 +17,9 @@
 - the tensor-parallel all-reduce of one host's ranks through a shared segment
   (`csrc/shm_all_reduce.c`); its ctypes side is `parallel/shm_all_reduce.py`.
 
-Every `csrc/*.c` goes into one library.
+An FP8 KV pool (kv_quant.py) is read and written by the kernels that touch the pool: its view carries the
+layer's scales and its dequantisation tables (csrc/pool.h, csrc/fp8.h), and the values they read are the
+PyTorch path's. Every `csrc/*.c` goes into one library (with `csrc/gemm_bf16.c`, cpu_gemm.py's bf16 GEMM).
 
 Build: the machine's C compiler (`$CC`, else `cc`) with `-O3 -march=native -fopenmp`, into
 `$PDSERVE_KERNEL_CACHE` (default `~/.cache/pdserve/kernels`) under a name that hashes the source,

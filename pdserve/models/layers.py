@@ -133,7 +133,8 @@ def pack_for_cpu(model: nn.Module, gemv: bool = False) -> None:
             # A tied head keeps both: the lookup needs plain rows, the head the packed matrix.
     if any(m.weight is not None and not m.weight.is_mkldnn and m.weight.dtype == torch.bfloat16 for m in linears):
         log.warning("bf16 on this CPU: oneDNN's bf16 GEMM needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, so the "
-                    "bf16 weights stay plain and multiply through F.linear; float32 may be the faster dtype here")
+                    "bf16 weights stay plain and multiply through the native bf16 GEMM (cpu_gemm) where it is "
+                    "built and faster, else F.linear; float32 may be the faster dtype here")
     if kept:
         log.info("decode GEMV: keeping plain linear weights beside oneDNN's packed ones (+%.0f MB; "
                  "cpu_decode_gemv: false keeps one copy)", kept / 1e6)
