@@ -83,26 +83,56 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...
                             default=argparse.SUPPRESS, help=help_text, **extra)
 
 
+# `pdserve launch` flags that set the cluster started without --slo: its own keys, and its instances' worker keys
+_CLUSTER_FLAGS = ("model", "port", "backend")
+_INSTANCE_FLAGS = ("dtype", "kv_cache_dtype", "device")
+
+
 def _launch(args: argparse.Namespace) -> int:
+    from pdserve.plan.cli import plan_defaults
+
+    given = [k for k in plan_defaults() if k in vars(args)]  # the planning flags on the command line
+    overrides = None
     if args.slo is not None:
         if args.cluster is not None or args.ray is not None:
             raise ValueError("--slo plans the cluster itself: give either cluster.yaml or --slo, and --slo runs "
                              "locally only (write the plan with `pdserve plan`, then `pdserve launch --ray` it)")
         from pdserve.plan.launch import planned_cluster
 
+        for key, value in plan_defaults().items():
+            vars(args).setdefault(key, value)
         args.cluster = planned_cluster(args)
         if args.cluster is None:
             return 1
+    elif given:
+        overrides = _cluster_overrides(args, given)
     cluster, address = args.cluster, args.ray
     if address is not None and address.endswith((".yaml", ".yml")) and cluster is None:
         cluster, address = address, "auto"  # `--ray cluster.yaml`: no address given
     if address is not None:
         from pdserve.launch.ray_cluster import launch_ray
 
-        return launch_ray(cluster, None if address == "auto" else address)
+        return launch_ray(cluster, None if address == "auto" else address, overrides)
     from pdserve.launch.local import launch
 
-    return launch(cluster)
+    return launch(cluster, overrides)
+
+
+def _cluster_overrides(args: argparse.Namespace, given: list[str]) -> dict:
+    """What --model, --port, --backend, --dtype, --kv-cache-dtype and --device set over the cluster (the
+    cluster.yaml's, or the default one context + one generation instance). Before, without --slo they were
+    ignored: `pdserve launch --model DIR` served the default model."""
+    planning = [k for k in given if k not in _CLUSTER_FLAGS + _INSTANCE_FLAGS]
+    if planning:
+        raise ValueError(f"--{planning[0].replace('_', '-')} is for planning the deployment: add --slo ttft:MS,tpot:MS")
+    instance = {k: getattr(args, k) for k in _INSTANCE_FLAGS if k in given}
+    if instance and args.cluster is not None:
+        raise ValueError(f"--{next(iter(instance)).replace('_', '-')} would set every instance of {args.cluster}: "
+                         "set it in each instance's config there")
+    out = {k: getattr(args, k) for k in _CLUSTER_FLAGS if k in given}
+    if instance:
+        out["context"] = out["generation"] = [{"config": instance}]
+    return out
 
 
 def _scale(args: argparse.Namespace) -> int:
@@ -153,8 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "else a one-node Ray started here (docs/deploy.md; pip install 'pdserve[ray]')")
     from pdserve.plan.cli import add_plan_arguments
 
-    add_plan_arguments(la.add_argument_group("--slo: plan the deployment first (pdserve plan --help)"),
-                       slo_required=False)
+    add_plan_arguments(la.add_argument_group("--slo: plan the deployment first (pdserve plan --help); without it, "
+                                             "--model, --port, --backend, --dtype, --kv-cache-dtype and --device "
+                                             "set the cluster"), slo_required=False, defaults=False)
     la.set_defaults(func=_launch)
     sc = sub.add_parser("scale", help="resize a role of a `pdserve launch --ray` cluster while it serves")
     sc.add_argument("role", choices=["context", "generation"])

@@ -121,14 +121,15 @@ def _ranks(worker_conf: dict) -> int:
     return int(worker_conf.get("tensor_parallel_size", 1)) * int(worker_conf.get("pipeline_parallel_size", 1))
 
 
-def load_cluster_config(path: str | None) -> ClusterConfig:
-    return load_yaml(path, ClusterConfig)
+def load_cluster_config(path: str | None, overrides: dict | None = None) -> ClusterConfig:
+    return load_yaml(path, ClusterConfig, **(overrides or {}))
 
 
-def checked_cluster_config(path: str | None) -> ClusterConfig | None:
-    """The cluster config with every instance's worker config validated, or None after saying what is wrong."""
+def checked_cluster_config(path: str | None, overrides: dict | None = None) -> ClusterConfig | None:
+    """The cluster config (`overrides`: keys set over the file's or the default's) with every instance's worker
+    config validated, or None after saying what is wrong."""
     try:
-        cfg = load_cluster_config(path)
+        cfg = load_cluster_config(path, overrides)
         worker_configs(cfg)
         return cfg
     except ValueError as e:

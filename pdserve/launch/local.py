@@ -193,9 +193,10 @@ class LocalSupervisor:
             m.reap(deadline)
 
 
-def launch(path: str | None) -> int:
+def launch(path: str | None, overrides: dict | None = None) -> int:
+    """Entry point of `pdserve launch`; returns the exit code. `overrides`: cluster keys the command line set."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # health probes are not news
-    cfg = checked_cluster_config(path)
+    cfg = checked_cluster_config(path, overrides)
     if cfg is None:
         return 1
     why = unusable_cores(cfg) or unsplittable_models(cfg)

@@ -311,14 +311,14 @@ def _connect(address: str | None) -> None:
     ray.init(address=address, namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
 
 
-def launch_ray(path: str | None, address: str | None) -> int:
-    """Entry point of `pdserve launch --ray`; returns the exit code."""
+def launch_ray(path: str | None, address: str | None, overrides: dict | None = None) -> int:
+    """Entry point of `pdserve launch --ray`; returns the exit code. `overrides`: cluster keys the command line set."""
     try:
         import ray
     except ImportError:
         print("pdserve launch: error: --ray needs Ray: pip install 'pdserve[ray]'", file=sys.stderr)
         return 1
-    cfg = checked_cluster_config(path)
+    cfg = checked_cluster_config(path, overrides)
     if cfg is None:
         return 1
     log_dir = cfg.log_dir or f"/tmp/pdserve-ray-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -33,24 +33,42 @@ from pdserve.plan.run import cluster_of, cluster_text, format_table, plan_docume
     transfer_section
 
 
-def add_plan_arguments(p: argparse.ArgumentParser, *, slo_required: bool) -> None:
-    p.add_argument("--slo", required=slo_required, metavar="ttft:MS,tpot:MS",
-                   help="the budgets a request must meet, e.g. ttft:2500,tpot:100")
-    p.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request (default 1024)")
-    p.add_argument("--output-len", type=int, default=64, help="output tokens per request (default 64)")
-    p.add_argument("--rate", type=float, default=None, help="request rate to report TTFT / TPOT at "
-                                                             "(default: the pick's goodput)")
-    p.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "fp8_e4m3"],
-                   help="the instances' kv_cache_dtype (default auto: --dtype); the profile is measured with it")
-    p.add_argument("--backend", default=None, choices=["shm", "nixl"],
-                   help="KV transfer backend (default: shm on CPU; nixl on CUDA, whose pools shm cannot move)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="what instances compute on: auto takes CUDA when a GPU is visible (a unit is then a GPU)")
-    p.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet the SLO")
-    p.add_argument("--reprofile", action="store_true", help="measure the profile again even if one is cached")
-    p.add_argument("--port", type=int, default=8000, help="the cluster's public port (written into cluster.yaml)")
+def add_plan_arguments(p: argparse.ArgumentParser, *, slo_required: bool, defaults: bool = True) -> None:
+    """`defaults` False (pdserve launch): a flag not given is absent from the namespace, so the caller can tell
+    what was asked for (plan_defaults() has the rest)."""
+
+    def arg(*names: str, **kw) -> None:
+        action = p.add_argument(*names, **kw)
+        if not defaults and action.dest != "slo":
+            action.default = argparse.SUPPRESS
+
+    arg("--slo", required=slo_required, metavar="ttft:MS,tpot:MS",
+        help="the budgets a request must meet, e.g. ttft:2500,tpot:100")
+    arg("--input-len", type=int, default=1024, help="prompt tokens per request (default 1024)")
+    arg("--output-len", type=int, default=64, help="output tokens per request (default 64)")
+    arg("--rate", type=float, default=None, help="request rate to report TTFT / TPOT at (default: the pick's goodput)")
+    arg("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2)")
+    arg("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    arg("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "fp8_e4m3"],
+        help="the instances' kv_cache_dtype (default auto: --dtype); the profile is measured with it")
+    arg("--backend", default=None, choices=["shm", "nixl"],
+        help="KV transfer backend (default: shm on CPU; nixl on CUDA, whose pools shm cannot move)")
+    arg("--device", default="auto", choices=["auto", "cpu", "cuda"],
+        help="what instances compute on: auto takes CUDA when a GPU is visible (a unit is then a GPU)")
+    arg("--attainment", type=float, default=0.9, help="share of requests that must meet the SLO")
+    arg("--reprofile", action="store_true", help="measure the profile again even if one is cached")
+    arg("--port", type=int, default=8000, help="the cluster's public port (written into cluster.yaml)")
+
+
+def _plan_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    add_plan_arguments(p, slo_required=False)
+    return p
+
+
+def plan_defaults() -> dict:
+    """Every planning flag at its default."""
+    return {k: v for k, v in vars(_plan_parser().parse_args([])).items() if k != "slo"}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -29,11 +29,11 @@ POOL = {"kv_cache_memory_gb": 0.0625}
 SMALL_POOL = {"tokens_per_block": 8, **POOL}
 
 
-def _launch(tmp_path, cluster: dict) -> subprocess.Popen:
+def _launch(tmp_path, cluster: dict, *flags: str) -> subprocess.Popen:
     """`pdserve launch` over `cluster` written as cluster.yaml, its stdout and stderr in one text pipe."""
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(cluster))
-    return subprocess.Popen([sys.executable, "-m", "pdserve.cli", "launch", str(path)], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "pdserve.cli", "launch", str(path), *flags], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -43,11 +43,13 @@ def tiny(tmp_path):
 
 
 def test_launch_serves_disaggregated_and_stops_cleanly(tmp_path, tiny):
+    """The model and the public port come from the command line (before, without --slo, --model and --port
+    were ignored: the default model answered on :8000)."""
     port = free_port()
-    cluster = {"model": tiny, "port": port, "log_dir": str(tmp_path / "logs"), "backend": "shm",
+    cluster = {"log_dir": str(tmp_path / "logs"), "backend": "shm",
                "context": [{"port": free_port(), "config": SMALL_POOL}],
                "generation": [{"port": free_port(), "config": SMALL_POOL}]}
-    with reaped(_launch(tmp_path, cluster)) as proc:
+    with reaped(_launch(tmp_path, cluster, "--model", tiny, "--port", str(port))) as proc:
         banner = wait_for_line(proc, "ready: OpenAI API", timeout=180)
         assert "ctx0" in banner and "gen0" in banner and "orchestrator" in banner
         children = psutil.Process(proc.pid).children(recursive=True)
@@ -133,6 +135,16 @@ def test_launch_refuses_a_layout_the_model_cannot_take_before_starting_anything(
     assert out.returncode == 1
     assert says in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert "logs in" not in out.stdout and not (tmp_path / "logs").exists()  # no instance was started
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--input-len", "64"], "--input-len is for planning the deployment: add --slo"),
+    (["cluster.yaml", "--dtype", "bfloat16"], "--dtype would set every instance of cluster.yaml"),
+    (["cluster.yaml", "--slo", "ttft:100,tpot:10"], "give either cluster.yaml or --slo"),
+], ids=["planning-flag", "instance-flag-with-a-file", "slo-with-a-file"])
+def test_launch_flags_that_would_do_nothing_are_refused(argv, says, capsys):
+    assert main(["launch", *argv]) == 2
+    assert says in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("n", ["0", "-1"])
