@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main_plan(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        for flag, out in (("--out", args.out), ("--json", args.json)):  # before minutes of profiling, not after
+            if out and not Path(out).resolve().parent.is_dir():
+                raise ValueError(f"{flag} {out}: the directory {Path(out).resolve().parent} does not exist")
         preds, slo, profile, at, path = run_plan(args)
         print(format_table(preds, slo, at, args.top))
         pick = preds[0]

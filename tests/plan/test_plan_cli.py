@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -96,6 +97,16 @@ def test_a_bad_request_is_a_clear_error(tiny, planned, tmp_path, capsys, argv, e
     assert main(["plan", "--model", tiny, "--out", str(tmp_path / "c.yaml"), *argv]) == 2
     assert error in capsys.readouterr().err
     assert not (tmp_path / "c.yaml").exists(), "a failed plan wrote a cluster.yaml"
+
+
+def test_an_out_path_in_no_directory_is_refused_before_profiling(tiny, tmp_path, capsys):
+    """Before, the profile ran (about 2 minutes on a fresh model) and then the write failed with Errno 2."""
+    started = time.monotonic()
+    assert main(["plan", "--model", tiny, "--slo", "ttft:100,tpot:10", "--reprofile",
+                 "--out", str(tmp_path / "missing" / "c.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "missing does not exist" in err, err
+    assert time.monotonic() - started < 10
 
 
 def test_a_plan_whose_candidates_move_no_kv_needs_no_transfer_timings(tiny, planned):
