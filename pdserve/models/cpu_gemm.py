@@ -14,6 +14,10 @@ import torch
 from pdserve.models import cpu_kernels
 
 _bound: set[int] = set()  # ids of the libraries whose gemm_bf16 has its argtypes
+# Linears of fewer rows stay on F.linear (layers.linear): the kernel widens all of W whatever the row count
+# and pads x to 6-row tiles, which at a decode step's few rows (an LM head) costs more than F.linear's one
+# pass over W.
+MIN_ROWS = 16
 
 
 def gemm_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:

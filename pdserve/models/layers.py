@@ -81,7 +81,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return out
     if weight.is_mkldnn:
         return onednn_linear(x, weight, bias)
-    if x.dtype == torch.bfloat16 and not _onednn_bf16() and cpu_kernels.native(cpu_kernels.GEMM, x.dtype):
+    if (x.dtype == torch.bfloat16 and x.numel() >= cpu_gemm.MIN_ROWS * x.shape[-1] and not _onednn_bf16()
+            and cpu_kernels.native(cpu_kernels.GEMM, x.dtype)):
         out = cpu_gemm.gemm_bf16(x, weight, bias)  # (kernel_dispatch: where it beats F.linear)
         if out is not None:
             return out

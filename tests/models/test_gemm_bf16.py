@@ -51,6 +51,8 @@ def test_a_linear_takes_it_only_where_onednn_takes_no_bf16_and_the_dispatch_chos
     monkeypatch.setattr(layers, "_onednn_bf16", lambda: False)  # as on an AVX2-only CPU
     assert torch.equal(layers.linear(x, w), real(x, w)) and len(calls) == 1
     assert torch.equal(layers.linear(x.float(), w.float()), F.linear(x.float(), w.float())) and len(calls) == 1
+    few = x[:cpu_gemm.MIN_ROWS - 1]  # a decode step's rows (an LM head's): F.linear is the faster there
+    assert torch.equal(layers.linear(few, w), F.linear(few, w)) and len(calls) == 1
     cpu_kernels.set_native(cpu_kernels.GEMM, torch.bfloat16, False)  # the dispatch chose F.linear
     try:
         assert torch.equal(layers.linear(x, w), F.linear(x, w)) and len(calls) == 1
