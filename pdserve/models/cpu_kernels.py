@@ -44,6 +44,7 @@ import tempfile
 import threading
 import uuid
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -208,16 +209,22 @@ def build(sources: list[Path] = SOURCES, cache_dir: Path | None = None, flags: l
         # Linked apart and without -ffast-math: linked with it, gcc adds crtfastmath.o, whose constructor
         # turns on flush-to-zero and denormals-are-zero for the whole process that loads the library.
         cmds = [[compiler, *compile_flags, "-c", str(src), "-o", obj] for src, obj in zip(sources, objs)]
-        cmds.append([compiler, *LINK_FLAGS, "-o", str(tmp), *objs, *LIBS])
+        link = [compiler, *LINK_FLAGS, "-o", str(tmp), *objs, *LIBS]
         try:
-            for cmd in cmds:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            with ThreadPoolExecutor(max(1, min(len(cmds), os.cpu_count() or 1))) as pool:  # a source per core
+                compiled = list(pool.map(_run, cmds))
+            for cmd, done in [*zip(cmds, compiled), (link, None)]:
+                done = done or _run(link)  # the link once every object compiled
                 if done.returncode != 0:
                     raise KernelBuildError(f"`{' '.join(cmd)}` failed:\n{done.stderr.strip()}")
             os.replace(tmp, target)
         finally:
             tmp.unlink(missing_ok=True)
     return target
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
 _lock = threading.Lock()
