@@ -56,20 +56,26 @@ def _text(events: list[str]) -> str:
     return "".join(row["text"] for row in rows)
 
 
-def test_a_guided_stream_moves_to_another_instance_and_keeps_its_grammar(workers):
-    """The session's plain workers, served whole: the stream starts on worker 2 (first in round-robin order),
-    which is killed; worker 1 goes on from the resume tokens."""
-    doomed, survivor = workers[2], workers[1]
-    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 200, "temperature": 0,
-            "structured_outputs": {"regex": _regex(200)}}
-    expected = httpx.post(survivor.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
-    assert WORDS.fullmatch(expected) and len(expected) > 200, expected
-    cfg = DisaggConfig(context_servers={"urls": [], "minimal_instances": 0},
-                       generation_servers={"urls": [doomed.url, survivor.url]}, max_retries=1,
-                       health_check_interval=60)
-    with AppThread(build_app(cfg)) as orch:
-        wait_healthy(orch.url)
-        assert _text(_stream_and_kill(orch.url, body, lambda: doomed)) == expected
+def test_a_guided_stream_moves_to_another_instance_and_keeps_its_grammar(tiny_model_dir, tmp_path):
+    """Two plain workers of its own (the session's are shared, and one of these dies), served whole: the
+    stream starts on the first in round-robin order, which is killed; the other goes on from the resume
+    tokens. (It used the session's workers[2] before, and every later test that needs that worker alive
+    failed: test_orchestrator's dead-worker test, in CI.)"""
+    doomed, survivor = start_each(tiny_model_dir, tmp_path, [None, None])
+    try:
+        body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 200, "temperature": 0,
+                "structured_outputs": {"regex": _regex(200)}}
+        expected = httpx.post(survivor.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        assert WORDS.fullmatch(expected) and len(expected) > 200, expected
+        cfg = DisaggConfig(context_servers={"urls": [], "minimal_instances": 0},
+                           generation_servers={"urls": [doomed.url, survivor.url]}, max_retries=1,
+                           health_check_interval=60)
+        with AppThread(build_app(cfg)) as orch:
+            wait_healthy(orch.url)
+            assert _text(_stream_and_kill(orch.url, body, lambda: doomed)) == expected
+    finally:
+        for w in (doomed, survivor):
+            w.stop()
 
 
 def _holds_kv(worker) -> bool:
