@@ -184,13 +184,17 @@ class MlaAttention(nn.Module):
         k, v = self._expand(ctx)
         q_len, ctx_len = q.shape[0], ctx.shape[0]
         qs = q.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, qk]
+        # V padded with zeros to K's width: PyTorch's flash kernel needs one head dim, and the math fallback
+        # it takes otherwise was 80% of a 2048-token prefill here (4.6x slower than the padded flash call)
+        v_dim = v.shape[-1]
+        v = F.pad(v, (0, k.shape[-1] - v_dim)) if v_dim < k.shape[-1] else v
         if q_len == ctx_len:
             o = F.scaled_dot_product_attention(qs, k.unsqueeze(0), v.unsqueeze(0), is_causal=True, scale=self.scale)
         else:
             qpos = torch.arange(ctx_len - q_len, ctx_len, device=q.device).unsqueeze(1)
             mask = torch.arange(ctx_len, device=q.device).unsqueeze(0) <= qpos
             o = F.scaled_dot_product_attention(qs, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=self.scale)
-        return o[0].transpose(0, 1)
+        return o[0, ..., :v_dim].transpose(0, 1)
 
     def _expanded_decode(self, q: torch.Tensor, ctx: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """The plain form for decode rows: q [b, heads, qk], ctx [b, L, latent_dim] -> [b, heads, v_dim]."""
