@@ -1,37 +1,36 @@
 """Tool calling on /v1/chat/completions: `tools`, `tool_choice`, `parallel_tool_calls`, the assistant's
-`tool_calls` and `tool` messages through the chat template, and the model's calls parsed out of its text.
+`tool_calls` and `tool` messages through the chat template, and the model's calls read out of its text.
 
-The call syntax is the Hermes / Qwen one, which SmolLM2's family and Qwen's templates use:
+The call syntax is the one the model's chat template asks for (tool_syntax.py, tool_xml.py): Hermes / Qwen's
+`<tool_call>` JSON (the default, SmolLM2's family's too), Llama 3.1's bare JSON, the XML-style one of Qwen3.5,
+Qwen3-Coder and Nemotron 3, DeepSeek-V3's and DeepSeek-V3.1's.
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
-
-or, for a chat template that asks for Llama 3.1's (its text names `"parameters": dictionary of argument name`,
-or it writes `<|python_tag|>`), one bare JSON object: {"name": "get_weather", "parameters": {"city": "Paris"}}.
-
-- A chat template that reads `tools` gets them (and the messages as sent); one that does not (SmolLM2-135M's)
-  gets the tools described in a system message, and past calls written in the syntax above.
+- A chat template that reads `tools` gets them; one that does not (SmolLM2-135M's, DeepSeek-V3's) gets the tools
+  described in a system message that shows the syntax. One that reads `tools` or `tool_calls` gets the messages
+  as sent (a call's arguments as an object, or as their JSON text for DeepSeek's templates, which write them as
+  given); one that reads neither gets past calls written into the message text in the syntax.
 - `tool_choice` "required" or a named function is enforced by a grammar (engine/guided.py): the output is one
   call (or several, with parallel_tool_calls) whose name is a tool's and whose arguments validate against its
-  `parameters`. "auto" lets the model choose, and its text is parsed: calls become `tool_calls`, text that does not
-  parse stays content, never an error. "none" sends no tools to the model.
+  `parameters`. "auto" lets the model choose, and its text is read: calls become `tool_calls`, text that does not
+  read as calls stays content, never an error. "none" sends no tools to the model.
+- Streamed (CallStream), content goes out as it comes up to where a call begins or may begin, then each call as
+  OpenAI sends them: its id and name once the name is complete, then its arguments' JSON text as it grows.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 
-from pdserve.engine.guided import JSON_LAYOUT
 from pdserve.engine.sampling_params import GuidedSpec
 from pdserve.server.errors import bad_request
 from pdserve.server.protocol import AssistantMessage, ChatChunkChoice, DeltaMessage
+from pdserve.server.tool_syntax import NAME as _NAME
+from pdserve.server.tool_syntax import DeepSeekV3, DeepSeekV31, Hermes, Llama3, Syntax
+from pdserve.server.tool_xml import QwenXML
 
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+SYNTAXES: dict[str, Syntax] = {s.name: s for s in (DeepSeekV3(), DeepSeekV31(), QwenXML(), Llama3(), Hermes())}
 
 
 @dataclass(frozen=True)
@@ -41,13 +40,17 @@ class ToolSetup:
     tools: list[dict]  # each {"name", "description", "parameters"}
     guided: GuidedSpec | None
     parse: bool  # look for calls in the output
-    syntax: str = "hermes"  # or "llama3"
+    syntax: str = "hermes"  # a key of SYNTAXES
+
+    @property
+    def schemas(self) -> dict[str, dict]:
+        return {f["name"]: f["parameters"] for f in self.tools}
 
 
 def call_syntax(template: str | None) -> str:
-    """The tool-call syntax a chat template asks the model for."""
-    llama3 = template and ('"parameters": dictionary of argument name' in template or "<|python_tag|>" in template)
-    return "llama3" if llama3 else "hermes"
+    """The tool-call syntax a chat template asks the model for (each syntax's `asks_for` says which text of the
+    template it looks for); Hermes / Qwen's JSON when no other matches."""
+    return next(name for name, s in SYNTAXES.items() if s.asks_for(template or ""))
 
 
 def tool_setup(tools: list[dict] | None, tool_choice, parallel: bool | None,
@@ -101,18 +104,8 @@ def _function(i: int, tool: dict) -> dict:
 
 
 def _grammar(functions: list[dict], parallel: bool, syntax: str) -> GuidedSpec:
-    """One call (several, with `parallel`, in the Hermes syntax) of one of `functions` (Lark with an embedded
-    JSON schema, llguidance's %json)."""
-    key = "parameters" if syntax == "llama3" else "arguments"
-    calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, key: f["parameters"]},
-              "required": ["name", key], "additionalProperties": False} for f in functions]
-    schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_LAYOUT}
-    if syntax == "llama3":  # one call per turn, as Llama 3.1's template asks
-        return GuidedSpec("grammar", f"start: %json {json.dumps(schema)}\n", "tools")
-    repeat = "+" if parallel else ""
-    lark = (f'start: call{repeat}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\n'
-            f"body: %json {json.dumps(schema)}\n")
-    return GuidedSpec("grammar", lark, "tools")
+    """One call (several, with `parallel`, where the syntax has room for them) of one of `functions`."""
+    return GuidedSpec("grammar", SYNTAXES[syntax].grammar(functions, parallel), "tools")
 
 
 def render_messages(messages: list[dict], setup: ToolSetup | None, template: str | None) -> tuple[list[dict], dict]:
@@ -124,16 +117,20 @@ def render_messages(messages: list[dict], setup: ToolSetup | None, template: str
             raise bad_request(f"messages[{i}].tool_calls[{j}] must be {{\"id\": ..., \"type\": \"function\", "
                               f"\"function\": {{\"name\": ..., \"arguments\": \"<JSON text>\"}}}}",
                               f"messages.{i}.tool_calls.{j}")
-    if setup is None or not setup.tools:
-        return [_flatten(m) for m in messages], {}
-    if template and "tools" in template:  # (templates read a call's arguments as an object, HF's convention)
-        return [_with_object_arguments(m) for m in messages], {"tools": [{"type": "function", "function": f}
-                                                                         for f in setup.tools]}
+    template = template or ""
+    syntax = SYNTAXES[setup.syntax if setup is not None else call_syntax(template)]
+    tools = setup.tools if setup is not None else []
+    if "tool_calls" in template or (tools and "tools" in template):
+        out = [_as_sent(m, syntax.arguments_as_text) for m in messages]
+    else:
+        out = [_flatten(m, syntax) for m in messages]
+    if not tools:
+        return out, {}
+    if "tools" in template:  # (templates read a call's arguments as an object, HF's convention)
+        return out, {"tools": [{"type": "function", "function": f} for f in tools]}
     described = "\n".join(json.dumps({"type": "function", "function": f}) for f in setup.tools)
     system = ("You may call one or more functions to answer. The functions are:\n<tools>\n" + described +
-              "\n</tools>\nTo call one, write its name and arguments as JSON inside tags:\n<tool_call>\n"
-              '{"name": <function-name>, "arguments": <args-object>}\n</tool_call>')
-    out = [_flatten(m) for m in messages]
+              "\n</tools>\nTo call one, write its name and arguments so:\n" + syntax.example)
     if out and out[0]["role"] == "system":
         out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + system}
     else:
@@ -141,22 +138,24 @@ def render_messages(messages: list[dict], setup: ToolSetup | None, template: str
     return out, {}
 
 
-def _flatten(m: dict) -> dict:
-    """A message as a template without tool support reads it: past calls written as text."""
+def _flatten(m: dict, syntax: Syntax) -> dict:
+    """A message as a template that does not read tool_calls takes it: past calls written into its text."""
     calls = m.get("tool_calls")
     if not calls:
         return {"role": m["role"], "content": m.get("content") or ""}
-    text = "\n".join(f"<tool_call>\n{json.dumps({'name': c['function']['name'], 'arguments': _args(c)})}"
-                     "\n</tool_call>" for c in calls)
+    text = syntax.write_calls([(c["function"]["name"], _args(c)) for c in calls])
     return {"role": m["role"], "content": ((m.get("content") or "") + "\n" + text).lstrip("\n")}
 
 
-def _with_object_arguments(m: dict) -> dict:
-    """`m` with each tool call's arguments (OpenAI's JSON text) as the object a chat template reads."""
+def _as_sent(m: dict, arguments_as_text: bool) -> dict:
+    """`m` as a template that reads tool_calls takes it: a message that calls has content None when it says
+    nothing (DeepSeek's templates write the calls only then), and each call's arguments (OpenAI's JSON text) are
+    the object HF's templates read with `| tojson`, unless the template writes them as given."""
     if not m.get("tool_calls"):
         return m
-    calls = [{**c, "function": {**c["function"], "arguments": _args(c)}} for c in m["tool_calls"]]
-    return {**m, "tool_calls": calls}
+    calls = m["tool_calls"] if arguments_as_text else [{**c, "function": {**c["function"], "arguments": _args(c)}}
+                                                        for c in m["tool_calls"]]
+    return {**m, "content": m.get("content") or None, "tool_calls": calls}
 
 
 def _args(call: dict):
@@ -167,29 +166,19 @@ def _args(call: dict):
         return raw
 
 
-def parse_calls(text: str, syntax: str = "hermes") -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of a finished output. Calls that do not parse leave the whole text as content."""
-    if syntax == "llama3":
-        body = text.strip().removeprefix("<|python_tag|>").strip()
-        found = [body] if body.startswith("{") and body.endswith("}") else []
-    else:
-        found = _CALL.findall(text)
-    if not found:
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def parse_calls(text: str, syntax: str = "hermes", schemas: dict[str, dict] | None = None
+                ) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) of a finished output. Text that does not read as calls is all content."""
+    scan = SYNTAXES[syntax].scan(text, schemas or {}, final=True)
+    if scan.failed or not scan.calls:
         return text, []
-    calls = []
-    for body in found:
-        try:
-            call = json.loads(body)
-        except ValueError:
-            return text, []
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or (
-                syntax == "llama3" and not ("parameters" in call or "arguments" in call)):  # JSON, not a call
-            return text, []
-        args = call.get("arguments", call.get("parameters", {}))
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": call["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
-    content = _CALL.sub("", text).strip() if syntax == "hermes" else ""
-    return content or None, calls
+    calls = [{"id": _call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+             for c in scan.calls]
+    return (text[:scan.start] + scan.rest).strip() or None, calls
 
 
 def assistant_message(text: str, finish_reason: str | None,
@@ -197,71 +186,70 @@ def assistant_message(text: str, finish_reason: str | None,
     """A finished choice's message and finish_reason: its calls as tool_calls ("tool_calls") when it made any."""
     if setup is None or not setup.parse:
         return AssistantMessage(content=text), finish_reason
-    content, calls = parse_calls(text, setup.syntax)
+    content, calls = parse_calls(text, setup.syntax, setup.schemas)
     if not calls:
         return AssistantMessage(content=text), finish_reason
-    reason = "tool_calls" if finish_reason == "stop" else finish_reason
-    return AssistantMessage(content=content, tool_calls=calls), reason
+    return AssistantMessage(content=content, tool_calls=calls), _reason(finish_reason)
 
 
-_TAG, _PYTHON_TAG = "<tool_call>", "<|python_tag|>"
+def _reason(finish_reason: str | None) -> str | None:
+    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 class CallStream:
-    """One streamed choice whose tools may be called. Text that cannot be (the start of) a call is sent as content
-    at once; from where a call starts (or may start) on, the text is held, and sent when the choice ends as
-    OpenAI's tool-call deltas (tool_call_deltas), or as content where it is no call after all."""
+    """One streamed choice whose tools may be called, as OpenAI streams it. Text before where a call begins (or
+    may yet begin) goes out as content at once. Each call goes out as a delta with its index, id, type and name
+    once its name is complete, then deltas of its arguments' JSON text as the model writes it (what the
+    syntax's scan reports: never taken back, so the pieces add up to the non-streamed call's arguments). Text
+    that turns out to be no call goes out as content; other text between and after calls goes out when the
+    choice ends. A call that breaks off (max_tokens, or text no call allows) after its name went out leaves
+    what was sent; its text then goes out as content too, and the finish_reason is the engine's."""
 
     def __init__(self, setup: ToolSetup, index: int):
         self.setup, self.index = setup, index
+        self.syntax = SYNTAXES[setup.syntax]
         self.text, self.sent = "", 0  # the choice's text so far, and how much of it went out as content
-        self.call_started = False
-        self.plain = False  # llama3: the text began as no call does, so all of it is content
+        self.calls: list[tuple[str, str]] = []  # each call sent: (name, arguments sent)
+        self.plain = False  # the text turned out to be no call: all of it is content
 
     def chunks(self, new_text: str, finished: bool, finish_reason: str | None) -> list[ChatChunkChoice]:
         self.text += new_text
-        out = []
-        safe = self._safe_end()
-        if safe > self.sent:
-            out.append(ChatChunkChoice(index=self.index, delta=DeltaMessage(content=self.text[self.sent:safe])))
-            self.sent = safe
+        scan = None if self.plain else self.syntax.scan(self.text, self.setup.schemas, final=finished)
+        if scan is None or scan.failed:
+            self.plain = True
+            out = self._content(len(self.text))
+            if finished:
+                out.append(self._choice(DeltaMessage(), finish_reason))
+            return out
+        out = self._content(scan.start)
+        for i, call in enumerate(scan.calls):
+            out += self._call_deltas(i, call.name, call.arguments)
         if finished:
-            out += tool_call_deltas(self.text[self.sent:], finish_reason, self.setup, self.index)
+            if scan.rest.strip():
+                out.append(self._choice(DeltaMessage(content=scan.rest)))
+            out.append(self._choice(DeltaMessage(), _reason(finish_reason) if self.calls else finish_reason))
         return out
 
-    def _safe_end(self) -> int:
-        """How much of the text may go out as content: up to where a call starts or may yet start."""
-        if self.call_started:
-            return self.sent
-        if self.setup.syntax == "llama3":  # a call is the whole output
-            body = self.text.lstrip()
-            if self.plain or (body and not body.startswith(("{", _PYTHON_TAG)) and not _PYTHON_TAG.startswith(body)):
-                self.plain = True
-                return len(self.text)
-            self.call_started = bool(body)
-            return self.sent
-        start = self.text.find(_TAG, self.sent)
-        if start >= 0:
-            self.call_started = True
-            return start
-        for k in range(min(len(_TAG) - 1, len(self.text) - self.sent), 0, -1):
-            if self.text.endswith(_TAG[:k]):
-                return len(self.text) - k
-        return len(self.text)
+    def _content(self, end: int) -> list[ChatChunkChoice]:
+        if self.calls and not self.plain or end <= self.sent:
+            return []
+        text, self.sent = self.text[self.sent:end], end
+        return [self._choice(DeltaMessage(content=text))]
 
+    def _call_deltas(self, i: int, name: str | None, arguments: str) -> list[ChatChunkChoice]:
+        if name is None:
+            return []
+        out = []
+        if i == len(self.calls):
+            self.calls.append((name, ""))
+            out.append(self._choice(DeltaMessage(tool_calls=[{"index": i, "id": _call_id(), "type": "function",
+                                                               "function": {"name": name, "arguments": ""}}])))
+        sent = self.calls[i][1]
+        if len(arguments) > len(sent) and arguments.startswith(sent):  # (a scan only ever adds to them)
+            self.calls[i] = (name, arguments)
+            piece = {"index": i, "function": {"arguments": arguments[len(sent):]}}
+            out.append(self._choice(DeltaMessage(tool_calls=[piece])))
+        return out
 
-def tool_call_deltas(text: str, finish_reason: str | None, setup: ToolSetup, index: int) -> list[ChatChunkChoice]:
-    """The rest of a streamed choice (CallStream's held text) when it ends: OpenAI's delta shape, a first delta
-    per call with its id, type and name, then its arguments; text that holds no call goes out as content."""
-    message, reason = assistant_message(text, finish_reason, setup)
-    if not message.tool_calls:
-        return [ChatChunkChoice(index=index, delta=DeltaMessage(content=text or None), finish_reason=finish_reason)]
-    deltas = [ChatChunkChoice(index=index, delta=DeltaMessage(content=message.content))] if message.content else []
-    for i, call in enumerate(message.tool_calls):
-        head = {"index": i, "id": call["id"], "type": "function", "function": {"name": call["function"]["name"],
-                                                                             "arguments": ""}}
-        deltas.append(ChatChunkChoice(index=index, delta=DeltaMessage(tool_calls=[head])))
-        deltas.append(ChatChunkChoice(index=index, delta=DeltaMessage(tool_calls=[
-            {"index": i, "function": {"arguments": call["function"]["arguments"]}}])))
-    deltas.append(ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=reason))
-    return deltas
+    def _choice(self, delta: DeltaMessage, finish_reason: str | None = None) -> ChatChunkChoice:
+        return ChatChunkChoice(index=self.index, delta=delta, finish_reason=finish_reason)

@@ -171,9 +171,10 @@ def _replay(pieces: list[str], syntax_template: str | None = None) -> list[dict]
     return out
 
 
-def test_streamed_content_goes_out_at_once_and_a_call_when_it_ends():
+def test_streamed_content_goes_out_at_once_and_a_call_as_it_comes():
     """auto: text that cannot start a call is sent as it comes; a tag's first characters are held until they
-    turn out to be text or a call; the call goes out as OpenAI's deltas when the choice ends."""
+    turn out to be text or a call; the call goes out as OpenAI's deltas, its name once complete, then its
+    arguments (test_tool_syntaxes.py streams them in pieces)."""
     deltas = _replay(["Let me ", "check <to", "ol_call>\n{\"name\": \"add\", ", '"arguments": {"a": 1}}\n</tool_call>'])
     assert [d.get("content") for d in deltas[:2]] == ["Let me ", "check "]  # "<to" held, then the call
     head, args, end = deltas[2:]

@@ -1,0 +1,380 @@
+r"""The tool-call syntaxes of the model families pdserve serves: how each writes a call, how a call is read out of
+the text (finished or still growing), the grammar that forces one, and how a past call is written back.
+
+- hermes (the default; Qwen2.5, Qwen3, Qwen3-MoE, SmolLM2, Hermes):
+  <tool_call>\n{"name": N, "arguments": {...}}\n</tool_call>, any number, text around them
+- llama3 (Llama 3.1 - 3.3): the whole output is [<|python_tag|>]{"name": N, "parameters": {...}}
+- qwen3_xml (Qwen3.5, Qwen3-Coder, Nemotron 3; tool_xml.py):
+  <tool_call>\n<function=N>\n<parameter=K>\nV\n</parameter>\n</function>\n</tool_call>
+- deepseek_v3 (DeepSeek-V3, R1): <｜tool▁calls▁begin｜>, per call
+  <｜tool▁call▁begin｜>function<｜tool▁sep｜>N\n```json\n{...}\n```<｜tool▁call▁end｜>, then <｜tool▁calls▁end｜>
+- deepseek_v31 (DeepSeek-V3.1): the same, each call <｜tool▁call▁begin｜>N<｜tool▁sep｜>{...}<｜tool▁call▁end｜>
+
+Each syntax's `scan(text, schemas, final)` reads a choice's text so far into a `Scan`: where the calls begin (the
+text before is content), the calls as far as they go (a name once it is complete, the arguments' JSON text so
+far) and whether the text turned out to be no call. What a scan reports of a growing text is never taken back
+by a longer one: a name stays, arguments only grow, and a failure stays a failure. So a stream sends what each
+scan adds, and ends with exactly what the scan of the finished text (the non-streamed answer) holds.
+
+The JSON syntaxes send a call's arguments as the model wrote them (the raw JSON text; under a grammar, in
+json.dumps' layout): every character of a value written so far is part of it (partial_json.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+from pdserve.engine.guided import JSON_LAYOUT
+from pdserve.server.partial_json import INCOMPLETE, INVALID, object_members, skip_ws, value_end
+
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_NAME_CHARS = re.compile(r"[A-Za-z0-9_-]*")
+
+
+@dataclass
+class Call:
+    name: str | None = None  # None until the name is complete and the text is surely a call
+    arguments: str = ""  # the arguments' JSON text so far: a prefix of the finished call's
+
+
+@dataclass
+class Scan:
+    start: int  # text[:start] is content: no call begins (or may yet begin) before it
+    calls: list[Call] = field(default_factory=list)
+    failed: bool = False  # the text from `start` is no call after all: all of it is content
+    rest: str = ""  # text outside the calls after `start` (between and after them), content too
+
+
+class Incomplete(Exception):
+    """The text ends inside a call."""
+
+
+class Invalid(Exception):
+    """The text from the calls' start is no call."""
+
+
+class Cursor:
+    """A position in a choice's text, read forward; Incomplete at the text's end, Invalid at a mismatch."""
+
+    def __init__(self, text: str, i: int = 0):
+        self.text, self.i = text, i
+
+    def rest(self) -> str:
+        return self.text[self.i:]
+
+    def ws(self) -> None:
+        self.i = skip_ws(self.text, self.i)
+
+    def at(self, literal: str) -> bool:
+        """The text goes on with `literal` (which is read); Incomplete if it may still do so."""
+        if self.text.startswith(literal, self.i):
+            self.i += len(literal)
+            return True
+        if len(self.text) - self.i < len(literal) and literal.startswith(self.rest()):
+            raise Incomplete
+        return False
+
+    def expect(self, literal: str) -> None:
+        if not self.at(literal):
+            raise Invalid
+
+    def name_until(self, end: str) -> str:
+        """A function name, then `end` (both read)."""
+        after = _NAME_CHARS.match(self.text, self.i).end()
+        if after - self.i > 64:
+            raise Invalid
+        if after == len(self.text):
+            raise Incomplete
+        name, self.i = self.text[self.i:after], after
+        self.expect(end)
+        if not NAME.fullmatch(name):
+            raise Invalid
+        return name
+
+    def json_object(self, call: Call) -> None:
+        """The JSON object there, as `call`'s arguments (as far as the text goes)."""
+        start = self.i
+        end = value_end(self.text, start)
+        if start < len(self.text) and self.text[start] != "{" or end == INVALID:
+            raise Invalid
+        call.arguments = self.text[start:] if end == INCOMPLETE else self.text[start:end]
+        if end == INCOMPLETE:
+            raise Incomplete
+        self.i = end
+
+
+def held_from(text: str, marker: str, pos: int = 0) -> int:
+    """Where text (from pos) ends with the first characters of `marker`: the place a call may yet begin."""
+    for k in range(min(len(marker) - 1, len(text) - pos), 0, -1):
+        if text.endswith(marker[:k]):
+            return len(text) - k
+    return len(text)
+
+
+def lark_literal(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)  # Lark's string escapes are JSON's
+
+
+def as_object(function: dict) -> dict:
+    """A tool's parameters, an object even where its schema does not say so (arguments are one)."""
+    return {"type": "object", **function["parameters"]}
+
+
+def json_schema(function: dict) -> str:
+    """A tool's parameters as llguidance's %json, in json.dumps' layout."""
+    return json.dumps({**as_object(function), "x-guidance": JSON_LAYOUT})
+
+
+class Syntax:
+    """One family's tool-call syntax; `asks_for` tells a chat template that asks for it by its text."""
+
+    name = ""
+    example = ""  # how to call, for a template that does not describe the tools itself
+    arguments_as_text = False  # its templates write a past call's arguments as given (JSON text), not | tojson
+
+    def asks_for(self, template: str) -> bool:
+        raise NotImplementedError
+
+    def grammar(self, functions: list[dict], parallel: bool) -> str:
+        """Lark (llguidance's) for one call of one of `functions` (several with `parallel`)."""
+        raise NotImplementedError
+
+    def scan(self, text: str, schemas: dict[str, dict], final: bool) -> Scan:
+        raise NotImplementedError
+
+    def write_calls(self, calls: list[tuple[str, dict]]) -> str:
+        """Past calls [(name, arguments)] as the model would have written them."""
+        raise NotImplementedError
+
+
+def scan_with(text: str, start: int, final: bool, read) -> Scan:
+    """Run `read(cursor, calls, scan)` from `start` and turn how it stops into the Scan."""
+    scan = Scan(start)
+    try:
+        read(Cursor(text, start), scan.calls, scan)
+    except Incomplete:
+        scan.failed = final
+    except Invalid:
+        scan.failed = True
+    if not scan.failed and final and not scan.calls:
+        scan.failed = True
+    return scan
+
+
+class Hermes(Syntax):
+    """<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>, any number, text around them. The default."""
+
+    name = "hermes"
+    TAG, END = "<tool_call>", "</tool_call>"
+    example = '<tool_call>\n{"name": <function-name>, "arguments": <args-object>}\n</tool_call>'
+
+    def asks_for(self, template: str) -> bool:
+        return True
+
+    def grammar(self, functions: list[dict], parallel: bool) -> str:
+        calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": as_object(f)},
+                  "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+        schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_LAYOUT}
+        more = ' ("\\n" call)*' if parallel else ""  # calls one a line, as Qwen's templates write them
+        return (f'start: call{more}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\n'
+                f"body: %json {json.dumps(schema)}\n")
+
+    def scan(self, text: str, schemas: dict[str, dict], final: bool) -> Scan:
+        start = text.find(self.TAG)
+        if start < 0:
+            return Scan(len(text) if final else held_from(text, self.TAG))
+
+        def read(cur: Cursor, calls: list[Call], scan: Scan) -> None:
+            while True:
+                cur.expect(self.TAG)
+                cur.ws()
+                calls.append(Call())
+                json_call(cur, calls[-1], ("arguments", "parameters"), name_needs_arguments=False)
+                cur.ws()
+                cur.expect(self.END)
+                nxt = cur.text.find(self.TAG, cur.i)
+                if nxt < 0:
+                    held = len(cur.text) if final else held_from(cur.text, self.TAG, cur.i)
+                    scan.rest += cur.text[cur.i:held]
+                    return
+                scan.rest += cur.text[cur.i:nxt]
+                cur.i = nxt
+
+        return scan_with(text, start, final, read)
+
+    def write_calls(self, calls: list[tuple[str, dict]]) -> str:
+        return "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a}, ensure_ascii=False)}\n</tool_call>"
+                         for n, a in calls)
+
+
+def json_call(cur: Cursor, call: Call, argument_keys: tuple[str, ...], name_needs_arguments: bool) -> None:
+    """A {"name": ..., <one of argument_keys>: {...}} object into `call`, its arguments the raw text of their
+    value ("{}" when it has none, unless `name_needs_arguments`: where the object alone says it is a call, its
+    name is reported only once an arguments key is seen too, and an object without one is no call)."""
+    text = cur.text
+    members, end = object_members(text, cur.i)
+    if end == INVALID or len({k for k, _, _ in members}) != len(members):
+        raise Invalid
+    found = {k: (s, e) for k, s, e in members}
+    name = None
+    if "name" in found:
+        s, e = found["name"]
+        if s < len(text) and text[s] != '"':
+            raise Invalid
+        if e >= 0:
+            name = json.loads(text[s:e])
+            if not NAME.fullmatch(name):
+                raise Invalid
+    keys = [k for k in argument_keys if k in found]
+    if len(keys) > 1:
+        raise Invalid
+    arguments = ""
+    if keys:
+        s, e = found[keys[0]]
+        if s < len(text) and text[s] != "{":
+            raise Invalid
+        arguments = text[s:] if e < 0 else text[s:e]
+    if name is not None and (keys or not name_needs_arguments):
+        call.name, call.arguments = name, arguments
+    if end == INCOMPLETE:
+        raise Incomplete
+    if name is None or (name_needs_arguments and not keys):
+        raise Invalid
+    call.arguments = arguments or "{}"
+    cur.i = end
+
+
+class Llama3(Syntax):
+    """Llama 3.1's: the whole output is one {"name": ..., "parameters": {...}} (after an optional <|python_tag|>).
+    Asked for by a template whose text names `"parameters": dictionary of argument name` or writes
+    <|python_tag|>. JSON without "parameters" (or "arguments") is content."""
+
+    name = "llama3"
+    PYTHON_TAG = "<|python_tag|>"
+    example = '{"name": <function-name>, "parameters": <args-object>}'
+
+    def asks_for(self, template: str) -> bool:
+        return '"parameters": dictionary of argument name' in template or self.PYTHON_TAG in template
+
+    def grammar(self, functions: list[dict], parallel: bool) -> str:
+        calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "parameters": as_object(f)},
+                  "required": ["name", "parameters"], "additionalProperties": False} for f in functions]
+        schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_LAYOUT}
+        return f"start: %json {json.dumps(schema)}\n"  # one call a turn, as Llama 3.1's template asks
+
+    def scan(self, text: str, schemas: dict[str, dict], final: bool) -> Scan:
+        i = skip_ws(text, 0)
+        body = text[i:]
+        if not body.startswith(("{", self.PYTHON_TAG)) and (final or not self.PYTHON_TAG.startswith(body)):
+            return Scan(len(text))  # an output that begins so is no call
+
+        def read(cur: Cursor, calls: list[Call], scan: Scan) -> None:
+            cur.ws()
+            if cur.at(self.PYTHON_TAG):
+                cur.ws()
+            calls.append(Call())
+            json_call(cur, calls[0], ("parameters", "arguments"), name_needs_arguments=True)
+            cur.ws()
+            if cur.rest():
+                raise Invalid
+
+        return scan_with(text, 0, final, read)
+
+    def write_calls(self, calls: list[tuple[str, dict]]) -> str:
+        return "\n".join(json.dumps({"name": n, "parameters": a}, ensure_ascii=False) for n, a in calls)
+
+
+class DeepSeekV3(Syntax):
+    """DeepSeek-V3's (and R1's): <｜tool▁calls▁begin｜>, then per call <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
+    and its arguments in a ```json fence, then <｜tool▁call▁end｜>; <｜tool▁calls▁end｜> after the last. Asked
+    for by a template that writes <｜tool▁sep｜> and a ```json fence. Its templates write a past call's arguments
+    as the JSON text they are given."""
+
+    name = "deepseek_v3"
+    BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    CALL, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+    between = "\n"  # what its templates write between two calls
+    arguments_as_text = True
+    example = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜><function-name>\n```json\n"
+               "<args-object>\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+
+    def asks_for(self, template: str) -> bool:
+        return self.SEP in template and "```json" in template
+
+    def head(self, name: str) -> str:
+        return f"{self.CALL}function{self.SEP}{name}\n```json\n"
+
+    def tail(self) -> str:
+        return f"\n```{self.CALL_END}"
+
+    def grammar(self, functions: list[dict], parallel: bool) -> str:
+        more = (f" ({lark_literal(self.between)} call)*" if self.between else " call*") if parallel else ""
+        rules = [f"start: {lark_literal(self.BEGIN)} call{more} {lark_literal(self.END)}",
+                 "call: " + " | ".join(f"f{i}" for i in range(len(functions)))]
+        for i, f in enumerate(functions):
+            rules.append(f"f{i}: {lark_literal(self.head(f['name']))} a{i} {lark_literal(self.tail())}")
+            rules.append(f"a{i}: %json {json_schema(f)}")
+        return "\n".join(rules) + "\n"
+
+    def read_call(self, cur: Cursor, call: Call) -> None:
+        cur.expect(self.CALL)
+        cur.expect("function")
+        cur.expect(self.SEP)
+        call.name = cur.name_until("\n")
+        cur.expect("```json")
+        cur.ws()
+        cur.json_object(call)
+        cur.ws()
+        cur.expect("```")
+        cur.ws()
+        cur.expect(self.CALL_END)
+
+    def scan(self, text: str, schemas: dict[str, dict], final: bool) -> Scan:
+        start = text.find(self.BEGIN)
+        if start < 0:
+            return Scan(len(text) if final else held_from(text, self.BEGIN))
+
+        def read(cur: Cursor, calls: list[Call], scan: Scan) -> None:
+            cur.expect(self.BEGIN)
+            while True:
+                cur.ws()
+                if calls and (final and not cur.rest() or cur.at(self.END)):  # (a model may stop before the end)
+                    scan.rest = cur.rest()
+                    return
+                calls.append(Call())
+                self.read_call(cur, calls[-1])
+
+        return scan_with(text, start, final, read)
+
+    def write_calls(self, calls: list[tuple[str, dict]]) -> str:
+        body = self.between.join(self.head(n) + json.dumps(a, ensure_ascii=False) + self.tail() for n, a in calls)
+        return self.BEGIN + body + self.END
+
+
+class DeepSeekV31(DeepSeekV3):
+    """DeepSeek-V3.1's shorter form: <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜> per call, in the
+    same <｜tool▁calls▁begin｜> ... <｜tool▁calls▁end｜>. Asked for by a template that writes <｜tool▁sep｜> and no
+    ```json fence."""
+
+    name = "deepseek_v31"
+    between = ""
+    example = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜><function-name><｜tool▁sep｜><args-object><｜tool▁call▁end｜>"
+               "<｜tool▁calls▁end｜>")
+
+    def asks_for(self, template: str) -> bool:
+        return self.SEP in template and "```json" not in template
+
+    def head(self, name: str) -> str:
+        return f"{self.CALL}{name}{self.SEP}"
+
+    def tail(self) -> str:
+        return self.CALL_END
+
+    def read_call(self, cur: Cursor, call: Call) -> None:
+        cur.expect(self.CALL)
+        call.name = cur.name_until(self.SEP)
+        cur.json_object(call)
+        cur.ws()
+        cur.expect(self.CALL_END)
