@@ -19,6 +19,7 @@ from server_harness import ServerThread
 from pdserve.config import EngineConfig, WorkerConfig
 from pdserve.server.app import build_app
 from pdserve.engine.guided import Grammars
+from pdserve.server.partial_json import INCOMPLETE, value_end
 from pdserve.server.tools import SYNTAXES, CallStream, call_syntax, parse_calls, render_messages, tool_setup
 from pdserve.testing import make_tiny_model
 from pdserve.testing.tiny_deepseek_v3 import make_tiny_deepseek_v3
@@ -240,3 +241,26 @@ def test_required_calls_parse_and_validate_streamed_and_not(family_client):
                          {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
         reply = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS[:2], max_tokens=2)
         assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+                     | st.text(max_size=6), lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(value=st.dictionaries(st.text(max_size=4), _JSON, max_size=4), indent=st.sampled_from([None, 1]),
+       junk=st.text(max_size=3), data=st.data())
+def test_partial_json_agrees_with_json_loads(value, indent, junk, data):
+    """value_end: a JSON object's text ends where json.loads says, each of its prefixes is INCOMPLETE, and a
+    text that value_end takes whole is one json.loads takes."""
+    text = json.dumps(value, indent=indent, ensure_ascii=data.draw(st.booleans()))
+    assert value_end(text + "}", 0) == len(text)
+    assert all(value_end(text[:k], 0) == INCOMPLETE for k in range(len(text)))
+    mangled = data.draw(st.integers(0, len(text)))
+    other = text[:mangled] + junk + text[mangled:]
+    end = value_end(other, 0)
+    if end == len(other):
+        assert json.loads(other) is not None
+    elif end >= 0:
+        json.loads(other[:end])
