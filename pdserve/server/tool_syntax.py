@@ -163,6 +163,32 @@ def scan_with(text: str, start: int, final: bool, read) -> Scan:
     return scan
 
 
+def scan_tagged(text: str, tag: str, end: str, final: bool, read_call) -> Scan:
+    """Calls each between `tag` and `end`, any number, text around them (Hermes's and the XML syntax's):
+    `read_call(cursor, call)` reads one call's body into `call`."""
+    start = text.find(tag)
+    if start < 0:
+        return Scan(len(text) if final else held_from(text, tag))
+
+    def read(cur: Cursor, calls: list[Call], scan: Scan) -> None:
+        while True:
+            cur.expect(tag)
+            cur.ws()
+            calls.append(Call())
+            read_call(cur, calls[-1])
+            cur.ws()
+            cur.expect(end)
+            nxt = cur.text.find(tag, cur.i)
+            if nxt < 0:
+                held = len(cur.text) if final else held_from(cur.text, tag, cur.i)
+                scan.rest += cur.text[cur.i:held]
+                return
+            scan.rest += cur.text[cur.i:nxt]
+            cur.i = nxt
+
+    return scan_with(text, start, final, read)
+
+
 class Hermes(Syntax):
     """<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>, any number, text around them. The default."""
 
@@ -182,27 +208,8 @@ class Hermes(Syntax):
                 f"body: %json {json.dumps(schema)}\n")
 
     def scan(self, text: str, schemas: dict[str, dict], final: bool) -> Scan:
-        start = text.find(self.TAG)
-        if start < 0:
-            return Scan(len(text) if final else held_from(text, self.TAG))
-
-        def read(cur: Cursor, calls: list[Call], scan: Scan) -> None:
-            while True:
-                cur.expect(self.TAG)
-                cur.ws()
-                calls.append(Call())
-                json_call(cur, calls[-1], ("arguments", "parameters"), name_needs_arguments=False)
-                cur.ws()
-                cur.expect(self.END)
-                nxt = cur.text.find(self.TAG, cur.i)
-                if nxt < 0:
-                    held = len(cur.text) if final else held_from(cur.text, self.TAG, cur.i)
-                    scan.rest += cur.text[cur.i:held]
-                    return
-                scan.rest += cur.text[cur.i:nxt]
-                cur.i = nxt
-
-        return scan_with(text, start, final, read)
+        return scan_tagged(text, self.TAG, self.END, final,
+                           lambda cur, call: json_call(cur, call, ("arguments", "parameters"), False))
 
     def write_calls(self, calls: list[tuple[str, dict]]) -> str:
         return "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a}, ensure_ascii=False)}\n</tool_call>"

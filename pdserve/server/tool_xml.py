@@ -36,7 +36,7 @@ import re
 
 from pdserve.engine.guided import JSON_LAYOUT
 from pdserve.server.tool_syntax import (Call, Cursor, Incomplete, Invalid, Scan, Syntax, held_from, lark_literal,
-                                        scan_with)
+                                        scan_tagged)
 
 _KEY = re.compile(r"[^<>\n]{1,128}")
 NL = "\n"
@@ -108,30 +108,13 @@ class QwenXML(Syntax):
         return self.FUNCTION in template and self.PARAMETER in template
 
     def scan(self, text: str, schemas: dict[str, dict], final: bool) -> Scan:
-        start = text.find(self.TAG)
-        if start < 0:
-            return Scan(len(text) if final else held_from(text, self.TAG))
+        return scan_tagged(text, self.TAG, self.END, final, lambda cur, call: self._call(cur, call, schemas))
 
-        def read(cur: Cursor, calls: list[Call], scan: Scan) -> None:
-            while True:
-                cur.expect(self.TAG)
-                cur.ws()
-                cur.expect(self.FUNCTION)
-                calls.append(Call())
-                name = cur.name_until(">")
-                calls[-1].name, calls[-1].arguments = name, "{"
-                self._parameters(cur, calls[-1], schemas.get(name))
-                cur.ws()
-                cur.expect(self.END)
-                nxt = cur.text.find(self.TAG, cur.i)
-                if nxt < 0:
-                    held = len(cur.text) if final else held_from(cur.text, self.TAG, cur.i)
-                    scan.rest += cur.text[cur.i:held]
-                    return
-                scan.rest += cur.text[cur.i:nxt]
-                cur.i = nxt
-
-        return scan_with(text, start, final, read)
+    def _call(self, cur: Cursor, call: Call, schemas: dict[str, dict]) -> None:
+        cur.expect(self.FUNCTION)
+        name = cur.name_until(">")
+        call.name, call.arguments = name, "{"
+        self._parameters(cur, call, schemas.get(name))
 
     def _parameters(self, cur: Cursor, call: Call, parameters: dict | None) -> None:
         pieces: list[str] = []

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_harness import ServerThread
+from test_tool_calls import ADD, WEATHER
 
 from pdserve.config import EngineConfig, WorkerConfig
 from pdserve.server.app import build_app
@@ -25,12 +26,6 @@ from pdserve.testing import make_tiny_model
 from pdserve.testing.tiny_deepseek_v3 import make_tiny_deepseek_v3
 from pdserve.tokenizer import Tokenizer
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"},
-                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-           "required": ["city", "days"], "additionalProperties": False}
-ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
-                                        "b": {"type": "integer", "minimum": 0, "maximum": 99}},
-       "required": ["a", "b"], "additionalProperties": False}
 NOTE = {"type": "object", "properties": {"text": {"type": "string"},
                                          "tags": {"type": "array", "items": {"type": "string"}},
                                          "urgent": {"type": "boolean"}, "score": {"type": "number"},
