@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -184,6 +184,12 @@ class Tokenizer:
     def all_special_ids(self) -> frozenset[int]:
         return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
 
+    def special_ids_of(self, texts: Iterable[str]) -> tuple[int, ...]:
+        """The ids of those of `texts` that are special added tokens (which decode drops unless told to keep
+        them), sorted; a text that is no token, or an ordinary one, has none."""
+        ids = (self.token_to_id(t) for t in texts)
+        return tuple(sorted({i for i in ids if i is not None and i in self.all_special_ids}))
+
     @cached_property
     def _length_bound(self) -> tuple[int, re.Pattern[str] | None] | None:
         """(the most characters one token stands for, the characters the model may drop) where that is
@@ -240,8 +246,16 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True,
+               keep_special: Collection[int] = ()) -> str:
+        """The text of `ids`; with skip_special_tokens, special tokens are left out, except those of
+        `keep_special` (the markers of a tool-call syntax, whose calls are read out of the text)."""
+        ids = list(ids)
+        if skip_special_tokens and keep_special:
+            drop = self.all_special_ids
+            ids = [i for i in ids if i in keep_special or i not in drop]
+            skip_special_tokens = False
+        text = self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
         if self._clean_up_spaces:
             for old, new in _CLEANUP:
                 text = text.replace(old, new)
@@ -273,20 +287,26 @@ class IncrementalDetokenizer:
     while the decoded tail ends in U+FFFD. Each step decodes a short window that starts a few tokens
     back (`prefix_offset`) so decoders that depend on the previous token (sentencepiece's leading
     space) see the same context as a full decode. Invariant: "".join(deltas) + flush() equals
-    decode(generated ids).
+    decode(generated ids, skip_special_tokens, keep_special).
     """
 
     _CONTEXT_TOKENS = 5
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True,
+                 keep_special: Collection[int] = ()):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.keep_special = frozenset(keep_special)
         self.ids: list[int] = list(prompt_ids)
         self.prefix_offset = max(len(self.ids) - self._CONTEXT_TOKENS, 0)
         self.read_offset = len(self.ids)
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(ids, self.skip_special_tokens, self.keep_special)
+
+    def fork(self, prompt_ids: Sequence[int]) -> IncrementalDetokenizer:
+        """A detokenizer like this one, for another output of `prompt_ids`, before it has any."""
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, self.skip_special_tokens, self.keep_special)
 
     def step(self, new_ids: int | Iterable[int]) -> str:
         """Append token id(s); return the newly completed text ("" while a character is incomplete)."""

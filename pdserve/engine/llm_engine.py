@@ -186,7 +186,9 @@ class LLMEngine:
             raise RequestError(f"the request needs {need} KV blocks but the cache holds {self.blocks.num_blocks}; "
                                "raise kv_cache_memory_gb or lower max_tokens")
         seq = Sequence(request_id, list(prompt_token_ids), params, request_type, disagg=disagg)
-        tracker = OutputTracker(seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids))
+        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens,
+                                       params.kept_special_token_ids)
+        tracker = OutputTracker(seq, detok)
         if request_type is RequestType.CONTEXT_ONLY:
             disagg.pipelined = disagg.generation_first and self.ecfg.cache_transceiver_config.pipelined_transfer
         if request_type is RequestType.GENERATION_ONLY and not disagg.generation_first:

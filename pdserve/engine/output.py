@@ -54,9 +54,7 @@ class OutputTracker:
 
     def fork(self, seq: Sequence) -> "OutputTracker":
         """A tracker for `seq`, another choice of this tracker's request, before either has output."""
-        d = self.detok
-        detok = None if d is None else type(d)(d.tokenizer, seq.prompt_token_ids, d.skip_special_tokens)
-        return OutputTracker(seq, detok)
+        return OutputTracker(seq, None if self.detok is None else self.detok.fork(seq.prompt_token_ids))
 
     def on_token(self, token_id: int, is_stop_token: bool, stop_strings: bool = True) -> None:
         """`stop_strings`: whether a stop string may end the output yet (not before min_tokens)."""

@@ -53,12 +53,18 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     guided: GuidedSpec | None = None  # structured outputs: every output token is one the grammar allows
     n: int = 1  # choices: the prompt is computed once and each choice samples on from its own draws
+    skip_special_tokens: bool = True  # leave special tokens out of the text (vLLM's field)
+    # special tokens that stay in the text even so: a tool-call syntax's markers, whose calls are read out of it
+    kept_special_token_ids: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
         # distinct and sorted: a request may repeat an id millions of times, and each step looks its token up
         object.__setattr__(self, "stop_token_ids", tuple(sorted({int(t) for t in self.stop_token_ids})))
+        object.__setattr__(self, "kept_special_token_ids", tuple(sorted({int(t) for t in self.kept_special_token_ids})))
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be true or false, got {self.skip_special_tokens!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
                                             or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")

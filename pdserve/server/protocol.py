@@ -7,7 +7,7 @@ working; fields we know but cannot honour (n > 1, echo, tools, ...) are refused 
 
 Extensions beyond the OpenAI API (accepted as vLLM accepts them, e.g. through the openai client's
 `extra_body`): top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos,
-include_stop_str_in_output, structured_outputs (server/guided_request.py), and response_format on
+include_stop_str_in_output, skip_special_tokens, structured_outputs (server/guided_request.py), and response_format on
 /v1/completions too; on chat also add_generation_prompt.
 """
 
@@ -108,6 +108,7 @@ class SamplingFields(_Request):
     stop_token_ids: Ints | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     disaggregated_params: DisaggregatedParams | None = None
     # Extensions for stream migration: each streamed choice carries the token ids of its text, and a
     # request may go on from another instance's output (ResumeParams).

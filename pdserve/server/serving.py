@@ -166,7 +166,8 @@ class OpenAIServing:
             max_tokens, max_tokens_param = req.max_completion_tokens, "max_completion_tokens"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling_params(req, max_tokens, logprobs=logprobs, max_tokens_param=max_tokens_param,
-                                       guided=await compiled_spec(self.engine.engine.guides.grammars, req, tools))
+                                       guided=await compiled_spec(self.engine.engine.guides.grammars, req, tools),
+                                       kept=tools.kept_special_ids(self.tokenizer) if tools is not None else ())
         rid, created = self._identity(req, "chatcmpl")
         fields = {"prompt": "messages", "max_tokens": max_tokens_param}
         outputs, first = await self._start(rid, ids, params, req, fields)
@@ -321,9 +322,10 @@ class OpenAIServing:
         return await self._encode(rendered, add_special_tokens=False, param="messages")
 
     def _sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                         max_tokens_param: str = "max_tokens", guided: GuidedSpec | None = None) -> SamplingParams:
+                         max_tokens_param: str = "max_tokens", guided: GuidedSpec | None = None,
+                         kept: tuple[int, ...] = ()) -> SamplingParams:
         """`max_tokens` None: the engine gives the request what the context window leaves (its one check of
-        the context-length rule)."""
+        the context-length rule). `kept`: special tokens that stay in the text (a tool-call syntax's markers)."""
         defaults = self.engine.sampling_defaults  # the checkpoint's recommendations (sampling_defaults.py)
         stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
         recommended = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
@@ -336,7 +338,8 @@ class OpenAIServing:
             return SamplingParams(max_tokens=max_tokens, seed=req.seed, n=req.n, stop=tuple(stop),
                                   stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                                   include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
-                                  guided=guided,
+                                  guided=guided, skip_special_tokens=req.skip_special_tokens,
+                                  kept_special_token_ids=kept,
                                   **{k: v for k, v in fields.items() if v is not None})
         except ValueError as e:
             message = str(e)

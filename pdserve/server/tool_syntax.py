@@ -132,6 +132,8 @@ class Syntax:
 
     name = ""
     example = ""  # how to call, for a template that does not describe the tools itself
+    # Its tags' texts: where the tokenizer makes one a special token, it stays in the output text (tools.py)
+    markers: tuple[str, ...] = ()
     arguments_as_text = False  # its templates write a past call's arguments as given (JSON text), not | tojson
 
     def asks_for(self, template: str) -> bool:
@@ -194,6 +196,7 @@ class Hermes(Syntax):
 
     name = "hermes"
     TAG, END = "<tool_call>", "</tool_call>"
+    markers = (TAG, END)
     example = '<tool_call>\n{"name": <function-name>, "arguments": <args-object>}\n</tool_call>'
 
     def asks_for(self, template: str) -> bool:
@@ -260,6 +263,7 @@ class Llama3(Syntax):
 
     name = "llama3"
     PYTHON_TAG = "<|python_tag|>"
+    markers = (PYTHON_TAG,)
     example = '{"name": <function-name>, "parameters": <args-object>}'
 
     def asks_for(self, template: str) -> bool:
@@ -302,6 +306,7 @@ class DeepSeekV3(Syntax):
     name = "deepseek_v3"
     BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
     CALL, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+    markers = (BEGIN, END, CALL, SEP, CALL_END)
     between = "\n"  # what its templates write between two calls
     arguments_as_text = True
     example = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜><function-name>\n```json\n"

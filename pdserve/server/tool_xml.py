@@ -99,6 +99,7 @@ def _strip_layout(raw: str) -> str:
 class QwenXML(Syntax):
     name = "qwen3_xml"
     TAG, END = "<tool_call>", "</tool_call>"
+    markers = (TAG, END)
     FUNCTION, FUNCTION_END = "<function=", "</function>"
     PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
     example = ("<tool_call>\n<function=example_function_name>\n<parameter=example_parameter>\nvalue\n</parameter>\n"

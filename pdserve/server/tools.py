@@ -13,6 +13,8 @@ Qwen3-Coder and Nemotron 3, DeepSeek-V3's and DeepSeek-V3.1's.
   call (or several, with parallel_tool_calls) whose name is a tool's and whose arguments validate against its
   `parameters`. "auto" lets the model choose, and its text is read: calls become `tool_calls`, text that does not
   read as calls stays content, never an error. "none" sends no tools to the model.
+- A syntax's markers that the tokenizer makes special tokens stay in the output text (other special tokens are
+  left out, unless the request sends skip_special_tokens false), so that its calls are found.
 - Streamed (CallStream), content goes out as it comes up to where a call begins or may begin, then each call as
   OpenAI sends them: its id and name once the name is complete, then its arguments' JSON text as it grows.
 """
@@ -45,6 +47,11 @@ class ToolSetup:
     @property
     def schemas(self) -> dict[str, dict]:
         return {f["name"]: f["parameters"] for f in self.tools}
+
+    def kept_special_ids(self, tokenizer) -> tuple[int, ...]:
+        """The syntax's markers that `tokenizer` makes special tokens (Llama 3.1's <|python_tag|>, Hermes-2-Pro's
+        <tool_call>): they must stay in the text, which is read for calls, when other special tokens are left out."""
+        return tokenizer.special_ids_of(SYNTAXES[self.syntax].markers) if self.parse else ()
 
 
 def call_syntax(template: str | None) -> str:
