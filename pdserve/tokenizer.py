@@ -184,11 +184,11 @@ class Tokenizer:
     def all_special_ids(self) -> frozenset[int]:
         return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
 
-    def special_ids_of(self, texts: Iterable[str]) -> tuple[int, ...]:
-        """The ids of those of `texts` that are special added tokens (which decode drops unless told to keep
-        them), sorted; a text that is no token, or an ordinary one, has none."""
-        ids = (self.token_to_id(t) for t in texts)
-        return tuple(sorted({i for i in ids if i is not None and i in self.all_special_ids}))
+    def special_token_ids(self, texts: Iterable[str]) -> dict[str, int]:
+        """{text: id} of those of `texts` that are special added tokens (which decode leaves out unless told to
+        keep them); a text that is no token, or an ordinary one, is not there."""
+        ids = {t: self.token_to_id(t) for t in texts}
+        return {t: i for t, i in ids.items() if i is not None and i in self.all_special_ids}
 
     @cached_property
     def _length_bound(self) -> tuple[int, re.Pattern[str] | None] | None:

@@ -157,7 +157,8 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
         self._check_common(req)
-        tools = tool_setup(req.tools, req.tool_choice, req.parallel_tool_calls, self.tokenizer.chat_template)
+        tools = tool_setup(req.tools, req.tool_choice, req.parallel_tool_calls, self.tokenizer.chat_template,
+                           self.tokenizer)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         ids = await self._chat_prompt(req, tools)
@@ -167,7 +168,7 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling_params(req, max_tokens, logprobs=logprobs, max_tokens_param=max_tokens_param,
                                        guided=await compiled_spec(self.engine.engine.guides.grammars, req, tools),
-                                       kept=tools.kept_special_ids(self.tokenizer) if tools is not None else ())
+                                       kept=tools.kept_special_ids if tools is not None else ())
         rid, created = self._identity(req, "chatcmpl")
         fields = {"prompt": "messages", "max_tokens": max_tokens_param}
         outputs, first = await self._start(rid, ids, params, req, fields)

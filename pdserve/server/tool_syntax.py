@@ -30,6 +30,7 @@ from pdserve.engine.guided import JSON_LAYOUT
 from pdserve.server.partial_json import INCOMPLETE, INVALID, object_members, skip_ws, value_end
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+NL = "\n"
 _NAME_CHARS = re.compile(r"[A-Za-z0-9_-]*")
 
 
@@ -117,6 +118,19 @@ def lark_literal(s: str) -> str:
     return json.dumps(s, ensure_ascii=False)  # Lark's string escapes are JSON's
 
 
+def lark_text(s: str, special: dict[str, int] | None) -> str:
+    """`s` as a Lark sequence: the markers in it that the tokenizer makes special tokens (`special`: text -> id)
+    as those tokens (llguidance's <[id]>, which a literal's text never matches), the rest as literals."""
+    if not special:
+        return lark_literal(s)
+    parts, at = [], 0
+    for m in re.finditer("|".join(re.escape(t) for t in sorted(special, key=len, reverse=True)), s):
+        parts += [lark_literal(s[at:m.start()])] if m.start() > at else []
+        parts.append(f"<[{special[m.group()]}]>")
+        at = m.end()
+    return " ".join(parts + ([lark_literal(s[at:])] if at < len(s) else []))
+
+
 def as_object(function: dict) -> dict:
     """A tool's parameters, an object even where its schema does not say so (arguments are one)."""
     return {"type": "object", **function["parameters"]}
@@ -139,8 +153,10 @@ class Syntax:
     def asks_for(self, template: str) -> bool:
         raise NotImplementedError
 
-    def grammar(self, functions: list[dict], parallel: bool) -> str:
-        """Lark (llguidance's) for one call of one of `functions` (several with `parallel`)."""
+    def grammar(self, functions: list[dict], parallel: bool, special: dict[str, int] | None = None) -> str:
+        """Lark (llguidance's) for one call of one of `functions` (several with `parallel`); its markers that the
+        tokenizer makes special tokens (`special`: text -> id) as those tokens, as a model trained on them
+        writes them."""
         raise NotImplementedError
 
     def scan(self, text: str, schemas: dict[str, dict], final: bool) -> Scan:
@@ -202,13 +218,13 @@ class Hermes(Syntax):
     def asks_for(self, template: str) -> bool:
         return True
 
-    def grammar(self, functions: list[dict], parallel: bool) -> str:
+    def grammar(self, functions: list[dict], parallel: bool, special: dict[str, int] | None = None) -> str:
         calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": as_object(f)},
                   "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
         schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_LAYOUT}
         more = ' ("\\n" call)*' if parallel else ""  # calls one a line, as Qwen's templates write them
-        return (f'start: call{more}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\n'
-                f"body: %json {json.dumps(schema)}\n")
+        tag, end = lark_text(self.TAG + NL, special), lark_text(NL + self.END, special)
+        return f"start: call{more}\ncall: {tag} body {end}\nbody: %json {json.dumps(schema)}\n"
 
     def scan(self, text: str, schemas: dict[str, dict], final: bool) -> Scan:
         return scan_tagged(text, self.TAG, self.END, final,
@@ -269,7 +285,7 @@ class Llama3(Syntax):
     def asks_for(self, template: str) -> bool:
         return '"parameters": dictionary of argument name' in template or self.PYTHON_TAG in template
 
-    def grammar(self, functions: list[dict], parallel: bool) -> str:
+    def grammar(self, functions: list[dict], parallel: bool, special: dict[str, int] | None = None) -> str:
         calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "parameters": as_object(f)},
                   "required": ["name", "parameters"], "additionalProperties": False} for f in functions]
         schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_LAYOUT}
@@ -321,12 +337,12 @@ class DeepSeekV3(Syntax):
     def tail(self) -> str:
         return f"\n```{self.CALL_END}"
 
-    def grammar(self, functions: list[dict], parallel: bool) -> str:
+    def grammar(self, functions: list[dict], parallel: bool, special: dict[str, int] | None = None) -> str:
         more = (f" ({lark_literal(self.between)} call)*" if self.between else " call*") if parallel else ""
-        rules = [f"start: {lark_literal(self.BEGIN)} call{more} {lark_literal(self.END)}",
+        rules = [f"start: {lark_text(self.BEGIN, special)} call{more} {lark_text(self.END, special)}",
                  "call: " + " | ".join(f"f{i}" for i in range(len(functions)))]
         for i, f in enumerate(functions):
-            rules.append(f"f{i}: {lark_literal(self.head(f['name']))} a{i} {lark_literal(self.tail())}")
+            rules.append(f"f{i}: {lark_text(self.head(f['name']), special)} a{i} {lark_text(self.tail(), special)}")
             rules.append(f"a{i}: %json {json_schema(f)}")
         return "\n".join(rules) + "\n"
 

@@ -35,11 +35,10 @@ import math
 import re
 
 from pdserve.engine.guided import JSON_LAYOUT
-from pdserve.server.tool_syntax import (Call, Cursor, Incomplete, Invalid, Scan, Syntax, held_from, lark_literal,
-                                        scan_tagged)
+from pdserve.server.tool_syntax import (NL, Call, Cursor, Incomplete, Invalid, Scan, Syntax, held_from, lark_literal,
+                                        lark_text, scan_tagged)
 
 _KEY = re.compile(r"[^<>\n]{1,128}")
-NL = "\n"
 
 
 def property_schema(parameters: dict | None, key: str) -> dict:
@@ -151,10 +150,11 @@ class QwenXML(Syntax):
             call.arguments = "{" + ", ".join(pieces)
             cur.i = close + len(self.PARAMETER_END)
 
-    def grammar(self, functions: list[dict], parallel: bool) -> str:
+    def grammar(self, functions: list[dict], parallel: bool, special: dict[str, int] | None = None) -> str:
         more = ' ("\\n" call)*' if parallel else ""
         alternatives = " | ".join(f"f{i}" for i in range(len(functions)))
-        rules = [f"start: call{more}", f"call: {lark_literal(self.TAG + NL)} ({alternatives}) {lark_literal(self.END)}"]
+        rules = [f"start: call{more}",
+                 f"call: {lark_text(self.TAG + NL, special)} ({alternatives}) {lark_text(self.END, special)}"]
         for i, f in enumerate(functions):
             body = [lark_literal(f"{self.FUNCTION}{f['name']}>{NL}")]
             props = f["parameters"].get("properties")

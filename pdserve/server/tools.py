@@ -13,8 +13,9 @@ Qwen3-Coder and Nemotron 3, DeepSeek-V3's and DeepSeek-V3.1's.
   call (or several, with parallel_tool_calls) whose name is a tool's and whose arguments validate against its
   `parameters`. "auto" lets the model choose, and its text is read: calls become `tool_calls`, text that does not
   read as calls stays content, never an error. "none" sends no tools to the model.
-- A syntax's markers that the tokenizer makes special tokens stay in the output text (other special tokens are
-  left out, unless the request sends skip_special_tokens false), so that its calls are found.
+- A syntax's markers that the tokenizer makes special tokens are written by the grammar as those tokens (what a
+  model trained on them writes; a literal's text never matches a special token) and stay in the output text
+  (other special tokens are left out, unless the request sends skip_special_tokens false), so its calls are found.
 - Streamed (CallStream), content goes out as it comes up to where a call begins or may begin, then each call as
   OpenAI sends them: its id and name once the name is complete, then its arguments' JSON text as it grows.
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.engine.sampling_params import GuidedSpec
 from pdserve.server.errors import bad_request
@@ -43,15 +44,18 @@ class ToolSetup:
     guided: GuidedSpec | None
     parse: bool  # look for calls in the output
     syntax: str = "hermes"  # a key of SYNTAXES
+    # the syntax's markers that the tokenizer makes special tokens (Llama 3.1's <|python_tag|>, Hermes-2-Pro's
+    # <tool_call>), text -> id: the grammar writes them as those tokens, and they stay in the text
+    special: dict[str, int] = field(default_factory=dict, hash=False)
 
     @property
     def schemas(self) -> dict[str, dict]:
         return {f["name"]: f["parameters"] for f in self.tools}
 
-    def kept_special_ids(self, tokenizer) -> tuple[int, ...]:
-        """The syntax's markers that `tokenizer` makes special tokens (Llama 3.1's <|python_tag|>, Hermes-2-Pro's
-        <tool_call>): they must stay in the text, which is read for calls, when other special tokens are left out."""
-        return tokenizer.special_ids_of(SYNTAXES[self.syntax].markers) if self.parse else ()
+    @property
+    def kept_special_ids(self) -> tuple[int, ...]:
+        """Special tokens that stay in the output text, which is read for calls, when the others are left out."""
+        return tuple(sorted(self.special.values())) if self.parse else ()
 
 
 def call_syntax(template: str | None) -> str:
@@ -61,8 +65,9 @@ def call_syntax(template: str | None) -> str:
 
 
 def tool_setup(tools: list[dict] | None, tool_choice, parallel: bool | None,
-               template: str | None = None) -> ToolSetup | None:
-    """None when the request uses no tools; a 400 naming the field for a malformed tool or tool_choice."""
+               template: str | None = None, tokenizer=None) -> ToolSetup | None:
+    """None when the request uses no tools; a 400 naming the field for a malformed tool or tool_choice.
+    `tokenizer` (pdserve.tokenizer.Tokenizer) tells which of the syntax's markers are special tokens."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise bad_request("tool_choice needs tools", "tool_choice")
@@ -73,12 +78,13 @@ def tool_setup(tools: list[dict] | None, tool_choice, parallel: bool | None,
         raise bad_request("tools must have distinct function names", "tools")
     choice = "auto" if tool_choice is None else tool_choice
     syntax = call_syntax(template)
+    special = tokenizer.special_token_ids(SYNTAXES[syntax].markers) if tokenizer is not None else {}
     if choice == "none":
         return ToolSetup([], None, False, syntax)
     if choice == "auto":
-        return ToolSetup(functions, None, True, syntax)
+        return ToolSetup(functions, None, True, syntax, special)
     if choice == "required":
-        return ToolSetup(functions, _grammar(functions, parallel is not False, syntax), True, syntax)
+        return ToolSetup(functions, _grammar(functions, parallel is not False, syntax, special), True, syntax, special)
     if isinstance(choice, dict):
         fn = choice.get("function")
         name = fn.get("name") if choice.get("type") == "function" and isinstance(fn, dict) else None
@@ -89,7 +95,7 @@ def tool_setup(tools: list[dict] | None, tool_choice, parallel: bool | None,
             raise bad_request(f"tool_choice names {name!r}, which is not among the tools ({', '.join(names)})",
                               "tool_choice.function.name")
         named = [f for f in functions if f["name"] == name]
-        return ToolSetup(functions, _grammar(named, False, syntax), True, syntax)
+        return ToolSetup(functions, _grammar(named, False, syntax, special), True, syntax, special)
     raise bad_request("tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": "
                       "{\"name\": ...}}", "tool_choice")
 
@@ -110,9 +116,9 @@ def _function(i: int, tool: dict) -> dict:
     return {"name": name, "description": f.get("description") or "", "parameters": params}
 
 
-def _grammar(functions: list[dict], parallel: bool, syntax: str) -> GuidedSpec:
+def _grammar(functions: list[dict], parallel: bool, syntax: str, special: dict[str, int]) -> GuidedSpec:
     """One call (several, with `parallel`, where the syntax has room for them) of one of `functions`."""
-    return GuidedSpec("grammar", SYNTAXES[syntax].grammar(functions, parallel), "tools")
+    return GuidedSpec("grammar", SYNTAXES[syntax].grammar(functions, parallel, special), "tools")
 
 
 def render_messages(messages: list[dict], setup: ToolSetup | None, template: str | None) -> tuple[list[dict], dict]:

@@ -2,9 +2,10 @@
 stay in the output text of a request whose tools are parsed, so its calls are found; every other special token is
 still left out, and `skip_special_tokens: false` (vLLM's field) keeps them all.
 
-The model is a tiny random-weight one whose tokenizer.json names three of its reserved special tokens <tool_call>,
-</tool_call> and <|python_tag|>. A grammar (vLLM's `structured_outputs`, Lark with llguidance's `<[id]>` token
-references) makes it write the special token ids, as a trained model does."""
+The model is a tiny random-weight one whose tokenizer.json renames some of its reserved special tokens to every
+syntax's markers (<tool_call>, </tool_call>, <|python_tag|>, DeepSeek's <｜tool▁...｜>). A grammar (tool_choice
+required's, or vLLM's `structured_outputs` in Lark with llguidance's `<[id]>` token references) makes it write the
+special token ids, as a trained model does."""
 
 from __future__ import annotations
 
@@ -16,15 +17,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from server_harness import ServerThread
 from test_tool_calls import WEATHER
+from test_tool_syntaxes import LLAMA3, TEMPLATES
+from test_tool_syntaxes import TOOLS as ALL_TOOLS
 
 from pdserve.config import EngineConfig, WorkerConfig
+from pdserve.engine.guided import Grammars
 from pdserve.server.app import build_app
-from pdserve.server.tools import SYNTAXES
+from pdserve.server.tools import SYNTAXES, tool_setup
 from pdserve.testing import make_tiny_model
 from pdserve.testing.tiny import EOS_TOKEN_ID
 from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
-MARKERS = ("<tool_call>", "</tool_call>", "<|python_tag|>")
+MARKERS = tuple(dict.fromkeys(m for syntax in SYNTAXES.values() for m in syntax.markers))
 WEATHER_TOOL = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
                                                   "parameters": WEATHER}}]
 ASK = [{"role": "user", "content": "Weather?"}]
@@ -59,9 +63,10 @@ def _ids(tok: Tokenizer) -> tuple[int, int, int]:
 
 
 def test_kept_markers_stay_and_other_special_tokens_go(tok):
-    kept = tok.special_ids_of(SYNTAXES["hermes"].markers)
-    assert kept == tuple(sorted(_ids(tok)[:2]))
-    assert tok.special_ids_of(("<|python_tag|>", "no such token", "a")) == (tok.token_to_id("<|python_tag|>"),)
+    kept = tuple(tok.special_token_ids(SYNTAXES["hermes"].markers).values())
+    assert kept == _ids(tok)[:2]
+    tag = "<|python_tag|>"
+    assert tok.special_token_ids((tag, "no such token", "a")) == {tag: tok.token_to_id(tag)}
     text = 'a<tool_call>\n{"x": 1}\n</tool_call><|reserved_0|>b'
     ids = tok.encode(text, add_special_tokens=False)
     assert tok.decode(ids) == 'a\n{"x": 1}\nb'  # the default: every special token left out
@@ -75,7 +80,7 @@ def test_kept_markers_stay_and_other_special_tokens_go(tok):
 def test_incremental_deltas_join_to_the_decode_with_kept_ids(tok, data):
     """Whatever the ids and however they arrive, the streamed text adds up to the full decode, with the markers
     kept, with every special token kept, and with none (multi-byte characters split over tokens included)."""
-    kept = tok.special_ids_of(MARKERS)
+    kept = tuple(tok.special_token_ids(MARKERS).values())
     pool = [*kept, EOS_TOKEN_ID, *_ids(tok)[2:], *tok.encode("é日🙂 ab{\"x\": 1}\n", add_special_tokens=False)]
     ids = data.draw(st.lists(st.sampled_from(pool) | st.integers(3, 500), max_size=24))
     prompt = tok.encode("<|im_start|>assistant\n<tool_call>", add_special_tokens=False)
@@ -159,3 +164,31 @@ def test_skip_special_tokens_false_keeps_them_all_and_the_default_drops_them(cli
     chat = dict(model="tiny", messages=ASK, max_tokens=20, temperature=0)
     assert client.chat.completions.create(**chat, extra_body=so).choices[0].message.content == "xyz"
     assert client.chat.completions.create(**chat, extra_body=off).choices[0].message.content == everything
+
+
+@pytest.mark.parametrize("syntax", ("hermes", "qwen3_xml", "deepseek_v3", "deepseek_v31", "llama3"))
+def test_the_required_grammar_writes_special_markers_as_their_tokens(marked_dir, tok, syntax):
+    """tool_choice required's grammar takes the calls as the syntax writes them, encoded by a tokenizer that makes
+    the markers special tokens (as the model's own past calls are, and as a model trained on them writes them)."""
+    setup = tool_setup(ALL_TOOLS, "required", None, TEMPLATES.get(syntax, LLAMA3 if syntax == "llama3" else None), tok)
+    assert setup.syntax == syntax
+    assert set(setup.kept_special_ids) == {tok.token_to_id(m) for m in SYNTAXES[syntax].markers}
+    grammars = Grammars(tok.backend.to_str(), 1024, [EOS_TOKEN_ID])
+    guide = grammars.guide(setup.guided)
+    calls = [("get_weather", {"city": "paris", "days": 3}), ("add", {"a": 1, "b": 2})][:1 if syntax == "llama3" else 2]
+    ids = tok.encode(SYNTAXES[syntax].write_calls(calls), add_special_tokens=False)
+    assert set(ids) & set(setup.kept_special_ids) or syntax == "llama3"  # (Llama 3.1's calls have no marker)
+    guide.sync(ids)
+    assert guide.matcher.is_accepting()
+
+
+def test_required_calls_through_special_markers_stream_and_not(client):
+    kw = dict(model="tiny", messages=ASK, tools=WEATHER_TOOL, tool_choice="required", parallel_tool_calls=False,
+              max_tokens=200, temperature=0)
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    calls, content, reason = _streamed_calls(client.chat.completions.create(**kw, stream=True))
+    assert (calls, content, reason) == ({0: {"name": "get_weather", "arguments": call.function.arguments}}, "",
+                                        "tool_calls")
