@@ -15,14 +15,11 @@ import jsonschema
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from server_harness import ServerThread
-from test_tool_calls import WEATHER
+from test_tool_calls import WEATHER, tool_client  # noqa: F401 (a fixture, over this module's tool_model)
 from test_tool_syntaxes import LLAMA3, TEMPLATES
 from test_tool_syntaxes import TOOLS as ALL_TOOLS
 
-from pdserve.config import EngineConfig, WorkerConfig
 from pdserve.engine.guided import Grammars
-from pdserve.server.app import build_app
 from pdserve.server.tools import SYNTAXES, tool_setup
 from pdserve.testing import make_tiny_model
 from pdserve.testing.tiny import EOS_TOKEN_ID
@@ -105,17 +102,9 @@ def _call_grammar(tok: Tokenizer) -> str:
 
 
 @pytest.fixture(scope="module")
-def client(marked_dir):
-    openai = pytest.importorskip("openai")
-    from pdserve.engine.async_engine import AsyncEngine
-
-    engine = AsyncEngine.from_config(EngineConfig(model=str(marked_dir), served_model_name="tiny", device="cpu",
-                                                  max_model_len=1024, num_kv_blocks=160, tokens_per_block=8))
-    try:
-        with ServerThread(build_app(engine, WorkerConfig(model=str(marked_dir)))) as srv:
-            yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=60, max_retries=0)
-    finally:
-        engine.shutdown()
+def tool_model(marked_dir):
+    """The model test_tool_calls' served `tool_client` serves here."""
+    return marked_dir
 
 
 def _streamed_calls(stream) -> tuple[dict, str, str | None]:
@@ -131,39 +120,40 @@ def _streamed_calls(stream) -> tuple[dict, str, str | None]:
     return calls, content, reason
 
 
-def test_a_call_between_special_markers_comes_back_as_tool_calls(client, tok):
+def test_a_call_between_special_markers_comes_back_as_tool_calls(tool_client, tok):
     kw = dict(model="tiny", messages=ASK, tools=WEATHER_TOOL, tool_choice="auto", max_tokens=200, temperature=0,
               extra_body={"structured_outputs": {"grammar": _call_grammar(tok)}})
-    choice = client.chat.completions.create(**kw).choices[0]
+    choice = tool_client.chat.completions.create(**kw).choices[0]
     assert choice.finish_reason == "tool_calls", choice
     assert choice.message.content is None  # the other special token is left out
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER)
-    calls, content, reason = _streamed_calls(client.chat.completions.create(**kw, stream=True))
+    calls, content, reason = _streamed_calls(tool_client.chat.completions.create(**kw, stream=True))
     assert reason == "tool_calls" and content == ""
     assert calls == {0: {"name": "get_weather", "arguments": call.function.arguments}}
     # a moved stream (resume, as the orchestrator sends it) goes on from the marker the lost instance sent
     resume = {"token_ids": list(_ids(tok)[2:]) + [_ids(tok)[0]], "sent_chars": 0}
-    moved = client.chat.completions.create(**{**kw, "extra_body": {**kw["extra_body"], "resume": resume}}, stream=True)
+    moved = tool_client.chat.completions.create(**{**kw, "extra_body": {**kw["extra_body"], "resume": resume}},
+                                                stream=True)
     assert _streamed_calls(moved) == (calls, "", "tool_calls")
 
 
-def test_skip_special_tokens_false_keeps_them_all_and_the_default_drops_them(client, tok):
+def test_skip_special_tokens_false_keeps_them_all_and_the_default_drops_them(tool_client, tok):
     open_, close, other = _ids(tok)
     grammar = f'start: "x" <[{open_}]> "y" <[{other}]> "z" <[{close}]>'
     kw = dict(model="tiny", prompt="hi", max_tokens=20, temperature=0)
     so = {"structured_outputs": {"grammar": grammar}}
-    assert client.completions.create(**kw, extra_body=so).choices[0].text == "xyz"
+    assert tool_client.completions.create(**kw, extra_body=so).choices[0].text == "xyz"
     everything = "x<tool_call>y<|reserved_0|>z</tool_call>"
     off = {**so, "skip_special_tokens": False}
-    assert client.completions.create(**kw, extra_body=off).choices[0].text == everything
-    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, extra_body=off, stream=True))
-    assert streamed == everything
+    assert tool_client.completions.create(**kw, extra_body=off).choices[0].text == everything
+    stream = tool_client.completions.create(**kw, extra_body=off, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == everything
     # a chat request without tools keeps no markers; with skip_special_tokens false it keeps every special token
     chat = dict(model="tiny", messages=ASK, max_tokens=20, temperature=0)
-    assert client.chat.completions.create(**chat, extra_body=so).choices[0].message.content == "xyz"
-    assert client.chat.completions.create(**chat, extra_body=off).choices[0].message.content == everything
+    assert tool_client.chat.completions.create(**chat, extra_body=so).choices[0].message.content == "xyz"
+    assert tool_client.chat.completions.create(**chat, extra_body=off).choices[0].message.content == everything
 
 
 @pytest.mark.parametrize("syntax", ("hermes", "qwen3_xml", "deepseek_v3", "deepseek_v31", "llama3"))
@@ -182,13 +172,13 @@ def test_the_required_grammar_writes_special_markers_as_their_tokens(marked_dir,
     assert guide.matcher.is_accepting()
 
 
-def test_required_calls_through_special_markers_stream_and_not(client):
+def test_required_calls_through_special_markers_stream_and_not(tool_client):
     kw = dict(model="tiny", messages=ASK, tools=WEATHER_TOOL, tool_choice="required", parallel_tool_calls=False,
               max_tokens=200, temperature=0)
-    choice = client.chat.completions.create(**kw).choices[0]
+    choice = tool_client.chat.completions.create(**kw).choices[0]
     assert choice.finish_reason == "tool_calls", choice
     (call,) = choice.message.tool_calls
     jsonschema.validate(json.loads(call.function.arguments), WEATHER)
-    calls, content, reason = _streamed_calls(client.chat.completions.create(**kw, stream=True))
+    calls, content, reason = _streamed_calls(tool_client.chat.completions.create(**kw, stream=True))
     assert (calls, content, reason) == ({0: {"name": "get_weather", "arguments": call.function.arguments}}, "",
                                         "tool_calls")
