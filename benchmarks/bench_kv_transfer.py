@@ -2,7 +2,7 @@
 
     python benchmarks/bench_kv_transfer.py [--tokens 512 2048 8192] [--dtypes fp32 bf16 fp8]
         [--backend nixl|shm] [--reps 5] [--contiguous-reps 21] [--case-timeout 240]
-        [--tables contiguous nhd checksum] [--nixl-progress-delay-us US] [--device cpu|cuda]
+        [--tables contiguous nhd checksum] [--nixl-progress-delay-us US] [--device cpu|cuda] [--trace]
 
 KV of SmolLM2-135M's shape (30 layers, 3 KV heads, head_dim 64, 16 tokens per block). Every case
 runs in two fresh spawned processes: a context instance (tp1) and a generation instance, started and
@@ -38,6 +38,7 @@ Table 2 (tp1 -> tp3, NHD: one fragment per layer, K/V and token per gen rank), d
 Table 3 (tp1 -> tp1, HND contiguous, and tp1 -> tp3 NHD), checksum off vs on (integrity.py): the
   same transfer with a CRC32 per block digested on ctx and checked on gen, reps alternating off / on;
   the checksum stage seconds are summed over both sides.
+--trace adds, under each row of table 1, where context_first's time goes, stage by stage (kv_trace.py).
 The load average is printed with each table: absolute figures on a shared machine are noisy.
 --device cuda puts every pool in GPU memory (VRAM -> VRAM over NIXL, both processes on device 0);
 the copy column is then a device-to-device torch copy. Checksums read host memory, so with cuda the
@@ -52,10 +53,12 @@ import os
 import queue
 import signal
 import statistics
+import tempfile
 import time
 
 import numpy as np
 
+import kv_trace
 from pdserve.kv_transfer.agents import make_agent
 from pdserve.kv_transfer.agents.base import MemoryRegion
 from pdserve.kv_transfer.agents.shm import allocate_shared
@@ -135,6 +138,8 @@ def ctx_main(case: dict, inbox, outbox) -> None:
     """Context instance (tp1). Commands: ("offer", rid, n_blocks, parked) -> serve it (parked: once the
     gen's REQUEST_DATA waits for it), answer ("offered", rid, offer time) and ("served", stage seconds,
     stats); ("raw", gen RankInfo bytes list) -> ("raw", seconds); None -> exit."""
+    if case.get("trace_dir"):
+        kv_trace.install(case["trace_dir"], "ctx")
     blocks = -(-case["tokens"] // TPB)
     ranks, infos = build("ctx", 1, blocks, case["elt"], case["layout"], case["backend"], case["bounce"],
                          case.get("checksum", False), case.get("nixl_delay"), case.get("device", "cpu"),
@@ -185,6 +190,8 @@ def ctx_main(case: dict, inbox, outbox) -> None:
 
 def gen_main(case: dict, results) -> None:
     """Generation instance: drives the ctx process and reports per-rep timings to `results`."""
+    if case.get("trace_dir"):
+        kv_trace.install(case["trace_dir"], "gen")
     spawn = mp.get_context("spawn")
     inbox, outbox = spawn.Queue(), spawn.Queue()
     ctx = spawn.Process(target=ctx_main, args=(case, inbox, outbox), daemon=True)
@@ -353,6 +360,8 @@ def contiguous_table(args) -> None:
                     "gen_tp": 1, "backend": args.backend,
                     "nixl_delay": args.nixl_progress_delay_us, "device": args.device,
                     "bounce": None, "reps": args.contiguous_reps, "raw": True, "warm_full": True, "gen_first": True}
+            trace = tempfile.TemporaryDirectory(prefix="kv-trace-") if args.trace else None
+            case["trace_dir"] = trace and trace.name
             r = run_case(case, args.case_timeout)
             ours, raw, gf = _median(r["ours"]), _median(r["raw"]), _median(r["gen_first"])
             added = lambda t: None if t is None or raw is None else t - raw  # noqa: E731
@@ -368,6 +377,9 @@ def contiguous_table(args) -> None:
                   f"{_fmt(None if gf is None or raw is None else raw / gf, width=6)} {_fmt(added(gf), 1e3, 6)} "
                   f"{_fmt(_median([st['plan'] for st in r['stages']]), 1e3, 7, 3)} "
                   f"{_fmt(_median([st['submit'] for st in r['stages']]), 1e3, 9, 3)}  {r['status']}", flush=True)
+            if trace is not None:
+                print(kv_trace.report(trace.name, args.contiguous_reps), flush=True)
+                trace.cleanup()
 
 
 def nhd_table(args) -> None:
@@ -447,6 +459,8 @@ def main() -> None:
                              "rep at 2048 tokens) and scripts/gpu_check's KV step has 110 s for every case)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="where the KV pools live (cuda: VRAM -> VRAM; needs --backend nixl, no checksum table)")
+    parser.add_argument("--trace", action="store_true",
+                        help="table 1: print where context_first's time goes, stage by stage (kv_trace.py)")
     args = parser.parse_args()
     if args.direct_max_tokens is None and args.device == "cuda":
         args.direct_max_tokens = 512
