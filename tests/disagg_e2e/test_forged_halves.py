@@ -13,6 +13,7 @@ still serves a real split whose text equals the aggregated greedy text, and neit
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -60,8 +61,9 @@ def _fresh_id() -> int:
     return next(_ids) + time.monotonic_ns() % (1 << 40)
 
 
-def _context_only(ctx, disagg_id: int, **extra) -> dict:
-    r = _post(ctx.url, _with({"request_type": "context_only", "disagg_request_id": disagg_id, **extra}))
+def _context_only(ctx, disagg_id: int, body: dict = BODY, **extra) -> dict:
+    params = {"request_type": "context_only", "disagg_request_id": disagg_id, **extra}
+    r = _post(ctx.url, {**body, "disaggregated_params": params})
     assert r.status_code == 200, r.text
     return r.json()["disaggregated_params"]
 
@@ -211,3 +213,22 @@ def test_an_unreachable_endpoint_is_still_a_503(pair):
     r = _post(gen.url, _with(_generation_only(f"tcp://127.0.0.1:{free_port()}")))
     assert r.status_code == 503, r.text
     gen.wait_blocks_free(timeout=5.0)
+
+
+def test_skip_special_tokens_holds_on_the_generation_half(pair):
+    """skip_special_tokens (issue 44) on a real split: the generation worker, which writes the text from the context
+    worker's first token on, keeps a special token with false and leaves it out by default, streamed and not."""
+    ctx, gen = pair
+    # ("a" is the context worker's token, then the special <|endoftext|> (id 0) and "b" the generation worker's)
+    body = {**BODY, "ignore_eos": False, "structured_outputs": {"grammar": 'start: "a" <[0]> "b"'}}
+    for skip, want in ((True, "ab"), (False, "a<|endoftext|>b")):
+        half = {**body, "skip_special_tokens": skip}
+        params = _context_only(ctx, _fresh_id(), half)
+        r = _post(gen.url, {**half, "disaggregated_params": params})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+        with httpx.stream("POST", gen.url + "/v1/completions", timeout=30, json={
+                **half, "stream": True, "disaggregated_params": _context_only(ctx, _fresh_id(), half)}) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == want
+    for inst in pair:
+        inst.wait_blocks_free(timeout=5.0)
