@@ -150,6 +150,11 @@ def test_skip_special_tokens_false_keeps_them_all_and_the_default_drops_them(too
     assert tool_client.completions.create(**kw, extra_body=off).choices[0].text == everything
     stream = tool_client.completions.create(**kw, extra_body=off, stream=True)
     assert "".join(c.choices[0].text for c in stream) == everything
+    # a moved stream counts the characters its client has in the same text, special tokens and all
+    sent = "x<tool_call>"
+    resume = {"token_ids": tok.encode(sent, add_special_tokens=False), "sent_chars": len(sent)}
+    moved = tool_client.completions.create(**kw, extra_body={**off, "resume": resume}, stream=True)
+    assert "".join(c.choices[0].text for c in moved) == everything[len(sent):]
     # a chat request without tools keeps no markers; with skip_special_tokens false it keeps every special token
     chat = dict(model="tiny", messages=ASK, max_tokens=20, temperature=0)
     assert tool_client.chat.completions.create(**chat, extra_body=so).choices[0].message.content == "xyz"
