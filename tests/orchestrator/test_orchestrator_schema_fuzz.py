@@ -46,7 +46,7 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 
 
 @schema.parametrize()
-@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
 def test_no_request_through_the_orchestrator_gets_a_5xx(case, orchestrator):
     case.call_and_validate(base_url=orchestrator.url, checks=[not_a_server_error], timeout=60)
 

@@ -22,7 +22,7 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 
 
 @schema.parametrize()
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 def test_no_request_the_schema_allows_gets_a_5xx(case):
     case.call_and_validate(checks=[not_a_server_error], timeout=60)
 
