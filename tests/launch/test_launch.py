@@ -4,16 +4,19 @@ that leaves no process behind."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from typing import Literal
 
 import psutil
 import pytest
 import yaml
 from openai import OpenAI
+from pydantic import BaseModel, Field
 
 from pdserve.cli import main
 from pdserve.config import EngineConfig
@@ -62,12 +65,40 @@ def test_launch_serves_disaggregated_and_stops_cleanly(tmp_path, tiny):
             want = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
         assert got.choices[0].text == want.text
         assert got.usage.completion_tokens == 12
+        _structured_and_tool_calls(client)
         out = stop_cleanly(proc)
         assert "stopped." in out
         deadline = time.monotonic() + 10
         while any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children):
             assert time.monotonic() < deadline, "processes outlived pdserve launch"
             time.sleep(0.2)
+
+
+class Item(BaseModel):
+    color: Literal["red", "green", "blue"]
+    count: int = Field(ge=0, le=99)  # bounded: a random model's digits would run on past max_tokens
+
+
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                        "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+       "required": ["a", "b"], "additionalProperties": False}
+
+
+def _structured_and_tool_calls(client: OpenAI) -> None:
+    """Through the launched cluster (disaggregated): a json_schema answer parses into its pydantic model, and a
+    required tool call names the tool with arguments its schema takes (issue 44's done-when)."""
+    ask = [{"role": "user", "content": "An item, please"}]
+    reply = client.chat.completions.parse(model="m", messages=ask, response_format=Item, max_tokens=40,
+                                          temperature=0)
+    assert isinstance(reply.choices[0].message.parsed, Item), reply.choices[0].message.content
+    tools = [{"type": "function", "function": {"name": "add", "description": "Sum", "parameters": ADD}}]
+    reply = client.chat.completions.create(model="m", messages=ask, tools=tools, tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=100, temperature=0)
+    assert reply.choices[0].message.tool_calls, reply
+    call = reply.choices[0].message.tool_calls[0]
+    assert reply.choices[0].finish_reason == "tool_calls" and call.function.name == "add"
+    args = json.loads(call.function.arguments)
+    assert set(args) == {"a", "b"} and all(0 <= v <= 99 for v in args.values()), args
 
 
 def test_launch_without_context_instances_serves_aggregated_and_dies_with_its_servers(tmp_path, tiny):
