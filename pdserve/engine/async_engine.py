@@ -25,7 +25,7 @@ from pdserve.engine.llm_engine import LLMEngine, RequestError, StepRecord
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.kv.events import KVEventPublisher
-from pdserve.engine.sequence import DisaggInfo, RequestType, Resume
+from pdserve.engine.sequence import DisaggInfo, RequestType, Resume, num_answers
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class AsyncEngine:
             # and nobody would read it: abort it (queued after the add, so applied after it).
             self._commands.put(_Abort(add=cmd))
             raise
-        open_choices = params.n
+        open_choices = num_answers(request_type, params.n)
         try:
             while open_choices:
                 out = await outputs.get()
@@ -236,7 +236,7 @@ class AsyncEngine:
                 cmd.done.set_exception(e)
                 return
             self._sinks[rid] = cmd.sink
-            self._open[rid] = cmd.params.n
+            self._open[rid] = num_answers(cmd.request_type, cmd.params.n)
             cmd.done.set_result(rid)
         elif isinstance(cmd, _Abort):
             rid = cmd.request_id if cmd.add is None else _added_id(cmd.add)

@@ -164,13 +164,13 @@ class LLMEngine:
                     request_type: RequestType = RequestType.CONTEXT_AND_GENERATION,
                     disagg: DisaggInfo | None = None, resume: Resume | None = None) -> str:
         request_id = request_id or f"req-{next(self._ids)}"
+        if params.n > 1 and (resume is not None or (disagg is not None and disagg.generation_first)):
+            raise RequestError("n > 1 is served from the start, aggregated or disaggregated with schedule_style "
+                               "context_first: send it without resume and generation_first, or with n = 1", "n")
         if request_type is not RequestType.CONTEXT_AND_GENERATION:
-            self._check_disagg(request_type, disagg)
+            self._check_disagg(request_type, disagg, params)
         if any(choice_id(request_id, c) in self.seqs for c in range(params.n)):
             raise RequestError(f"request id {request_id!r} is already in flight")
-        if params.n > 1 and (request_type is not RequestType.CONTEXT_AND_GENERATION or resume is not None):
-            raise RequestError("n > 1 is served by one instance from the start: send it without "
-                               "disaggregated_params and resume, or with n = 1", "n")
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestError("the prompt is empty", "prompt")
@@ -191,9 +191,10 @@ class LLMEngine:
         tracker = OutputTracker(seq, detok)
         if request_type is RequestType.CONTEXT_ONLY:
             disagg.pipelined = disagg.generation_first and self.ecfg.cache_transceiver_config.pipelined_transfer
-        if request_type is RequestType.GENERATION_ONLY and not disagg.generation_first:
+        if request_type is RequestType.GENERATION_ONLY and not disagg.generation_first and params.n == 1:
             # Decode resumes after the context instance's first token, which is part of our output,
-            # and so is its logprob entry when one was asked for (generation_first: it comes with the KV).
+            # and so is its logprob entry when one was asked for (generation_first: it comes with the KV;
+            # n > 1: each choice takes its own when the KV is in place, scheduler.kv_arrived).
             seq.output_token_ids = list(disagg.first_gen_tokens)
             if params.logprobs is not None:
                 seq.output_logprobs = list(disagg.first_gen_logprobs)
@@ -210,8 +211,12 @@ class LLMEngine:
         """RequestError naming the field to blame when the request's grammar cannot be used, or when the output
         it starts with (a moved stream's tokens, a context instance's first token) is not allowed by it."""
         param = "resume.token_ids" if resume is not None else "disaggregated_params.first_gen_tokens"
+        # n > 1 (generation_only): each choice starts from its own first token, taken when the KV arrives
+        gen_n = seq.forks_now and seq.request_type is RequestType.GENERATION_ONLY
+        starts = [[t] for t in seq.disagg.first_gen_tokens] if gen_n else [seq.output_token_ids]
         try:
-            self.guides.check(seq.params.guided, seq.output_token_ids, param)
+            for output in starts:
+                self.guides.check(seq.params.guided, output, param)
         except GuidedError as e:
             raise RequestError(str(e), e.param) from None
 
@@ -270,7 +275,7 @@ class LLMEngine:
                                "characters resume.token_ids stand for", "resume.sent_chars")
         tracker.sent, tracker.sent_tokens = resume.sent_chars, len(ids)
 
-    def _check_disagg(self, request_type: RequestType, disagg: DisaggInfo | None) -> None:
+    def _check_disagg(self, request_type: RequestType, disagg: DisaggInfo | None, params: SamplingParams) -> None:
         if self.runner.connector is None:
             raise RequestError(
                 f"request_type {request_type.value!r} needs the KV transceiver, which is disabled on this worker: "
@@ -293,8 +298,13 @@ class LLMEngine:
             if disagg.generation_first and disagg.first_gen_tokens:
                 raise RequestError("generation_only with schedule_style generation_first gets its first token with "
                                    "the KV: send disaggregated_params.first_gen_tokens empty")
-            if not disagg.generation_first and len(disagg.first_gen_tokens) != 1:
-                raise RequestError("generation_only needs exactly one token in disaggregated_params.first_gen_tokens")
+            if not disagg.generation_first and len(disagg.first_gen_tokens) != params.n:
+                raise RequestError(f"generation_only with n = {params.n} needs exactly {params.n} token(s) in "
+                                   f"disaggregated_params.first_gen_tokens (one per choice), got "
+                                   f"{len(disagg.first_gen_tokens)}", "disaggregated_params.first_gen_tokens")
+            if entries and [e["token_id"] for e in entries] != list(disagg.first_gen_tokens):
+                raise RequestError("the logprob entries in disaggregated_params.opaque_state are not of the tokens in "
+                                   "disaggregated_params.first_gen_tokens", "disaggregated_params.opaque_state")
             if not disagg.ctx_info_endpoint:
                 raise RequestError("generation_only needs disaggregated_params.ctx_info_endpoint")
 

@@ -14,7 +14,8 @@ class ContextResult:
     into the HTTP `disaggregated_params`, adding this instance's KV endpoint)."""
 
     disagg_request_id: int
-    first_token: FirstToken
+    first_token: FirstToken  # choice 0's
+    other_choices: tuple[FirstToken, ...] = ()  # n > 1: choices 1..n-1's first tokens, drawn from the same logits
 
 
 @dataclass

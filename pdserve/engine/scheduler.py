@@ -29,6 +29,11 @@ Lifecycle. SeqState is an ordered IntEnum; each arrow names the call that takes 
   CTX_TRANSMITTING: the generation side waits for that KV all the same.
   (One more arrow lives in output.py: OutputTracker.on_token finishes a request on a stop string.)
 
+A request with n > 1 choices (forks.py): its first sampling step draws a token per choice; aggregated,
+choices 1..n-1 are forked into RUNNING (or WAITING, when no room); context_only, every draw rides in its
+answer and it parks in CTX_TRANSMITTING even if choice 0's token ended it; generation_only, kv_arrived()
+forks them from the KV that arrived, each from its own first token.
+
 Where a request is: `waiting` (no blocks), `running` (blocks, stepped), `parked` (blocks, not stepped:
 GEN_AWAITING_KV, CTX_TRANSMITTING, or held), or retired (gone from every table, blocks freed).
 
@@ -48,9 +53,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdserve.engine.block_manager import BlockManager, block_hashes
+from pdserve.engine.forks import ChoiceForks
 from pdserve.engine.kv.wire import FirstToken
 from pdserve.engine.output import ContextResult, OutputTracker, RequestOutput
-from pdserve.engine.sequence import FinishReason, RequestType, Sequence, SeqState, choice_id
+from pdserve.engine.sequence import FinishReason, RequestType, Sequence, SeqState
 from pdserve.engine.step_budget import TpotBudget, sliver_waits
 
 if TYPE_CHECKING:
@@ -84,7 +90,7 @@ class ScheduledSeq:
         return self.num_new_tokens > 1 or self.seq.num_tokens - self.start > 1
 
 
-class Scheduler:
+class Scheduler(ChoiceForks):
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_tokens: int, chunked_prefill: bool,
                  eos_token_ids: frozenset[int] = frozenset(), max_model_len: int = sys.maxsize,
                  tpot_budget: TpotBudget | None = None):
@@ -246,9 +252,9 @@ class Scheduler:
         row = 0
         for s in sampling:
             i, row = row, row + s.choices
-            if s.choices > 1:  # before the request's own token, which may finish it and free its blocks
-                self._fork(s.seq, result, range(i + 1, row))
-            error = result.error(i)
+            others = [(result.token_ids[j], result.logprobs[j], result.top_logprobs[j], result.error(j))
+                      for j in range(i + 1, row)]
+            error = (self._other_draws(s.seq, others) if others else None) or result.error(i)
             try:
                 if error is None:
                     self._take_token(s.seq, result.token_ids[i], result.logprobs[i], result.top_logprobs[i])
@@ -257,47 +263,6 @@ class Scheduler:
                 error = f"{type(e).__name__}: {e}"
             if error is not None:
                 self.fail(s.seq, error)
-
-    def _fork(self, seq: Sequence, result: SampleResult, rows: range) -> None:
-        """Choices 1..n-1 of `seq`'s request, from rows `rows` of its first step's samples. Each shares the
-        prompt's full blocks, gets a copy of the partial last one and of the recurrent state (made by every
-        rank before the next step), and decodes on from its own first token. A choice that finds no free
-        block, state slot or batch row waits, to be computed from its prompt like a preempted request."""
-        seq.forked = True
-        tpb, done = self.blocks.tokens_per_block, seq.num_computed_tokens
-        full, tail = divmod(done, tpb)
-        tracker = self.trackers[seq.request_id]
-        for c, i in enumerate(rows, start=1):
-            child = Sequence(choice_id(seq.request_id, c), seq.prompt_token_ids, seq.params, seq.request_type,
-                             output_token_ids=list(seq.output_token_ids), num_cached_tokens=seq.num_cached_tokens,
-                             arrival_time=seq.arrival_time, choice=c, group_id=seq.request_id, forked=True)
-            self.seqs[child.request_id] = child
-            self.trackers[child.request_id] = tracker.fork(child)
-            placed = (len(self.running) < self.max_num_seqs and self.blocks.has_state_slot
-                      and (not tail or self.blocks.num_free_blocks > 0))
-            if placed:
-                self.blocks.take(seq.block_ids[:full])
-                child.block_ids = seq.block_ids[:full] + (self.blocks.allocate(1) if tail else [])
-                child.state_slot = self.blocks.allocate_state()
-                child.num_computed_tokens, child.state = done, SeqState.RUNNING
-                self.running.append(child)
-            else:
-                self.waiting.appendleft(child)
-            if result.error(i) is None:
-                self._take_token(child, result.token_ids[i], result.logprobs[i], result.top_logprobs[i])
-            else:
-                self.fail(child, result.error(i))
-            if placed and child.request_id in self.seqs:  # not ended by its first token
-                if tail:
-                    self.block_copies.append((seq.block_ids[full], child.block_ids[full]))
-                if child.state_slot >= 0:
-                    self.state_copies.append((seq.state_slot, child.state_slot))
-
-    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The block and state copies the next step must make first."""
-        out = self.block_copies, self.state_copies
-        self.block_copies, self.state_copies = [], []
-        return out
 
     def commit(self, batch: list[ScheduledSeq]) -> None:
         """After the forward pass: advance computed counts and publish newly full blocks."""
@@ -322,7 +287,8 @@ class Scheduler:
         self._check_stop(seq, token)
         # generation_first: the generation side waits for this prompt's KV even when the first
         # token already ends the request, so it is sent all the same.
-        awaited = seq.request_type is RequestType.CONTEXT_ONLY and seq.disagg.generation_first
+        # n > 1: its other choices' first tokens ride in its answer, whether or not this one ended.
+        awaited = seq.request_type is RequestType.CONTEXT_ONLY and (seq.disagg.generation_first or seq.params.n > 1)
         if seq.is_finished and not awaited:
             self._retire(seq)
             self.outputs.append(self.trackers.pop(seq.request_id).flush())
@@ -357,8 +323,10 @@ class Scheduler:
         """context_only: the client's answer is complete; the KV stays until the transfer settles."""
         out = self.trackers.pop(seq.request_id).flush()
         out.finished, out.finish_reason = True, (seq.finish_reason or FinishReason.LENGTH).value
-        out.context = ContextResult(seq.disagg.disagg_request_id,
-                                    FirstToken(seq.output_token_ids[0], tuple(seq.output_logprobs[:1])))
+        d = seq.disagg
+        others = tuple(FirstToken(t, d.first_gen_logprobs[c:c + 1]) for c, t in enumerate(d.first_gen_tokens))
+        out.context = ContextResult(d.disagg_request_id,
+                                    FirstToken(seq.output_token_ids[0], tuple(seq.output_logprobs[:1])), others)
         return out
 
     # -- what the KV exchange settled: GEN_AWAITING_KV -> RUNNING, CTX_TRANSMITTING -> FINISHED ---------
@@ -374,6 +342,9 @@ class Scheduler:
         self._publish(seq, 0)  # the prompt's KV came whole: a later request with its prefix reuses it here
         seq.state = SeqState.RUNNING
         self.running.append(seq)
+        if seq.forks_now:  # n > 1 (context_first): every choice's first token came with the request
+            self._first_choices(seq)
+            return
         if first is not None:
             seq.output_token_ids.append(first.token)
             if seq.params.logprobs is not None:

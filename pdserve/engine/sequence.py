@@ -54,8 +54,10 @@ class DisaggInfo:
     disagg_request_id: int  # the transfer's key on both instances
     ctx_info_endpoint: str | None = None  # generation_only: the context instance's control endpoint
     ctx_dp_rank: int = 0
+    # generation_only (context_first): the context instance's first token, one per choice with n > 1;
+    # context_only with n > 1: choices 1..n-1's first draws, for its answer (forks.py)
     first_gen_tokens: tuple[int, ...] = ()
-    first_gen_logprobs: tuple[dict, ...] = ()  # context_first: first_gen_tokens' logprob entry, when asked for
+    first_gen_logprobs: tuple[dict, ...] = ()  # context_first: first_gen_tokens' logprob entries, when asked for
     schedule_style: str = "context_first"  # generation_first: the receiver asks before prefill ends
     pipelined: bool = False  # context side: offer each prefill chunk as it is computed
     transfer_started: bool = False
@@ -76,6 +78,12 @@ class DisaggInfo:
 def choice_id(request_id: str, choice: int) -> str:
     """The engine's id of choice `choice` of a request with n > 1 (choice 0 has the request's own id)."""
     return request_id if choice == 0 else f"{request_id}/choice{choice}"
+
+
+def num_answers(request_type: RequestType, n: int) -> int:
+    """How many finished outputs a request of `n` choices has: one per choice, but one for a context_only
+    request, whose answer carries every choice's first token (its hand-off)."""
+    return 1 if request_type is RequestType.CONTEXT_ONLY else n
 
 
 @dataclass
@@ -99,7 +107,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     # A request with n > 1 choices: its first sequence (choice 0, `request_id` the request's) computes the
-    # prompt once, and its first sampling step forks the others (scheduler.py: _fork), which share its KV.
+    # prompt once, and its first sampling step forks the others (forks.py), which share its KV.
     choice: int = 0
     group_id: str | None = None  # choices 1..n-1: the request's id (their own ids are choice_id's)
     forked: bool = False
@@ -111,7 +119,8 @@ class Sequence:
 
     @property
     def forks_now(self) -> bool:
-        """Its next sampled token is its first and it has choices to fork (choice 0 of an n > 1 request)."""
+        """Its next sampled token is its first and it has choices to fork (choice 0 of an n > 1 request; a
+        context_only one draws them all and forks none, a generation_only one forks when its KV arrived)."""
         return self.params.n > 1 and self.choice == 0 and not self.forked
 
     @property

@@ -7,6 +7,9 @@
                          answer.disaggregated_params is null: the first token finished it ─> client
                          else: generation instance, generation_only + those params (stream proxied) ─> client
 
+A request with n > 1 is split the same way under context_first (the context answer carries each choice's
+first token); under generation_first it is served whole on a generation instance.
+
 context_first (default) chooses the generation instance after the context answer (conditional
 disaggregation, whose decision needs the generation instance's cache, chooses it first and holds the
 reservation during the prefill). generation_first sends both at once: the generation instance gets
@@ -80,7 +83,7 @@ class Orchestrator:
         req.route_req = RouteRequest(num_tokens=len(tokens) if tokens else 0, token_ids=tokens,
                                      session_key=session_key(body, conversation_id, self._session_router()))
         try:
-            if self._aggregated() or _choices(body) > 1:
+            if self._aggregated() or (_choices(body) > 1 and self.cfg.schedule_style == "generation_first"):
                 return await self._whole(req)
             if self.cfg.conditional_disagg is not None or self.cfg.schedule_style == "generation_first":
                 # conditional disaggregation decides by this instance's cache, so it is chosen first and
@@ -438,9 +441,11 @@ def _lost(role: str, e: BaseException) -> str | None:
 
 
 def _choices(body: dict) -> int:
-    """The request's `n`. More than one is served whole on a generation instance, which computes the prompt
-    once and forks the choices (engine: scheduler._fork); a context instance's answer carries one first token.
-    A malformed `n` counts as 1: the instance's 400 names it."""
+    """The request's `n`. More than one goes through context_first like any request: the context instance
+    computes the prompt once and answers with every choice's first token, and the generation instance forks
+    the choices from the KV (engine: forks.py). generation_first serves it whole on a generation instance
+    (its first token rides with the KV, and there is one). A malformed `n` counts as 1: the instance's 400
+    names it."""
     n = body.get("n", 1)
     return n if isinstance(n, int) and not isinstance(n, bool) else 1
 

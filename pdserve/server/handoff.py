@@ -21,18 +21,21 @@ from pdserve.server.errors import bad_request
 
 
 def context_answer_params(result: ContextResult, ctx_info_endpoint: str | None) -> dict:
-    """What the generation worker needs, as the context_only answer's `disaggregated_params`."""
-    first = result.first_token
+    """What the generation worker needs, as the context_only answer's `disaggregated_params`. With n > 1,
+    `first_gen_tokens` holds every choice's first token in order, and `opaque_state` their logprob entries."""
+    firsts = (result.first_token, *result.other_choices)
+    packed = FirstToken(firsts[0].token, tuple(e for f in firsts for e in f.logprobs))
     return {
-        "request_type": RequestType.GENERATION_ONLY.value, "first_gen_tokens": [first.token],
+        "request_type": RequestType.GENERATION_ONLY.value, "first_gen_tokens": [f.token for f in firsts],
         "ctx_request_id": result.disagg_request_id, "disagg_request_id": result.disagg_request_id,
-        "opaque_state": base64.b64encode(first.to_bytes()).decode() if first.logprobs else None,
+        "opaque_state": base64.b64encode(packed.to_bytes()).decode() if packed.logprobs else None,
         "draft_tokens": None, "ctx_dp_rank": 0, "ctx_info_endpoint": ctx_info_endpoint,
     }
 
 
 def first_gen_logprobs(opaque_state: str | None) -> tuple[dict, ...]:
-    """The first token's logprob entry that a context worker packed into `opaque_state` (none without one)."""
+    """The first tokens' logprob entries (one per choice) that a context worker packed into `opaque_state`
+    (none without one)."""
     if not opaque_state:
         return ()
     try:

@@ -66,10 +66,10 @@ class DisaggregatedParams(_Request):
     this worker does; on a context_only answer it carries what the generation worker needs."""
 
     request_type: Literal["context_only", "generation_only", "context_and_generation"]
-    first_gen_tokens: list[TokenId] | None = Field(None, max_length=64)
+    first_gen_tokens: list[TokenId] | None = Field(None, max_length=128)  # one per choice (n <= 128)
     ctx_request_id: RequestId | None = None
     disagg_request_id: RequestId | None = None
-    opaque_state: str | None = Field(None, max_length=1 << 16)  # base64 of one token's logprob entry
+    opaque_state: str | None = Field(None, max_length=1 << 17)  # base64 of the first tokens' logprob entries
     draft_tokens: list[TokenId] | None = Field(None, max_length=64)
     ctx_dp_rank: int = Field(0, ge=0, lt=1 << 16)
     ctx_info_endpoint: str | None = Field(None, max_length=300)

@@ -23,7 +23,7 @@ from pdserve.engine.llm_engine import ConflictError, RequestError
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import GuidedSpec, SamplingParams
 from pdserve.engine.scheduler import KV_NOT_FOUND
-from pdserve.engine.sequence import DisaggInfo, RequestType, Resume
+from pdserve.engine.sequence import DisaggInfo, RequestType, Resume, num_answers
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.guided_request import compiled_spec
 from pdserve.server.handoff import context_answer_params, first_gen_logprobs
@@ -405,7 +405,7 @@ class OpenAIServing:
                        disagg: DisaggInfo | None, resume: Resume | None = None) -> AsyncIterator[RequestOutput]:
         # A normal finish is recorded by the engine's step hook; only requests that end outside a
         # step (client gone -> abort; dead step loop -> error) are recorded here.
-        self.metrics.request_started(rid, params.n)
+        self.metrics.request_started(rid, num_answers(request_type, params.n))
         how = "abort"
         try:
             async with aclosing(self.engine.generate(ids, params, request_id=rid, request_type=request_type,

@@ -33,6 +33,14 @@ def step_until(engines: list[LLMEngine], done, limit: int = 5000) -> list:
     raise AssertionError(f"engines did not finish within {limit} rounds")
 
 
+def assert_nothing_held(*engines: LLMEngine) -> None:
+    """Every KV block and recurrent-state slot of each engine is free (no request leaked one)."""
+    for e in engines:
+        held = e.blocks.num_blocks - e.blocks.num_free_blocks
+        assert not held, f"{held} KV blocks held"
+        assert e.blocks.num_free_state_slots == e.blocks.num_state_slots, "a state slot is held"
+
+
 def handoff(ctx: LLMEngine, answer: RequestOutput) -> DisaggInfo:
     """The generation half of `ctx`'s finished context_only `answer`, through the HTTP shape an
     orchestrator carries (disaggregated_params, the first token's logprobs in opaque_state)."""

@@ -9,9 +9,12 @@ goes (pipelined), the state with the last piece only."""
 
 from __future__ import annotations
 
+import re
+
+import httpx
 import pytest
 from e2e_checks import Reference, check_split
-from e2e_cluster import TINY_BASE, Spec, openai_client, start_instances, stop_instances
+from e2e_cluster import MODEL_NAME, TINY_BASE, Orchestrator, Spec, openai_client, start_instances, stop_instances
 
 from pdserve.testing import make_tiny_model
 from pdserve.testing.tiny_nemotron_h import make_tiny_nemotron_h
@@ -75,18 +78,34 @@ def test_nemotron_h_pair_equals_aggregated(nemotron_group, e2e_dir, ctx, gen):
     check_split(nemotron_group, ctx, gen, reference, e2e_dir / "nemotron")
 
 
-def test_n_choices_through_the_orchestrator_equal_aggregated(hybrid_group, e2e_dir):
-    """n > 1 is served whole on the generation instance (the prompt computed once, its state forked per
-    choice): the same choices as one aggregated instance, and no block or state slot left on either side."""
-    from e2e_cluster import MODEL_NAME, Orchestrator
-
+def _n_choices_split_equal_aggregated(group: dict, plain: str, ctx: str, gen: str, workdir) -> None:
+    """A seeded n = 3 chat through `pdserve disaggregated` (context_first), whole and streamed: the context
+    instance draws every choice's first token, one transfer moves the prompt's KV and recurrent state, and the
+    generation instance forks choices 1..n-1 from it (a copy of the state slot each): the same choices as one
+    aggregated instance, and no block or state slot left on either side."""
     body = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Count on"}], max_tokens=8, n=3,
                 temperature=1.0, seed=5, extra_body={"ignore_eos": True})
-    want = openai_client(hybrid_group["hybrid-plain"].url).chat.completions.create(**body)
-    with Orchestrator(hybrid_group["hybrid-tp1"].url, hybrid_group["hybrid-tp2"].url, e2e_dir / "hybrid",
-                      "n-choices") as orch:
+    want = [c.message.content for c in openai_client(group[plain].url).chat.completions.create(**body).choices]
+    assert len(set(want)) > 1
+    with Orchestrator(group[ctx].url, group[gen].url, workdir, f"n-choices-{ctx}") as orch:
         got = orch.client().chat.completions.create(**body)
-    assert [c.message.content for c in got.choices] == [c.message.content for c in want.choices]
-    assert len({c.message.content for c in got.choices}) > 1
-    for name in ("hybrid-tp1", "hybrid-tp2"):
-        hybrid_group[name].wait_blocks_free()
+        streamed = ["", "", ""]
+        for chunk in orch.client().chat.completions.create(**body, stream=True):
+            for c in chunk.choices:
+                streamed[c.index] += c.delta.content or ""
+        split = re.search(r'^pdserve_orchestrator_requests_total\{path="disaggregated"\} (\S+)$',
+                          httpx.get(orch.url + "/metrics", timeout=5).text, re.M)
+    assert [c.message.content for c in got.choices] == want
+    assert streamed == want
+    assert split and float(split.group(1)) == 2  # both went through the context instance
+    for name in (ctx, gen):
+        group[name].wait_blocks_free()
+
+
+def test_n_choices_split_equal_aggregated(hybrid_group, e2e_dir):
+    _n_choices_split_equal_aggregated(hybrid_group, "hybrid-plain", "hybrid-tp1", "hybrid-tp2", e2e_dir / "hybrid")
+
+
+def test_nemotron_h_n_choices_split_equal_aggregated(nemotron_group, e2e_dir):
+    _n_choices_split_equal_aggregated(nemotron_group, "nemotron-plain", "nemotron-tp2", "nemotron-tp1",
+                                      e2e_dir / "nemotron")

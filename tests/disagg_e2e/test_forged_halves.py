@@ -232,3 +232,68 @@ def test_skip_special_tokens_holds_on_the_generation_half(pair):
         assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == want
     for inst in pair:
         inst.wait_blocks_free(timeout=5.0)
+
+
+# n > 1 split: the context worker draws every choice's first token from the prompt's logits (choice c from its
+# own seeded stream) and answers with all of them; the generation worker forks choices 1..n-1 from the one KV.
+SEEDED_N = {**BODY, "n": 3, "temperature": 1.0, "seed": 11, "logprobs": 2}
+
+
+def _choices(answer: dict) -> list[tuple[str, list[str], list]]:
+    return [(c["text"], c["logprobs"]["tokens"], c["logprobs"]["top_logprobs"]) for c in answer["choices"]]
+
+
+def _streamed(url: str, body: dict) -> list[tuple[str, list[str]]]:
+    texts: dict[int, list] = {}
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=30) as s:
+        assert s.status_code == 200, s.read()
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    text, tokens = texts.setdefault(c["index"], ["", []])
+                    texts[c["index"]] = [text + c["text"], tokens + c["logprobs"]["tokens"]]
+    return [tuple(texts[i]) for i in sorted(texts)]
+
+
+def test_n_seeded_choices_split_equal_aggregated_streamed_and_not(pair):
+    ctx, gen = pair
+    r = _post(ctx.url, SEEDED_N)
+    assert r.status_code == 200, r.text
+    want = _choices(r.json())
+    assert len({text for text, _, _ in want}) > 1  # the choices drew streams of their own
+    params = _context_only(ctx, _fresh_id(), SEEDED_N)
+    assert len(params["first_gen_tokens"]) == 3 and params["opaque_state"]
+    r = _post(gen.url, {**SEEDED_N, "disaggregated_params": params})
+    assert r.status_code == 200, r.text
+    got = _choices(r.json())
+    assert [(t, toks) for t, toks, _ in got] == [(t, toks) for t, toks, _ in want]
+    for (_, _, top_got), (_, _, top_want) in zip(got, want):  # the first entry came from the context worker
+        assert [sorted(e) for e in top_got] == [sorted(e) for e in top_want]
+    assert r.json()["usage"]["completion_tokens"] == 3 * BODY["max_tokens"]
+    streamed = _streamed(gen.url, {**SEEDED_N, "disaggregated_params": _context_only(ctx, _fresh_id(), SEEDED_N)})
+    assert streamed == [(t, toks) for t, toks, _ in want]
+    for inst in pair:
+        inst.wait_blocks_free(timeout=5.0)
+
+
+def test_malformed_n_halves_are_a_400_naming_the_field(pair, aggregated):
+    """A generation_only with n = 3 whose first_gen_tokens are too few or whose logprob entries are of other
+    tokens, and a context_only with n = 3 under generation_first: a 400 naming the field, and no KV kept."""
+    ctx, gen = pair
+    params = _context_only(ctx, _fresh_id(), SEEDED_N)
+    tokens = params["first_gen_tokens"]
+    forged = [tokens[0], tokens[1], (tokens[2] + 1) % VOCAB]
+    cases = [(gen, {**params, "first_gen_tokens": tokens[:2]}, "disaggregated_params.first_gen_tokens"),
+             (gen, {**params, "first_gen_tokens": tokens + [7]}, "disaggregated_params.first_gen_tokens"),
+             (gen, {**params, "first_gen_tokens": forged}, "disaggregated_params.opaque_state"),
+             (gen, {**params, "first_gen_tokens": [tokens[0], VOCAB, tokens[2]]},
+              "disaggregated_params.first_gen_tokens"),
+             (ctx, {"request_type": "context_only", "disagg_request_id": _fresh_id(),
+                    "schedule_style": "generation_first"}, "n")]
+    for worker, forged_params, field in cases:
+        r = _post(worker.url, {**SEEDED_N, "disaggregated_params": forged_params})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field, r.text
+    r = _post(gen.url, {**SEEDED_N, "disaggregated_params": params})  # the real half still gets its KV
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3, r.text
+    _still_serves(pair, aggregated)

@@ -16,7 +16,7 @@ from pdserve.engine.llm import LLM
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Resume
-from pdserve.testing.disagg import context_first, step_until
+from pdserve.testing.disagg import assert_nothing_held, context_first, step_until
 from pdserve.testing.tiny_nemotron_h import make_tiny_nemotron_h
 
 from low_precision_oracle import assert_as_accurate, errors
@@ -90,9 +90,7 @@ def test_disaggregated_equals_aggregated(nemotron):
     try:
         assert [g.token_ids for g in context_first(ctx, gen, prompts, GREEDY)] == ref
         step_until([ctx, gen], lambda _: not ctx.has_unfinished() and not gen.has_unfinished())
-        for e in (ctx, gen):
-            assert e.blocks.num_free_blocks == e.blocks.num_blocks
-            assert e.blocks.num_free_state_slots == e.blocks.num_state_slots
+        assert_nothing_held(ctx, gen)
     finally:
         ctx.shutdown()
         gen.shutdown()

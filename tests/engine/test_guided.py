@@ -216,6 +216,11 @@ def test_a_first_token_the_grammar_refuses_is_a_400(pair, engine):
         gen.add_request(PROMPTS[0], SamplingParams(guided=GUIDED), "g", RequestType.GENERATION_ONLY,
                         DisaggInfo(9, "tcp://127.0.0.1:1", first_gen_tokens=(x,)))
     assert e.value.param == "disaggregated_params.first_gen_tokens" and "g" not in gen.seqs
+    brace = engine.tokenizer.encode("{", add_special_tokens=False)[0]
+    with pytest.raises(RequestError, match="not allowed") as e:  # n > 1: every choice's first token is checked
+        gen.add_request(PROMPTS[0], SamplingParams(guided=GUIDED, n=3), "g", RequestType.GENERATION_ONLY,
+                        DisaggInfo(9, "tcp://127.0.0.1:1", first_gen_tokens=(brace, brace, x)))
+    assert e.value.param == "disaggregated_params.first_gen_tokens" and "g" not in gen.seqs
 
 
 @pytest.mark.slow

@@ -16,8 +16,9 @@ from pdserve.engine.llm import LLM
 from pdserve.engine.llm_engine import LLMEngine, RequestError
 from pdserve.engine.sampler import _inverse_cdf, seeded_uniform
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.sequence import Resume
+from pdserve.engine.sequence import DisaggInfo, RequestType, Resume
 from pdserve.testing import make_tiny_model
+from pdserve.testing.disagg import assert_nothing_held, handoff, step_until
 from pdserve.testing.tiny_nemotron_h import make_tiny_nemotron_h
 
 transformers = pytest.importorskip("transformers")
@@ -74,6 +75,34 @@ def test_every_choice_draws_what_transformers_gives(family, engine):
     assert all(len({tuple(c) for c in choices}) > 1 for choices in got)  # the choices drew apart
 
 
+def test_every_choice_split_context_first_draws_what_transformers_gives(family):
+    """Disaggregated (two engines in one process, real shm transfers): the context engine draws each choice's
+    first token from the prompt's logits and answers with them all (one KV transfer); the generation engine
+    forks the other choices from the KV that arrived, the recurrent state copied per choice. max_num_seqs 2 on
+    the generation side: a choice that finds no batch row waits and is computed from its prompt."""
+    d, prompts, ref = family
+    shm = {"backend": "shm", "kv_transfer_timeout_ms": 5000}
+    ctx = LLMEngine(EngineConfig(model=str(d), tokens_per_block=8, cache_transceiver_config=shm))
+    gen = LLMEngine(EngineConfig(model=str(d), tokens_per_block=8, cache_transceiver_config=shm, max_num_seqs=2))
+    try:
+        for i, p in enumerate(prompts):
+            ctx.add_request(p, SEEDED, f"c{i}", RequestType.CONTEXT_ONLY, DisaggInfo(100 + i))
+        answered = step_until([ctx], lambda outs: sum(o.finished for o in outs) == len(prompts))
+        answers = {o.request_id: o for o in answered}
+        assert all(len(a.context.other_choices) == N - 1 for a in answers.values())
+        for i, p in enumerate(prompts):
+            gen.add_request(p, SEEDED, f"g{i}", RequestType.GENERATION_ONLY, handoff(ctx, answers[f"c{i}"]))
+        got = [[[] for _ in range(N)] for _ in prompts]
+        for o in step_until([ctx, gen], lambda _: not ctx.has_unfinished() and not gen.has_unfinished()):
+            if o.request_id.startswith("g"):
+                got[int(o.request_id[1:])][o.index] += o.new_token_ids
+        assert got == ref
+        assert_nothing_held(ctx, gen)
+    finally:
+        ctx.shutdown()
+        gen.shutdown()
+
+
 def test_choice_zero_is_the_request_with_n_1(tmp_path):
     """A seeded request's first choice is the same request with n = 1; greedy choices are all alike."""
     d = make_tiny_model(tmp_path / "m", arch="llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
@@ -111,7 +140,7 @@ def test_n_is_refused_where_it_cannot_be_honoured(tmp_path):
         SamplingParams(n=0)
     engine = LLMEngine(EngineConfig(model=str(d), tokens_per_block=8))
     try:
-        with pytest.raises(RequestError, match="n > 1 is served by one instance") as e:
+        with pytest.raises(RequestError, match="n > 1 is served from the start") as e:
             engine.add_request([5, 6], SamplingParams(n=2), resume=Resume((7,), 0))
         assert e.value.param == "n"
         engine.add_request([5, 6], SamplingParams(n=2, max_tokens=4), request_id="x")
