@@ -106,6 +106,21 @@ def test_n_choices_split_equal_aggregated(hybrid_group, e2e_dir):
     _n_choices_split_equal_aggregated(hybrid_group, "hybrid-plain", "hybrid-tp1", "hybrid-tp2", e2e_dir / "hybrid")
 
 
+def test_n_choices_under_generation_first_are_served_whole(hybrid_group, e2e_dir):
+    """generation_first carries one first token with the KV: n > 1 is served whole on the generation instance,
+    with the aggregated choices, and the context instance never sees it."""
+    body = dict(model=MODEL_NAME, prompt="Count on", max_tokens=8, n=3, temperature=1.0, seed=5,
+                extra_body={"ignore_eos": True})
+    want = [c.text for c in openai_client(hybrid_group["hybrid-plain"].url).completions.create(**body).choices]
+    with Orchestrator(hybrid_group["hybrid-tp1"].url, hybrid_group["hybrid-tp2"].url, e2e_dir / "hybrid",
+                      "n-choices-generation-first", schedule_style="generation_first") as orch:
+        got = [c.text for c in orch.client().completions.create(**body).choices]
+        local = re.search(r'^pdserve_orchestrator_requests_total\{path="local"\} (\S+)$',
+                          httpx.get(orch.url + "/metrics", timeout=5).text, re.M)
+    assert got == want and len(set(want)) > 1
+    assert local and float(local.group(1)) == 1
+
+
 def test_nemotron_h_n_choices_split_equal_aggregated(nemotron_group, e2e_dir):
     _n_choices_split_equal_aggregated(nemotron_group, "nemotron-plain", "nemotron-tp2", "nemotron-tp1",
                                       e2e_dir / "nemotron")
