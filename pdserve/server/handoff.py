@@ -16,7 +16,7 @@ import binascii
 
 from pdserve.engine.kv.wire import FirstToken, KVWireError
 from pdserve.engine.output import ContextResult
-from pdserve.engine.sequence import RequestType
+from pdserve.engine.sequence import RequestType, num_answers
 from pdserve.server.errors import bad_request
 
 
@@ -43,3 +43,10 @@ def first_gen_logprobs(opaque_state: str | None) -> tuple[dict, ...]:
     except (binascii.Error, KVWireError) as e:
         raise bad_request(f"disaggregated_params.opaque_state is not what a pdserve context worker sent: {e}",
                           "disaggregated_params.opaque_state") from None
+
+
+def answer_choices(req) -> int:
+    """The choices a whole answer to `req` (a completion or chat request) holds: its `n`, but one for a
+    context_only request, whose other choices' first tokens ride in its disaggregated_params."""
+    d = req.disaggregated_params
+    return num_answers(RequestType(d.request_type) if d is not None else RequestType.CONTEXT_AND_GENERATION, req.n)

@@ -26,7 +26,7 @@ from pdserve.engine.scheduler import KV_NOT_FOUND
 from pdserve.engine.sequence import DisaggInfo, RequestType, Resume, num_answers
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.guided_request import compiled_spec
-from pdserve.server.handoff import context_answer_params, first_gen_logprobs
+from pdserve.server.handoff import answer_choices, context_answer_params, first_gen_logprobs
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import (
     ChatChoice,
@@ -114,7 +114,8 @@ class OpenAIServing:
         outputs, first = await self._start(rid, ids, params, req, {})
         if req.stream:
             return OwnedStream(self._stream_completion(req, rid, created, outputs, first), outputs)
-        texts, logprobs, lasts = [""] * req.n, [None] * req.n, [first] * req.n
+        n = answer_choices(req)
+        texts, logprobs, lasts = [""] * n, [None] * n, [first] * n
         async with aclosing(outputs):
             async for out in _chain(first, outputs):
                 i = out.index
@@ -174,8 +175,9 @@ class OpenAIServing:
         outputs, first = await self._start(rid, ids, params, req, fields)
         if req.stream:
             return OwnedStream(self._stream_chat(req, rid, created, outputs, first, tools), outputs)
-        texts, lasts = [""] * req.n, [first] * req.n
-        lps = [ChatLogprobs(content=[]) if req.logprobs else None for _ in range(req.n)]
+        n = answer_choices(req)
+        texts, lasts = [""] * n, [first] * n
+        lps = [ChatLogprobs(content=[]) if req.logprobs else None for _ in range(n)]
         async with aclosing(outputs):
             async for out in _chain(first, outputs):
                 i = out.index

@@ -261,7 +261,12 @@ def test_n_seeded_choices_split_equal_aggregated_streamed_and_not(pair):
     assert r.status_code == 200, r.text
     want = _choices(r.json())
     assert len({text for text, _, _ in want}) > 1  # the choices drew streams of their own
-    params = _context_only(ctx, _fresh_id(), SEEDED_N)
+    r = _post(ctx.url, {**SEEDED_N, "disaggregated_params": {"request_type": "context_only",
+                                                              "disagg_request_id": _fresh_id()}})
+    assert r.status_code == 200, r.text
+    # one answer, choice 0's; the other choices' first tokens ride in its params
+    assert len(r.json()["choices"]) == 1 and r.json()["usage"]["completion_tokens"] == 1
+    params = r.json()["disaggregated_params"]
     assert len(params["first_gen_tokens"]) == 3 and params["opaque_state"]
     r = _post(gen.url, {**SEEDED_N, "disaggregated_params": params})
     assert r.status_code == 200, r.text
