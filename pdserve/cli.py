@@ -91,7 +91,8 @@ _INSTANCE_FLAGS = ("dtype", "kv_cache_dtype", "device")
 def _launch(args: argparse.Namespace) -> int:
     from pdserve.plan.cli import plan_defaults
 
-    given = [k for k in plan_defaults() if k in vars(args)]  # the planning flags on the command line
+    defaults = plan_defaults()
+    given = [k for k in defaults if k in vars(args)]  # the planning flags on the command line
     overrides = None
     if args.slo is not None:
         if args.cluster is not None or args.ray is not None:
@@ -99,7 +100,7 @@ def _launch(args: argparse.Namespace) -> int:
                              "locally only (write the plan with `pdserve plan`, then `pdserve launch --ray` it)")
         from pdserve.plan.launch import planned_cluster
 
-        for key, value in plan_defaults().items():
+        for key, value in defaults.items():
             vars(args).setdefault(key, value)
         args.cluster = planned_cluster(args)
         if args.cluster is None:

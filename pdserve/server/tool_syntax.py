@@ -141,6 +141,14 @@ def json_schema(function: dict) -> str:
     return json.dumps({**as_object(function), "x-guidance": JSON_LAYOUT})
 
 
+def call_object_schema(functions: list[dict], arguments_key: str) -> dict:
+    """The JSON syntaxes' call, {"name": N, <arguments_key>: {...}}, for one of `functions`, as a schema (with
+    llguidance's layout): the name one of theirs, the arguments valid under that function's parameters."""
+    calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, arguments_key: as_object(f)},
+              "required": ["name", arguments_key], "additionalProperties": False} for f in functions]
+    return {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_LAYOUT}
+
+
 class Syntax:
     """One family's tool-call syntax; `asks_for` tells a chat template that asks for it by its text."""
 
@@ -219,9 +227,7 @@ class Hermes(Syntax):
         return True
 
     def grammar(self, functions: list[dict], parallel: bool, special: dict[str, int] | None = None) -> str:
-        calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": as_object(f)},
-                  "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
-        schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_LAYOUT}
+        schema = call_object_schema(functions, "arguments")
         more = ' ("\\n" call)*' if parallel else ""  # calls one a line, as Qwen's templates write them
         tag, end = lark_text(self.TAG + NL, special), lark_text(NL + self.END, special)
         return f"start: call{more}\ncall: {tag} body {end}\nbody: %json {json.dumps(schema)}\n"
@@ -286,9 +292,7 @@ class Llama3(Syntax):
         return '"parameters": dictionary of argument name' in template or self.PYTHON_TAG in template
 
     def grammar(self, functions: list[dict], parallel: bool, special: dict[str, int] | None = None) -> str:
-        calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "parameters": as_object(f)},
-                  "required": ["name", "parameters"], "additionalProperties": False} for f in functions]
-        schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_LAYOUT}
+        schema = call_object_schema(functions, "parameters")
         return f"start: %json {json.dumps(schema)}\n"  # one call a turn, as Llama 3.1's template asks
 
     def scan(self, text: str, schemas: dict[str, dict], final: bool) -> Scan:
