@@ -271,6 +271,11 @@ class LocalCluster:
             await self._drop(url, self.joined[url], "left")
         return True
 
+    async def first_use(self, nonce: str, remember_s: float) -> bool:
+        """False when a member's proof with this nonce was taken already (a replay, cluster_auth.py)."""
+        with _store_errors():
+            return await self.store.first_use(nonce, remember_s)
+
     async def sync_members(self) -> None:
         """Routers := the YAML's instances + the store's members (StoreUnavailable: nothing changes)."""
         members = await self.store.members()
