@@ -111,7 +111,7 @@ def build_app(cfg: DisaggConfig, *, process_id: int = 0, cluster=None) -> FastAP
     @app.exception_handler(OrchestratorError)
     async def on_error(_: Request, e: OrchestratorError):
         metrics.client_errors.labels(str(e.status)).inc()
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
 
     @app.exception_handler(Exception)
     async def on_unexpected(_: Request, e: Exception):
@@ -170,7 +170,7 @@ def build_app(cfg: DisaggConfig, *, process_id: int = 0, cluster=None) -> FastAP
         missing = state["cluster"].roles_below_minimum()
         if missing:
             err = OrchestratorError(503, f"not enough ready {' or '.join(missing)} servers yet", "no_ready_instance")
-            return JSONResponse(err.body(), status_code=503)
+            return JSONResponse(err.body(), status_code=503, headers=err.headers())
         return {"status": "ok"}
 
     app.include_router(membership_routes(lambda: state["cluster"], cfg.cluster_token))

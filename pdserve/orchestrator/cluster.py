@@ -26,7 +26,7 @@ import httpx
 
 from pdserve.cluster_auth import NONCE_HEADER, new_nonce, proof_ok
 from pdserve.orchestrator.config import DisaggConfig
-from pdserve.orchestrator.errors import NOT_A_WORKER, OrchestratorError
+from pdserve.orchestrator.errors import NO_READY_INSTANCE, NOT_A_WORKER, OrchestratorError
 from pdserve.orchestrator.kv_cache_aware import KvCacheAwareRouter
 from pdserve.orchestrator.membership import Leases, MemberStore, StoreUnavailable
 from pdserve.orchestrator.metrics import OrchestratorMetrics
@@ -166,6 +166,8 @@ class LocalCluster:
             self._timeouts[url] = 0
         if ok != (url in router.ready):
             log.info("%s server %s is %s", role, url, "ready" if ok else f"not ready ({reason})")
+            if not ok and reason != "draining":
+                self._failed(role)
         if ok and isinstance(router, KvCacheAwareRouter):
             info = self.disagg_info.get(url) or {}
             if info.get("tokens_per_block"):
@@ -334,17 +336,25 @@ class LocalCluster:
         return None
 
     def mark_unreachable(self, role: str, url: str, reason: str) -> None:
-        if url in self.routers[role].urls:  # not one that has left since
-            self.routers[role].set_ready(url, False)
+        router = self.routers[role]
+        if url in router.urls:  # not one that has left since
+            if url in router.ready:
+                self._failed(role)
+            router.set_ready(url, False)
             self.status[url] = reason
+
+    def _failed(self, role: str) -> None:
+        """A ready instance of `role` stopped serving (not by draining): counted once, when it leaves routing."""
+        if self.metrics is not None:
+            self.metrics.instance_failures.labels(role).inc()
 
     def _no_ready(self, role: str) -> OrchestratorError:
         urls = self.routers[role].urls
         if not urls:  # the last one left or was dropped, or none has joined yet
             return OrchestratorError(503, f"no {role} server is in the cluster: start one, or wait for a restarted "
-                                     "one to join", "no_ready_instance")
+                                     "one to join", NO_READY_INSTANCE)
         why = "; ".join(f"{u}: {self.status.get(u, 'starting')}" for u in urls)
-        return OrchestratorError(503, f"no ready {role} server ({why})", "no_ready_instance")
+        return OrchestratorError(503, f"no ready {role} server ({why})", NO_READY_INSTANCE)
 
     # -- the routing interface the orchestrator uses (RemoteCluster has the same) --------------------
 

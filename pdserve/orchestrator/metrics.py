@@ -20,6 +20,12 @@
     pdserve_orchestrator_membership_events_total{role,event}  joined | left | lost | refused | discovered
                                                            (a member found in the store: joined through
                                                            another process, or before a restart)
+    pdserve_orchestrator_instance_failures_total{role}     ready instances seen to fail: /health refused,
+                                                           timed out twice in a row or not 200, or a
+                                                           request that could not reach it (a draining
+                                                           one has not failed). An instance that dies
+                                                           again before it is ready is not seen here:
+                                                           its supervisor's log counts every failure
 
 In a fleet each process has its own; scrape each (they share the port, so prefer the coordinator's
 /cluster_info for routing state).
@@ -55,8 +61,11 @@ class OrchestratorMetrics:
         self.instances = Gauge(p + "instances", "Instances by role and state.", ["role", "state"], registry=r)
         self.membership_events = Counter(p + "membership_events", "Instances that joined, left, were lost or "
                                                                    "refused.", ["role", "event"], registry=r)
+        self.instance_failures = Counter(p + "instance_failures", "Ready instances seen to fail.", ["role"],
+                                         registry=r)
         for role in ("context", "generation"):
             self.worker_requests.labels(role)
+            self.instance_failures.labels(role)
             self.retries.labels(role)
             for event in ("joined", "left", "lost", "refused", "discovered"):
                 self.membership_events.labels(role, event)
