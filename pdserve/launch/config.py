@@ -14,6 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pdserve.config import WorkerConfig, load_yaml
 
 
+# The longest restart wait a config may ask for: a member back later than that leaves its cluster short for too long.
+MAX_RESTART_WAIT_S = 300.0
+
+
 class InstanceConfig(BaseModel):
     """One instance of the cluster: its port, its cores and its worker config."""
 
@@ -52,13 +56,28 @@ class ClusterConfig(BaseModel):
                                         description="[]: aggregated, the generation instances serve whole requests")
     generation: list[InstanceConfig] = Field(default_factory=lambda: [InstanceConfig()], min_length=1)
     orchestrator: dict[str, Any] = Field(default_factory=dict, description="extra disagg.yaml keys (routers, ...)")
-    max_restarts: int = Field(3, ge=0, description="restarts of one member that died before the cluster stops")
-    restart_backoff_s: float = Field(1.0, ge=0, description="wait before a member's first restart; doubles each time")
+    restart_backoff_s: float = Field(1.0, ge=0, description="wait before restarting a member that died; doubles at "
+                                                            "each failure in a row, max_restarts times at most")
+    max_restarts: int = Field(5, ge=0, description="failures in a row after which a member's restart wait stops "
+                                                   "doubling (restart_backoff_s * 2^max_restarts); a member is "
+                                                   "restarted as often as it dies, the cluster never stops for it")
+    restart_reset_s: float = Field(60.0, gt=0, description="a member that ran this long before it died is restarted "
+                                                           "after restart_backoff_s again")
     ray: RayOptions = Field(default_factory=RayOptions, description="placement on a Ray cluster (--ray)")
     cluster_token: str | None = Field(
         None, min_length=1, repr=False,
         description="the cluster's secret, given to every member; default: the orchestrator's or an instance's "
                     "cluster_token if the file sets one, else a new random one")
+
+    @model_validator(mode="after")
+    def _backoff_cap(self) -> "ClusterConfig":
+        cap = self.restart_backoff_s * 2 ** self.max_restarts
+        if cap > MAX_RESTART_WAIT_S:
+            raise ValueError(f"max_restarts {self.max_restarts} with restart_backoff_s {self.restart_backoff_s:g} "
+                             f"would wait up to {cap:g} s before restarting a member; max_restarts is the number of "
+                             "times the wait doubles (a member is restarted as often as it dies): lower it so that "
+                             f"restart_backoff_s * 2^max_restarts <= {MAX_RESTART_WAIT_S:g}")
+        return self
 
     @model_validator(mode="after")
     def _ports(self) -> "ClusterConfig":

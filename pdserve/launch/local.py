@@ -4,10 +4,11 @@ Starts every context and generation instance (`pdserve serve`) and the orchestra
 (`pdserve disaggregated`), each in its own process group with its log file, waits until all answer
 /health, prints where everything is, and on Ctrl-C or SIGTERM stops them all (SIGTERM, then SIGKILL
 after a grace period), so no process outlives the command; killed with SIGKILL, it cannot stop them, so
-the kernel sends each its SIGTERM (PR_SET_PDEATHSIG). A member that dies is restarted, after a
-backoff that doubles each time (restart_backoff_s, 2x, ...), at most max_restarts times; the
-orchestrator routes to it again once it answers /health. One that dies once more than that stops the
-cluster, and the command exits non-zero, naming it and the end of its log.
+the kernel sends each its SIGTERM (PR_SET_PDEATHSIG). A member that dies is restarted as often as it
+dies, after a wait that doubles with each failure in a row up to a cap (backoff.py), each failure
+logged with the end of its log; the orchestrator routes to it again once it answers /health. One
+member that keeps crashing never stops the cluster: the others serve on, and the orchestrator answers
+503 with Retry-After for a role with no live instance.
 
 Without a file it starts one context and one generation instance of the embedded SmolLM2, KV over
 shared memory, and the orchestrator on 127.0.0.1:8000. `context: []` launches an aggregated
@@ -34,6 +35,7 @@ import httpx
 import yaml
 
 from pdserve.host import die_with_parent, write_private
+from pdserve.launch.backoff import RestartBackoff
 from pdserve.launch.config import ClusterConfig, InstanceConfig, checked_cluster_config, instances, model_name, \
     unsplittable_models, unusable_cores, worker_configs
 
@@ -42,10 +44,12 @@ class ManagedProcess:
     """One process group of the cluster (an instance or the orchestrator) and its log, which the supervisor
     starts, restarts and stops."""
 
-    def __init__(self, name: str, cmd: list[str], log_path: Path, health_url: str, cpus: list[int] | None):
+    def __init__(self, name: str, cmd: list[str], log_path: Path, health_url: str, cpus: list[int] | None,
+                 backoff: RestartBackoff):
         self.name, self.log_path, self.health_url = name, log_path, health_url
         self.cmd, self.cpus = cmd, cpus
-        self.restarts = 0
+        self.backoff = backoff
+        self.restart_at: float | None = None  # monotonic time of the restart due, while the member is down
         self.proc = self._spawn("wb")
 
     def _spawn(self, mode: str) -> subprocess.Popen:
@@ -57,6 +61,7 @@ class ManagedProcess:
             if cpus:
                 os.sched_setaffinity(0, cpus)
 
+        self.started = time.monotonic()
         try:
             return subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, preexec_fn=prepare)
@@ -65,7 +70,7 @@ class ManagedProcess:
 
     def restart(self) -> None:
         """Start the member again; its log goes on in the same file."""
-        self.restarts += 1
+        self.restart_at = None
         self.proc = self._spawn("ab")
 
     def healthy(self) -> bool:
@@ -119,7 +124,10 @@ class LocalSupervisor:
         write_private(path, yaml.safe_dump({k: v for k, v in conf.items() if v is not None}))
         cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--config", str(path)]
         return ManagedProcess(f"{role}{index}", cmd, self.log_dir / f"{role}{index}.log",
-                      f"http://{self.cfg.host}:{spec.port}/health", spec.cpus)
+                              f"http://{self.cfg.host}:{spec.port}/health", spec.cpus, self._backoff())
+
+    def _backoff(self) -> RestartBackoff:
+        return RestartBackoff(self.cfg.restart_backoff_s, self.cfg.max_restarts, self.cfg.restart_reset_s)
 
     def start(self) -> None:
         cfg = self.cfg
@@ -136,7 +144,8 @@ class LocalSupervisor:
         path = self.log_dir / "disagg.yaml"
         write_private(path, yaml.safe_dump(disagg))
         orch = ManagedProcess("orchestrator", [sys.executable, "-m", "pdserve.orchestrator.cli", "-c", str(path)],
-                      self.log_dir / "orchestrator.log", f"http://{cfg.host}:{cfg.port}/health", None)
+                              self.log_dir / "orchestrator.log", f"http://{cfg.host}:{cfg.port}/health", None,
+                              self._backoff())
         self.members.append(orch)
         self._wait_healthy([orch])
 
@@ -156,28 +165,27 @@ class LocalSupervisor:
                                    f"{self.cfg.startup_timeout:.0f} s; see their logs in {self.log_dir}")
             time.sleep(0.5)
 
-    def watch(self, stop_requested) -> ManagedProcess | None:
-        """Block until a stop is requested (returns None) or a member dies past its restarts (returns it).
-        A member that dies with restarts left is started again after its backoff."""
+    def watch(self, stop_requested) -> None:
+        """Block until a stop is requested, restarting each member that dies after its backoff. Members are
+        waited for side by side: one in a long backoff holds up no other's restart."""
         while not stop_requested():
+            now = time.monotonic()
             for m in self.members:
-                if m.proc.poll() is None:
-                    continue
-                if m.restarts >= self.cfg.max_restarts:
-                    return m
-                wait = self.cfg.restart_backoff_s * 2 ** m.restarts
-                print(f"pdserve launch: {m.name} exited with code {m.proc.returncode}; restarting it in {wait:g} s "
-                      f"(restart {m.restarts + 1} of {self.cfg.max_restarts}). End of {m.log_path}:\n"
-                      f"{m.log_tail()}", file=sys.stderr, flush=True)
-                deadline = time.monotonic() + wait
-                while time.monotonic() < deadline and not stop_requested():
-                    time.sleep(0.1)
-                if stop_requested():
-                    return None
-                m.restart()
-                print(f"pdserve launch: {m.name} restarted (pid {m.proc.pid})", flush=True)
-            time.sleep(0.5)
-        return None
+                if m.restart_at is None and m.proc.poll() is not None:
+                    self._failed(m, now)
+                elif m.restart_at is not None and now >= m.restart_at:
+                    m.restart()
+                    print(f"pdserve launch: {m.name} restarted (pid {m.proc.pid})", flush=True)
+            time.sleep(0.1)
+
+    def _failed(self, m: ManagedProcess, now: float) -> None:
+        wait = m.backoff.failed(uptime_s=now - m.started)
+        m.restart_at = now + wait
+        b = m.backoff
+        print(f"pdserve launch: {m.name} exited with code {m.proc.returncode} after {now - m.started:.1f} s "
+              f"(failure {b.total}, {b.in_a_row} in a row); restarting it in {wait:g} s (the wait doubles with "
+              f"each failure in a row, up to {b.cap_s:g} s). End of {m.log_path}:\n{m.log_tail()}",
+              file=sys.stderr, flush=True)
 
     def stop(self, grace_s: float = 15.0) -> None:
         """The orchestrator first, so no new work reaches the workers; then every worker at once (each drains
@@ -222,11 +230,7 @@ def launch(path: str | None, overrides: dict | None = None) -> int:
               f"    -d '{{\"model\": \"{model_name(cfg)}\", \"messages\": [{{\"role\": \"user\", "
               f"\"content\": \"What is the capital of France?\"}}], \"temperature\": 0, \"max_tokens\": 64}}'\n",
               flush=True)
-        dead = cluster.watch(lambda: stop["now"])
-        if dead is not None:
-            print(f"pdserve launch: {dead.name} exited with code {dead.proc.returncode} after {dead.restarts} "
-                  f"restart(s); stopping the cluster.\nend of {dead.log_path}:\n{dead.log_tail()}", file=sys.stderr)
-            return 1
+        cluster.watch(lambda: stop["now"])
         return 0
     except (RuntimeError, TimeoutError, ValueError) as e:
         print(f"pdserve launch: error: {e}", file=sys.stderr)

@@ -12,8 +12,11 @@
 Instances join the orchestrator by themselves (docs/deploy.md), so the orchestrator's config lists
 none and a new or restarted instance is routed to as soon as it serves. Ray's own failure handling is
 used: an actor that dies (its process killed, or its server exited, which ends the actor) is restarted
-by Ray, at most max_restarts times, and starts its server again, which joins again. The server runs
-as a child of its actor and dies with it (PR_SET_PDEATHSIG), so a killed actor leaves nothing behind.
+by Ray as often as it dies (max_restarts=-1), and starts its server again, which joins again. Ray
+restarts an actor at once, so the restarted actor waits before it starts its server, as long as
+`pdserve launch` would (backoff.py); its failures in a row are kept in a file beside its log, on its
+node (an instance's placement group keeps it there). The server runs as a child of its actor and dies
+with it (PR_SET_PDEATHSIG), so a killed actor leaves nothing behind.
 
 Ray must be installed on every node (`pip install 'pdserve[ray]'`), with pdserve and the model at the
 same paths. An instance's ranks are processes of its own host (pdserve starts them), hence one node
@@ -23,6 +26,7 @@ is refused when it joins).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -37,6 +41,7 @@ import httpx
 import yaml
 
 from pdserve.host import die_with_parent, write_private
+from pdserve.launch.backoff import RestartBackoff
 from pdserve.launch.config import ClusterConfig, checked_cluster_config, worker_configs
 
 NAMESPACE = "pdserve"
@@ -53,9 +58,11 @@ def _die_with_parent() -> None:
 
 
 class ServerProcess:
-    """A Ray actor that runs one pdserve server process and lives exactly as long as it does."""
+    """A Ray actor that runs one pdserve server process and lives exactly as long as it does (once a
+    restarted actor's backoff is over)."""
 
-    def __init__(self, name: str, argv: list[str], conf: dict, conf_flag: str, log_dir: str, port: int | None = None):
+    def __init__(self, name: str, argv: list[str], conf: dict, conf_flag: str, log_dir: str,
+                 backoff: tuple[float, int, float], port: int | None = None):
         import ray
 
         from pdserve.host import free_port
@@ -73,24 +80,52 @@ class ServerProcess:
         path = directory / f"{name}-{self.port}.yaml"  # holds the cluster token: 0600, not on the command line
         write_private(path, yaml.safe_dump({k: v for k, v in conf.items() if v is not None}))
         self.log_path = directory / f"{name}-{self.port}.log"
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", *argv, conf_flag, str(path)], stdout=log,
-                                         stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-        self._stopping = False
-        threading.Thread(target=self._exit_with_server, daemon=True).start()
+        self._cmd = [sys.executable, "-m", *argv, conf_flag, str(path)]
+        self.proc: subprocess.Popen | None = None
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()  # start and stop of the server, which may race while the actor waits
+        reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
+        failures = RestartBackoff(*backoff)
+        self.wait_s = _restart_wait(directory / f"{name}.restarts.json", failures, reconstructed)
+        with open(self.log_path, "wb") as log:  # a new file: each start takes a new port
+            if reconstructed:
+                log.write(f"pdserve launch --ray: {name} was restarted by Ray (failure {failures.total}, "
+                          f"{failures.in_a_row} in a row); its server starts in {self.wait_s:g} s\n".encode())
+        if not self.wait_s:
+            self._start_server()
+        threading.Thread(target=self._serve, daemon=True).start()
 
-    def _exit_with_server(self) -> None:
+    def _start_server(self) -> bool:
+        with self._lock:
+            if self._stopping.is_set():
+                return False
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen(self._cmd, stdout=log, stderr=subprocess.STDOUT,
+                                             preexec_fn=_die_with_parent)
+            return True
+
+    def _serve(self) -> None:
+        """Start the server once the backoff is over (unless it runs already), then end the actor when the
+        server dies, so that Ray restarts both."""
+        if self.proc is None and (self._stopping.wait(self.wait_s) or not self._start_server()):
+            return
         self.proc.wait()
-        if not self._stopping:  # the server died: end the actor, so that Ray restarts both
+        if not self._stopping.is_set():
             os._exit(1)
 
     def info(self) -> dict[str, Any]:
+        """server_pid is None while a restarted actor waits out its backoff."""
         return {"name": self.name, "url": f"http://{self.ip}:{self.port}", "node_id": self.node_id,
-                "actor_pid": os.getpid(), "server_pid": self.proc.pid, "log": str(self.log_path)}
+                "actor_pid": os.getpid(), "server_pid": self.proc.pid if self.proc else None,
+                "starts_in_s": self.wait_s, "log": str(self.log_path)}
 
     def stop(self, timeout_s: float = _DRAIN_S) -> int:
-        """SIGTERM (a worker drains and leaves), SIGKILL after timeout_s; the exit code."""
-        self._stopping = True
+        """SIGTERM (a worker drains and leaves), SIGKILL after timeout_s; the exit code (0: no server had
+        started)."""
+        with self._lock:
+            self._stopping.set()
+        if self.proc is None:
+            return 0
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
@@ -98,6 +133,24 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait(timeout=10)
+
+
+def _restart_wait(state: Path, backoff: RestartBackoff, reconstructed: bool) -> float:
+    """Seconds an actor waits before it starts its server: 0 at its first start, else its backoff after one
+    more failure, counted in `state` (JSON on the actor's node). A state that is missing or unreadable (the
+    actor was placed on another node) starts the count over."""
+    now = time.time()  # wall time: the state outlives the process
+    wait = 0.0
+    if reconstructed:
+        try:
+            last = json.loads(state.read_text())
+            backoff.in_a_row, backoff.total = int(last["in_a_row"]), int(last["total"])
+            uptime = now - float(last["started"])
+        except (OSError, ValueError, KeyError, TypeError):
+            uptime = 0.0
+        wait = backoff.failed(uptime)
+    state.write_text(json.dumps({"in_a_row": backoff.in_a_row, "total": backoff.total, "started": now + wait}))
+    return wait
 
 
 class Controller:
@@ -119,6 +172,7 @@ class Controller:
         self.orchestrator = None
         self.url: str | None = None
         self._started = {role: 0 for role in ROLES}
+        self._backoff = (self.cfg.restart_backoff_s, self.cfg.max_restarts, self.cfg.restart_reset_s)
 
     def start(self) -> str:
         """Start the orchestrator, then every instance of the YAML, and wait until the orchestrator routes
@@ -127,8 +181,8 @@ class Controller:
 
         cfg = self.cfg
         disagg = {**cfg.orchestrator, "hostname": cfg.host}
-        self.orchestrator = _server_actor(cfg.max_restarts, num_cpus=0, head=True).remote(
-            "orchestrator", ["pdserve.orchestrator.cli"], disagg, "-c", self.log_dir, cfg.port)
+        self.orchestrator = _server_actor(num_cpus=0, head=True).remote(
+            "orchestrator", ["pdserve.orchestrator.cli"], disagg, "-c", self.log_dir, self._backoff, cfg.port)
         info = ray.get(self.orchestrator.info.remote())
         self.url = info["url"]
         for role in ROLES:
@@ -161,9 +215,9 @@ class Controller:
                 "ray.cpus_per_rank / ray.gpus_per_rank in the cluster config") from None
         name = f"{role}{self._started[role]}"
         self._started[role] += 1
-        actor = _server_actor(self.cfg.max_restarts, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                              pg=pg).remote(name, ["pdserve.cli", "serve"],
-                                            {**conf, "join": self.url, "role": role}, "--config", self.log_dir)
+        actor = _server_actor(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), pg=pg).remote(
+            name, ["pdserve.cli", "serve"], {**conf, "join": self.url, "role": role}, "--config", self.log_dir,
+            self._backoff)
         self.instances[role].append((actor, pg))
 
     def scale(self, role: str, n: int) -> list[dict]:
@@ -258,7 +312,8 @@ def _nodes_of(group) -> set[str]:
     return {node for node in placement_group_table(group).get("bundles_to_node_id", {}).values() if node}
 
 
-def _server_actor(max_restarts: int, num_cpus: float, num_gpus: float = 0, head: bool = False, pg=None):
+def _server_actor(num_cpus: float, num_gpus: float = 0, head: bool = False, pg=None):
+    """A server actor's class: Ray restarts it as often as it dies (-1); it waits out its backoff itself."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
@@ -266,7 +321,7 @@ def _server_actor(max_restarts: int, num_cpus: float, num_gpus: float = 0, head:
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
     else:
         strategy = NodeAffinitySchedulingStrategy(_head_node_id(), soft=False) if head else None
-    return ray.remote(ServerProcess).options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=max_restarts,
+    return ray.remote(ServerProcess).options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=-1,
                                              max_task_retries=0, scheduling_strategy=strategy)
 
 

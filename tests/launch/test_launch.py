@@ -6,12 +6,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from typing import Literal
 
+import httpx
+import openai
 import psutil
 import pytest
 import yaml
@@ -23,6 +26,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.host import free_port
+from pdserve.launch.backoff import RestartBackoff
 from pdserve.launch.config import ClusterConfig, worker_configs
 from pdserve.testing import make_tiny_model
 from pdserve.testing.wait import reaped, stop_cleanly, wait_for_line
@@ -211,13 +215,35 @@ def test_context_instances_keep_one_copy_of_their_weights():
     assert "cpu_decode_gemv" not in gen0
 
 
+def test_the_restart_wait_doubles_up_to_its_cap_and_starts_over_after_a_long_run():
+    backoff = RestartBackoff(first_s=1, doublings=5, reset_after_s=60)
+    waits = [backoff.failed(uptime_s=3) for _ in range(8)]
+    assert waits == [1, 2, 4, 8, 16, 32, 32, 32] and backoff.cap_s == 32
+    assert backoff.failed(uptime_s=60) == 1 and backoff.failed(uptime_s=59) == 2  # a long run starts it over
+    assert (backoff.total, backoff.in_a_row) == (10, 2)
+    default = ClusterConfig()
+    assert RestartBackoff(default.restart_backoff_s, default.max_restarts, default.restart_reset_s).cap_s == 32
+
+
+def test_a_restart_wait_past_five_minutes_is_refused_naming_the_keys():
+    """max_restarts: 20 was a restart budget; now it counts doublings, and 2^20 s is no wait to sit out."""
+    with pytest.raises(ValueError, match=r"max_restarts 20 with restart_backoff_s 1 would wait up to 1\.04858e\+06 s"
+                                         r".*lower it so that restart_backoff_s \* 2\^max_restarts <= 300"):
+        ClusterConfig(max_restarts=20)
+    assert ClusterConfig(max_restarts=0, restart_backoff_s=300).max_restarts == 0  # 300 s: the most allowed
+
+
 @pytest.mark.faults
-def test_launch_restarts_a_member_that_dies(tmp_path, tiny):
-    """kill -9 of the context instance: launch says so, restarts it after its backoff, and the cluster
-    serves through the same orchestrator again, instead of stopping."""
+def test_launch_keeps_restarting_a_member_that_keeps_dying(tmp_path, tiny):
+    """kill -9 of the context instance, then of each restart of it as soon as it starts (a crash loop, 4 deaths
+    where max_restarts is 1): launch restarts it every time, after a wait that doubles up to its cap, and the
+    cluster serves the same answer through the same orchestrator afterwards. Meanwhile the orchestrator
+    answers 503 with Retry-After, and its /metrics counts the ready instance it saw fail. Before, the second
+    death stopped the whole cluster ("ctx0 exited with code -9 after 1 restart(s); stopping the cluster")."""
     port, ctx_port = free_port(), free_port()
-    cluster = {"model": tiny, "port": port, "log_dir": str(tmp_path / "logs"), "backend": "shm",
-               "restart_backoff_s": 0.5, "orchestrator": {"health_check_interval": 0.5},
+    logs = tmp_path / "logs"
+    cluster = {"model": tiny, "port": port, "log_dir": str(logs), "backend": "shm",
+               "restart_backoff_s": 0.2, "max_restarts": 1, "orchestrator": {"health_check_interval": 0.5},
                "context": [{"port": ctx_port, "config": SMALL_POOL}],
                "generation": [{"port": free_port(), "config": SMALL_POOL}]}
     with reaped(_launch(tmp_path, cluster)) as proc:
@@ -227,14 +253,30 @@ def test_launch_restarts_a_member_that_dies(tmp_path, tiny):
         before = client.completions.create(**ask).choices[0].text
         ctx = next(c for c in psutil.Process(proc.pid).children(recursive=True)
                    if any(str(ctx_port) in a or "ctx0.yaml" in a for a in c.cmdline()))
-        killed = time.monotonic()
         os.killpg(ctx.pid, signal.SIGKILL)
-        wait_for_line(proc, "ctx0 restarted", timeout=30)
-        answer = None
-        while answer is None and time.monotonic() - killed < 90:
+        said = ""
+        for _ in range(3):  # each restart killed as soon as it runs
+            said += wait_for_line(proc, "ctx0 restarted (pid ", timeout=30)
+            os.killpg(int(said.rsplit("(pid ", 1)[1].split(")")[0]), signal.SIGKILL)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                       json={**{k: v for k, v in ask.items() if k != "extra_body"}, "ignore_eos": True})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_ready_instance", r.text
+        assert r.headers["retry-after"] == "2"
+        said += wait_for_line(proc, "ctx0 restarted (pid ", timeout=30)
+        waits = [float(w) for w in re.findall(r"ctx0 exited with code -9 after [\d.]+ s \(failure \d+, \d+ in a row\); "
+                                              r"restarting it in ([\d.]+) s", said)]
+        assert waits == [0.2, 0.4, 0.4, 0.4], said  # doubled max_restarts times, then capped
+        assert "failure 4, 4 in a row" in said and "stopping the cluster" not in said
+        answer, started = None, time.monotonic()
+        while answer is None and time.monotonic() - started < 90:
             try:
                 answer = client.completions.create(**ask).choices[0].text
-            except Exception:  # 503/502 until the restarted instance is ready and routed to again
+            except openai.APIStatusError as e:  # 503 until the restarted instance is ready and routed to again
+                assert e.status_code == 503, e
                 time.sleep(0.5)
         assert answer == before
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10,
+                            headers={"X-Cluster-Token": (logs / "cluster_token").read_text().strip()}).text
+        assert 'pdserve_orchestrator_instance_failures_total{role="context"} 1.0' in metrics, metrics
+        assert proc.poll() is None
         stop_cleanly(proc)

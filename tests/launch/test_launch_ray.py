@@ -92,6 +92,7 @@ def test_a_cluster_on_ray_serves_survives_a_killed_actor_and_scales(ray_cluster,
     cluster = {"model": str(model), "port": port, "backend": "nixl", "log_dir": str(tmp_path / "logs"),
                "context": [{"config": worker}], "generation": [{"config": worker}],
                "orchestrator": {"lease_ttl_s": 3, "health_check_interval": 0.5}, "max_restarts": 2,
+               "restart_backoff_s": 0.5,
                "ray": {"placement_timeout_s": 3, "placement": "spread", "cpus_per_rank": 0.5}}
     (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(cluster))
     launch = _pdserve("launch", "--ray", ray_cluster.address, str(tmp_path / "cluster.yaml"))
@@ -131,6 +132,15 @@ def test_a_cluster_on_ray_serves_survives_a_killed_actor_and_scales(ray_cluster,
         assert wait_until(lambda: _restarted(controller, ctx), timeout_s=120, poll_s=0.5), \
             ray.get(controller.status.remote())["context"]
         (ctx2,) = ray.get(controller.status.remote())["context"]
+        assert ctx2["starts_in_s"] == 0.5
+        # killed again at once, twice: 3 deaths where max_restarts is 2 (before, Ray's budget: the actor stayed
+        # dead), each restart waiting twice as long, up to restart_backoff_s * 2^max_restarts
+        for wait_s in (1.0, 2.0):
+            os.kill(ctx2["actor_pid"], signal.SIGKILL)
+            assert wait_until(lambda: _restarted(controller, ctx2), timeout_s=60, poll_s=0.2), \
+                ray.get(controller.status.remote())["context"]
+            (ctx2,) = ray.get(controller.status.remote())["context"]
+            assert ctx2["starts_in_s"] == wait_s, ctx2
         # the new actor is up before its server has joined: until then the orchestrator has no context
         # server and says so (503 no_ready_instance); nothing else may fail
         deadline = time.monotonic() + 60
