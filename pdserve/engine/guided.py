@@ -29,6 +29,7 @@ import threading
 
 import numpy as np
 
+from pdserve.engine.grammar_sandbox import GrammarSandbox, on_stack
 from pdserve.engine.sampling_params import GuidedSpec
 
 # Bounds on what one request may make this instance compile: the text, and llguidance's own limits on the
@@ -41,6 +42,12 @@ MAX_GRAMMAR_SIZE = 200_000  # llguidance's grammar-size units (its default: 500_
 # options override it.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_CACHED = 256  # distinct grammars kept per instance (least recently used dropped first)
+# A grammar whose compile (in the sandbox) takes longer is refused; the compiler child is killed.
+COMPILE_TIMEOUT_S = 10.0
+# The stack of the thread that compiles in the server: four times the sandbox child's (grammar_sandbox.py),
+# so a grammar that compiled there cannot overflow here.
+COMPILE_STACK_BYTES = 32 * 1024 * 1024
+WHAT = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}
 
 
 class GuidedError(ValueError):
@@ -52,22 +59,25 @@ class GuidedError(ValueError):
         self.param = param
 
 
-def _first_line(message: str) -> str:
+def first_line(message: str) -> str:
     """llguidance's error without the parser state dump it appends."""
     return message.split("\n<state>", 1)[0].strip()
 
 
 class Grammars:
     """An instance's compiled grammars, by spec. Thread-safe: the HTTP layer compiles (a 400 before the
-    request reaches the engine) and the step thread takes copies."""
+    request reaches the engine) and the step thread takes copies. A spec is compiled here only after it
+    compiled in the sandbox (grammar_sandbox.py), where a crash of the native compiler is a refusal."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]):
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int],
+                 timeout_s: float = COMPILE_TIMEOUT_S):
         self._tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size  # the model's logits width (the mask covers every logit)
         self._eos = sorted(eos_token_ids)
         self._tokenizer = None
         self._cache: dict[tuple[str, str], object] = {}  # (kind, text) -> pristine matcher, least recent first
         self._lock = threading.Lock()
+        self.sandbox = GrammarSandbox(tokenizer_json, vocab_size, self._eos, timeout_s)
 
     @property
     def mask_bytes(self) -> int:
@@ -93,17 +103,19 @@ class Grammars:
                 self._cache[key] = hit
                 return hit
             tokenizer = self._ll_tokenizer()
-        try:  # outside the lock: llguidance drops the GIL while it compiles
-            matcher = _compile(spec, tokenizer)
-        except GuidedError:
-            raise
-        except Exception as e:  # llguidance's own refusals (ValueError, RuntimeError) of what it cannot take
-            raise GuidedError(f"the {spec.kind} cannot be used: {_first_line(str(e))}", spec.param) from None
+        # outside the lock: llguidance drops the GIL while it compiles
+        problem = self.sandbox.check(spec, WHAT[spec.kind])
+        if problem is not None:
+            raise GuidedError(problem, spec.param)
+        matcher = on_stack(COMPILE_STACK_BYTES, compile_matcher, spec, tokenizer)
         with self._lock:
             self._cache[key] = matcher
             while len(self._cache) > MAX_CACHED:
                 self._cache.pop(next(iter(self._cache)))
         return matcher
+
+    def close(self) -> None:
+        self.sandbox.close()
 
     def guide(self, spec: GuidedSpec) -> "Guide":
         pristine = self.compile(spec)
@@ -138,18 +150,28 @@ def _grammar_text(spec: GuidedSpec) -> str:
     return llguidance.LLMatcher.grammar_from_lark(text)
 
 
+def compile_matcher(spec: GuidedSpec, tokenizer):
+    """The pristine matcher of `spec` on llguidance's `tokenizer`; GuidedError says what is wrong with it."""
+    try:
+        return _compile(spec, tokenizer)
+    except GuidedError:
+        raise
+    except Exception as e:  # llguidance's own refusals (ValueError, RuntimeError) of what it cannot take
+        raise GuidedError(f"the {WHAT[spec.kind]} cannot be used: {first_line(str(e))}", spec.param) from None
+
+
 def _compile(spec: GuidedSpec, tokenizer):
     import llguidance
 
     grammar = _grammar_text(spec)
     limits = llguidance.LLParserLimits(max_grammar_size=MAX_GRAMMAR_SIZE)
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer, limits=limits)
-    what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}[spec.kind]
+    what = WHAT[spec.kind]
     if failed:
-        raise GuidedError(f"the {what} cannot be used: {_first_line(messages[0])}", spec.param)
+        raise GuidedError(f"the {what} cannot be used: {first_line(messages[0])}", spec.param)
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
     if matcher.is_error():
-        raise GuidedError(f"the {what} cannot be used: {_first_line(matcher.get_error())}", spec.param)
+        raise GuidedError(f"the {what} cannot be used: {first_line(matcher.get_error())}", spec.param)
     probe = matcher.deep_copy()  # a grammar whose language is empty fails at its first mask
     probe.compute_bitmask()
     if probe.is_error() or (probe.is_stopped() and not probe.is_accepting()):
@@ -174,12 +196,15 @@ class Guide:
         for t in output_ids[self.consumed:]:
             if not self.matcher.consume_token(t):
                 raise GuidedError(f"output token {self.consumed} ({t}) is not allowed by the request's "
-                                  f"{self.spec.kind}: {_first_line(self.matcher.get_error())}", self.spec.param)
+                                  f"{WHAT[self.spec.kind]}: {first_line(self.matcher.get_error())}", self.spec.param)
             self.consumed += 1
 
     def mask(self) -> bytes:
         """The tokens allowed next, one bit each (bit t % 32 of int32 word t // 32), as the sampler reads them."""
         self.matcher.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
+        if self.matcher.is_error():
+            raise GuidedError(f"the request's {WHAT[self.spec.kind]} failed at output token {self.consumed}: "
+                              f"{first_line(self.matcher.get_error())}", self.spec.param)
         return self._mask.tobytes()
 
 

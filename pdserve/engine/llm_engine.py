@@ -29,7 +29,7 @@ from pdserve.engine.output import OutputTracker, RequestOutput
 from pdserve.engine.sampler import SampleResult, SampleSpec
 from pdserve.engine.sampling_defaults import describe, read_sampling_defaults
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import ScheduledSeq, Scheduler
+from pdserve.engine.scheduler import GRAMMAR_FAILED, ScheduledSeq, Scheduler
 from pdserve.engine.kv.exchange import KVExchange
 from pdserve.engine.kv.wire import KVCommand
 from pdserve.engine.sequence import DisaggInfo, RequestType, Resume, Sequence, choice_id
@@ -222,13 +222,15 @@ class LLMEngine:
 
     def _allowed(self, seq: Sequence) -> bytes | None:
         """A guided sequence's mask for its next token (None: not guided). Output the grammar does not allow
-        (a generation_first peer's first token) gets an empty mask, which fails the request in the sampler."""
+        (a generation_first peer's first token), or a grammar that fails on its way (a row too wide for
+        llguidance), gets an empty mask, which fails the request in the sampler as the grammar's fault."""
         if seq.params.guided is None:
             return None
         try:
             return self.guides.mask(seq.request_id, seq.params.guided, seq.output_token_ids)
         except GuidedError as e:
-            log.error("request %s: %s", seq.request_id, e)
+            log.warning("request %s: %s", seq.request_id, e)
+            seq.refusal, seq.error_code = f"{e} ({e.param})", GRAMMAR_FAILED
             return bytes(self.guides.grammars.mask_bytes)
 
     def _fit_context(self, n: int, params: SamplingParams) -> SamplingParams:
@@ -428,6 +430,7 @@ class LLMEngine:
         if not graceful:
             self._kill_workers()
         self.kv.close()
+        self.guides.grammars.close()
         if self.runner is not None:
             self.runner.shutdown() if graceful else self.runner.close()
         for p in self._procs:

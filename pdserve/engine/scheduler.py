@@ -67,6 +67,9 @@ log = logging.getLogger(__name__)
 # Sequence.error_code of a generation_only request whose context instance holds no such request (never
 # had it, or its KV was already sent, released or timed out): the client's error, not the service's.
 KV_NOT_FOUND = "kv_not_found"
+# Sequence.error_code of a guided request whose grammar failed on its way (llguidance's parser refused a row
+# too wide for it, at some output token): the request's grammar is to blame, so the client's error.
+GRAMMAR_FAILED = "grammar_failed"
 
 
 @dataclass
@@ -261,8 +264,8 @@ class Scheduler(ChoiceForks):
             except Exception as e:  # one request's bookkeeping (detokenizing, say) must not stop the loop
                 log.exception("request %s: handling its token failed", s.seq.request_id)
                 error = f"{type(e).__name__}: {e}"
-            if error is not None:
-                self.fail(s.seq, error)
+            if error is not None:  # a guided row whose grammar failed was masked to nothing: its cause is told
+                self.fail(s.seq, s.seq.refusal or error)
 
     def commit(self, batch: list[ScheduledSeq]) -> None:
         """After the forward pass: advance computed counts and publish newly full blocks."""

@@ -103,6 +103,7 @@ class Sequence:
     stop_reason: str | int | None = None
     error: str | None = None
     error_code: str | None = None  # the error's kind, when the client is told one (scheduler.KV_NOT_FOUND)
+    refusal: str | None = None  # why its own input failed it mid-flight (scheduler.GRAMMAR_FAILED)
     disagg: "DisaggInfo | None" = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None

@@ -15,14 +15,15 @@ from __future__ import annotations
 import asyncio
 import json
 
-from pdserve.engine.guided import Grammars, GuidedError
+from pdserve.engine.guided import COMPILE_TIMEOUT_S, Grammars, GuidedError
 from pdserve.engine.sampling_params import GuidedSpec
 from pdserve.server.errors import bad_request
 
 ANY_OBJECT = json.dumps({"type": "object"})
-# A grammar that takes longer to compile is refused. Its compile goes on in its worker thread (it cannot be
-# stopped) and is cached, so the same request sent again is served.
-COMPILE_TIMEOUT_S = 10.0
+# What a request may wait for its grammar: its turn at a sandbox child, the child's compile (killed past
+# COMPILE_TIMEOUT_S) and the server's own compile of what the child passed. Past it the request is refused;
+# the server's compile, which cannot be stopped, goes on and is cached.
+WAIT_S = 3 * COMPILE_TIMEOUT_S
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -38,11 +39,11 @@ async def compiled_spec(grammars: Grammars, req, tools=None) -> GuidedSpec | Non
         spec = tools.guided
     if spec is not None:
         try:
-            await asyncio.wait_for(asyncio.to_thread(grammars.compile, spec), COMPILE_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.to_thread(grammars.compile, spec), WAIT_S)
         except GuidedError as e:
             raise bad_request(str(e), e.param) from None
         except TimeoutError:
-            raise bad_request(f"the {spec.kind} took longer than {COMPILE_TIMEOUT_S:g} s to compile: simplify it "
+            raise bad_request(f"the {spec.kind} took longer than {WAIT_S:g} s to compile: simplify it "
                               "(fewer properties, alternatives or counted repetitions)", spec.param) from None
     return spec
 

@@ -22,7 +22,7 @@ from typing import AsyncIterator
 from pdserve.engine.llm_engine import ConflictError, RequestError
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import GuidedSpec, SamplingParams
-from pdserve.engine.scheduler import KV_NOT_FOUND
+from pdserve.engine.scheduler import GRAMMAR_FAILED, KV_NOT_FOUND
 from pdserve.engine.sequence import DisaggInfo, RequestType, Resume, num_answers
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.guided_request import compiled_spec
@@ -433,12 +433,16 @@ class OpenAIServing:
         """The step loop died, or the KV this request waited for never came: the service is unavailable
         (503; code kv_transfer_failed tells an orchestrator that another context instance may do). The
         context instance holds no such request (never had it, or its KV was already sent, released or timed
-        out): 404 kv_not_found. Any other failure is this request's own (500)."""
+        out): 404 kv_not_found. A grammar that failed on its way is the client's (400). Any other failure is this
+        request's own (500)."""
         message = f"generation failed: {out.error}"
         if out.error_code == KV_NOT_FOUND:
             return APIError(404, f"{message}. Send a generation_only request with the disaggregated_params of a "
                                  "context_only answer whose KV is still held", "disaggregated_params.disagg_request_id",
                             KV_NOT_FOUND)
+        if out.error_code == GRAMMAR_FAILED:  # the request's grammar failed on its way: the client's to fix
+            return APIError(400, f"{message}; simplify the grammar (fewer alternatives open at once)",
+                            code=GRAMMAR_FAILED)
         if (out.error or "").startswith("KV transfer"):
             return APIError(503, message, code="kv_transfer_failed")
         return APIError(503 if self.engine.error else 500, message)

@@ -137,10 +137,8 @@ def test_parse_with_a_pydantic_model_on_smollm2(smollm2_server):
     assert "paris" in city.name.lower() and "france" in city.country.lower(), city
 
 
-def test_a_grammar_slower_to_compile_than_the_bound_is_a_400(http, monkeypatch):
-    from pdserve.server import guided_request
-
-    monkeypatch.setattr(guided_request, "COMPILE_TIMEOUT_S", 1e-6)
+def test_a_grammar_slower_to_compile_than_the_bound_is_a_400(http, engine, monkeypatch):
+    monkeypatch.setattr(engine.engine.guides.grammars.sandbox, "timeout_s", 1e-6)
     schema = {"type": "object", "properties": {f"slow{i}": {"type": "integer"} for i in range(50)}}  # not cached yet
     r = http.post(CHAT, json={"model": "tiny", "messages": MESSAGES, "max_tokens": 4,
                               "response_format": _json_schema(schema)})
