@@ -2,7 +2,8 @@
 
 Open: GET /health (200 once each role has minimal_instances ready, else 503 naming what is missing).
 Internal (the cluster token when one is set): GET /cluster_info; POST /cluster/join, /cluster/heartbeat,
-/cluster/leave (membership.py: the token, or a member's proof of it, pdserve/cluster_auth.py); GET
+/cluster/leave (membership.py: the token, or a member's proof of it, good once and within a window of
+its time, pdserve/cluster_auth.py); GET
 /metrics, else open.
 Everything else (the API key when one is set): POST /v1/completions, POST /v1/chat/completions,
 GET /v1/models, and /cluster_info when no cluster token is set.
@@ -21,7 +22,8 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.cluster_auth import PROOF_HEADER, TOKEN_HEADER, proof_ok, token_ok
+from pdserve.cluster_auth import (PROOF_HEADER, TOKEN_HEADER, NoncesFull, ProofRefused, WrongToken, check_proof,
+                                  token_ok)
 from pdserve.config import HTTP_KEEP_ALIVE_S
 from pdserve.orchestrator.cluster import ROLES, LocalCluster
 from pdserve.orchestrator.config import DisaggConfig, server_url
@@ -214,31 +216,52 @@ def membership_routes(cluster, cluster_token: str | None) -> APIRouter:
             out.append(value)
         return out
 
-    def member_auth(request: Request, purpose: str, *parts: str) -> None:
+    async def member_auth(request: Request, purpose: str, *parts: str) -> None:
+        """The token itself (an operator, a fleet process), or a member's proof that is good and never
+        taken before (its nonce new to the store that every process of this cluster shares)."""
         if cluster_token is None or token_ok(cluster_token, request.headers.get(TOKEN_HEADER)):
             return
-        if not proof_ok(cluster_token, request.headers.get(PROOF_HEADER), purpose, *parts):
-            raise _no_cluster_token(request.url.path)
+        path = request.url.path
+        if not request.headers.get(PROOF_HEADER):  # another X-Cluster-Token
+            raise _no_cluster_token(path)
+        try:
+            fresh = check_proof(cluster_token, request.headers, purpose, *parts)
+        except WrongToken:
+            raise _no_cluster_token(path) from None
+        except ProofRefused as e:
+            raise _bad_proof(path, str(e)) from None
+        try:
+            first = await cluster().first_use(fresh.nonce, fresh.remember_s)
+        except NoncesFull as e:
+            raise OrchestratorError(503, str(e), "too_many_membership_calls") from None
+        if not first:
+            raise _bad_proof(path, "this proof was taken already (a replay): a member signs every call with a "
+                                   "fresh nonce")
 
     @router.post("/cluster/join")
     async def join(request: Request):
         role, url = await fields(request, "role", "url")
-        member_auth(request, "join", role, url)
+        await member_auth(request, "join", role, url)
         return await cluster().join(role, url)
 
     @router.post("/cluster/heartbeat")
     async def heartbeat(request: Request):
         (url,) = await fields(request, "url")
-        member_auth(request, "heartbeat", url)
+        await member_auth(request, "heartbeat", url)
         return await cluster().heartbeat(url)
 
     @router.post("/cluster/leave")
     async def leave(request: Request):
         (url,) = await fields(request, "url")
-        member_auth(request, "leave", url)
+        await member_auth(request, "leave", url)
         return {"left": await cluster().leave(url)}
 
     return router
+
+
+def _bad_proof(path: str, why: str) -> OrchestratorError:
+    """A member's proof refused for its use (time, nonce, replay), not for its token."""
+    return OrchestratorError(401, f"{path} refused a member's proof: {why}", "invalid_cluster_proof")
 
 
 def _no_cluster_token(path: str) -> OrchestratorError:

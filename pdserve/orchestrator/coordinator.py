@@ -6,7 +6,8 @@
                                                                                      KV event indexes
 
 The coordinator is a LocalCluster behind HTTP: POST /select, /finish, /unreachable, the membership
-calls /cluster/join, /cluster/heartbeat, /cluster/leave; GET /cluster_info, /health. Orchestrator
+calls /cluster/join, /cluster/heartbeat, /cluster/leave, /cluster/nonce (a member's proof checked in a
+process is taken once in the whole fleet: its nonce is new to the coordinator); GET /cluster_info, /health. Orchestrator
 processes reach it through `RemoteCluster`, which has LocalCluster's routing and membership interface
 (a worker may join through any orchestrator process). round_robin needs no shared state, so a role
 routed round-robin is routed in each process (no coordinator hop); its instances and their readiness
@@ -25,6 +26,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from pdserve.cluster_auth import MAX_NONCE_CHARS, PROOF_WINDOW_S, NoncesFull
 from pdserve.orchestrator.app import CLUSTER_TOKEN_HEADER, MEMBERSHIP_PATHS, AuthMiddleware, membership_routes
 from pdserve.orchestrator.cluster import ROLES, LocalCluster
 from pdserve.orchestrator.config import DisaggConfig
@@ -35,7 +37,7 @@ from pdserve.server.body_limit import BodyLimitMiddleware
 
 log = logging.getLogger(__name__)
 
-COORDINATOR_PATHS = ("/select", "/finish", "/unreachable", "/cluster_info", *MEMBERSHIP_PATHS)
+COORDINATOR_PATHS = ("/select", "/finish", "/unreachable", "/cluster_info", "/cluster/nonce", *MEMBERSHIP_PATHS)
 
 
 class CoordinatorUnreachable(Exception):
@@ -93,6 +95,21 @@ def build_coordinator_app(cfg: DisaggConfig) -> FastAPI:
         data = await request.json()
         state["cluster"].mark_unreachable(role_of(data), data.get("url"), str(data.get("reason")))
         return {"status": "ok"}
+
+    @app.post("/cluster/nonce")
+    async def nonce(request: Request):
+        data = await request.json()
+        nonce, remember_s = data.get("nonce"), data.get("remember_s")
+        if not isinstance(nonce, str) or not 0 < len(nonce) <= MAX_NONCE_CHARS:
+            raise OrchestratorError(400, f"nonce must be a string of 1 to {MAX_NONCE_CHARS} characters",
+                                    "invalid_value", "nonce")
+        if not isinstance(remember_s, (int, float)) or not 0 < remember_s <= 2 * PROOF_WINDOW_S:
+            raise OrchestratorError(400, f"remember_s must be in (0, {2 * PROOF_WINDOW_S:g}]", "invalid_value",
+                                    "remember_s")
+        try:
+            return {"first": await state["cluster"].first_use(nonce, float(remember_s))}
+        except NoncesFull as e:
+            raise OrchestratorError(503, str(e), "too_many_membership_calls") from None
 
     @app.get("/cluster_info")
     async def cluster_info():
@@ -251,6 +268,9 @@ class RemoteCluster:
         left = (await self._call("POST", "/cluster/leave", {"url": url}))["left"]
         await self._sync()
         return left
+
+    async def first_use(self, nonce: str, remember_s: float) -> bool:
+        return (await self._call("POST", "/cluster/nonce", {"nonce": nonce, "remember_s": remember_s}))["first"]
 
     def needs_tokens(self, role: str) -> bool:
         rc = self.router_types[role]

@@ -1,6 +1,8 @@
 """The membership in etcd (`cluster_storage: etcd://host:port[,host:port...][/prefix]`).
 
     PREFIX/members/<url>  ->  {"role", "url", "joined_at", "left"}     attached to an etcd lease of lease_ttl_s
+    PREFIX/nonces/<nonce> ->  ""                   a member's proof taken (cluster_auth.py): created only
+                                                   if absent, on a lease that outlives the proof's window
 
     join       a new lease, then the key on it
     heartbeat  the key's lease kept alive (a key that is gone or marked left: not a member, join again)
@@ -71,6 +73,8 @@ class EtcdStore:
         self._client_errors = aetcd.exceptions.ClientError
         self._current = 0
         self._seen: dict[str, tuple[int, float]] = {}  # url -> (lease id, joined_at) as of the last members()
+        self._nonce_prefix = prefix + "/nonces/"
+        self._nonce_lease: tuple[int, float] | None = None  # (id, monotonic time it ends): shared by many nonces
 
     @property
     def heartbeat_s(self) -> float:
@@ -124,6 +128,26 @@ class EtcdStore:
         marked = json.dumps({**value, "left": True}).encode()
         await self._call(lambda c: c.put(self._key(url), marked, lease=lease), "mark a member left")
         return value.get("role")
+
+    async def first_use(self, nonce: str, remember_s: float) -> bool:
+        lease = await self._nonce_lease_for(remember_s)
+        key = (self._nonce_prefix + nonce).encode()
+
+        async def create(c):
+            created, _ = await c.transaction(compare=[c.transactions.create(key) == 0],
+                                             success=[c.transactions.put(key, b"", lease=lease)], failure=[])
+            return created
+
+        return await self._call(create, "remember a proof's nonce")
+
+    async def _nonce_lease_for(self, remember_s: float) -> int:
+        """A lease that lasts at least remember_s more: one lease for many nonces, not one per heartbeat."""
+        now = time.monotonic()
+        if self._nonce_lease is None or self._nonce_lease[1] < now + remember_s:
+            ttl = max(1, math.ceil(2 * remember_s))
+            lease = await self._call(lambda c: c.lease(ttl), "grant a nonce lease")
+            self._nonce_lease = (lease.id, now + lease.ttl)
+        return self._nonce_lease[0]
 
     async def members(self) -> dict[str, Member]:
         found = await self._call(lambda c: c.get_prefix(self._prefix.encode()), "list the members")

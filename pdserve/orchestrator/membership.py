@@ -19,6 +19,12 @@ Where the membership is kept (`cluster_storage`):
   the same members. A restarted orchestrator routes to them at its first probe round, and a fleet
   needs no coordinator.
 
+Each store also keeps the nonces of the members' proofs (`first_use`, pdserve/cluster_auth.py), so a
+proof replayed to any orchestrator process that reads the same store is refused: the built-in store in
+memory (lost at a restart, which loses the leases too: a replayed join then re-admits the instance
+that signed it, which the orchestrator challenges as any joiner, and a replayed heartbeat or leave
+finds no member), etcd under PREFIX/nonces/.
+
 Both have the async interface of `MemberStore`; LocalCluster (cluster.py) does the checks and the
 routing around it and syncs its routers with `members()` every probe round.
 """
@@ -28,6 +34,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
+
+from pdserve.cluster_auth import SeenNonces
 
 # Heartbeats per lease: a member survives two lost heartbeats in a row.
 HEARTBEATS_PER_LEASE = 3
@@ -70,6 +78,9 @@ class MemberStore(Protocol):
     async def members(self) -> dict[str, Member]:
         """Every url whose lease is live, and those that left since about one lease ago."""
 
+    async def first_use(self, nonce: str, remember_s: float) -> bool:
+        """True the first time a proof's nonce is presented (kept remember_s); False for a replay."""
+
     async def describe(self, url: str) -> dict | None:
         """What /cluster_info shows of a member's lease (None: not a member, e.g. one of the YAML)."""
 
@@ -85,6 +96,7 @@ class Leases:
         self.ttl_s = ttl_s
         self.clock = clock
         self._leases: dict[str, MemberLease] = {}  # url -> its lease
+        self._nonces = SeenNonces(clock=clock)
 
     @property
     def heartbeat_s(self) -> float:
@@ -111,6 +123,9 @@ class Leases:
         for url in [url for url, lease in self._leases.items() if now - lease.renewed_at > self.ttl_s]:
             del self._leases[url]
         return {url: Member(lease.role) for url, lease in self._leases.items()}
+
+    async def first_use(self, nonce: str, remember_s: float) -> bool:
+        return self._nonces.first_use(nonce, remember_s)
 
     async def describe(self, url: str) -> dict | None:
         lease = self._leases.get(url)

@@ -9,9 +9,10 @@ pdserve/orchestrator/membership.py).
 A refusal (409: another model, another KV backend, a role clash; 401/403: the cluster token) is logged
 with the orchestrator's reason and retried every `_RETRY_S`, so an operator who fixes the other side
 sees the instance join without restarting it. With a cluster_token, each call carries an HMAC of it
-over the call and this instance's url (X-Cluster-Proof, pdserve/cluster_auth.py), never the token
-itself: an orchestrator at a wrong --join url learns nothing it can use. Runs on its own thread with a
-plain httpx client: the server's event loop never waits on the orchestrator.
+over the call, this instance's url, the time and a fresh nonce (X-Cluster-Proof, pdserve/cluster_auth.py),
+never the token itself: an orchestrator at a wrong --join url learns nothing it can use, and a call
+captured on the wire is refused when replayed. Runs on its own thread with a plain httpx client: the
+server's event loop never waits on the orchestrator.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Callable
 
 import httpx
 
-from pdserve.cluster_auth import PROOF_HEADER, proof
+from pdserve.cluster_auth import signed_headers
 from pdserve.config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ class ClusterMember:
                         self.orchestrator, e)
 
     def _headers(self, purpose: str, *parts: str) -> dict[str, str]:
-        signed = {PROOF_HEADER: proof(self._token, purpose, *parts)} if self._token else {}
+        signed = signed_headers(self._token, purpose, *parts) if self._token else {}
         return {**self._bearer, **signed}
 
     def _post(self, path: str, body: dict, signed: tuple[str, ...], not_a_member_ok: bool = False) -> dict | None:

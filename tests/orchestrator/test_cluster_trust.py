@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from harness import MODEL_NAME, AppThread, start_each
 
-from pdserve.cluster_auth import PROOF_HEADER, TOKEN_HEADER, proof
+from pdserve.cluster_auth import PROOF_HEADER, TOKEN_HEADER, signed_headers
 from pdserve.host import free_port
 from pdserve.orchestrator.app import build_app
 from pdserve.orchestrator.config import DisaggConfig
@@ -122,7 +122,8 @@ def test_a_server_that_echoes_a_real_worker_cannot_join_and_never_sees_a_request
     app, received = _fake_worker(gen, relay_nonce=True)
     with UvicornThread(app, name="fake worker") as fake:
         join = {"role": "generation", "url": fake.url}
-        for headers in ({}, {PROOF_HEADER: "00" * 32}, {PROOF_HEADER: proof("guessed", "join", "generation", fake.url)},
+        for headers in ({}, signed_headers("guessed", "join", "generation", fake.url),
+                        {**signed_headers("guessed", "join", "generation", fake.url), PROOF_HEADER: "00" * 32},
                         {TOKEN_HEADER: "guessed"}):
             r = httpx.post(orch + "/cluster/join", json=join, headers=headers, timeout=10)
             assert r.status_code == 401, r.text
@@ -157,28 +158,67 @@ def test_an_instance_that_cannot_prove_the_token_is_never_routed_to_even_when_li
         assert httpx.post(orch.url + "/v1/completions", json=BODY, timeout=30).status_code == 503
 
 
-def test_a_member_joined_by_hand_cannot_be_removed_without_the_token(cluster, tiny_model_dir, tmp_path):
-    """Case 6. An instance started by hand with the token launch wrote joins and serves; a leave (or a
-    heartbeat) without the token is refused and the member stays. Before, the leave was honoured."""
+def _wire_tap(orch: str) -> tuple[FastAPI, list]:
+    """A relay that a member joins through (its --join url): it forwards every membership call to `orch`
+    and keeps what it saw on the wire, (path, body, the X-Cluster-* headers), as an observer would."""
+    app, seen = FastAPI(), []
+
+    @app.post("/cluster/{call}")
+    async def relay(call: str, request: Request):
+        body = await request.json()
+        headers = {k: v for k, v in request.headers.items() if k.lower().startswith("x-cluster")}
+        seen.append(("/cluster/" + call, body, headers))
+        r = httpx.post(orch + "/cluster/" + call, json=body, headers=headers, timeout=10)
+        return JSONResponse(r.json(), status_code=r.status_code)
+
+    return app, seen
+
+
+def test_a_member_joined_by_hand_cannot_be_removed_without_the_token_nor_by_a_replay(cluster, tiny_model_dir,
+                                                                                      tmp_path):
+    """Case 6 of issue 39: an instance started by hand with the token launch wrote joins and serves; a
+    leave (or a heartbeat) without the token is refused and the member stays. Case 4 of issue 51: its
+    join and heartbeat, as its own code sent them and an observer saw them on the wire, are each a 401
+    naming the replay when sent again; so is its leave once taken: it joins again, and the same leave
+    replayed leaves it routed. Before, each replay was taken: the leave removed the live worker until
+    its next heartbeat, every time."""
     orch, _, _, log_dir, _ = cluster
     token = _token(log_dir)
-    holds = {"cluster_token": token} if token else {}
-    (extra,) = start_each(tiny_model_dir, tmp_path, [{"join": orch, "role": "generation",
-                                                      "cache_transceiver_config": {"backend": "shm", **holds}}])
-    try:
-        assert wait_until(lambda: _instances(orch, "generation", token).get(extra.url, {}).get("ready"), 20), \
-            extra.log_path.read_text()[-2000:]
-        for path in ("/cluster/leave", "/cluster/heartbeat"):
-            for headers in ({}, {PROOF_HEADER: proof("guessed", path.rsplit("/", 1)[1], extra.url)}):
-                r = httpx.post(orch + path, json={"url": extra.url}, headers=headers, timeout=10)
-                assert r.status_code == 401 and "cluster_token" in r.json()["error"]["message"], r.text
-        time.sleep(0.5)  # a probe round: a leave taken would have dropped it by now
-        assert _instances(orch, "generation", token)[extra.url]["ready"]
-        r = httpx.post(orch + "/cluster/leave", json={"url": extra.url},
-                       headers={PROOF_HEADER: proof(token, "leave", extra.url)} if token else {}, timeout=10)
-        assert r.status_code == 200 and r.json() == {"left": True}  # the member's own leave is taken
-    finally:
-        extra.stop()
+    assert token is not None, "pdserve launch wrote no cluster_token"
+    app, seen = _wire_tap(orch)
+    with UvicornThread(app, name="wire tap") as tap:
+        (member,) = start_each(tiny_model_dir, tmp_path, [{"join": tap.url, "role": "generation",
+                                                           "cache_transceiver_config": {"backend": "shm",
+                                                                                        "cluster_token": token}}])
+        try:
+            ready = lambda: _instances(orch, "generation", token).get(member.url, {}).get("ready")  # noqa: E731
+            assert wait_until(ready, 20), member.log_path.read_text()[-2000:]
+            for path in ("/cluster/leave", "/cluster/heartbeat"):
+                for headers in ({}, signed_headers("guessed", path.rsplit("/", 1)[1], member.url)):
+                    r = httpx.post(orch + path, json={"url": member.url}, headers=headers, timeout=10)
+                    assert r.status_code == 401 and "cluster_token" in r.json()["error"]["message"], r.text
+            assert wait_until(lambda: any(path == "/cluster/heartbeat" for path, _, _ in seen), 10)
+            for path in ("/cluster/join", "/cluster/heartbeat"):
+                _, body, headers = next(call for call in seen if call[0] == path)
+                r = httpx.post(orch + path, json=body, headers=headers, timeout=10)
+                assert r.status_code == 401, r.text
+                err = r.json()["error"]
+                assert err["code"] == "invalid_cluster_proof" and "a replay" in err["message"], err
+            time.sleep(0.5)  # a probe round: a leave taken would have dropped it by now
+            assert ready()
+            leave = signed_headers(token, "leave", member.url)  # what the member sends when it drains
+            r = httpx.post(orch + "/cluster/leave", json={"url": member.url}, headers=leave, timeout=10)
+            assert r.status_code == 200 and r.json() == {"left": True}, r.text  # the member's own leave is taken
+            assert wait_until(ready, 10), "the member did not join again after its leave"
+            for _ in range(3):
+                r = httpx.post(orch + "/cluster/leave", json={"url": member.url}, headers=leave, timeout=10)
+                assert r.status_code == 401 and "a replay" in r.json()["error"]["message"], r.text
+            time.sleep(0.5)
+            assert ready()
+            r = httpx.post(orch + "/v1/completions", json=BODY, timeout=60)
+            assert r.status_code == 200, r.text
+        finally:
+            member.stop()
 
 
 def test_join_without_the_token_is_refused_naming_it(cluster, tiny_model_dir, tmp_path):

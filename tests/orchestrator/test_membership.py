@@ -14,10 +14,13 @@ import httpx
 import pytest
 from harness import MODEL_NAME, AppThread, free_port_pair, log_of, run_cli, start_each, start_workers, wait_healthy
 
+from pdserve.cluster_auth import (PROOF_HEADER, PROOF_NONCE_HEADER, PROOF_TIME_HEADER, PROOF_WINDOW_S, NoncesFull,
+                                  ProofRefused, SeenNonces, WrongToken, check_proof, proof, signed_headers)
 from pdserve.host import host_id
 from pdserve.orchestrator.app import build_app
 from pdserve.orchestrator.cluster import LocalCluster
 from pdserve.orchestrator.config import DisaggConfig, RouterConfig
+from pdserve.orchestrator.coordinator import RemoteCluster, build_coordinator_app
 from pdserve.orchestrator.errors import OrchestratorError
 from pdserve.orchestrator.membership import Leases, Member
 from pdserve.orchestrator.metrics import OrchestratorMetrics
@@ -299,3 +302,89 @@ def test_instances_join_a_fleet_through_any_of_its_processes(tiny_model_dir, tmp
                 w.stop()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, log_of(proc)
+
+
+def test_seen_nonces_take_a_nonce_once_within_its_time_and_stay_bounded():
+    """The built-in store's replay memory: a nonce is refused again until its proof's time has left the
+    window, then forgotten; when full it refuses new nonces rather than forget one still replayable."""
+    clock = Clock()
+    seen = SeenNonces(max_entries=3, clock=clock)
+    assert seen.first_use("a", 10) and not seen.first_use("a", 10)
+    assert seen.first_use("b", 5) and seen.first_use("c", 20)
+    with pytest.raises(NoncesFull, match="retry in a few seconds"):
+        seen.first_use("d", 10)
+    clock.now += 5
+    assert len(seen) == 2 and seen.first_use("b", 10)  # b's time left the window: forgotten, a new proof may use it
+    clock.now += 5.5
+    assert not seen.first_use("c", 10) and seen.first_use("a", 10) and len(seen) == 3
+    leases = Leases(3.0, clock)
+    assert asyncio.run(leases.first_use("n", 60)) and not asyncio.run(leases.first_use("n", 60))
+
+
+def test_a_proof_is_good_once_and_within_its_window_naming_the_cause():
+    token, url = "t0k", "http://127.0.0.1:9"
+    headers = signed_headers(token, "leave", url, now=1000.0)
+    fresh = check_proof(token, headers, "leave", url, now=1010.0)
+    assert fresh.nonce == headers[PROOF_NONCE_HEADER] and fresh.remember_s == PROOF_WINDOW_S - 10
+    for now, off in ((1000.0 + PROOF_WINDOW_S + 1, "61 s behind"), (1000.0 - PROOF_WINDOW_S - 1, "61 s ahead of")):
+        with pytest.raises(ProofRefused, match=f"time is {off} this orchestrator's clock.*clock skew.*NTP"):
+            check_proof(token, headers, "leave", url, now=now)
+    for purpose, parts, forged in [("heartbeat", (url,), {}), ("leave", ("http://127.0.0.1:8",), {}),
+                                   ("leave", (url,), {PROOF_TIME_HEADER: "1001.000"}),
+                                   ("leave", (url,), {PROOF_NONCE_HEADER: "00" * 16})]:
+        with pytest.raises(WrongToken):  # another call, url, time or nonce: the proof does not cover it
+            check_proof(token, {**headers, **forged}, purpose, *parts, now=1000.0)
+    with pytest.raises(WrongToken):
+        check_proof("another", headers, "leave", url, now=1000.0)
+    with pytest.raises(ProofRefused, match="must carry X-Cluster-Proof-Time and X-Cluster-Proof-Nonce.*same pdserve"):
+        check_proof(token, {PROOF_HEADER: proof(token, "leave", url)}, "leave", url)  # the old, replayable form
+
+
+def _signed(token: str, purpose: str, *parts: str, now: float | None = None) -> dict[str, str]:
+    return signed_headers(token, purpose, *parts, now=now)
+
+
+def test_a_membership_call_replayed_is_refused_as_a_replay(tmp_path):
+    """Without any worker: a heartbeat or leave of a url that is no member passes the proof check (404 /
+    left false), so its replay shows the check alone: a 401 naming the replay. The same for a join (the
+    first attempt fails later, at the challenge of an instance that is not there), and for a proof made
+    90 s off the orchestrator's clock (401 naming clock skew). Before, every replay was taken as new."""
+    token, url = "t0k", "http://127.0.0.1:9"
+    with _orchestrator(cluster_token=token) as orch:
+        for path, body, purpose, parts, first in [
+                ("/cluster/heartbeat", {"url": url}, "heartbeat", (url,), 404),
+                ("/cluster/leave", {"url": url}, "leave", (url,), 200),
+                ("/cluster/join", {"role": "generation", "url": url}, "join", ("generation", url), 502)]:
+            captured = _signed(token, purpose, *parts)
+            r = httpx.post(orch.url + path, json=body, headers=captured, timeout=10)
+            assert r.status_code == first, r.text
+            for _ in range(2):
+                r = httpx.post(orch.url + path, json=body, headers=captured, timeout=10)
+                assert r.status_code == 401, r.text
+                err = r.json()["error"]
+                assert err["code"] == "invalid_cluster_proof" and "a replay" in err["message"], err
+            for skew in (-90, 90):
+                r = httpx.post(orch.url + path, json=body, headers=_signed(token, purpose, *parts,
+                                                                          now=time.time() + skew), timeout=10)
+                assert r.status_code == 401 and "clock skew" in r.json()["error"]["message"], r.text
+            r = httpx.post(orch.url + path, json=body, headers=_signed("guessed", purpose, *parts), timeout=10)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_cluster_token", r.text
+        r = httpx.post(orch.url + "/cluster/leave", json={"url": url}, headers={"X-Cluster-Token": token}, timeout=10)
+        assert r.status_code == 200  # the token itself (an operator) needs no nonce
+
+
+def test_a_proof_replayed_to_another_process_of_a_fleet_is_refused():
+    """A fleet behind SO_REUSEPORT: the replay of a proof one process took may land on another. Both
+    ask the coordinator whether the nonce is new, so the second process refuses it."""
+    token, url = "t0k", "http://127.0.0.1:9"
+    cfg = DisaggConfig(health_check_interval=0.2, cluster_token=token)
+    with AppThread(build_coordinator_app(cfg)) as coordinator:
+        with AppThread(build_app(cfg, process_id=0, cluster=RemoteCluster(cfg, coordinator.url))) as a, \
+                AppThread(build_app(cfg, process_id=1, cluster=RemoteCluster(cfg, coordinator.url))) as b:
+            captured = _signed(token, "heartbeat", url)
+            r = httpx.post(a.url + "/cluster/heartbeat", json={"url": url}, headers=captured, timeout=10)
+            assert r.status_code == 404, r.text  # taken: no such member
+            r = httpx.post(b.url + "/cluster/heartbeat", json={"url": url}, headers=captured, timeout=10)
+            assert r.status_code == 401 and "a replay" in r.text, r.text
+        r = httpx.post(coordinator.url + "/cluster/nonce", json={"nonce": "n", "remember_s": 5}, timeout=10)
+        assert r.status_code == 401  # the coordinator's nonce memory is for the fleet's processes only

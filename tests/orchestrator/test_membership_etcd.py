@@ -10,8 +10,10 @@ import time
 
 import httpx
 import pytest
-from harness import MODEL_NAME, free_port_pair, log_of, run_cli, start_each, wait_healthy
+from harness import MODEL_NAME, AppThread, free_port_pair, log_of, run_cli, start_each, wait_healthy
 
+from pdserve.cluster_auth import signed_headers
+from pdserve.orchestrator.app import build_app
 from pdserve.orchestrator.config import DisaggConfig
 from pdserve.orchestrator.etcd_store import EtcdStore, parse_etcd_url
 from pdserve.orchestrator.membership import Member, StoreUnavailable
@@ -78,6 +80,41 @@ def test_etcd_keeps_leases_as_the_built_in_store_does_and_every_reader_sees_them
             await b.close()
 
     asyncio.run(scenario())
+
+
+def test_a_proofs_nonce_is_taken_once_by_every_orchestrator_over_one_etcd(etcd):
+    """Two stores over one etcd stand for two orchestrator processes (a fleet with no coordinator behind
+    SO_REUSEPORT, or one restarted): a member proof's nonce that one took is a replay to the other, and
+    etcd forgets it once its lease (at least the proof's window) ends."""
+
+    async def scenario():
+        a, b = EtcdStore(etcd.storage + "/nonce-test", 3), EtcdStore(etcd.storage + "/nonce-test", 3)
+        try:
+            assert await a.first_use("n1", 1.0) and not await b.first_use("n1", 1.0)
+            assert not await a.first_use("n1", 1.0) and await b.first_use("n2", 1.0)
+            assert await a.members() == {}  # nonces are not members
+
+            async def forgotten() -> float:
+                start = time.monotonic()
+                while not await a.first_use("n1", 1.0):
+                    assert time.monotonic() - start < 10, "etcd kept a nonce long after its lease"
+                    await asyncio.sleep(0.2)
+                return time.monotonic() - start
+
+            print(f"a nonce remembered for 1 s forgotten by etcd after {await forgotten():.2f} s")
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(scenario())
+    token, url = "t0k", "http://127.0.0.1:9"
+    cfg = DisaggConfig(health_check_interval=0.2, cluster_token=token, cluster_storage=etcd.storage + "/nonce-app")
+    with AppThread(build_app(cfg, process_id=0)) as a, AppThread(build_app(cfg, process_id=1)) as b:
+        captured = signed_headers(token, "leave", url)
+        r = httpx.post(a.url + "/cluster/leave", json={"url": url}, headers=captured, timeout=10)
+        assert r.status_code == 200 and r.json() == {"left": False}, r.text
+        r = httpx.post(b.url + "/cluster/leave", json={"url": url}, headers=captured, timeout=10)
+        assert r.status_code == 401 and "a replay" in r.text, r.text
 
 
 def test_an_unreachable_etcd_is_a_clear_error(tmp_path):
