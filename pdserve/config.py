@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pdserve.kv_transfer.agents.faults import FaultPlan
 from pdserve.kv_transfer.bounce import BounceConfig
 from pdserve.kv_transfer.transceiver import TransceiverConfig
+from pdserve.tls import check_tls_files
 
 # How long pdserve's HTTP servers keep an idle keep-alive connection open: longer than clients keep one
 # (httpx and the OpenAI client: 5 s; the orchestrator's client to its workers: the same), so that a
@@ -226,11 +227,15 @@ class WorkerConfig(EngineConfig):
                                                "once serving, heartbeat, and leave on drain; needs role")
     role: Literal["context", "generation"] | None = Field(None, description="this instance's role when it joins")
     advertise_url: str | None = Field(None, description="the url the orchestrator reaches this instance at; "
-                                                        "default: http://host:port")
+                                                        "default: http://host:port (https with ssl_certfile)")
     join_token: str | None = Field(None, description="sent with every membership call as 'Authorization: Bearer': "
                                                      "the orchestrator's api_key, for an orchestrator without a "
                                                      "cluster_token (with one, the worker proves "
                                                      "cache_transceiver_config.cluster_token instead)")
+    ssl_certfile: str | None = Field(None, description="serve https with this certificate (PEM); needs ssl_keyfile")
+    ssl_keyfile: str | None = Field(None, description="the private key (PEM) of ssl_certfile")
+    ssl_ca_file: str | None = Field(None, description="the CA certificates (PEM) trusted for an https join url; "
+                                                      "default: the system's")
 
     @field_validator("join", "advertise_url")
     @classmethod
@@ -239,6 +244,7 @@ class WorkerConfig(EngineConfig):
 
     @model_validator(mode="after")
     def _check_join(self) -> "WorkerConfig":
+        check_tls_files(self.ssl_keyfile, self.ssl_certfile, self.ssl_ca_file)
         if (self.join is None) != (self.role is None):
             raise ValueError("join and role go together: set both (join: http://ORCHESTRATOR:PORT, "
                              "role: context | generation) or neither")
