@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pdserve.config import load_yaml, server_url
+from pdserve.tls import check_tls_files
 
 RouterType = Literal["round_robin", "load_balancing", "kv_cache_aware", "conversation"]
 
@@ -116,6 +117,10 @@ class DisaggConfig(BaseModel):
     cluster_token: str | None = Field(None, description="when set, internal endpoints require 'X-Cluster-Token'")
     worker_api_key: str | None = Field(None, description="sent to every worker as 'Authorization: Bearer <key>' "
                                                          "(the workers' own api_key)")
+    ssl_certfile: str | None = Field(None, description="serve https with this certificate (PEM); needs ssl_keyfile")
+    ssl_keyfile: str | None = Field(None, description="the private key (PEM) of ssl_certfile")
+    ssl_ca_file: str | None = Field(None, description="the CA certificates (PEM) trusted for https workers; "
+                                                      "default: the system's")
 
     @field_validator("cluster_storage")
     @classmethod
@@ -128,6 +133,7 @@ class DisaggConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "DisaggConfig":
+        check_tls_files(self.ssl_keyfile, self.ssl_certfile, self.ssl_ca_file)
         if self.cluster_storage is not None and self.disagg_coordinator_url is not None:
             raise ValueError("with cluster_storage (etcd) every orchestrator process reads the membership itself and "
                              "there is no coordinator: drop disagg_coordinator_url")

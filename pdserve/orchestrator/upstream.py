@@ -14,12 +14,13 @@ CONNECT_TIMEOUT_S = 5.0
 
 
 def make_client(request_timeout: float, max_connections: int = 1024,
-                worker_api_key: str | None = None) -> httpx.AsyncClient:
-    """`worker_api_key`: the workers' own api_key, sent with every call to them."""
+                worker_api_key: str | None = None, verify: str | bool = True) -> httpx.AsyncClient:
+    """`worker_api_key`: the workers' own api_key, sent with every call to them; `verify`: the CA file
+    trusted for https workers (pdserve/tls.py), else the system's."""
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections // 4)
     headers = {"Authorization": f"Bearer {worker_api_key}"} if worker_api_key else None
     return httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=CONNECT_TIMEOUT_S), limits=limits,
-                             trust_env=False, headers=headers)
+                             trust_env=False, headers=headers, verify=verify)
 
 
 def _transport_error(role: str, url: str, e: Exception, timeout: float) -> OrchestratorError:
