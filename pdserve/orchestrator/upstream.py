@@ -4,6 +4,7 @@ OrchestratorError (see errors.py): the caller never sees an httpx exception."""
 from __future__ import annotations
 
 import json
+import ssl
 from typing import AsyncIterator
 
 import httpx
@@ -14,8 +15,8 @@ CONNECT_TIMEOUT_S = 5.0
 
 
 def make_client(request_timeout: float, max_connections: int = 1024,
-                worker_api_key: str | None = None, verify: str | bool = True) -> httpx.AsyncClient:
-    """`worker_api_key`: the workers' own api_key, sent with every call to them; `verify`: the CA file
+                worker_api_key: str | None = None, verify: ssl.SSLContext | bool = True) -> httpx.AsyncClient:
+    """`worker_api_key`: the workers' own api_key, sent with every call to them; `verify`: the CAs
     trusted for https workers (pdserve/tls.py), else the system's."""
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections // 4)
     headers = {"Authorization": f"Bearer {worker_api_key}"} if worker_api_key else None
