@@ -6,13 +6,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+# config.json 'architectures' -> transformers' model_type, whose config class reads the file
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
-    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "NemotronHForCausalLM": "nemotron_h",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 # Nemotron-H's checkpoints name each layer's one mixer; the MoE kind is not served yet (refused by name).
@@ -218,136 +220,155 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        archs = cfg.get("architectures") or []
-        if "NemotronHForCausalLM" in archs:
-            return _nemotron_h(cls, cfg)
-        if "DeepseekV3ForCausalLM" in archs:
-            return _deepseek_v3(cls, cfg)
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        """The model config.json `cfg` describes, read as transformers reads it (transformers_config)."""
+        arch = next((a for a in cfg.get("architectures") or [] if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
-                f"unsupported model architecture {archs!r}; pdserve serves "
-                f"{sorted(SUPPORTED_ARCHITECTURES)} (config.json 'architectures')"
+                f"unsupported model architecture {cfg.get('architectures')!r} (config.json 'architectures'); "
+                f"pdserve serves {sorted(SUPPORTED_ARCHITECTURES)}"
             )
-        act = cfg.get("hidden_act", "silu")
+        hf = transformers_config(cfg, arch)
+        if arch == "NemotronHForCausalLM":
+            return _nemotron_h(cls, hf)
+        if arch == "DeepseekV3ForCausalLM":
+            return _deepseek_v3(cls, hf)
+        act = hf.hidden_act
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {act!r}; pdserve's MLP is SwiGLU (silu)")
-        if cfg.get("mlp_bias"):
+        if getattr(hf, "mlp_bias", False):
             raise ValueError("unsupported mlp_bias: true; pdserve's MLP projections carry no bias")
-        num_heads = cfg["num_attention_heads"]
-        rope = dict(cfg.get("rope_parameters") or {})
-        legacy_scaling = cfg.get("rope_scaling") or {}
-        rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type") or legacy_scaling.get("rope_type") or legacy_scaling.get("type")
+        num_heads = hf.num_attention_heads
+        rope = _rope(hf)
+        rope_type = rope.get("rope_type", "default")
         scaling = None
         if rope_type == "llama3":
-            src = rope if "factor" in rope else legacy_scaling
             scaling = RopeScaling(
-                factor=float(src["factor"]),
-                low_freq_factor=float(src["low_freq_factor"]),
-                high_freq_factor=float(src["high_freq_factor"]),
-                original_max_position_embeddings=int(src["original_max_position_embeddings"]),
+                factor=float(rope["factor"]),
+                low_freq_factor=float(rope["low_freq_factor"]),
+                high_freq_factor=float(rope["high_freq_factor"]),
+                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
             )
-        elif rope_type not in (None, "default"):
+        elif rope_type != "default":
             raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
-        default_bias = SUPPORTED_ARCHITECTURES[arch] == "qwen2"
-        hybrid = _qwen3_5(cfg, rope) if arch == "Qwen3_5ForCausalLM" else {}
-        qwen3 = SUPPORTED_ARCHITECTURES[arch] in ("qwen3", "qwen3_moe")
+        family = SUPPORTED_ARCHITECTURES[arch]
+        qwen3 = family in ("qwen3", "qwen3_moe")
+        # Qwen2's q/k/v always carry a bias (its config has no key for it)
+        attention_bias = bool(getattr(hf, "attention_bias", family == "qwen2"))
         return cls(
             architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
             num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", default_bias)),
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
+            rms_norm_eps=float(hf.rms_norm_eps),
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            max_position_embeddings=int(hf.max_position_embeddings),
+            tie_word_embeddings=bool(hf.tie_word_embeddings),
+            attention_bias=attention_bias,
             rope_scaling=scaling,
             qk_norm=qwen3,
-            o_proj_bias=qwen3 and bool(cfg.get("attention_bias", False)),
-            **_sliding_window(cfg, arch),
-            **hybrid,
-            **(_moe(cfg) if arch == "Qwen3MoeForCausalLM" else {}),
+            o_proj_bias=qwen3 and attention_bias,
+            **_sliding_window(hf, arch),
+            **(_qwen3_5(hf, rope) if family == "qwen3_5_text" else {}),
+            **(_moe(hf) if family == "qwen3_moe" else {}),
         )
 
 
-def _qwen3_5(cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+def transformers_config(cfg: dict[str, Any], arch: str):
+    """config.json as transformers reads it: the config class of `arch`'s family, so aliases (Qwen3-MoE's
+    `num_local_experts` for `num_experts`), defaults, old spellings (`rope_scaling`, Nemotron-H's
+    `hybrid_override_pattern`) and encoded floats (`{"__float__": "Infinity"}`) are transformers', not a second
+    parser's. The class is chosen by `arch`, whatever `model_type` says."""
+    # imported here: only reading a model's config needs transformers, and it takes a second to import
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[SUPPORTED_ARCHITECTURES[arch]]
+    try:
+        return config_class.from_dict(PretrainedConfig._decode_special_floats(dict(cfg)))
+    except (KeyError, TypeError, ValueError, StrictDataclassError) as e:  # what transformers refuses to read
+        raise ValueError(f"config.json does not read as transformers' {config_class.__name__} ({arch}): "
+                         f"{e}; fix the key it names") from e
+
+
+def _rope(hf) -> dict[str, Any]:
+    """transformers' rope_parameters (it folds the older rope_theta / rope_scaling keys into them)."""
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    return rope
+
+
+def _qwen3_5(hf, rope: dict[str, Any]) -> dict[str, Any]:
     """Qwen3.5's recurrent layers (layer_types 'linear_attention'), their Gated DeltaNet shape and the
     fraction of each attention head RoPE rotates."""
-    kinds = cfg.get("layer_types") or []
-    if len(kinds) != cfg["num_hidden_layers"] or set(kinds) - {"linear_attention", "full_attention"}:
-        raise ValueError(f"layer_types must name each of the {cfg['num_hidden_layers']} layers "
+    kinds = list(hf.layer_types or [])
+    if len(kinds) != hf.num_hidden_layers or set(kinds) - {"linear_attention", "full_attention"}:
+        raise ValueError(f"layer_types must name each of the {hf.num_hidden_layers} layers "
                          f"'linear_attention' or 'full_attention', got {kinds!r}")
     shape = LinearAttentionShape(
-        num_k_heads=int(cfg["linear_num_key_heads"]), num_v_heads=int(cfg["linear_num_value_heads"]),
-        k_head_dim=int(cfg["linear_key_head_dim"]), v_head_dim=int(cfg["linear_value_head_dim"]),
-        conv_kernel=int(cfg["linear_conv_kernel_dim"]))
+        num_k_heads=int(hf.linear_num_key_heads), num_v_heads=int(hf.linear_num_value_heads),
+        k_head_dim=int(hf.linear_key_head_dim), v_head_dim=int(hf.linear_value_head_dim),
+        conv_kernel=int(hf.linear_conv_kernel_dim))
     if shape.num_v_heads % shape.num_k_heads:
         raise ValueError(f"linear_num_value_heads={shape.num_v_heads} must be a multiple of "
                          f"linear_num_key_heads={shape.num_k_heads}")
-    factor = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    factor = float(rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None) or 1.0))
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     if int(head_dim * factor) % 2:
         raise ValueError(f"partial_rotary_factor={factor} of head_dim {head_dim} rotates an odd number of dims")
     return {"recurrent_layers": tuple(i for i, k in enumerate(kinds) if k == "linear_attention"),
             "linear_attention": shape, "partial_rotary_factor": factor}
 
 
-def _moe(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Qwen3-MoE's experts, and which layers are sparse as transformers picks them: every
-    `decoder_sparse_step`-th layer (1-based) that `mlp_only_layers` does not name."""
-    if int(cfg.get("num_experts", 0)) == 0:
+def _moe(hf) -> dict[str, Any]:
+    """Qwen3-MoE's experts (config.json's `num_experts`, or `num_local_experts` as transformers 5 writes it),
+    and which layers are sparse as transformers picks them: every `decoder_sparse_step`-th layer (1-based)
+    that `mlp_only_layers` does not name."""
+    if int(hf.num_experts or 0) == 0:
         return {}  # no experts: every layer keeps the dense MLP
-    shape = MoeShape(num_experts=int(cfg["num_experts"]), top_k=int(cfg["num_experts_per_tok"]),
-                     intermediate_size=int(cfg["moe_intermediate_size"]),
-                     norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+    shape = MoeShape(num_experts=int(hf.num_experts), top_k=int(hf.num_experts_per_tok),
+                     intermediate_size=int(hf.moe_intermediate_size), norm_topk_prob=bool(hf.norm_topk_prob))
     if not 1 <= shape.top_k <= shape.num_experts:
         raise ValueError(f"num_experts_per_tok={shape.top_k} must be between 1 and num_experts={shape.num_experts}")
-    step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
+    step, dense = int(hf.decoder_sparse_step), set(hf.mlp_only_layers or ())
     if step < 1:
         raise ValueError(f"decoder_sparse_step={step} must be >= 1")
-    layers = tuple(i for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+    layers = tuple(i for i in range(hf.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
     return {"moe": shape, "moe_layers": layers}
 
 
-def _nemotron_h(cls, cfg: dict[str, Any]) -> "ModelConfig":
+def _nemotron_h(cls, hf) -> "ModelConfig":
     """Nemotron-H: one mixer per layer (Mamba2, attention without positions, or a squared-ReLU MLP), named by
-    `layers_block_type` (or the older `hybrid_override_pattern`, M * - E)."""
-    kinds = cfg.get("layers_block_type") or [{"M": "linear_attention", "*": "full_attention", "-": "mlp",
-                                              "E": "moe"}.get(c, c) for c in cfg.get("hybrid_override_pattern", "")]
+    `layers_block_type` (transformers reads the older `hybrid_override_pattern`, M * - E, into it)."""
+    kinds = list(hf.layers_block_type or [])
     unknown = sorted(set(kinds) - set(NEMOTRON_H_LAYERS))
     if not kinds or unknown:
         raise ValueError(f"NemotronHForCausalLM layers_block_type {kinds!r}: pdserve serves "
                          f"{sorted(NEMOTRON_H_LAYERS)} layers; {unknown or 'none given'} is not served yet")
     for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
-        if cfg.get(key, want) != want:
-            raise ValueError(f"unsupported {key} {cfg[key]!r}; Nemotron-H's is {want!r}")
+        if getattr(hf, key) != want:
+            raise ValueError(f"unsupported {key} {getattr(hf, key)!r}; Nemotron-H's is {want!r}")
     for key in ("mlp_bias", "attention_bias", "use_bias", "mamba_proj_bias", "residual_in_fp32"):
-        if cfg.get(key):
+        if getattr(hf, key, False):
             raise ValueError(f"unsupported {key}: true for NemotronHForCausalLM")
-    heads = cfg["num_attention_heads"]
-    mamba = Mamba2Shape(num_heads=int(cfg["mamba_num_heads"]), head_dim=int(cfg["mamba_head_dim"]),
-                        n_groups=int(cfg.get("n_groups", cfg.get("mamba_n_groups", 1))),
-                        state_size=int(cfg["ssm_state_size"]),
-                        conv_kernel=int(cfg.get("conv_kernel", cfg.get("mamba_d_conv", 4))),
-                        conv_bias=bool(cfg.get("use_conv_bias", True)),
-                        time_step_min=float(cfg.get("time_step_min", 0.001)))
+    heads = hf.num_attention_heads
+    mamba = Mamba2Shape(num_heads=int(hf.mamba_num_heads), head_dim=int(hf.mamba_head_dim),
+                        n_groups=int(hf.n_groups), state_size=int(hf.ssm_state_size),
+                        conv_kernel=int(hf.conv_kernel), conv_bias=bool(hf.use_conv_bias),
+                        time_step_min=float(hf.time_step_min))
     if mamba.num_heads % mamba.n_groups:
         raise ValueError(f"mamba_num_heads={mamba.num_heads} must be a multiple of n_groups={mamba.n_groups}")
     return cls(
-        architecture="NemotronHForCausalLM", vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"], num_layers=len(kinds), num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        rms_norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)), rope_theta=10000.0,  # (no positions)
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), attention_bias=False,
-        recurrent_layers=tuple(i for i, k in enumerate(kinds) if k == "linear_attention"),
+        architecture="NemotronHForCausalLM", vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size, num_layers=len(kinds), num_heads=heads,
+        num_kv_heads=hf.num_key_value_heads or heads, head_dim=hf.head_dim or hf.hidden_size // heads,
+        rms_norm_eps=float(hf.layer_norm_epsilon), rope_theta=10000.0,  # (no positions)
+        max_position_embeddings=int(hf.max_position_embeddings), tie_word_embeddings=bool(hf.tie_word_embeddings),
+        attention_bias=False, recurrent_layers=tuple(i for i, k in enumerate(kinds) if k == "linear_attention"),
         cacheless_layers=tuple(i for i, k in enumerate(kinds) if k == "mlp"), mamba=mamba)
 
 
@@ -370,61 +391,57 @@ def _yarn(rope: dict[str, Any], max_positions: int) -> YarnRope:
                     softmax_mscale=mscale(ms_all) ** 2 if ms_all else 1.0, truncate=bool(rope.get("truncate", True)))
 
 
-def _deepseek_v3(cls, cfg: dict[str, Any]) -> "ModelConfig":
+def _deepseek_v3(cls, hf) -> "ModelConfig":
     """DeepSeek-V3: latent attention in every layer; the first `first_k_dense_replace` layers a dense SwiGLU
     MLP, the rest a sigmoid-routed, group-limited MoE with shared experts."""
-    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
-        raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; DeepSeek-V3's MLP is SwiGLU (silu)")
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if hf.hidden_act not in ("silu", "swish"):
+        raise ValueError(f"unsupported hidden_act {hf.hidden_act!r}; DeepSeek-V3's MLP is SwiGLU (silu)")
+    rope = _rope(hf)
+    kind = rope["rope_type"]
     if kind not in ("default", "yarn"):
         raise ValueError(f"unsupported rope_type {kind!r} for DeepseekV3ForCausalLM; supported: default, yarn")
-    max_positions = int(cfg.get("max_position_embeddings", 4096))
-    q_lora = cfg.get("q_lora_rank")
-    mla = MlaShape(q_lora_rank=int(q_lora) if q_lora else None, kv_lora_rank=int(cfg["kv_lora_rank"]),
-                   qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
-                   v_head_dim=int(cfg["v_head_dim"]), rope_interleave=bool(cfg.get("rope_interleave", True)),
+    max_positions = int(hf.max_position_embeddings)
+    mla = MlaShape(q_lora_rank=int(hf.q_lora_rank) if hf.q_lora_rank else None, kv_lora_rank=int(hf.kv_lora_rank),
+                   qk_nope_head_dim=int(hf.qk_nope_head_dim), qk_rope_head_dim=int(hf.qk_rope_head_dim),
+                   v_head_dim=int(hf.v_head_dim), rope_interleave=bool(hf.rope_interleave),
                    yarn=_yarn(rope, max_positions) if kind == "yarn" else None)
     if mla.qk_rope_head_dim % 2:
         raise ValueError(f"qk_rope_head_dim={mla.qk_rope_head_dim} must be even (RoPE rotates pairs)")
-    layers, dense = int(cfg["num_hidden_layers"]), int(cfg.get("first_k_dense_replace") or 0)
-    moe = MoeShape(num_experts=int(cfg["n_routed_experts"]), top_k=int(cfg["num_experts_per_tok"]),
-                   intermediate_size=int(cfg["moe_intermediate_size"]),
-                   norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), scoring="sigmoid",
-                   n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
-                   routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-                   shared_intermediate_size=int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0))
+    layers, dense = int(hf.num_hidden_layers), int(hf.first_k_dense_replace or 0)
+    moe = MoeShape(num_experts=int(hf.n_routed_experts), top_k=int(hf.num_experts_per_tok),
+                   intermediate_size=int(hf.moe_intermediate_size), norm_topk_prob=bool(hf.norm_topk_prob),
+                   scoring="sigmoid", n_group=int(hf.n_group or 1), topk_group=int(hf.topk_group or 1),
+                   routed_scaling_factor=float(hf.routed_scaling_factor),
+                   shared_intermediate_size=int(hf.moe_intermediate_size) * int(hf.n_shared_experts or 0))
     if moe.num_experts % moe.n_group or not 1 <= moe.topk_group <= moe.n_group:
         raise ValueError(f"n_routed_experts={moe.num_experts}, n_group={moe.n_group}, topk_group={moe.topk_group}: "
                          "the groups must split the experts evenly and topk_group be between 1 and n_group")
     if not 1 <= moe.top_k <= moe.topk_group * moe.num_experts // moe.n_group:
         raise ValueError(f"num_experts_per_tok={moe.top_k} must be between 1 and the experts of topk_group groups")
-    heads = int(cfg["num_attention_heads"])
     return cls(
-        architecture="DeepseekV3ForCausalLM", vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"], num_layers=layers, num_heads=heads, num_kv_heads=1,
-        head_dim=mla.latent_dim, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-        max_position_embeddings=max_positions, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", False)), moe=moe, moe_layers=tuple(range(dense, layers)),
-        mla=mla)
+        architecture="DeepseekV3ForCausalLM", vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size, num_layers=layers, num_heads=int(hf.num_attention_heads),
+        num_kv_heads=1, head_dim=mla.latent_dim, rms_norm_eps=float(hf.rms_norm_eps),
+        rope_theta=float(rope.get("rope_theta", 10000.0)), max_position_embeddings=max_positions,
+        tie_word_embeddings=bool(hf.tie_word_embeddings), attention_bias=bool(hf.attention_bias), moe=moe,
+        moe_layers=tuple(range(dense, layers)), mla=mla)
 
 
-def _sliding_window(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+def _sliding_window(hf, arch: str) -> dict[str, Any]:
     """The window and the layers that slide, as transformers reads config.json: a `layer_types` list
-    names them; else Mistral slides in every layer whenever `sliding_window` is set, Qwen2 and Qwen3 only
-    with `use_sliding_window`, in the layers from `max_window_layers` on, and Qwen3-MoE with
-    `use_sliding_window` in every layer."""
-    window, layers = cfg.get("sliding_window"), int(cfg["num_hidden_layers"])
+    names them (transformers derives it for Qwen2 and Qwen3 from `use_sliding_window` and
+    `max_window_layers`); else Mistral slides in every layer whenever `sliding_window` is set, and Qwen3-MoE
+    with `use_sliding_window` in every layer."""
+    window, layers = getattr(hf, "sliding_window", None), int(hf.num_hidden_layers)
     if not window:
         return {}
-    if cfg.get("layer_types"):
-        sliding = [i for i, kind in enumerate(cfg["layer_types"]) if kind == "sliding_attention"]
+    if getattr(hf, "layer_types", None):
+        sliding = [i for i, kind in enumerate(hf.layer_types) if kind == "sliding_attention"]
     elif arch == "Qwen3MoeForCausalLM":
-        sliding = list(range(layers)) if cfg.get("use_sliding_window", False) else []
+        sliding = list(range(layers)) if hf.use_sliding_window else []
     elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        first = int(cfg.get("max_window_layers", 0))
-        sliding = list(range(first, layers)) if cfg.get("use_sliding_window", False) else []
+        first = int(hf.max_window_layers)
+        sliding = list(range(first, layers)) if hf.use_sliding_window else []
     else:
         sliding = list(range(layers))
     return {"sliding_window": int(window), "sliding_layers": tuple(sliding)} if sliding else {}

@@ -1,10 +1,12 @@
-"""Load a Hugging Face checkpoint into one rank's model shard (LlamaForCausalLM or Qwen3_5ForCausalLM:
-the top-level tensors here, each decoder layer's by its own `load`)."""
+"""Load a Hugging Face checkpoint (one safetensors file or the shards its model.safetensors.index.json names)
+into one rank's model shard: the top-level tensors here, each decoder layer's by its own `load`, every name
+as the model class's CHECKPOINT_RENAMES maps it."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,12 +41,11 @@ def load_weights(model: nn.Module, model_dir: Path, show_progress: bool = False)
     need_embed = model.embed_tokens is not None or (model.ps.is_last_stage and model.cfg.tie_word_embeddings)
     files = _checkpoint_files(model_dir)
     foreign = []  # outside the layers and not ours: every stage refuses them
-    # a family whose checkpoints name the top-level tensors otherwise (Nemotron-H's model.embeddings)
-    renames = getattr(model, "CHECKPOINT_RENAMES", {})
+    rename = checkpoint_renamer(model)
     for path in tqdm(files, desc="loading weights", disable=not show_progress):
         with safe_open(str(path), framework="pt") as f:
             for stored in f.keys():
-                name = renames.get(stored, stored)
+                name = rename(stored)
                 m = _LAYER.match(name)
                 if _KV_SCALE.match(name):
                     keep = False
@@ -57,9 +58,24 @@ def load_weights(model: nn.Module, model_dir: Path, show_progress: bool = False)
                     if not name.endswith(_DERIVED):
                         foreign.append(name)
                 if keep:
+                    if name in wanted:
+                        raise ValueError(f"checkpoint holds {name!r} twice (once as {stored!r}): keep one spelling")
                     wanted[name] = f.get_tensor(stored)
     _refuse_unused(foreign)
     _assign(model, wanted)
+
+
+def checkpoint_renamer(model: nn.Module) -> Callable[[str], str]:
+    """A stored tensor's name -> the name pdserve's layers load it by. A family whose published checkpoints
+    name tensors otherwise (Nemotron-H's backbone.*) lists its `(pattern, replacement)` regexes, applied in
+    order, as its model class's CHECKPOINT_RENAMES: the one place that family's mapping lives."""
+    renames = [(re.compile(pattern), repl) for pattern, repl in getattr(model, "CHECKPOINT_RENAMES", ())]
+
+    def rename(stored: str) -> str:
+        for pattern, repl in renames:
+            stored = pattern.sub(repl, stored)
+        return stored
+    return rename
 
 
 def read_kv_scales(model_dir: Path) -> dict[int, tuple[float, float]]:

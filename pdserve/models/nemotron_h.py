@@ -109,8 +109,11 @@ class NemotronHLayer(nn.Module):
 class NemotronHForCausalLM(HybridStage):
     """The same interface as Qwen3_5ForCausalLM (hybrid_stage.py)."""
 
-    CHECKPOINT_RENAMES = {"model.embeddings.weight": "model.embed_tokens.weight",
-                          "model.norm_f.weight": "model.norm.weight"}
+    # The published checkpoints' names -> pdserve's, applied in order (loader.py): every Nemotron-H checkpoint
+    # names its weights backbone.* (transformers' conversion_mapping 'nemotron_h' renames them to model.* in
+    # memory, and loads that spelling too), the embedding `embeddings` and the final norm `norm_f`.
+    CHECKPOINT_RENAMES = ((r"^backbone\.", "model."), (r"^model\.embeddings\.", "model.embed_tokens."),
+                          (r"^model\.norm_f\.", "model.norm."))
 
     def __init__(self, cfg: ModelConfig, ps: ParallelState, dtype: torch.dtype, max_positions: int):
         super().__init__(cfg, ps, dtype)

@@ -23,7 +23,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pdserve.testing.tiny_hybrid import hybrid_config_extras, hybrid_weights
-from pdserve.testing.tiny_qwen3 import QWEN3_ARCHS, is_moe_layer, qwen3_config_extras, qwen3_layer_weights
+from pdserve.testing.tiny_qwen3 import QWEN3_ARCHS, qwen3_config_extras, save_qwen3
 from pdserve.weights.hf_dir import (
     CONFIG_FILE,
     GENERATION_CONFIG_FILE,
@@ -231,12 +231,9 @@ def tiny_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
             w[p + "self_attn.v_proj.bias"] = randn(kv_out, std=0.2)
         w[p + "self_attn.o_proj.weight"] = linear(h, q_out)
         w[p + "post_attention_layernorm.weight"] = norm(h)
-        if cfg["model_type"] in QWEN3_ARCHS:  # q/k norms, biases, experts (tiny_qwen3.py)
-            w.update(qwen3_layer_weights(cfg, i, randn, linear))
-        if not is_moe_layer(cfg, i):
-            w[p + "mlp.gate_proj.weight"] = linear(inter, h)
-            w[p + "mlp.up_proj.weight"] = linear(inter, h)
-            w[p + "mlp.down_proj.weight"] = linear(h, inter)
+        w[p + "mlp.gate_proj.weight"] = linear(inter, h)
+        w[p + "mlp.up_proj.weight"] = linear(inter, h)
+        w[p + "mlp.down_proj.weight"] = linear(h, inter)
     w["model.norm.weight"] = norm(h) * final_gain
     if not tied:
         w["lm_head.weight"] = randn(vocab, h, std=logit_std)
@@ -263,6 +260,7 @@ def make_tiny_model(
     linear_shape: dict[str, Any] | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    max_shard_size: int | str | None = None,
 ) -> Path:
     """Write a random-weight HF model directory to `out_dir` (created if needed) and return it.
 
@@ -271,7 +269,8 @@ def make_tiny_model(
     "original_max_position_embeddings"}). sliding_window: layers attend to only that many last
     positions (mistral: every layer; qwen2: the second half of them). arch="qwen3_5" is the hybrid
     Qwen3.5 text model (tiny_hybrid.py: every fourth layer full attention, the others Gated DeltaNet);
-    "qwen3" and "qwen3_moe" add q/k norms and, for the MoE, 8 experts in every layer but layer 1 (tiny_qwen3.py);
+    "qwen3" and "qwen3_moe" add q/k norms and, for the MoE, 8 experts in every layer but layer 1, and are written
+    by transformers' save_pretrained, in `max_shard_size` shards if given (tiny_qwen3.py);
     `moe_shape` overrides the MoE's config keys (num_experts, num_experts_per_tok, moe_intermediate_size, ...),
     `linear_shape` Qwen3.5's Gated DeltaNet keys (linear_num_key_heads, linear_key_head_dim, ...).
     """
@@ -311,6 +310,10 @@ def make_tiny_model(
         linear_shape=linear_shape,
         dtype=dtype,
     )
+    if arch in QWEN3_ARCHS:  # written by transformers' save_pretrained (tiny_qwen3.py)
+        return save_qwen3(out_dir, cfg, seed=seed, dtype=dtype, tokenizer=tokenizer, max_shard_size=max_shard_size)
+    if max_shard_size is not None:
+        raise ValueError(f"max_shard_size: arch={arch!r}'s tiny model is one file (only qwen3 and qwen3_moe shard)")
     return write_model_dir(out_dir, cfg, tiny_weights(cfg, seed), tokenizer, max_position_embeddings, dtype)
 
 
@@ -325,6 +328,12 @@ def write_model_dir(out_dir: str | os.PathLike, cfg: dict[str, Any], weights: di
         writer.add(name, tensor.to(dtype))
     writer.close()
     write_json(out / CONFIG_FILE, cfg)
+    write_tokenizer_files(out, tokenizer, max_position_embeddings)
+    return out
+
+
+def write_tokenizer_files(out: Path, tokenizer: Tokenizer, max_position_embeddings: int) -> None:
+    """The tiny tokenizer with the ChatML template, and a generation config that names its special tokens."""
     tokenizer.save(str(out / TOKENIZER_FILE))
     write_json(
         out / TOKENIZER_CONFIG_FILE,
@@ -344,4 +353,3 @@ def write_model_dir(out_dir: str | os.PathLike, cfg: dict[str, Any], weights: di
         out / GENERATION_CONFIG_FILE,
         {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": EOS_TOKEN_ID},
     )
-    return out

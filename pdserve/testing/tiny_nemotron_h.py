@@ -1,5 +1,6 @@
-"""Tiny random-weight Nemotron-H models (Mamba2 + attention + squared-ReLU MLP layers), written as real
-Hugging Face directories that transformers' NemotronHForCausalLM and pdserve both load.
+"""Tiny random-weight Nemotron-H models (Mamba2 + attention + squared-ReLU MLP layers), written by
+transformers' `save_pretrained` of NemotronHForCausalLM (tiny_published.py): the published format, weights
+named `backbone.embeddings`, `backbone.layers.N.mixer.*`, `backbone.norm_f`.
 
 `make_tiny_nemotron_h(dir, pattern="M-*-M-")`: one layer per character, M a Mamba2 mixer, * attention,
 - an MLP (the older `hybrid_override_pattern` notation). 8 Mamba heads of 8 channels in 2 groups of
@@ -14,70 +15,55 @@ from pathlib import Path
 
 import torch
 
-from pdserve.testing.tiny import BOS_TOKEN_ID, EOS_TOKEN_ID, build_tiny_tokenizer, write_model_dir
+from pdserve.testing.tiny import BOS_TOKEN_ID, EOS_TOKEN_ID, build_tiny_tokenizer
+from pdserve.testing.tiny_published import Randn, around_one, projection, save_published
 
-_KINDS = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
+_KINDS = {"M": "mamba", "*": "attention", "-": "mlp"}
 MAMBA = {"mamba_num_heads": 8, "mamba_head_dim": 8, "n_groups": 2, "ssm_state_size": 16, "conv_kernel": 4}
 
 
 def make_tiny_nemotron_h(out_dir: str | os.PathLike, *, pattern: str = "M-*-M-", hidden_size: int = 64,
                          num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16, intermediate_size: int = 128,
                          vocab_size: int = 512, max_position_embeddings: int = 2048, seed: int = 0,
-                         dtype: torch.dtype = torch.float32, mamba: dict | None = None) -> Path:
-    """`mamba` overrides MAMBA's config keys (mamba_num_heads, mamba_head_dim, n_groups, ssm_state_size, ...)."""
+                         dtype: torch.dtype = torch.float32, mamba: dict | None = None,
+                         max_shard_size: int | str | None = None) -> Path:
+    """`mamba` overrides MAMBA's config keys (mamba_num_heads, mamba_head_dim, n_groups, ssm_state_size, ...);
+    `max_shard_size` (save_pretrained's) writes the weights in shards."""
+    from transformers import NemotronHConfig
+
     if set(pattern) - set(_KINDS):
         raise ValueError(f"pattern {pattern!r}: one of {sorted(_KINDS)} per layer")
-    cfg = {
-        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": vocab_size,
-        "hidden_size": hidden_size, "intermediate_size": intermediate_size,
-        "layers_block_type": [_KINDS[c] for c in pattern], "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads, "head_dim": head_dim, "layer_norm_epsilon": 1e-5,
-        "mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "use_conv_bias": True, "use_bias": False,
-        "mlp_bias": False, "attention_bias": False, "time_step_min": 0.001, "chunk_size": 16,
-        "max_position_embeddings": max_position_embeddings, "tie_word_embeddings": False,
-        "bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "torch_dtype": str(dtype).removeprefix("torch."),
-        **MAMBA, **(mamba or {}),
-    }
-    return write_model_dir(out_dir, cfg, _weights(cfg, seed), build_tiny_tokenizer(vocab_size, "llama"),
-                           max_position_embeddings, dtype)
+    config = NemotronHConfig(
+        architectures=["NemotronHForCausalLM"], vocab_size=vocab_size, hidden_size=hidden_size,
+        intermediate_size=intermediate_size, layers_block_type=[_KINDS[c] for c in pattern],
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=False,
+        # transformers' chunked scan in chunks of 16: the tiny tests' prompts span several
+        chunk_size=16, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, **MAMBA, **(mamba or {}))
+    return save_published(out_dir, config, _value, seed=seed, dtype=dtype,
+                          tokenizer=build_tiny_tokenizer(vocab_size, "llama"),
+                          max_position_embeddings=max_position_embeddings, max_shard_size=max_shard_size)
 
 
-def _weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-
-    def randn(*shape: int, std: float) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * std
-
-    def linear(out_f: int, in_f: int) -> torch.Tensor:
-        return randn(out_f, in_f, std=1.0 / math.sqrt(in_f))
-
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    heads, kv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    mh, mp, groups, n, taps = (cfg[k] for k in ("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size",
-                                                 "conv_kernel"))
-    inner, conv = mh * mp, mh * mp + 2 * groups * n
-    w = {"model.embeddings.weight": randn(cfg["vocab_size"], h, std=1.0)}
-    for i, kind in enumerate(cfg["layers_block_type"]):
-        p = f"model.layers.{i}."
-        w[p + "norm.weight"] = 1.0 + randn(h, std=0.1)
-        if kind == "linear_attention":
-            w[p + "mixer.in_proj.weight"] = linear(inner + conv + mh, h)
-            w[p + "mixer.conv1d.weight"] = randn(conv, 1, taps, std=1.0 / math.sqrt(taps))
-            w[p + "mixer.conv1d.bias"] = randn(conv, std=0.1)
-            # decay rates exp(A_log) from 0.5 to 8: some heads remember long, some forget fast
-            w[p + "mixer.A_log"] = torch.linspace(math.log(0.5), math.log(8.0), mh)
-            w[p + "mixer.D"] = 1.0 + randn(mh, std=0.1)
-            w[p + "mixer.dt_bias"] = randn(mh, std=0.5)
-            w[p + "mixer.norm.weight"] = 1.0 + randn(inner, std=0.1)
-            w[p + "mixer.out_proj.weight"] = linear(h, inner)
-        elif kind == "full_attention":
-            w[p + "mixer.q_proj.weight"] = 2.0 * linear(heads * d, h)
-            w[p + "mixer.k_proj.weight"] = 2.0 * linear(kv * d, h)
-            w[p + "mixer.v_proj.weight"] = linear(kv * d, h)
-            w[p + "mixer.o_proj.weight"] = linear(h, heads * d)
-        else:
-            w[p + "mixer.up_proj.weight"] = linear(inter, h)
-            w[p + "mixer.down_proj.weight"] = linear(h, inter) * 0.5  # relu^2 doubles the scale of a unit input
-    w["model.norm_f.weight"] = 1.0 + randn(h, std=0.1)
-    w["lm_head.weight"] = randn(cfg["vocab_size"], h, std=4.0 / math.sqrt(h))
-    return w
+def _value(name: str, shape: tuple[int, ...], randn: Randn) -> torch.Tensor:
+    """A NemotronHForCausalLM parameter (named as transformers holds it: model.layers.N.mixer.*)."""
+    leaf = name.rsplit(".", 2)[-2] if name.endswith((".weight", ".bias")) else name.rsplit(".", 1)[-1]
+    if name.endswith("embeddings.weight"):
+        return randn(*shape, std=1.0)
+    if name == "lm_head.weight":
+        return randn(*shape, std=4.0 / math.sqrt(shape[1]))
+    if leaf in ("norm", "norm_f", "D"):  # the layer's and the Mamba2 gated norms, the skip
+        return around_one(shape, randn)
+    if leaf == "A_log":  # decay rates exp(A_log) from 0.5 to 8: some heads remember long, some forget fast
+        return torch.linspace(math.log(0.5), math.log(8.0), shape[0])
+    if leaf == "dt_bias":
+        return randn(*shape, std=0.5)
+    if leaf == "conv1d":  # weight [channels, 1, taps]
+        return randn(*shape, std=0.1) if name.endswith("bias") else randn(*shape, std=1.0 / math.sqrt(shape[-1]))
+    if leaf in ("q_proj", "k_proj"):  # sharper, position-dependent attention (tiny.py)
+        return projection(shape, randn, gain=2.0)
+    if leaf == "down_proj":  # relu^2 doubles the scale of a unit input
+        return projection(shape, randn, gain=0.5)
+    if leaf in ("in_proj", "out_proj", "v_proj", "o_proj", "up_proj"):
+        return projection(shape, randn)
+    raise ValueError(f"tiny Nemotron-H: no value rule for transformers' parameter {name!r}; add one")

@@ -43,11 +43,13 @@ def test_deepseek_v3_reads_as_one_latent_head_and_grouped_experts():
 
 
 @pytest.mark.parametrize("change,error", [
-    ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "unsupported rope_type 'longrope'"),
+    ({"rope_scaling": {"type": "longrope", "factor": 2.0, "short_factor": [1.0] * 32, "long_factor": [1.0] * 32,
+                       "original_max_position_embeddings": 4096}}, "unsupported rope_type 'longrope'"),
+    ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "does not read as transformers' DeepseekV3Config"),
     ({"n_group": 3}, "the groups must split the experts evenly"),
     ({"topk_group": 9}, "topk_group be between 1 and n_group"),
     ({"num_experts_per_tok": 200}, "must be between 1 and the experts of topk_group groups"),
-    ({"qk_rope_head_dim": 63}, "must be even"),
+    ({"qk_rope_head_dim": 63}, "RoPE requires an even rotary dimension"),  # (transformers' check)
     ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
 ])
 def test_a_config_pdserve_cannot_serve_is_a_clear_error(change, error):

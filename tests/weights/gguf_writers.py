@@ -66,7 +66,7 @@ def write_tiny_gguf(hf_dir: Path, path: Path, *, quant: str = "Q8_0", pre: str =
     quant: "F32" keeps weights exact (so a conversion must reproduce them bit for bit); "Q8_0"
     quantizes every 2-D or 3-D weight whose rows are a multiple of 32.
     """
-    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg = _config(hf_dir)
     tok, tok_cfg = _tokenizer_files(hf_dir)
     arch = _GGUF_ARCH[cfg["model_type"]]
     w = gguf.GGUFWriter(str(path), arch)
@@ -103,6 +103,15 @@ def write_tiny_gguf(hf_dir: Path, path: Path, *, quant: str = "Q8_0", pre: str =
     if rope_freqs is not None:
         tensors["rope_freqs.weight"] = rope_freqs.astype(np.float32)
     return _add_tensors_and_close(w, tensors, quant, path)
+
+
+def _config(hf_dir: Path) -> dict:
+    """config.json with the keys read here as transformers reads them: `rope_theta` out of transformers 5's
+    rope_parameters, `num_experts` from Qwen3-MoE's `num_local_experts`."""
+    from transformers import AutoConfig
+
+    cfg, hf = json.loads((hf_dir / "config.json").read_text()), AutoConfig.from_pretrained(hf_dir)
+    return cfg | {"rope_theta": hf.rope_parameters["rope_theta"], "num_experts": getattr(hf, "num_experts", None)}
 
 
 def _tokenizer_files(hf_dir: Path) -> tuple[dict, dict]:

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from pdserve.config import EngineConfig
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.models.config import ModelConfig
 from pdserve.testing import make_tiny_model
 from pdserve.weights.gguf_convert import convert_gguf
 from pdserve.weights.hf_dir import open_tensors, read_config
@@ -27,8 +28,8 @@ transformers.logging.set_verbosity_error()
 
 MAX_NEW = 10
 ORIGINAL_KEYS = ("architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "head_dim", "vocab_size", "rope_theta", "rms_norm_eps", "tie_word_embeddings",
-                 "attention_bias")
+                 "num_key_value_heads", "head_dim", "vocab_size", "rope_parameters", "rms_norm_eps",
+                 "tie_word_embeddings", "attention_bias")
 MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers",
             "decoder_sparse_step")
 
@@ -54,13 +55,16 @@ def test_f32_gguf_gives_back_the_original_tensors_and_config(arch, tmp_path):
     assert converted.keys() == original.keys()
     for name in original:
         assert torch.equal(converted[name], original[name]), name  # q/k norms, biases, each expert of a stack
-    cfg, ref = read_config(out), read_config(hf)
+    # both read as transformers reads them (the original as transformers 5 saved it: rope_parameters,
+    # num_local_experts)
+    cfg, ref = (transformers.AutoConfig.from_pretrained(d) for d in (out, hf))
     keys = ORIGINAL_KEYS + (MOE_KEYS if arch == "qwen3_moe" else ())
-    assert {k: cfg[k] for k in keys} == {k: ref[k] for k in keys}
-    assert cfg["attention_bias"] is (arch == "qwen3")  # the tiny dense model carries biases, the MoE none
+    assert {k: getattr(cfg, k) for k in keys} == {k: getattr(ref, k) for k in keys}
+    assert ModelConfig.from_hf(read_config(out)) == ModelConfig.from_hf(read_config(hf))
+    assert cfg.attention_bias is (arch == "qwen3")  # the tiny dense model carries biases, the MoE none
     if arch == "qwen3_moe":
-        assert cfg["mlp_only_layers"] == [1]  # the layer without a router in the file
-        assert cfg["norm_topk_prob"] is False  # the file's expert_weights_norm
+        assert cfg.mlp_only_layers == [1]  # the layer without a router in the file
+        assert cfg.norm_topk_prob is False  # the file's expert_weights_norm
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
