@@ -12,6 +12,7 @@ Without TLS an observer of that traffic learns the cluster token from the orches
 
 from __future__ import annotations
 
+import ssl
 from pathlib import Path
 
 
@@ -31,9 +32,9 @@ def uvicorn_ssl(ssl_keyfile: str | None, ssl_certfile: str | None) -> dict:
     return {"ssl_keyfile": ssl_keyfile, "ssl_certfile": ssl_certfile} if ssl_certfile else {}
 
 
-def client_verify(ssl_ca_file: str | None) -> str | bool:
+def client_verify(ssl_ca_file: str | None) -> ssl.SSLContext | bool:
     """httpx's `verify` for the cluster's https urls: this CA file, else the system's CAs."""
-    return ssl_ca_file if ssl_ca_file is not None else True
+    return ssl.create_default_context(cafile=ssl_ca_file) if ssl_ca_file is not None else True
 
 
 def scheme(ssl_certfile: str | None) -> str:

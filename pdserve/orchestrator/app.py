@@ -36,6 +36,7 @@ from pdserve.server.body_limit import BodyLimitMiddleware
 from pdserve.server.json_body import MalformedBody, parse_json_body
 from pdserve.server.read_timeout import http_protocol
 from pdserve.server.streaming import ClosingStreamingResponse
+from pdserve.tls import client_verify
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,8 @@ def build_app(cfg: DisaggConfig, *, process_id: int = 0, cluster=None) -> FastAP
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        http = make_client(cfg.request_timeout, worker_api_key=cfg.worker_api_key)
+        http = make_client(cfg.request_timeout, worker_api_key=cfg.worker_api_key,
+                           verify=client_verify(cfg.ssl_ca_file))
         c = cluster if cluster is not None else LocalCluster(cfg, metrics)
         await c.start(http)
         state["cluster"] = c
@@ -313,9 +315,11 @@ def bind_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
     return sock
 
 
-def run_app(app, sock: socket.socket, client_read_timeout_s: float, *, graceful_shutdown_s: float = 5.0) -> None:
-    """Serve `app` on `sock` until SIGINT/SIGTERM (uvicorn handles both and returns)."""
+def run_app(app, sock: socket.socket, client_read_timeout_s: float, *, graceful_shutdown_s: float = 5.0,
+            ssl: dict | None = None) -> None:
+    """Serve `app` on `sock` until SIGINT/SIGTERM (uvicorn handles both and returns); `ssl`: uvicorn's
+    keyword arguments for https (pdserve/tls.py)."""
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful_shutdown_s,
                                            timeout_keep_alive=HTTP_KEEP_ALIVE_S,
-                                           http=http_protocol(client_read_timeout_s)))
+                                           http=http_protocol(client_read_timeout_s), **(ssl or {})))
     server.run(sockets=[sock])

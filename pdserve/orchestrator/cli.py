@@ -24,6 +24,7 @@ import sys
 import time
 from urllib.parse import urlsplit
 
+from pdserve import tls
 from pdserve.orchestrator.config import DisaggConfig, load_disagg_config
 
 log = logging.getLogger("pdserve.orchestrator")
@@ -103,8 +104,10 @@ def _run_worker(cfg: DisaggConfig, index: int, reuse_port: bool) -> int:
             return 1
         cluster = RemoteCluster(cfg, cfg.coordinator_url)
     sock = bind_socket(cfg.hostname, cfg.port, reuse_port=reuse_port)
-    log.info("orchestrator %d (pid %d) on http://%s:%d", index, os.getpid(), cfg.hostname, cfg.port)
-    run_app(build_app(cfg, process_id=index, cluster=cluster), sock, cfg.client_read_timeout_s)
+    log.info("orchestrator %d (pid %d) on %s://%s:%d", index, os.getpid(), tls.scheme(cfg.ssl_certfile), cfg.hostname,
+             cfg.port)
+    run_app(build_app(cfg, process_id=index, cluster=cluster), sock, cfg.client_read_timeout_s,
+            ssl=tls.uvicorn_ssl(cfg.ssl_keyfile, cfg.ssl_certfile))
     return 0
 
 
@@ -120,7 +123,8 @@ def _run_fleet(cfg: DisaggConfig, log_level: str) -> int:
     try:
         for role in roles:
             children.append(subprocess.Popen(base + role, env=env))
-        log.info("fleet: %d orchestrator processes on http://%s:%d, %s", cfg.num_workers, cfg.hostname, cfg.port,
+        log.info("fleet: %d orchestrator processes on %s://%s:%d, %s", cfg.num_workers, tls.scheme(cfg.ssl_certfile),
+                 cfg.hostname, cfg.port,
                  f"coordinator {cfg.coordinator_url}" if cfg.uses_coordinator else f"members in {cfg.cluster_storage}")
         while not stop:
             done = [c for c in children if c.poll() is not None]

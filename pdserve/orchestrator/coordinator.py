@@ -34,6 +34,7 @@ from pdserve.orchestrator.errors import OrchestratorError
 from pdserve.orchestrator.routers import NoReadyInstance, RoundRobinRouter, Route, RouteRequest
 from pdserve.orchestrator.upstream import make_client
 from pdserve.server.body_limit import BodyLimitMiddleware
+from pdserve.tls import client_verify
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,8 @@ def build_coordinator_app(cfg: DisaggConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        http = make_client(cfg.request_timeout, worker_api_key=cfg.worker_api_key)
+        http = make_client(cfg.request_timeout, worker_api_key=cfg.worker_api_key,
+                           verify=client_verify(cfg.ssl_ca_file))
         cluster = LocalCluster(cfg)
         await cluster.start(http)
         state["cluster"] = cluster

@@ -24,6 +24,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.cluster_auth import NONCE_HEADER, TOKEN_HEADER, member_proof, token_ok
+from pdserve import tls
 from pdserve.config import HTTP_KEEP_ALIVE_S, WorkerConfig
 from pdserve.host import host_id
 from pdserve.server.body_limit import BodyLimitMiddleware
@@ -372,10 +373,10 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def _own_url(host: str, port: int) -> str:
+def _own_url(host: str, port: int, scheme: str = "http") -> str:
     """This server's url as seen from this machine (a wildcard bind is reached on the loopback)."""
     host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def _busy(stats: dict) -> bool:
@@ -404,16 +405,18 @@ def run_server(engine, cfg: WorkerConfig, *, graceful_shutdown_s: float = 10.0,
     app = build_app(engine, cfg)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="info",
                             timeout_graceful_shutdown=graceful_shutdown_s, timeout_keep_alive=HTTP_KEEP_ALIVE_S,
-                            http=http_protocol(cfg.client_read_timeout_s))
+                            http=http_protocol(cfg.client_read_timeout_s),
+                            **tls.uvicorn_ssl(cfg.ssl_keyfile, cfg.ssl_certfile))
     server = DrainingServer(config, app.state.serving, engine, cfg.drain_timeout_s)
     _stop_when_the_engine_dies(engine, server)
     sockets = [sock] if sock is not None else None
     port = sock.getsockname()[1] if sock is not None else cfg.port
-    log.info("serving %s on http://%s:%d", engine.model_name, cfg.host, port)
+    log.info("serving %s on %s://%s:%d", engine.model_name, tls.scheme(cfg.ssl_certfile), cfg.host, port)
     _warn_if_open(cfg)
     member = None
     if cfg.join is not None:  # joins once its own /health answers, leaves when it drains
-        member = ClusterMember(cfg, _own_url(cfg.host, port), lambda: app.state.serving.draining)
+        own_url = _own_url(cfg.host, port, tls.scheme(cfg.ssl_certfile))
+        member = ClusterMember(cfg, own_url, lambda: app.state.serving.draining)
         member.start()
     try:
         _serve(server, sockets)

@@ -26,6 +26,7 @@ import httpx
 
 from pdserve.cluster_auth import signed_headers
 from pdserve.config import WorkerConfig
+from pdserve.tls import client_verify
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class ClusterMember:
         self.url = cfg.advertise_url or own_url
         self._own_url, self._draining = own_url, draining
         self._token = cfg.cache_transceiver_config.cluster_token
+        self._verify = client_verify(cfg.ssl_ca_file)  # for an https orchestrator
         self._bearer = {"Authorization": f"Bearer {cfg.join_token}"} if cfg.join_token else {}
         self._stop = threading.Event()
         self._joined = False
@@ -58,7 +60,7 @@ class ClusterMember:
         self._leave()
 
     def _run(self) -> None:
-        with httpx.Client(timeout=_TIMEOUT_S, trust_env=False) as self._http:
+        with httpx.Client(timeout=_TIMEOUT_S, trust_env=False, verify=self._verify) as self._http:
             if not self._wait_own_health():
                 return
             while not self._stop.is_set() and not self._draining():
@@ -77,13 +79,16 @@ class ClusterMember:
     def _wait_own_health(self) -> bool:
         """The orchestrator probes this instance as soon as it joins: be serving first."""
         deadline = time.monotonic() + _OWN_HEALTH_TIMEOUT_S
-        while not self._stop.is_set() and time.monotonic() < deadline:
-            try:
-                if self._http.get(self._own_url + "/health").status_code == 200:
-                    return True
-            except httpx.HTTPError:
-                pass
-            self._stop.wait(0.1)
+        # our own https may have a certificate for another name than the loopback: it is this process,
+        # and /health carries nothing secret, so it is not verified
+        with httpx.Client(timeout=_TIMEOUT_S, trust_env=False, verify=False) as own:
+            while not self._stop.is_set() and time.monotonic() < deadline:
+                try:
+                    if own.get(self._own_url + "/health").status_code == 200:
+                        return True
+                except httpx.HTTPError:
+                    pass
+                self._stop.wait(0.1)
         return False
 
     def _join(self) -> str | None:
@@ -110,7 +115,7 @@ class ClusterMember:
             return
         self._joined = False
         try:
-            with httpx.Client(timeout=_TIMEOUT_S, trust_env=False) as http:
+            with httpx.Client(timeout=_TIMEOUT_S, trust_env=False, verify=self._verify) as http:
                 http.post(self.orchestrator + "/cluster/leave", json={"url": self.url},
                           headers=self._headers("leave", self.url))
             log.info("left the cluster at %s", self.orchestrator)

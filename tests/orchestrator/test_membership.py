@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import re
+import secrets
 import signal
+import ssl
 import time
 
 import httpx
 import pytest
-from harness import MODEL_NAME, AppThread, free_port_pair, log_of, run_cli, start_each, start_workers, wait_healthy
+from harness import (MODEL_NAME, AppThread, Worker, free_port_pair, log_of, run_cli, start_each, start_workers,
+                     wait_healthy)
 
 from pdserve.cluster_auth import (PROOF_HEADER, PROOF_NONCE_HEADER, PROOF_TIME_HEADER, PROOF_WINDOW_S, NoncesFull,
                                   ProofRefused, SeenNonces, WrongToken, check_proof, proof, signed_headers)
@@ -388,3 +391,72 @@ def test_a_proof_replayed_to_another_process_of_a_fleet_is_refused():
             assert r.status_code == 401 and "a replay" in r.text, r.text
         r = httpx.post(coordinator.url + "/cluster/nonce", json={"nonce": "n", "remember_s": 5}, timeout=10)
         assert r.status_code == 401  # the coordinator's nonce memory is for the fleet's processes only
+
+
+def _self_signed(tmp_path) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 that is its own CA, and its key: (certfile, keyfile)."""
+    import datetime
+    import ipaddress
+
+    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "pdserve test cluster")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    certfile, keyfile = tmp_path / "cluster.crt", tmp_path / "cluster.key"
+    certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    keyfile.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    return str(certfile), str(keyfile)
+
+
+def test_a_cluster_joins_and_serves_over_https(tiny_model_dir, tmp_path):
+    """The cluster's HTTP over TLS (docs/deploy.md): an orchestrator and two workers serve https with a
+    certificate made here and trust it as their CA; the workers join over https, are routed to at their
+    https urls (so the token the orchestrator sends them is encrypted), and a request is served whole."""
+    certfile, keyfile = _self_signed(tmp_path)
+    tls = {"ssl_certfile": certfile, "ssl_keyfile": keyfile, "ssl_ca_file": certfile}
+    token = secrets.token_hex(16)
+    port = free_port_pair()
+    url = f"https://127.0.0.1:{port}"
+    orch = run_cli(tmp_path, {"port": port, "health_check_interval": 0.2, "lease_ttl_s": 3, "cluster_token": token,
+                              **tls})
+    join = {"cache_transceiver_config": {"backend": "shm", "cluster_token": token}, "join": url, **tls}
+    workers = [Worker(tiny_model_dir, tmp_path, {**join, "role": role}) for role in ("context", "generation")]
+    client = httpx.Client(verify=ssl.create_default_context(cafile=certfile), timeout=60)
+    try:
+        def healthy() -> bool:
+            assert orch.poll() is None, log_of(orch)
+            try:
+                return client.get(url + "/health").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        assert wait_until(healthy, 90), log_of(orch) + "".join(w.log_path.read_text()[-1500:] for w in workers)
+        info = client.get(url + "/cluster_info", headers={"X-Cluster-Token": token}).json()
+        gen_url = f"https://127.0.0.1:{workers[1].port}"
+        assert [i["url"] for i in info["generation_servers"]["instances"]] == [gen_url], info
+        assert [i["url"] for i in info["context_servers"]["instances"]] == [f"https://127.0.0.1:{workers[0].port}"]
+        expected = client.post(gen_url + "/v1/completions", json=BODY).json()["choices"][0]["text"]
+        r = client.post(url + "/v1/completions", json=BODY)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected, r.text
+        with pytest.raises(httpx.HTTPError):  # plain HTTP is not served on an https port
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):  # nor to one that trusts another CA
+            httpx.get(url + "/health", timeout=5)
+    finally:
+        client.close()
+        for w in workers:
+            w.stop()
+        orch.send_signal(signal.SIGTERM)
+        assert orch.wait(timeout=30) in (0, -signal.SIGTERM), log_of(orch)
