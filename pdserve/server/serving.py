@@ -35,6 +35,7 @@ from pdserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
+    ChatMessage,
     ChatTokenLogprob,
     CompletionChoice,
     CompletionChunk,
@@ -61,6 +62,10 @@ _TOKEN_ID = re.compile(r"[0-9]{1,18}")
 # Texts shorter than this hold the event loop too briefly to matter and are encoded on it, longer ones
 # in a worker thread
 _ENCODE_IN_PLACE = 8192
+# Messages of fewer characters than this (_size) are rendered through the chat template on the event loop, more
+# in a worker thread
+_RENDER_IN_PLACE = 1 << 16
+_MESSAGE_SIZE = 64  # a message's role, its template's markup and its dict: 60 K short messages took ~0.5 s
 
 
 # Characters JSON may leave raw inside a string that str.splitlines (httpx's aiter_lines, requests'
@@ -81,6 +86,25 @@ def usage_of(*outs: RequestOutput) -> Usage:
     return Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=completion,
                  total_tokens=out.num_prompt_tokens + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
+
+
+def _size(messages: list[ChatMessage]) -> int:
+    """About how many characters of the messages a chat template reads: their strings' (contents, text parts,
+    tool_call_ids, their calls' ids, names and arguments), and _MESSAGE_SIZE a message for the rest."""
+    def chars(value) -> int:
+        return len(value) if isinstance(value, str) else 0
+
+    def call(c: dict) -> int:
+        fn = c.get("function")
+        return chars(c.get("id")) + (chars(fn.get("name")) + chars(fn.get("arguments")) if isinstance(fn, dict) else 0)
+
+    def content(m: ChatMessage) -> int:
+        if isinstance(m.content, list):
+            return sum(chars(part.get("text")) for part in m.content)
+        return chars(m.content)
+
+    return sum(_MESSAGE_SIZE + content(m) + chars(m.tool_call_id) + sum(map(call, m.tool_calls or ()))
+               for m in messages)
 
 
 async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
@@ -289,7 +313,7 @@ class OpenAIServing:
         if not text:
             raise bad_request("prompt is empty", "prompt")
         limit = self.engine.max_model_len
-        if param is not None and len(text) >= limit and (least := self.tokenizer.at_least_tokens(text)) >= limit:
+        if param is not None and len(text) >= limit and (least := await self._at_least_tokens(text)) >= limit:
             raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt has at "
                               f"least {least} tokens ({len(text)} characters), which leaves no room for a "
                               "completion. Please shorten the prompt.", param, "context_length_exceeded")
@@ -299,7 +323,23 @@ class OpenAIServing:
         # keeps its event loop and every running stream its engine steps (docs/reliability.md)
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
 
+    async def _at_least_tokens(self, text: str) -> int:
+        """Tokenizer.at_least_tokens, in a worker thread for a long text (its pass over the text is a regex's,
+        which holds the GIL: let it be a short one)."""
+        if len(text) < _ENCODE_IN_PLACE:
+            return self.tokenizer.at_least_tokens(text)
+        return await asyncio.to_thread(self.tokenizer.at_least_tokens, text)
+
     async def _chat_prompt(self, req: ChatCompletionRequest, tools=None) -> list[int]:
+        if _size(req.messages) < _RENDER_IN_PLACE:
+            rendered = self._prompt_text(req, tools)
+        else:  # reading megabytes of calls' arguments or thousands of messages holds the event loop for seconds
+            rendered = await asyncio.to_thread(self._prompt_text, req, tools)
+        # The template already wrote any BOS it wants; encoding must not add a second one.
+        return await self._encode(rendered, add_special_tokens=False, param="messages")
+
+    def _prompt_text(self, req: ChatCompletionRequest, tools) -> str:
+        """The request's messages through the chat template."""
         messages = []
         for i, m in enumerate(req.messages):
             content = m.content or ""
@@ -315,14 +355,12 @@ class OpenAIServing:
                                                                                 exclude_none=True)})
         messages, extra = render_messages(messages, tools, self.tokenizer.chat_template)
         try:
-            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                          **extra)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                      **extra)
         except ValueError as e:  # no template, or the template refused these messages
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
         except Exception as e:  # jinja2 raises its own TemplateError (e.g. raise_exception in the template)
             raise bad_request(f"the chat template refused these messages: {e}", "messages") from None
-        # The template already wrote any BOS it wants; encoding must not add a second one.
-        return await self._encode(rendered, add_special_tokens=False, param="messages")
 
     def _sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
                          max_tokens_param: str = "max_tokens", guided: GuidedSpec | None = None,

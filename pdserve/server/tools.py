@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.sampling_params import GuidedSpec
 from pdserve.server.errors import bad_request
+from pdserve.server.json_body import MalformedBody, parse_json_text
 from pdserve.server.protocol import AssistantMessage, ChatChunkChoice, DeltaMessage
 from pdserve.server.tool_syntax import NAME as _NAME
 from pdserve.server.tool_syntax import DeepSeekV3, DeepSeekV31, Hermes, Llama3, Syntax
@@ -134,9 +135,9 @@ def render_messages(messages: list[dict], setup: ToolSetup | None, template: str
     syntax = SYNTAXES[setup.syntax if setup is not None else call_syntax(template)]
     tools = setup.tools if setup is not None else []
     if "tool_calls" in template or (tools and "tools" in template):
-        out = [_as_sent(m, syntax.arguments_as_text) for m in messages]
+        out = [_as_sent(i, m, syntax.arguments_as_text) for i, m in enumerate(messages)]
     else:
-        out = [_flatten(m, syntax) for m in messages]
+        out = [_flatten(i, m, syntax) for i, m in enumerate(messages)]
     if not tools:
         return out, {}
     if "tools" in template:  # (templates read a call's arguments as an object, HF's convention)
@@ -151,32 +152,37 @@ def render_messages(messages: list[dict], setup: ToolSetup | None, template: str
     return out, {}
 
 
-def _flatten(m: dict, syntax: Syntax) -> dict:
-    """A message as a template that does not read tool_calls takes it: past calls written into its text."""
+def _flatten(i: int, m: dict, syntax: Syntax) -> dict:
+    """Message `i` as a template that does not read tool_calls takes it: past calls written into its text."""
     calls = m.get("tool_calls")
     if not calls:
         return {"role": m["role"], "content": m.get("content") or ""}
-    text = syntax.write_calls([(c["function"]["name"], _args(c)) for c in calls])
+    text = syntax.write_calls([(c["function"]["name"], _args(i, j, c)) for j, c in enumerate(calls)])
     return {"role": m["role"], "content": ((m.get("content") or "") + "\n" + text).lstrip("\n")}
 
 
-def _as_sent(m: dict, arguments_as_text: bool) -> dict:
-    """`m` as a template that reads tool_calls takes it: a message that calls has content None when it says
-    nothing (DeepSeek's templates write the calls only then), and each call's arguments (OpenAI's JSON text) are
-    the object HF's templates read with `| tojson`, unless the template writes them as given."""
+def _as_sent(i: int, m: dict, arguments_as_text: bool) -> dict:
+    """Message `i`, `m`, as a template that reads tool_calls takes it: a message that calls has content None when
+    it says nothing (DeepSeek's templates write the calls only then), and each call's arguments (OpenAI's JSON
+    text) are the object HF's templates read with `| tojson`, unless the template writes them as given."""
     if not m.get("tool_calls"):
         return m
-    calls = m["tool_calls"] if arguments_as_text else [{**c, "function": {**c["function"], "arguments": _args(c)}}
-                                                        for c in m["tool_calls"]]
+    calls = m["tool_calls"] if arguments_as_text else [
+        {**c, "function": {**c["function"], "arguments": _args(i, j, c)}} for j, c in enumerate(m["tool_calls"])]
     return {**m, "content": m.get("content") or None, "tool_calls": calls}
 
 
-def _args(call: dict):
+def _args(i: int, j: int, call: dict):
+    """Call `j` of message `i`'s arguments as the value their JSON text holds, read as the body is (bounded in
+    depth and size, strings valid Unicode once their escapes are decoded): a 400 naming the field when they
+    break those bounds; text that is not JSON stays the text."""
     raw = call["function"].get("arguments") or "{}"
     try:
-        return json.loads(raw)
-    except ValueError:
-        return raw
+        return parse_json_text(raw, f"messages.{i}.tool_calls.{j}.function.arguments")
+    except MalformedBody as e:
+        if e.code == "invalid_json":
+            return raw
+        raise bad_request(e.message, e.param, e.code) from None
 
 
 def _call_id() -> str:

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 from server_harness import MAX_MODEL_LEN, NUM_KV_BLOCKS, wait_kv_baseline
 
-from pdserve.server.json_body import MAX_DEPTH, MalformedBody, parse_json_object
+from pdserve.server.json_body import (
+    MAX_DEPTH,
+    MAX_TEXT_VALUES,
+    MalformedBody,
+    parse_json_object,
+    parse_json_text,
+)
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 OK_COMPLETION = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0,
@@ -24,6 +30,15 @@ def chat(**changes):
     return {k: v for k, v in body.items() if v is not ...}
 
 
+def called(arguments: str) -> list[dict]:
+    """A conversation whose assistant turn (messages[1]) called a tool with these arguments."""
+    return [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+
+
+ARGUMENTS = "messages.1.tool_calls.0.function.arguments"
 LONG_IDS = list(range(3, 3 + MAX_MODEL_LEN + 10))
 
 # (case id, path, JSON body or raw bytes, status, substrings the message must contain, error.param)
@@ -151,6 +166,22 @@ CASES = [
                                   b'[{"type": "text", "text": "\\udbff"}]}]}'), "messages.0.content.0.text"),
           ("tokenize", "/tokenize", b'{"prompt": "\\ud800"}', "prompt"),
       ]],
+    # A call's arguments are JSON text in a string: read as the body is (issue 51). Before, a RecursionError and
+    # the tokenizer's TypeError were 500s, and 8 M values held the event loop seconds
+    *[(f"arguments-{name}", path, {"messages": called(arguments)} if path == "/tokenize"
+       else chat(messages=called(arguments)), 400, [f"'{ARGUMENTS}'", *needles], ARGUMENTS)
+      for name, path, arguments, needles in [
+          ("nested-too-deeply", CHAT, "[" * 50_000 + "]" * 50_000, ["nests too deeply", f"{MAX_DEPTH} levels"]),
+          ("nested-65-levels", CHAT, "[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1), ["nests too deeply"]),
+          ("lone-surrogate", CHAT, '{"a": "\\ud800"}', ["(at a in its JSON)", "lone surrogate \\ud800"]),
+          ("lone-surrogate-in-a-name", CHAT, '{"b": [{"\\udc00x": 1}]}', ["at b.0 in its JSON",
+                                                                          "lone surrogate \\udc00"]),
+          ("lone-surrogate-tokenize", "/tokenize", '["\\udfff"]', ["lone surrogate \\udfff"]),
+          ("nan", CHAT, '{"a": NaN}', ["must be a finite number, got NaN"]),
+          ("too-many-values", CHAT, "[" + "1," * MAX_TEXT_VALUES + "1]",
+           [f"{MAX_TEXT_VALUES + 1} arrays, objects and commas", f"at most {MAX_TEXT_VALUES}"]),
+          ("too-deep-unclosed-tokenize", "/tokenize", "[" * 2000, ["nests too deeply"]),
+      ]],
     ("nested-too-deeply", COMPLETIONS, b"[" * 100_000 + b"]" * 100_000, 400,
      ["nests too deeply", f"{MAX_DEPTH} levels"], None),
     ("nested-too-deeply-in-a-field", CHAT, b'{"model": "tiny", "x": ' + b"[" * 100_000 + b"}", 400,
@@ -204,6 +235,26 @@ def test_integers_at_and_past_the_digit_limit():
     with pytest.raises(MalformedBody, match=f"an integer of {limit + 1} digits"):
         parse_json_object(b'{"a": [1, -%s]}' % (b"7" * (limit + 1)))
     assert parse_json_object(b'{"a": "%s", "b": 12}' % (b"7" * (limit + 1))) == {"a": "7" * (limit + 1), "b": 12}
+
+
+def test_json_text_in_a_field_is_read_as_the_body_is():
+    """parse_json_text: the body's refusals, each naming the field, plus a bound on the arrays, objects and commas
+    outside strings (counted before parsing, as they cost json's C code, which holds the GIL, time to parse and
+    to write back); text that is not JSON is an invalid_json refusal that a caller may take as text."""
+    field = "messages.1.tool_calls.0.function.arguments"
+    assert parse_json_text('{"a": [1, "\\u00e9", null]}', field) == {"a": [1, "\u00e9", None]}
+    assert parse_json_text('"' + "," * (MAX_TEXT_VALUES + 1) + '"', field) == "," * (MAX_TEXT_VALUES + 1)
+    assert len(parse_json_text("[" + "1," * (MAX_TEXT_VALUES - 1) + "1]", field)) == MAX_TEXT_VALUES
+    for text, code, why in [("[" * 50_000, "invalid_body", "nests too deeply"),
+                            ('{"a": "\\udbff"}', "invalid_value", "lone surrogate \\udbff"),
+                            ('{"a": -Infinity}', "invalid_value", "got -Infinity"),
+                            ("[%s]" % ("9" * 5000), "invalid_value", "an integer of 5000 digits"),
+                            ("[" + "{}," * (MAX_TEXT_VALUES // 2) + "{}]", "invalid_value", f"{MAX_TEXT_VALUES + 2} arrays"),
+                            ("[1, 2", "invalid_json", "not valid JSON")]:
+        with pytest.raises(MalformedBody) as e:
+            parse_json_text(text, field)
+        assert (e.value.param, e.value.code) == (field, code) and f"'{field}'" in e.value.message
+        assert why in e.value.message, e.value.message
 
 
 def test_unknown_route_and_method_are_openai_errors(http):

@@ -8,6 +8,7 @@ killed it."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -85,24 +86,61 @@ def server(tmp_path_factory):
         proc.wait(timeout=10)
 
 
-@pytest.mark.parametrize("what", list(BIG))
-def test_health_answers_while_a_30_mib_body_is_parsed(server, what):
-    assert len(BIG[what]) > OFFLOAD_BYTES
+def _health_while_posting(url: str, path: str, body: bytes, pause: float = 0.05) -> tuple[httpx.Response, float, int]:
+    """(the answer to `body`, the slowest /health while it was handled, how many /health answered meanwhile)."""
     answer: dict = {}
     sender = threading.Thread(target=lambda: answer.update(r=httpx.post(
-        server + "/v1/completions", content=BIG[what], headers={"content-type": "application/json"}, timeout=300)))
+        url + path, content=body, headers={"content-type": "application/json"}, timeout=300)))
     slowest, polls = 0.0, 0
     with httpx.Client(timeout=30) as client:
         sender.start()
         while sender.is_alive():
             t0 = time.monotonic()
-            assert client.get(server + "/health").status_code == 200
+            assert client.get(url + "/health").status_code == 200
             slowest, polls = max(slowest, time.monotonic() - t0), polls + 1
-            time.sleep(0.05)
+            time.sleep(pause)
     sender.join()
-    assert answer["r"].status_code == 400 and answer["r"].json()["error"]["code"] == "missing_field"
+    return answer["r"], slowest, polls
+
+
+@pytest.mark.parametrize("what", list(BIG))
+def test_health_answers_while_a_30_mib_body_is_parsed(server, what):
+    assert len(BIG[what]) > OFFLOAD_BYTES
+    r, slowest, polls = _health_while_posting(server, "/v1/completions", BIG[what])
+    assert r.status_code == 400 and r.json()["error"]["code"] == "missing_field"
     assert slowest < HEALTH_BOUND_S, f"/health took {slowest:.2f} s while the body was parsed"
     assert polls >= 5, "the body was answered too fast to tell"
+
+
+def _calls(*arguments: str) -> list[dict]:
+    """A user's question and an assistant's turn for each of `arguments`, calling a tool with them."""
+    calls = ({"role": "assistant", "content": None, "tool_calls": [
+        {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": a}}]}
+        for i, a in enumerate(arguments))
+    return [{"role": "user", "content": "hi"}, *calls]
+
+
+# ~24 MB of calls' arguments, JSON text inside strings: the body parses fast, the text inside it did not (built
+# when the case runs)
+CALLS_24MB = {"numbers": lambda: _calls("[" + "1," * (12 << 20) + "1]"),
+              "objects": lambda: _calls('{"a": [' + "{}," * (8 << 20) + "{}]}"),
+              "string": lambda: _calls(json.dumps({"a": "fox " * (6 << 20)})),
+              "6000-calls": lambda: _calls(*[json.dumps({"a": list(range(800))})] * 6000)}
+
+
+@pytest.mark.parametrize("what", list(CALLS_24MB))
+def test_health_answers_while_24_mb_of_arguments_are_read(server, what):
+    """Issue 51: calls' arguments were parsed, written back by the chat template and measured on the event
+    loop, which held /health 3-4.5 s here (numbers, objects, 6000 calls; 0.4 s for the one long string). Now a
+    text of more values than MAX_TEXT_VALUES is refused before it is parsed, and a large conversation is read
+    and rendered in a worker thread."""
+    body = json.dumps({"model": "tiny", "max_tokens": 2, "messages": CALLS_24MB[what]()}).encode()
+    r, slowest, polls = _health_while_posting(server, "/v1/chat/completions", body, pause=0.02)
+    assert r.status_code == 400, r.text
+    too_long = what in ("string", "6000-calls")  # read, rendered and refused for the context window
+    assert r.json()["error"]["param"] == ("messages" if too_long else "messages.1.tool_calls.0.function.arguments")
+    assert slowest < HEALTH_BOUND_S, f"/health took {slowest:.2f} s while the arguments were read"
+    assert polls >= 3, "the body was answered too fast to tell"
 
 
 def test_a_prompt_of_a_million_bad_items_is_one_quick_400(server):

@@ -13,6 +13,7 @@ from server_harness import ServerThread
 
 from pdserve.config import EngineConfig, WorkerConfig
 from pdserve.server.app import build_app
+from pdserve.server.errors import APIError
 from pdserve.engine.guided import Grammars
 from pdserve.server.tools import CallStream, call_syntax, parse_calls, render_messages, tool_setup
 from pdserve.testing import make_tiny_model
@@ -109,6 +110,27 @@ def test_a_template_that_reads_tools_gets_them_and_calls_with_object_arguments()
     assert history[1]["tool_calls"][0]["function"]["arguments"] == '{"a": 1, "b": 2}'  # the request's untouched
     plain, extra = render_messages(history, tool_setup(TOOLS, "auto", None), "{{ messages }}")
     assert extra == {} and "get_weather" in plain[0]["content"] and '"a": 1' in plain[2]["content"]
+
+
+@pytest.mark.parametrize("template", ["{{ messages }}", "{{ tool_calls }}{{ messages }}"], ids=["flattened", "as-sent"])
+def test_past_arguments_are_read_as_the_body_is(template):
+    """A past call's arguments are JSON text: read with the body's bounds, each refusal a 400 naming them (a
+    RecursionError and a lone surrogate once decoded were 500s, issue 51); text that is not JSON stays text.
+    DeepSeek's templates, which write the text as given, get it unread."""
+    def render(arguments: str, template: str = template):
+        call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": arguments}}
+        return render_messages(ASK + [{"role": "assistant", "content": "", "tool_calls": [call]}], None, template)[0]
+
+    for bad, why in [("[" * 5000 + "]" * 5000, "nests too deeply"), ('{"a": ["\\ud800"]}', "lone surrogate \\ud800"),
+                     ('{"a": 1e999}', "finite")]:
+        with pytest.raises(APIError) as e:
+            render(bad)
+        assert (e.value.status, e.value.param) == (400, "messages.1.tool_calls.0.function.arguments")
+        assert why in e.value.message
+    assert "not json" in str(render("not json")[1])
+    deepseek = "{{ tool_calls }}<｜tool▁sep｜>{{ messages }}"
+    assert call_syntax(deepseek) == "deepseek_v31"
+    assert render('{"a": "\\ud800"}', deepseek)[1]["tool_calls"][0]["function"]["arguments"] == '{"a": "\\ud800"}'
 
 
 def test_text_that_is_not_a_call_stays_content():
