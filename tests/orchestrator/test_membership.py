@@ -460,3 +460,18 @@ def test_a_cluster_joins_and_serves_over_https(tiny_model_dir, tmp_path):
             w.stop()
         orch.send_signal(signal.SIGTERM)
         assert orch.wait(timeout=30) in (0, -signal.SIGTERM), log_of(orch)
+
+
+def test_tls_settings_that_cannot_work_are_refused_naming_the_key(tmp_path):
+    from pdserve.config import WorkerConfig
+
+    pem = tmp_path / "c.pem"
+    pem.write_text("-----BEGIN CERTIFICATE-----\n")
+    for cls in (WorkerConfig, DisaggConfig):
+        with pytest.raises(ValueError, match="ssl_certfile is set and ssl_keyfile is not"):
+            cls(ssl_certfile=str(pem))
+        with pytest.raises(ValueError, match="ssl_keyfile is set and ssl_certfile is not"):
+            cls(ssl_keyfile=str(pem))
+        with pytest.raises(ValueError, match="ssl_ca_file '/nowhere/ca.pem' is not a readable file"):
+            cls(ssl_ca_file="/nowhere/ca.pem")
+        assert cls(ssl_certfile=str(pem), ssl_keyfile=str(pem), ssl_ca_file=str(pem)).ssl_ca_file == str(pem)
