@@ -5,13 +5,15 @@ through. Each used to be a 500 (or a 502). Real workers, an orchestrator app in 
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from harness import MODEL_NAME, AppThread, wait_healthy
 
 from pdserve.orchestrator.app import build_app
 from pdserve.orchestrator.config import DisaggConfig
-from pdserve.server.json_body import MAX_DEPTH
+from pdserve.server.json_body import MAX_DEPTH, MAX_TEXT_VALUES
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 HI = b'"messages": [{"role": "user", "content": "hi"}]'
@@ -49,6 +51,23 @@ CASES = [
 ]
 
 
+def _called(arguments: str) -> bytes:
+    """A chat body whose assistant turn (messages[1]) called a tool with these arguments."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return json.dumps({"model": MODEL_NAME, "max_tokens": 2, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}).encode()
+
+
+# Bodies the orchestrator passes on (their JSON is valid) and a worker refuses: a call's arguments, JSON text
+# inside a string, read as the body is (issue 51). Each was a worker's 500 (RecursionError, the tokenizer's
+# TypeError), so a 502 through the orchestrator.
+ARGUMENTS = {"nested-too-deeply": _called("[" * 50_000 + "]" * 50_000),
+             "lone-surrogate": _called('{"a": "\\ud800"}'),
+             "non-finite": _called('{"a": [1, NaN]}'),
+             "too-many-values": _called("[" + "1," * MAX_TEXT_VALUES + "1]")}
+
+
 @pytest.fixture(scope="module")
 def orch(workers):
     cfg = DisaggConfig(context_servers={"urls": [workers[0].url]}, generation_servers={"urls": [workers[1].url]},
@@ -66,6 +85,26 @@ def test_malformed_body_is_400_naming_the_field(orch, path, body, needles, param
     assert err["type"] == "invalid_request_error" and err["param"] == param
     for needle in needles:
         assert needle in err["message"], err["message"]
+
+
+@pytest.fixture(scope="module")
+def orch_direct(workers):
+    """An orchestrator that sends each request straight to a context instance (no /tokenize first)."""
+    cfg = DisaggConfig(context_servers={"urls": [workers[0].url]}, generation_servers={"urls": [workers[1].url]})
+    with AppThread(build_app(cfg)) as app:
+        wait_healthy(app.url)
+        yield app
+
+
+@pytest.mark.parametrize("what", list(ARGUMENTS))
+def test_a_body_gets_the_same_400_from_the_orchestrator_as_from_a_worker(workers, orch, orch_direct, what):
+    answers = [httpx.post(url + CHAT, content=ARGUMENTS[what], headers={"content-type": "application/json"},
+                          timeout=60) for url in (workers[0].url, orch.url, orch_direct.url)]
+    worker = answers[0]
+    assert worker.status_code == 400 and worker.json()["error"]["param"] == \
+        "messages.1.tool_calls.0.function.arguments", worker.text
+    for r in answers[1:]:
+        assert (r.status_code, r.json()) == (400, worker.json())
 
 
 def test_still_serves_after_malformed_bodies(orch):
