@@ -7,22 +7,24 @@ Python limits are set. So an instance never compiles a grammar in its own proces
     Grammars.compile(spec) ──digest known good?──> compile in-process (on a 32 MiB stack)
           │ unknown                          known bad? ──> GuidedError at once (the first refusal's text)
           ▼
-    GrammarSandbox.check(spec) ──frame──> compiler child (`python -m pdserve.engine.grammar_sandbox`)
-                               <──verdict── compiles on an 8 MiB stack under RLIMIT_AS, probes a few tokens
+    GrammarSandbox.check(spec) ──frame──> sandbox child (`python -m pdserve.engine.grammar_sandbox`): holds
+                               <──verdict──  the tokenizer view, forks one compiler per grammar, which
+                                             compiles on an 8 MiB stack under RLIMIT_AS and probes a few tokens
 
-A child that dies (a signal), runs out of its memory or outlasts the compile timeout is a refusal (a 400 naming
-the request's field); the child is replaced on the next check. A verdict is remembered by the spec's digest, so
-a repeat of a good grammar costs a dict lookup and a repeat of a bad one costs nothing at all.
+A compiler that dies (a signal), runs out of its memory or outlasts the compile timeout is a refusal (a 400
+naming the request's field); the sandbox child lives on, so the next grammar waits for no start-up (a fork,
+~5-20 ms, not the ~0.7 s of a new child that builds its tokenizer view). A verdict is remembered by the spec's
+digest, so a repeat of a good grammar costs a dict lookup and a repeat of a bad one costs nothing at all.
 
-The child compiles on a quarter of the stack the server's compiles get: the recursion depth is a function of
-the grammar alone, so what fits in the child fits four times over in the server. The child also takes the
-first few tokens the grammar allows (the lowest id each time): a grammar too wide for llguidance's parser
+The compiler runs on a quarter of the stack the server's compiles get: the recursion depth is a function of
+the grammar alone, so what fits in the compiler fits four times over in the server. The compiler also takes
+the first few tokens the grammar allows (the lowest id each time): a grammar too wide for llguidance's parser
 (more than `max_items_in_row` alternatives live at once: a `choice` of 20,000 strings, an object of 5,000
 optional properties) usually fails there, right after its opening token, and is refused before any compute.
 
 Wire: one frame each way per check, a 4-byte big-endian length and msgpack. The first frame to a child holds
 the tokenizer (its JSON, the vocabulary size, EOS ids). A child exits when its stdin closes, so children never
-outlive their server.
+outlive their server. The child is single-threaded when it forks (llguidance starts no threads of its own).
 """
 
 from __future__ import annotations
@@ -45,12 +47,22 @@ from pdserve.engine.sampling_params import GuidedSpec
 
 log = logging.getLogger(__name__)
 
-CHILD_STACK_BYTES = 8 * 1024 * 1024  # the child's compile thread (the server's: guided.COMPILE_STACK_BYTES)
-CHILD_MEMORY_BYTES = 2 * 1024 * 1024 * 1024  # address space a child may add past its start (RLIMIT_AS)
-PROBE_TOKENS = 4  # tokens the child walks through each grammar after it compiles
+CHILD_STACK_BYTES = 8 * 1024 * 1024  # the compiler's thread (the server's: guided.COMPILE_STACK_BYTES)
+CHILD_MEMORY_BYTES = 2 * 1024 * 1024 * 1024  # address space a compiler may add past its fork (RLIMIT_AS)
+PROBE_TOKENS = 4  # tokens the compiler walks through each grammar after it compiles
 REMEMBERED = 4096  # verdicts kept per kind (good, bad), least recently used dropped first
 _HEADER = struct.Struct(">I")
 _MAX_FRAME = 64 * 1024 * 1024  # a tokenizer's JSON is the largest frame (Qwen's: ~11 MB)
+_GRACE_S = 5.0  # past the compile timeout, how long the server waits for the child that enforces it
+
+
+def _ended(what: str, code: int) -> str:
+    """How a process ended, as the end of a sentence about a grammar: `code` is a returncode (-N: signal N)."""
+    if code < 0:
+        name = signal.Signals(-code).name
+        hint = " (out of its memory, or another fault)" if -code == signal.SIGABRT else ""
+        return f"crashed {what} ({name}{hint})"
+    return f"stopped {what} (exit status {code})"
 
 
 def digest(spec: GuidedSpec) -> bytes:
@@ -90,8 +102,16 @@ def _read_frame(fd: int, deadline: float | None = None):
     return None if body is None else msgpack.unpackb(body, raw=False)
 
 
+class _CompilerLost(Exception):
+    """The compiler forked for one grammar died or outlasted the timeout: the grammar's fault."""
+
+
+class _ChildLost(Exception):
+    """A sandbox child itself died or stopped answering."""
+
+
 class _Child:
-    """One compiler process; used by one thread at a time."""
+    """One sandbox process (it forks a compiler per grammar); used by one thread at a time."""
 
     def __init__(self, init: dict):
         self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.grammar_sandbox"],
@@ -99,18 +119,22 @@ class _Child:
         _write_frame(self.proc.stdin, init)
 
     def ask(self, spec: GuidedSpec, timeout_s: float) -> str | None:
-        """The child's verdict on `spec`: None (usable) or why not. RuntimeError(why) when the child died or
-        outlasted `timeout_s`; it is then gone."""
+        """The verdict on `spec`: None (usable) or why not. _CompilerLost(why) when the compiler forked for it
+        was lost (a signal, the timeout); _ChildLost(why) when this child died or stopped answering (it is then
+        gone)."""
         try:
-            _write_frame(self.proc.stdin, {"kind": spec.kind, "text": spec.text, "param": spec.param})
-            answer = _read_frame(self.proc.stdout.fileno(), time.monotonic() + timeout_s)
+            _write_frame(self.proc.stdin, {"kind": spec.kind, "text": spec.text, "param": spec.param,
+                                           "timeout_s": timeout_s})
+            answer = _read_frame(self.proc.stdout.fileno(), time.monotonic() + timeout_s + _GRACE_S)
         except TimeoutError:
             self.close()
-            raise RuntimeError(f"took longer than {timeout_s:g} s to compile") from None
+            raise _ChildLost("left the grammar sandbox unresponsive") from None
         except (OSError, ValueError):  # a pipe closed under us: the child died
             answer = None
         if answer is None:
-            raise RuntimeError(self._death())
+            raise _ChildLost(self._death())
+        if answer["lost"] is not None:
+            raise _CompilerLost(answer["lost"])
         return answer["error"]
 
     def _death(self) -> str:
@@ -118,12 +142,8 @@ class _Child:
             code = self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self.close()
-            return "left the grammar compiler unresponsive"
-        if code < 0:
-            name = signal.Signals(-code).name
-            hint = " (out of its memory, or another fault)" if -code == signal.SIGABRT else ""
-            return f"crashed the grammar compiler ({name}{hint})"
-        return f"stopped the grammar compiler (exit status {code})"
+            return "left the grammar sandbox unresponsive"
+        return _ended("the grammar sandbox", code)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -153,11 +173,11 @@ class GrammarSandbox:
         self._cond = threading.Condition()
         self._good: OrderedDict[bytes, None] = OrderedDict()
         self._bad: OrderedDict[bytes, str] = OrderedDict()
-        self.crashes = 0  # children lost to a grammar (a signal or the timeout)
+        self.crashes = 0  # compilers lost to a grammar (a signal or the timeout)
         self._closed = False
 
     def check(self, spec: GuidedSpec, what: str) -> str | None:
-        """None when `spec` compiled in a child, else why it cannot be used (a sentence about `what`, e.g.
+        """None when `spec` compiled in the sandbox, else why it cannot be used (a sentence about `what`, e.g.
         "the grammar crashed the grammar compiler (SIGSEGV)"). Blocks while the children are busy."""
         key = digest(spec)
         with self._cond:
@@ -167,17 +187,14 @@ class GrammarSandbox:
             if key in self._bad:
                 self._bad.move_to_end(key)
                 return self._bad[key]
-        child = self._take()
         try:
-            problem = child.ask(spec, self.timeout_s)
-        except RuntimeError as e:
+            problem = self._ask(spec)
+        except _CompilerLost as e:
             problem = f"the {what} {e}; it is refused: simplify it (fewer nested, chained or alternative rules)"
             log.warning("a request's %s %s (%d characters, digest %s); refused, and refused at once if sent again",
                         what, e, len(spec.text), key.hex())
             with self._cond:
                 self.crashes += 1
-        finally:
-            self._give(child)
         with self._cond:
             table = self._good if problem is None else self._bad
             table[key] = problem
@@ -185,13 +202,31 @@ class GrammarSandbox:
                 table.popitem(last=False)
         return problem
 
+    def _ask(self, spec: GuidedSpec) -> str | None:
+        """A child's verdict. A child that dies itself (not its compiler: the OOM killer, an operator) is
+        replaced and asked again, once; a second loss is the grammar's."""
+        for attempt in (1, 2):
+            child = self._take()
+            try:
+                return child.ask(spec, self.timeout_s)
+            except _ChildLost as e:
+                if attempt == 2:
+                    raise _CompilerLost(str(e)) from None
+                log.warning("the grammar sandbox child %d %s; a new one is asked", child.proc.pid, e)
+            finally:
+                self._give(child)
+
     def _take(self) -> _Child:
         with self._cond:
             while True:
                 if self._closed:
                     raise RuntimeError("the grammar sandbox is closed")
-                if self._idle:
-                    return self._idle.pop()
+                while self._idle:
+                    child = self._idle.pop()
+                    if child.alive:
+                        return child
+                    child.close()
+                    self._started -= 1
                 if self._started < self._max:
                     self._started += 1
                     break
@@ -267,6 +302,37 @@ def _limit_memory(extra_bytes: int) -> None:
     with open("/proc/self/statm") as f:
         used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
     resource.setrlimit(resource.RLIMIT_AS, (used + extra_bytes, used + extra_bytes))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash here is expected: no core file
+
+
+def _forked_verdict(spec: GuidedSpec, tokenizer, timeout_s: float) -> dict:
+    """{"error": the verdict, "lost": None}, or {"error": None, "lost": why} when the compiler forked for `spec`
+    died or outlasted `timeout_s` (it is killed)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the compiler: one grammar, then exit; nothing of the sandbox child's state is touched
+        try:
+            os.close(r)
+            _limit_memory(CHILD_MEMORY_BYTES)
+            error = on_stack(CHILD_STACK_BYTES, _verdict, spec, tokenizer)
+            with os.fdopen(w, "wb") as f:
+                _write_frame(f, {"error": error})
+        finally:
+            os._exit(0)
+    os.close(w)
+    lost = None
+    try:
+        answer = _read_frame(r, time.monotonic() + timeout_s)
+    except TimeoutError:
+        os.kill(pid, signal.SIGKILL)
+        answer, lost = None, f"took longer than {timeout_s:g} s to compile"
+    finally:
+        os.close(r)
+    _, status = os.waitpid(pid, 0)
+    if answer is not None:
+        return {"error": answer["error"], "lost": None}
+    return {"error": None, "lost": lost or _ended("the grammar compiler", -os.WTERMSIG(status)
+                                                  if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))}
 
 
 _STACK_SIZE_LOCK = threading.Lock()  # threading.stack_size is process-wide: set, start, set back
@@ -305,10 +371,11 @@ def main() -> None:
     if init is None:
         return
     tokenizer = llguidance.LLTokenizer(init["tokenizer_json"], n_vocab=init["vocab_size"], eos_token=init["eos"])
-    _limit_memory(CHILD_MEMORY_BYTES)
+    # The first compile on a tokenizer view builds its lazy tables (~60 ms); built here, every fork has them.
+    _verdict(GuidedSpec("regex", "[0-9]{1,3}", "warm-up"), tokenizer)
     while (req := _read_frame(fd_in)) is not None:
         spec = GuidedSpec(req["kind"], req["text"], req["param"])
-        _write_frame(out, {"error": on_stack(CHILD_STACK_BYTES, _verdict, spec, tokenizer)})
+        _write_frame(out, _forked_verdict(spec, tokenizer, req["timeout_s"]))
 
 
 if __name__ == "__main__":

@@ -16,8 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_harness import scrape
 
+from pdserve.engine.grammar_sandbox import GrammarSandbox
+from pdserve.engine.sampling_params import GuidedSpec
 from pdserve.host import free_port
 from pdserve.testing.servers import wait_for_health
+from pdserve.tokenizer import Tokenizer
 
 GRAMMAR = "structured_outputs.grammar"
 PREFILLED = 'pdserve_engine_step_tokens_total{kind="prefill"}'
@@ -157,3 +160,23 @@ def test_any_grammar_is_a_200_or_a_400_and_the_server_lives(served, text):
     assert served.proc.poll() is None
     t = time.perf_counter()
     assert served.get("/health").status_code == 200 and time.perf_counter() - t < 0.5
+
+
+def test_the_sandbox_outlives_its_compilers_and_replaces_a_lost_child(tiny_model_dir):
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    sandbox = GrammarSandbox(tok.backend.to_str(), tok.vocab_size, [0], timeout_s=10)
+    try:
+        crash = GuidedSpec("grammar", lark_chain(5000), GRAMMAR)
+        assert "crashed the grammar compiler (SIGSEGV)" in sandbox.check(crash, "grammar")
+        child = sandbox._idle[0]
+        assert child.alive and sandbox.crashes == 1  # the compiler forked for the grammar died, not the child
+        assert sandbox.check(GuidedSpec("regex", "[0-9]+", "p"), "regex") is None
+        assert sandbox._idle == [child]
+        child.proc.kill()  # a child lost anyway (OOM killer, an operator) is replaced on the next check
+        child.proc.wait()
+        assert sandbox.check(GuidedSpec("regex", "[a-z]+", "p"), "regex") is None
+        assert sandbox._idle and sandbox._idle[0] is not child and sandbox._idle[0].alive
+        assert "not JSON" in sandbox.check(GuidedSpec("json", "{", "p"), "JSON schema")
+    finally:
+        sandbox.close()
+    assert not sandbox._idle and child.proc.poll() is not None
