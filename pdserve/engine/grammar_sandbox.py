@@ -102,6 +102,10 @@ def _read_frame(fd: int, deadline: float | None = None):
     return None if body is None else msgpack.unpackb(body, raw=False)
 
 
+class SandboxBusy(Exception):
+    """No sandbox child came free within the compile timeout: every one is compiling another grammar."""
+
+
 class _CompilerLost(Exception):
     """The compiler forked for one grammar died or outlasted the timeout: the grammar's fault."""
 
@@ -205,8 +209,9 @@ class GrammarSandbox:
     def _ask(self, spec: GuidedSpec) -> str | None:
         """A child's verdict. A child that dies itself (not its compiler: the OOM killer, an operator) is
         replaced and asked again, once; a second loss is the grammar's."""
+        deadline = time.monotonic() + self.timeout_s
         for attempt in (1, 2):
-            child = self._take()
+            child = self._take(deadline)
             try:
                 return child.ask(spec, self.timeout_s)
             except _ChildLost as e:
@@ -216,7 +221,9 @@ class GrammarSandbox:
             finally:
                 self._give(child)
 
-    def _take(self) -> _Child:
+    def _take(self, deadline: float) -> _Child:
+        """An idle child, a new one while fewer than `processes` run, else the first to come free before
+        `deadline` (SandboxBusy past it)."""
         with self._cond:
             while True:
                 if self._closed:
@@ -230,7 +237,11 @@ class GrammarSandbox:
                 if self._started < self._max:
                     self._started += 1
                     break
-                self._cond.wait()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise SandboxBusy(f"every grammar compiler of this instance ({self._max}) stayed busy for "
+                                      f"{self.timeout_s:g} s")
+                self._cond.wait(left)
         try:
             return _Child(self._init)
         except BaseException:

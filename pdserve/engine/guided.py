@@ -29,7 +29,7 @@ import threading
 
 import numpy as np
 
-from pdserve.engine.grammar_sandbox import GrammarSandbox, on_stack
+from pdserve.engine.grammar_sandbox import GrammarSandbox, SandboxBusy, on_stack
 from pdserve.engine.sampling_params import GuidedSpec
 
 # Bounds on what one request may make this instance compile: the text, and llguidance's own limits on the
@@ -57,6 +57,11 @@ class GuidedError(ValueError):
     def __init__(self, message: str, param: str):
         super().__init__(message)
         self.param = param
+
+
+class CompilersBusy(GuidedError):
+    """The grammar could not be tried: the instance's sandbox compilers were all busy (the service's state, not
+    the grammar's fault: an HTTP 503)."""
 
 
 def first_line(message: str) -> str:
@@ -104,7 +109,10 @@ class Grammars:
                 return hit
             tokenizer = self._ll_tokenizer()
         # outside the lock: llguidance drops the GIL while it compiles
-        problem = self.sandbox.check(spec, WHAT[spec.kind])
+        try:
+            problem = self.sandbox.check(spec, WHAT[spec.kind])
+        except SandboxBusy as e:
+            raise CompilersBusy(f"the {WHAT[spec.kind]} could not be compiled now: {e}; retry", spec.param) from None
         if problem is not None:
             raise GuidedError(problem, spec.param)
         matcher = on_stack(COMPILE_STACK_BYTES, compile_matcher, spec, tokenizer)

@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import json
 
-from pdserve.engine.guided import COMPILE_TIMEOUT_S, Grammars, GuidedError
+from pdserve.engine.guided import COMPILE_TIMEOUT_S, CompilersBusy, Grammars, GuidedError
 from pdserve.engine.sampling_params import GuidedSpec
-from pdserve.server.errors import bad_request
+from pdserve.server.errors import APIError, bad_request
 
 ANY_OBJECT = json.dumps({"type": "object"})
 # What a request may wait for its grammar: its turn at a sandbox child, the child's compile (killed past
@@ -40,6 +40,8 @@ async def compiled_spec(grammars: Grammars, req, tools=None) -> GuidedSpec | Non
     if spec is not None:
         try:
             await asyncio.wait_for(asyncio.to_thread(grammars.compile, spec), WAIT_S)
+        except CompilersBusy as e:
+            raise APIError(503, str(e), e.param, "grammar_compilers_busy") from None
         except GuidedError as e:
             raise bad_request(str(e), e.param) from None
         except TimeoutError:

@@ -180,3 +180,23 @@ def test_the_sandbox_outlives_its_compilers_and_replaces_a_lost_child(tiny_model
     finally:
         sandbox.close()
     assert not sandbox._idle and child.proc.poll() is not None
+
+
+def test_a_grammar_that_finds_every_compiler_busy_is_the_services_503(tiny_model_dir):
+    """Busy compilers are the instance's state, not the grammar's fault: no verdict is remembered for it."""
+    from pdserve.engine.guided import CompilersBusy, Grammars
+
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    grammars = Grammars(tok.backend.to_str(), tok.vocab_size, [0], timeout_s=0.3)
+    sandbox = grammars.sandbox
+    spec = GuidedSpec("regex", "[0-9]+", "structured_outputs.regex")
+    try:
+        held = [sandbox._take(time.monotonic() + 5) for _ in range(sandbox._max)]  # every child compiling
+        with pytest.raises(CompilersBusy, match="stayed busy for 0.3 s") as e:
+            grammars.compile(spec)
+        assert e.value.param == "structured_outputs.regex"
+        for child in held:
+            sandbox._give(child)
+        grammars.compile(spec)  # served once a compiler is free
+    finally:
+        grammars.close()
