@@ -15,6 +15,10 @@ from tqdm import tqdm
 
 from torch import nn
 
+from pdserve.weights.fp8 import Fp8Scheme, dequantize_weights, scaled_tensor
+from pdserve.weights.hf_dir import read_config
+from pdserve.weights.mtp import MtpWeights
+
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Tensors some checkpoints carry that are computed from the config anyway (RoPE's inverse frequencies).
 _DERIVED = ("rotary_emb.inv_freq",)
@@ -42,17 +46,22 @@ def load_weights(model: nn.Module, model_dir: Path, show_progress: bool = False)
     files = _checkpoint_files(model_dir)
     foreign = []  # outside the layers and not ours: every stage refuses them
     rename = checkpoint_renamer(model)
+    config = read_config(model_dir)
+    fp8, mtp = Fp8Scheme.from_config(config), MtpWeights(config, model.cfg.num_layers)
     for path in tqdm(files, desc="loading weights", disable=not show_progress):
         with safe_open(str(path), framework="pt") as f:
             for stored in f.keys():
                 name = rename(stored)
                 m = _LAYER.match(name)
-                if _KV_SCALE.match(name):
+                top = scaled_tensor(name)  # an FP8 scale goes where its weight goes
+                if _KV_SCALE.match(name) or mtp.claims(name):
                     keep = False
                 elif m:
                     keep = lo <= int(m.group(1)) < hi
-                elif name in _TOP_LEVEL:
-                    keep = need_embed if name == "model.embed_tokens.weight" else model.ps.is_last_stage
+                    if int(m.group(1)) >= model.cfg.num_layers:  # a layer config.json does not name
+                        foreign.append(name)
+                elif top in _TOP_LEVEL:
+                    keep = need_embed if top == "model.embed_tokens.weight" else model.ps.is_last_stage
                 else:
                     keep = False
                     if not name.endswith(_DERIVED):
@@ -62,7 +71,15 @@ def load_weights(model: nn.Module, model_dir: Path, show_progress: bool = False)
                         raise ValueError(f"checkpoint holds {name!r} twice (once as {stored!r}): keep one spelling")
                     wanted[name] = f.get_tensor(stored)
     _refuse_unused(foreign)
+    dequantize_weights(wanted, fp8, _serving_dtype(model))
+    if model.ps.rank == 0:
+        mtp.report()
     _assign(model, wanted)
+
+
+def _serving_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the projections are served in (a norm may be kept in float32 beside bf16 projections)."""
+    return next((p.dtype for p in model.parameters() if p.ndim == 2 and p.is_floating_point()), torch.float32)
 
 
 def checkpoint_renamer(model: nn.Module) -> Callable[[str], str]:
