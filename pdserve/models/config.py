@@ -1,4 +1,5 @@
-"""The model's shape, read from a Hugging Face `config.json`."""
+"""The model's shape, read from a Hugging Face `config.json` through transformers' config class of its
+`architectures`: what the engine needs of it, one small description per family."""
 
 from __future__ import annotations
 
@@ -252,8 +253,8 @@ class ModelConfig:
             raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
         family = SUPPORTED_ARCHITECTURES[arch]
         qwen3 = family in ("qwen3", "qwen3_moe")
-        # Qwen2's q/k/v always carry a bias (its config has no key for it)
-        attention_bias = bool(getattr(hf, "attention_bias", family == "qwen2"))
+        # Qwen2's q/k/v always carry a bias, as transformers builds it (its config has no key for it)
+        attention_bias = family == "qwen2" or bool(getattr(hf, "attention_bias", False))
         return cls(
             architecture=arch,
             vocab_size=hf.vocab_size,
