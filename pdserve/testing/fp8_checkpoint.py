@@ -4,7 +4,7 @@ float8_e4m3fn with one float32 `weight_scale_inv` per block (amax / 448, so a bl
 e4m3's largest), or one per tensor; embeddings, lm_head, norms, a MoE router's gate, biases and MTP's eh_proj
 stay as they were. config.json gains the publisher's `quantization_config`.
 
-`with_deepseek_mtp_layer` adds the multi-token-prediction layer DeepSeek-V3 ships past its decoder layers
+`make_tiny_deepseek_v3_fp8` makes the whole thing from the tiny DeepSeek-V3. `with_deepseek_mtp_layer` adds the multi-token-prediction layer DeepSeek-V3 ships past its decoder layers
 (`num_nextn_predict_layers: 1`), named as the published checkpoint names it. `dequantized_copy` writes the
 oracle's directory: the same checkpoint with every quantized weight multiplied out by a plain loop over its
 blocks, for transformers to load as an unquantized model.
@@ -149,3 +149,22 @@ def dequantized_copy(fp8_dir: str | os.PathLike, out_dir: str | os.PathLike) -> 
         out[name] = dequantize_reference(t, scale, block) if scale is not None else t
     config["num_nextn_predict_layers"] = 0
     return write_checkpoint(fp8_dir, out_dir, out, config, shards=1)
+
+
+def make_tiny_deepseek_v3_fp8(root: str | os.PathLike, block: tuple[int, int] = (16, 24), **tiny) -> tuple[Path, Path]:
+    """(FP8 checkpoint, the oracle's dequantized copy) under `root`: the tiny DeepSeek-V3 (`tiny`: its
+    make_tiny_deepseek_v3 arguments) saved by transformers' save_pretrained of DeepseekV3ForCausalLM, its MTP
+    layer added and its projections quantized in `block`s, in 3 shards."""
+    import transformers
+
+    from pdserve.testing.tiny_deepseek_v3 import make_tiny_deepseek_v3
+
+    root = Path(root)
+    src = make_tiny_deepseek_v3(root / "src", **tiny)
+    published = root / "published"
+    transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).save_pretrained(published)
+    for f in src.iterdir():  # save_pretrained of a model writes no tokenizer
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, published / f.name)
+    fp8 = quantize_checkpoint(with_deepseek_mtp_layer(published, root / "mtp"), root / "fp8", block=block)
+    return fp8, dequantized_copy(fp8, root / "dequantized")

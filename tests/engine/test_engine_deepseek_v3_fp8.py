@@ -1,9 +1,9 @@
 """DeepSeek-V3 as DeepSeek publishes it: FP8 projections with block scales, and the multi-token-prediction layer
 past the decoder's.
 
-The checkpoint: the tiny DeepSeek-V3 saved by transformers' `save_pretrained` of DeepseekV3ForCausalLM, its MTP
-layer added as model.layers.3 (num_nextn_predict_layers 1), then quantized as the publisher does
-(pdserve/testing/fp8_checkpoint.py), in 3 shards. Blocks of [16, 24] (weight_block_size is read from config.json)
+The checkpoint (pdserve/testing/fp8_checkpoint.py): the tiny DeepSeek-V3 saved by transformers' `save_pretrained`
+of DeepseekV3ForCausalLM, its MTP layer added as model.layers.3 (num_nextn_predict_layers 1), then quantized as
+the publisher does, in 3 shards. Blocks of [16, 24] (weight_block_size is read from config.json)
 leave partial blocks at the edges of most weights: kv_a_proj_with_mqa [40, 64] ends in a block of 8 rows and
 one of 16 columns. The oracle is transformers' greedy `generate` on the weights multiplied out block by block.
 """
@@ -21,8 +21,7 @@ from safetensors import safe_open
 from pdserve.config import EngineConfig
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.testing.fp8_checkpoint import dequantized_copy, quantize_checkpoint, with_deepseek_mtp_layer
-from pdserve.testing.tiny_deepseek_v3 import make_tiny_deepseek_v3
+from pdserve.testing.fp8_checkpoint import make_tiny_deepseek_v3_fp8
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -42,16 +41,8 @@ def _stored(d) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
 
 @pytest.fixture(scope="module")
 def fp8_model(tmp_path_factory, hf_greedy):
-    root = tmp_path_factory.mktemp("ds_fp8")
-    src = make_tiny_deepseek_v3(root / "src")
-    published = root / "published"
-    transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).save_pretrained(published)
-    for f in src.iterdir():  # save_pretrained of the model writes no tokenizer
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, published / f.name)
-    fp8 = quantize_checkpoint(with_deepseek_mtp_layer(published, root / "mtp"), root / "fp8", block=BLOCK)
-    oracle = transformers.AutoModelForCausalLM.from_pretrained(dequantized_copy(fp8, root / "deq"),
-                                                               dtype=torch.float32)
+    fp8, dequantized = make_tiny_deepseek_v3_fp8(tmp_path_factory.mktemp("ds_fp8"), BLOCK)
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (4, 19, 33)]
     ref = hf_greedy(oracle, prompts, MAX_NEW)
@@ -76,20 +67,15 @@ def test_the_checkpoint_is_quantized_as_deepseek_publishes_it(fp8_model):
 
 
 def test_fp8_blocks_and_the_mtp_layer_serve_transformers_tokens(fp8_model, caplog):
-    """Batched, then TP2 (each rank cuts its shard from the dequantized weights): transformers' tokens; the MTP
-    layer's tensors are skipped with one log line."""
+    """Batched: transformers' tokens; the MTP layer's tensors are skipped with one log line. (Context TP1 ->
+    generation TP2, each rank cutting its shard from the dequantized weights: tests/disagg_e2e/
+    test_e2e_deepseek_v3_fp8.py.)"""
     fp8, prompts, ref = fp8_model
     with caplog.at_level(logging.INFO, logger="pdserve.weights.mtp"):
         with LLM(EngineConfig(model=str(fp8), tokens_per_block=8)) as llm:
             assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
     lines = [r.getMessage() for r in caplog.records if r.name == "pdserve.weights.mtp"]
     assert len(lines) == 1 and "multi-token-prediction" in lines[0], lines
-
-
-def test_fp8_blocks_at_tp2_serve_transformers_tokens(fp8_model):
-    fp8, prompts, ref = fp8_model
-    with LLM(EngineConfig(model=str(fp8), tokens_per_block=8, tensor_parallel_size=2)) as llm:
-        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
 
 
 def test_a_layer_past_the_mtp_layers_is_refused(fp8_model, tmp_path):
