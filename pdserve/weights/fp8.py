@@ -104,11 +104,6 @@ class Fp8Scheme:
         return scale.to(torch.float32)
 
 
-def is_scale(name: str) -> bool:
-    """A weight's or an activation's FP8 scale, read with the weight it belongs to, never loaded on its own."""
-    return name.endswith(_WEIGHT_SCALES + _ACTIVATION_SCALES)
-
-
 def scaled_tensor(name: str) -> str:
     """The weight a scale belongs to (`X.weight_scale_inv` -> `X.weight`); any other name as it is."""
     for suffix in _WEIGHT_SCALES + _ACTIVATION_SCALES:
