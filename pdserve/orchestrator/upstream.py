@@ -3,6 +3,7 @@ OrchestratorError (see errors.py): the caller never sees an httpx exception."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import ssl
 from typing import AsyncIterator
@@ -10,8 +11,13 @@ from typing import AsyncIterator
 import httpx
 
 from pdserve.orchestrator.errors import OrchestratorError, WorkerUnreachable
+from pdserve.server.json_body import items_at_least, json_dumps
 
 CONNECT_TIMEOUT_S = 5.0
+# A body of fewer items (array elements, object members) than this is written on the event loop, a bigger one in a
+# worker thread by json_dumps, which leaves the GIL to the loop between items: json's C encoder held it 1.2 s for a
+# body of 8 M numbers, and /health with it
+_ENCODE_IN_PLACE = 1 << 12
 
 
 def make_client(request_timeout: float, max_connections: int = 1024,
@@ -52,6 +58,20 @@ def _status_error(role: str, url: str, status: int, content: bytes) -> Orchestra
     return OrchestratorError(out, f"{role} server {url} answered {status}: {message}", code or "worker_error")
 
 
+async def _encoded(body: dict | None, headers: dict | None) -> tuple[bytes | None, dict | None]:
+    """`body` as the JSON bytes httpx's json= would send, and the headers with its content type."""
+    if body is None:
+        return None, headers
+    headers = {**(headers or {}), "Content-Type": "application/json"}
+    if items_at_least(body, _ENCODE_IN_PLACE) < _ENCODE_IN_PLACE:
+        return _dumps(body), headers
+    return await asyncio.to_thread(_dumps, body), headers
+
+
+def _dumps(body: dict) -> bytes:
+    return json_dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
 async def post_json(http: httpx.AsyncClient, role: str, url: str, path: str, body: dict, timeout: float,
                     headers: dict | None = None) -> dict:
     return await _request_json(http, "POST", role, url, path, body, timeout, headers)
@@ -63,8 +83,9 @@ async def get_json(http: httpx.AsyncClient, role: str, url: str, path: str, time
 
 async def _request_json(http: httpx.AsyncClient, method: str, role: str, url: str, path: str, body: dict | None,
                         timeout: float, headers: dict | None = None) -> dict:
+    content, headers = await _encoded(body, headers)
     try:
-        r = await http.request(method, url + path, json=body, headers=headers,
+        r = await http.request(method, url + path, content=content, headers=headers,
                                timeout=httpx.Timeout(timeout, connect=CONNECT_TIMEOUT_S))
     except httpx.HTTPError as e:
         raise _transport_error(role, url, e, timeout) from None
@@ -83,7 +104,8 @@ async def _request_json(http: httpx.AsyncClient, method: str, role: str, url: st
 async def open_stream(http: httpx.AsyncClient, role: str, url: str, path: str, body: dict,
                       timeout: float, headers: dict | None = None) -> httpx.Response:
     """POST and return the streaming response once its status is 200 (the caller must aclose it)."""
-    req = http.build_request("POST", url + path, json=body, headers=headers,
+    content, headers = await _encoded(body, headers)
+    req = http.build_request("POST", url + path, content=content, headers=headers,
                              timeout=httpx.Timeout(timeout, connect=CONNECT_TIMEOUT_S))
     try:
         r = await http.send(req, stream=True)

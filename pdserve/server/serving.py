@@ -27,6 +27,7 @@ from pdserve.engine.sequence import DisaggInfo, RequestType, Resume, num_answers
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.guided_request import compiled_spec
 from pdserve.server.handoff import answer_choices, context_answer_params, first_gen_logprobs
+from pdserve.server.json_body import items_at_least
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import (
     ChatChoice,
@@ -66,6 +67,7 @@ _ENCODE_IN_PLACE = 8192
 # in a worker thread
 _RENDER_IN_PLACE = 1 << 16
 _MESSAGE_SIZE = 64  # a message's role, its template's markup and its dict: 60 K short messages took ~0.5 s
+_TOOLS_IN_PLACE = 1 << 12  # items in the tools' schemas (the template writes them as JSON)
 
 
 # Characters JSON may leave raw inside a string that str.splitlines (httpx's aiter_lines, requests'
@@ -331,9 +333,10 @@ class OpenAIServing:
         return await asyncio.to_thread(self.tokenizer.at_least_tokens, text)
 
     async def _chat_prompt(self, req: ChatCompletionRequest, tools=None) -> list[int]:
-        if _size(req.messages) < _RENDER_IN_PLACE:
+        small = _size(req.messages) < _RENDER_IN_PLACE and items_at_least(req.tools, _TOOLS_IN_PLACE) < _TOOLS_IN_PLACE
+        if small:
             rendered = self._prompt_text(req, tools)
-        else:  # reading megabytes of calls' arguments or thousands of messages holds the event loop for seconds
+        else:  # reading megabytes of calls' arguments, thousands of messages or a huge schema holds the loop seconds
             rendered = await asyncio.to_thread(self._prompt_text, req, tools)
         # The template already wrote any BOS it wants; encoding must not add a second one.
         return await self._encode(rendered, add_special_tokens=False, param="messages")

@@ -22,13 +22,12 @@ Qwen3-Coder and Nemotron 3, DeepSeek-V3's and DeepSeek-V3.1's.
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 
 from pdserve.engine.sampling_params import GuidedSpec
 from pdserve.server.errors import bad_request
-from pdserve.server.json_body import MalformedBody, parse_json_text
+from pdserve.server.json_body import MalformedBody, json_dumps, parse_json_text
 from pdserve.server.protocol import AssistantMessage, ChatChunkChoice, DeltaMessage
 from pdserve.server.tool_syntax import NAME as _NAME
 from pdserve.server.tool_syntax import DeepSeekV3, DeepSeekV31, Hermes, Llama3, Syntax
@@ -142,7 +141,7 @@ def render_messages(messages: list[dict], setup: ToolSetup | None, template: str
         return out, {}
     if "tools" in template:  # (templates read a call's arguments as an object, HF's convention)
         return out, {"tools": [{"type": "function", "function": f} for f in tools]}
-    described = "\n".join(json.dumps({"type": "function", "function": f}) for f in setup.tools)
+    described = "\n".join(json_dumps({"type": "function", "function": f}) for f in setup.tools)
     system = ("You may call one or more functions to answer. The functions are:\n<tools>\n" + described +
               "\n</tools>\nTo call one, write its name and arguments so:\n" + syntax.example)
     if out and out[0]["role"] == "system":
