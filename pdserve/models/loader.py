@@ -4,7 +4,6 @@ as the model class's CHECKPOINT_RENAMES maps it."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +15,7 @@ from tqdm import tqdm
 from torch import nn
 
 from pdserve.weights.fp8 import Fp8Scheme, dequantize_weights, scaled_tensor
-from pdserve.weights.hf_dir import read_config
+from pdserve.weights.hf_dir import read_config, weight_files
 from pdserve.weights.mtp import MtpWeights
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -27,23 +26,12 @@ _TOP_LEVEL = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(k|v)_scale$")
 
 
-def _checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / n for n in names]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
-    return files
-
-
 def load_weights(model: nn.Module, model_dir: Path, show_progress: bool = False) -> None:
     """Read only the tensors this stage needs; each parallel layer slices its own shard."""
     wanted: dict[str, torch.Tensor] = {}
     lo, hi = model.first_layer, model.first_layer + model.num_local_layers
     need_embed = model.embed_tokens is not None or (model.ps.is_last_stage and model.cfg.tie_word_embeddings)
-    files = _checkpoint_files(model_dir)
+    files = weight_files(model_dir)
     foreign = []  # outside the layers and not ours: every stage refuses them
     rename = checkpoint_renamer(model)
     config = read_config(model_dir)
@@ -98,7 +86,7 @@ def checkpoint_renamer(model: nn.Module) -> Callable[[str], str]:
 def read_kv_scales(model_dir: Path) -> dict[int, tuple[float, float]]:
     """Global layer -> (k_scale, v_scale) of every layer whose checkpoint tensors carry both (scalars)."""
     found: dict[int, dict[str, float]] = {}
-    for path in _checkpoint_files(model_dir):
+    for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 m = _KV_SCALE.match(name)

@@ -98,6 +98,26 @@ def read_config(model_dir: str | os.PathLike) -> dict[str, Any]:
     return read_json(path)
 
 
+def weight_files(model_dir: str | os.PathLike) -> list[Path]:
+    """The safetensors files of an HF model directory: the shards model.safetensors.index.json names (each
+    checked to exist), else every *.safetensors file."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no 'weight_map' object")
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise ValueError(f"{index} names shards that do not exist: {absent}; download them again")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
 @dataclass(frozen=True)
 class LazyTensor:
     """One tensor of a safetensors file, read from disk only when asked.
@@ -138,7 +158,7 @@ class TensorStore(Mapping[str, LazyTensor]):
         self.model_dir = Path(model_dir)
         self._handles: dict[Path, Any] = {}
         self._tensors: dict[str, LazyTensor] = {}
-        for file in self._weight_files():
+        for file in weight_files(self.model_dir):
             handle = safe_open(str(file), framework="pt")
             self._handles[file] = handle
             for name in handle.keys():
@@ -152,22 +172,6 @@ class TensorStore(Mapping[str, LazyTensor]):
                 if dtype is None:
                     raise ValueError(f"{file.name}: tensor {name} has unsupported dtype {sl.get_dtype()}")
                 self._tensors[name] = LazyTensor(name, file, tuple(sl.get_shape()), dtype, handle)
-
-    def _weight_files(self) -> list[Path]:
-        index = self.model_dir / INDEX_FILE
-        if index.is_file():
-            weight_map = read_json(index).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise ValueError(f"{index} has no 'weight_map' object")
-            files = [self.model_dir / f for f in sorted(set(weight_map.values()))]
-            absent = [f.name for f in files if not f.is_file()]
-            if absent:
-                raise ValueError(f"{index} names shards that do not exist: {absent}")
-            return files
-        files = sorted(self.model_dir.glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"no *.safetensors files in {self.model_dir}")
-        return files
 
     def __getitem__(self, name: str) -> LazyTensor:
         try:

@@ -86,3 +86,11 @@ def test_nemotron_h_moe_layers_are_refused_by_name():
         ModelConfig.from_hf({"architectures": ["NemotronHForCausalLM"], "layers_block_type": ["mamba", "moe"],
                              "vocab_size": 512, "hidden_size": 64, "num_attention_heads": 4, "head_dim": 16,
                              "mamba_num_heads": 8, "mamba_head_dim": 8, "n_groups": 2})
+
+
+def test_a_shard_the_index_names_but_the_directory_lacks_is_named(tmp_path):
+    d = make_tiny_model(tmp_path / "m", arch="qwen3", num_layers=1, max_shard_size=SHARD)
+    lost = sorted(d.glob("model-*.safetensors"))[1]
+    lost.unlink()
+    with pytest.raises(ValueError, match=rf"names shards that do not exist: \['{lost.name}'\]; download them again"):
+        LLM(EngineConfig(model=str(d), num_kv_blocks=8))
