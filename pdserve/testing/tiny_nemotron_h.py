@@ -39,7 +39,7 @@ def make_tiny_nemotron_h(out_dir: str | os.PathLike, *, pattern: str = "M-*-M-",
         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
         max_position_embeddings=max_position_embeddings, tie_word_embeddings=False,
         # transformers' chunked scan in chunks of 16: the tiny tests' prompts span several
-        chunk_size=16, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, **MAMBA, **(mamba or {}))
+        chunk_size=16, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, **{**MAMBA, **(mamba or {})})
     return save_published(out_dir, config, _value, seed=seed, dtype=dtype,
                           tokenizer=build_tiny_tokenizer(vocab_size, "llama"),
                           max_position_embeddings=max_position_embeddings, max_shard_size=max_shard_size)

@@ -45,10 +45,11 @@ def _equal_to_transformers(d, hf_greedy):
 
 
 def test_nemotron_h_as_published_loads_and_equals_transformers(tmp_path, hf_greedy):
-    d = make_tiny_nemotron_h(tmp_path / "m", pattern="M-*M", max_shard_size=SHARD)
+    d = make_tiny_nemotron_h(tmp_path / "m", pattern="M-*M", mamba={"ssm_state_size": 8}, max_shard_size=SHARD)
     names = _stored_names(d)
     assert {"backbone.embeddings.weight", "backbone.norm_f.weight", "backbone.layers.0.mixer.A_log"} <= names
     assert not any(n.startswith("model.") for n in names)  # (transformers' in-memory spelling)
+    assert ModelConfig.from_hf(read_config(d)).mamba.state_size == 8
     _equal_to_transformers(d, hf_greedy)
 
 
