@@ -4,7 +4,7 @@ Reads tokenizer.json (a `tokenizers` Tokenizer), tokenizer_config.json (special 
 chat template; or chat_template.jinja beside it) and generation_config.json (end-of-generation ids).
 Chat templates render as transformers renders them: a sandboxed jinja2 environment with
 trim_blocks/lstrip_blocks, loop controls, `raise_exception`, `strftime_now` and a `tojson` that
-keeps non-ASCII text (json_body.json_dumps: a value of many items is written so that other threads run meanwhile).
+keeps non-ASCII text (json_writer.json_dumps: a value of many items is written so that other threads run meanwhile).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import tokenizers
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from pdserve.server.json_body import json_dumps
+from pdserve.json_writer import json_dumps
 from pdserve.weights.hf_dir import GENERATION_CONFIG_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, read_json
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")

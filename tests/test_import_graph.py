@@ -57,7 +57,8 @@ def test_the_import_graph_has_no_cycle():
 # floor is that of the longest prefix listed (the shared-memory all-reduce sits above the rank state it
 # serves, since it runs the models' kernel library over a kv_transfer shared segment).
 FLOORS = [
-    ("pdserve", "pdserve.host", "pdserve.host_malloc", "pdserve.cluster_auth", "pdserve.tls", "pdserve.tokenizer",
+    ("pdserve", "pdserve.host", "pdserve.host_malloc", "pdserve.cluster_auth", "pdserve.tls", "pdserve.json_writer",
+     "pdserve.tokenizer",
      "pdserve.weights"),
     ("pdserve.parallel",),
     ("pdserve.models", "pdserve.kv_transfer"),

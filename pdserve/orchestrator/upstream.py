@@ -11,7 +11,7 @@ from typing import AsyncIterator
 import httpx
 
 from pdserve.orchestrator.errors import OrchestratorError, WorkerUnreachable
-from pdserve.server.json_body import items_at_least, json_dumps
+from pdserve.json_writer import items_at_least, json_dumps
 
 CONNECT_TIMEOUT_S = 5.0
 # A body of fewer items (array elements, object members) than this is written on the event loop, a bigger one in a

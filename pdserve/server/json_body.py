@@ -18,9 +18,8 @@ hook) is refused before it is parsed. Strings, true, false and null still go thr
 JSON text that a client sends inside a string field (a tool call's arguments) is read by `parse_json_text`
 under the same rules, each refusal naming that field, and one more: it holds at most MAX_TEXT_VALUES arrays,
 objects and commas, counted before it is parsed, so that json's C code (which holds the GIL throughout) parses
-it, and writes it back into a chat template, in a bounded time without hooks. The other way, `json_dumps`
-writes a value of many items with Python's encoder, so that a thread writing megabytes (a tool schema into a
-chat template, a body the orchestrator passes on) leaves the GIL to the others between items.
+it, and writes it back into a chat template, in a bounded time without hooks. The other way is
+pdserve/json_writer.py's `json_dumps`.
 """
 
 from __future__ import annotations
@@ -147,40 +146,6 @@ def _loads(raw: bytes, yielding: bool, field: str | None) -> Any:
         raise MalformedBody(f"{what} is not valid JSON: {e}", field, "invalid_json") from None
     _check_values(value, (), field)
     return value
-
-
-# Items (array elements, object members) in a value past which json_dumps writes it with Python's encoder
-_DUMP_IN_C = 1 << 16
-
-
-def items_at_least(value: Any, bound: int) -> int:
-    """The items (array elements and object members, at every depth) `value` holds, counted until `bound`: a
-    walk of at most ~`bound` steps, whatever the value's size."""
-    count, todo = 0, [value]
-    while todo and count < bound:
-        v = todo.pop()
-        if isinstance(v, (dict, list)):
-            count += len(v)
-            if count < bound:
-                todo.extend(x for x in (v.values() if isinstance(v, dict) else v) if isinstance(x, (dict, list)))
-    return count
-
-
-def json_dumps(value: Any, **kw: Any) -> str:
-    """json.dumps(value, **kw). A value of more than _DUMP_IN_C items (a client's tool schema of megabytes, a body
-    the orchestrator passes on) is written by Python's encoder, which lets other threads have the GIL between
-    items: json's C encoder holds it throughout (1.2 s for 8 M numbers; Python's takes ~4x as long, in a worker
-    thread, without stopping the event loop)."""
-    if items_at_least(value, _DUMP_IN_C) < _DUMP_IN_C:
-        return json.dumps(value, **kw)
-    # Joined a slice at a time: one join of millions of pieces holds the GIL too (~0.1 s for 4 M numbers)
-    text, pieces = [], []
-    for piece in json.JSONEncoder(**kw).iterencode(value):  # (not one-shot: the pure-Python encoder)
-        pieces.append(piece)
-        if len(pieces) == _SLICE:
-            text.append("".join(pieces))
-            pieces.clear()
-    return "".join(text) + "".join(pieces)
 
 
 def _structure(raw: bytes) -> int:

@@ -24,10 +24,10 @@ from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import GuidedSpec, SamplingParams
 from pdserve.engine.scheduler import GRAMMAR_FAILED, KV_NOT_FOUND
 from pdserve.engine.sequence import DisaggInfo, RequestType, Resume, num_answers
+from pdserve.json_writer import items_at_least
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.guided_request import compiled_spec
 from pdserve.server.handoff import answer_choices, context_answer_params, first_gen_logprobs
-from pdserve.server.json_body import items_at_least
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import (
     ChatChoice,

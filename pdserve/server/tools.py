@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.sampling_params import GuidedSpec
 from pdserve.server.errors import bad_request
-from pdserve.server.json_body import MalformedBody, json_dumps, parse_json_text
+from pdserve.json_writer import json_dumps
+from pdserve.server.json_body import MalformedBody, parse_json_text
 from pdserve.server.protocol import AssistantMessage, ChatChunkChoice, DeltaMessage
 from pdserve.server.tool_syntax import NAME as _NAME
 from pdserve.server.tool_syntax import DeepSeekV3, DeepSeekV31, Hermes, Llama3, Syntax

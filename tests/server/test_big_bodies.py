@@ -19,15 +19,8 @@ import pytest
 from pydantic import ValidationError
 
 from pdserve.host import free_port
-from pdserve.server.json_body import (
-    MAX_ARRAYS,
-    MAX_DEPTH,
-    OFFLOAD_BYTES,
-    MalformedBody,
-    items_at_least,
-    json_dumps,
-    parse_json_object,
-)
+from pdserve.json_writer import items_at_least, json_dumps
+from pdserve.server.json_body import MAX_ARRAYS, MAX_DEPTH, OFFLOAD_BYTES, MalformedBody, parse_json_object
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 from pdserve.testing import make_tiny_model
 from pdserve.testing.servers import wait_for_health
