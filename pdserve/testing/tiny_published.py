@@ -29,7 +29,7 @@ def save_published(out_dir: str | os.PathLike, config: Any, value: ValueRule, *,
     `max_shard_size` (model.safetensors.index.json), plus the tiny tokenizer files."""
     import transformers
 
-    from pdserve.testing.tiny import write_tokenizer_files
+    from pdserve.testing.tiny_tokenizer import write_tokenizer_files
 
     model_class = getattr(transformers, config.architectures[0])
     g = torch.Generator().manual_seed(seed)
