@@ -7,7 +7,7 @@ Python limits are set. So an instance never compiles a grammar in its own proces
     Grammars.compile(spec) ──digest known good?──> compile in-process (on a 32 MiB stack)
           │ unknown                          known bad? ──> GuidedError at once (the first refusal's text)
           ▼
-    GrammarSandbox.check(spec) ──frame──> sandbox child (`python -m pdserve.engine.grammar_sandbox`): holds
+    GrammarSandbox.check(spec) ──frame──> sandbox child (`python -m pdserve.engine.grammar_compiler`): holds
                                <──verdict──  the tokenizer view, forks one compiler per grammar, which
                                              compiles on an 8 MiB stack under RLIMIT_AS and probes a few tokens
 
@@ -49,14 +49,13 @@ log = logging.getLogger(__name__)
 
 CHILD_STACK_BYTES = 8 * 1024 * 1024  # the compiler's thread (the server's: guided.COMPILE_STACK_BYTES)
 CHILD_MEMORY_BYTES = 2 * 1024 * 1024 * 1024  # address space a compiler may add past its fork (RLIMIT_AS)
-PROBE_TOKENS = 4  # tokens the compiler walks through each grammar after it compiles
 REMEMBERED = 4096  # verdicts kept per kind (good, bad), least recently used dropped first
 _HEADER = struct.Struct(">I")
 _MAX_FRAME = 64 * 1024 * 1024  # a tokenizer's JSON is the largest frame (Qwen's: ~11 MB)
 _GRACE_S = 5.0  # past the compile timeout, how long the server waits for the child that enforces it
 
 
-def _ended(what: str, code: int) -> str:
+def ended(what: str, code: int) -> str:
     """How a process ended, as the end of a sentence about a grammar: `code` is a returncode (-N: signal N)."""
     if code < 0:
         name = signal.Signals(-code).name
@@ -69,7 +68,7 @@ def digest(spec: GuidedSpec) -> bytes:
     return hashlib.blake2b(f"{spec.kind}\0{spec.text}".encode(errors="surrogatepass"), digest_size=16).digest()
 
 
-def _write_frame(stream, obj) -> None:
+def write_frame(stream, obj) -> None:
     data = msgpack.packb(obj, use_bin_type=True)
     stream.write(_HEADER.pack(len(data)) + data)
     stream.flush()
@@ -91,7 +90,7 @@ def _read_exact(fd: int, n: int, deadline: float | None) -> bytes | None:
     return b"".join(chunks)
 
 
-def _read_frame(fd: int, deadline: float | None = None):
+def read_frame(fd: int, deadline: float | None = None):
     header = _read_exact(fd, _HEADER.size, deadline)
     if header is None:
         return None
@@ -118,18 +117,18 @@ class _Child:
     """One sandbox process (it forks a compiler per grammar); used by one thread at a time."""
 
     def __init__(self, init: dict):
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.grammar_sandbox"],
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.grammar_compiler"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
-        _write_frame(self.proc.stdin, init)
+        write_frame(self.proc.stdin, init)
 
     def ask(self, spec: GuidedSpec, timeout_s: float) -> str | None:
         """The verdict on `spec`: None (usable) or why not. _CompilerLost(why) when the compiler forked for it
         was lost (a signal, the timeout); _ChildLost(why) when this child died or stopped answering (it is then
         gone)."""
         try:
-            _write_frame(self.proc.stdin, {"kind": spec.kind, "text": spec.text, "param": spec.param,
+            write_frame(self.proc.stdin, {"kind": spec.kind, "text": spec.text, "param": spec.param,
                                            "timeout_s": timeout_s})
-            answer = _read_frame(self.proc.stdout.fileno(), time.monotonic() + timeout_s + _GRACE_S)
+            answer = read_frame(self.proc.stdout.fileno(), time.monotonic() + timeout_s + _GRACE_S)
         except TimeoutError:
             self.close()
             raise _ChildLost("left the grammar sandbox unresponsive") from None
@@ -147,7 +146,7 @@ class _Child:
         except subprocess.TimeoutExpired:
             self.close()
             return "left the grammar sandbox unresponsive"
-        return _ended("the grammar sandbox", code)
+        return ended("the grammar sandbox", code)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -268,84 +267,6 @@ class GrammarSandbox:
             child.close()
 
 
-# -- the child ---------------------------------------------------------------------------------------------
-
-
-def _verdict(spec: GuidedSpec, tokenizer) -> str | None:
-    from pdserve.engine.guided import GuidedError, compile_matcher
-
-    try:
-        matcher = compile_matcher(spec, tokenizer)
-        probe(matcher, spec)
-    except GuidedError as e:
-        return str(e)
-    return None
-
-
-def probe(matcher, spec: GuidedSpec) -> None:
-    """Walk `matcher` (consumed) through up to PROBE_TOKENS tokens, the lowest id allowed each time:
-    GuidedError when the grammar fails on the way (llguidance's row limit, right after an opening token)."""
-    import numpy as np
-
-    from pdserve.engine.guided import WHAT, GuidedError, first_line
-
-    for _ in range(PROBE_TOKENS):
-        if matcher.is_stopped():
-            return
-        words = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint32)
-        if matcher.is_error():
-            break
-        nonzero = np.flatnonzero(words)
-        if not len(nonzero):
-            return
-        word = int(nonzero[0])
-        token = word * 32 + (int(words[word]) & -int(words[word])).bit_length() - 1
-        if not matcher.consume_token(token):
-            break
-    else:
-        return
-    raise GuidedError(f"the {WHAT[spec.kind]} cannot be used: {first_line(matcher.get_error())}", spec.param)
-
-
-def _limit_memory(extra_bytes: int) -> None:
-    import resource
-
-    with open("/proc/self/statm") as f:
-        used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    resource.setrlimit(resource.RLIMIT_AS, (used + extra_bytes, used + extra_bytes))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash here is expected: no core file
-
-
-def _forked_verdict(spec: GuidedSpec, tokenizer, timeout_s: float) -> dict:
-    """{"error": the verdict, "lost": None}, or {"error": None, "lost": why} when the compiler forked for `spec`
-    died or outlasted `timeout_s` (it is killed)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the compiler: one grammar, then exit; nothing of the sandbox child's state is touched
-        try:
-            os.close(r)
-            _limit_memory(CHILD_MEMORY_BYTES)
-            error = on_stack(CHILD_STACK_BYTES, _verdict, spec, tokenizer)
-            with os.fdopen(w, "wb") as f:
-                _write_frame(f, {"error": error})
-        finally:
-            os._exit(0)
-    os.close(w)
-    lost = None
-    try:
-        answer = _read_frame(r, time.monotonic() + timeout_s)
-    except TimeoutError:
-        os.kill(pid, signal.SIGKILL)
-        answer, lost = None, f"took longer than {timeout_s:g} s to compile"
-    finally:
-        os.close(r)
-    _, status = os.waitpid(pid, 0)
-    if answer is not None:
-        return {"error": answer["error"], "lost": None}
-    return {"error": None, "lost": lost or _ended("the grammar compiler", -os.WTERMSIG(status)
-                                                  if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))}
-
-
 _STACK_SIZE_LOCK = threading.Lock()  # threading.stack_size is process-wide: set, start, set back
 
 
@@ -372,22 +293,3 @@ def on_stack(stack_bytes: int, fn, *args):
     if not ok:
         raise value
     return value
-
-
-def main() -> None:
-    import llguidance
-
-    fd_in, out = sys.stdin.fileno(), sys.stdout.buffer
-    init = _read_frame(fd_in)
-    if init is None:
-        return
-    tokenizer = llguidance.LLTokenizer(init["tokenizer_json"], n_vocab=init["vocab_size"], eos_token=init["eos"])
-    # The first compile on a tokenizer view builds its lazy tables (~60 ms); built here, every fork has them.
-    _verdict(GuidedSpec("regex", "[0-9]{1,3}", "warm-up"), tokenizer)
-    while (req := _read_frame(fd_in)) is not None:
-        spec = GuidedSpec(req["kind"], req["text"], req["param"])
-        _write_frame(out, _forked_verdict(spec, tokenizer, req["timeout_s"]))
-
-
-if __name__ == "__main__":
-    main()
