@@ -134,7 +134,8 @@ class LLMEngine:
         if ecfg.world_size > 1:
             ctx = mp.get_context("spawn")
             for rank in range(1, ecfg.world_size):
-                p = ctx.Process(target=worker_main, args=(rank, ecfg, str(self.model_dir), port,
+                # the model's config goes whole: read again there, it would import transformers (~1-2 s a rank)
+                p = ctx.Process(target=worker_main, args=(rank, ecfg, str(self.model_dir), self.model_cfg, port,
                                                           self.max_model_len, self.instance_name),
                                 daemon=True, name=f"pdserve-rank{rank}")
                 p.start()

@@ -44,16 +44,14 @@ def set_threads(ecfg) -> None:
     torch.set_num_threads(n)
 
 
-def worker_main(rank: int, ecfg, model_dir: str, port: int, max_model_len: int, instance_name: str) -> None:
+def worker_main(rank: int, ecfg, model_dir: str, model_cfg, port: int, max_model_len: int, instance_name: str) -> None:
     from pathlib import Path
 
     from pdserve.host import no_named_semaphores
 
     from pdserve.engine.model_runner import ModelRunner
-    from pdserve.models.config import ModelConfig
     from pdserve.parallel.shm_all_reduce import attach_shm_all_reduce
     from pdserve.parallel.state import init_parallel
-    from pdserve.weights.hf_dir import read_config
 
     no_named_semaphores()
     logging.basicConfig(level=logging.WARNING)
@@ -62,6 +60,5 @@ def worker_main(rank: int, ecfg, model_dir: str, port: int, max_model_len: int, 
     ps = init_parallel(ecfg.tensor_parallel_size, ecfg.pipeline_parallel_size, rank, ecfg.dist_host, port, device,
                        ecfg.dist_timeout_s)
     attach_shm_all_reduce(ps, device, ecfg.dist_timeout_s)
-    model_cfg = ModelConfig.from_hf(read_config(Path(model_dir)))
     runner = ModelRunner(ecfg, model_cfg, Path(model_dir), ps, device, max_model_len, instance_name)
     runner.serve_forever()
