@@ -1,5 +1,6 @@
 """Each native CPU kernel against the PyTorch path it replaces, on one model's shapes: the timings the
-kernel dispatch (pdserve/kernels/dispatch.py) makes at a model's start, as a table.
+kernel dispatch (pdserve/kernels/dispatch.py, against models/torch_paths.py's paths) makes at a model's
+start, as a table.
 
     python benchmarks/bench_cpu_paths.py [--dtypes float32 bfloat16] [--threads N] [--fp8]
                                          [--shape HEADS KV_HEADS HEAD_DIM HIDDEN INTERMEDIATE]
@@ -26,6 +27,7 @@ import torch
 from pdserve.kernels import cpu, dispatch
 from pdserve.kernels.kv_quant import FP8
 from pdserve.models.layers import onednn_packs
+from pdserve.models.torch_paths import REFERENCES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -59,22 +61,23 @@ def main() -> None:
             linears.append(SimpleNamespace(gemv_weight=w, weight=packed, bias=None))
         decode = ",".join(f"{b}x{ctx}" for b, ctx in dispatch.PAGED_DECODE_CASES)
         rows = [("flash prefill", f"{heads}x{kv_heads}x{d}, {dispatch.FLASH_TOKENS} tokens",
-                 dispatch.time_flash_prefill(heads, kv_heads, d, dtype)),
+                 dispatch.time_flash_prefill(REFERENCES.causal_attention, heads, kv_heads, d, dtype)),
                 ("paged decode", f"{heads}x{kv_heads}x{d}, seqs x tokens {decode}",
-                 dispatch.time_paged_decode(heads, kv_heads, d, dtype)),
+                 dispatch.time_paged_decode(REFERENCES.paged_decode, heads, kv_heads, d, dtype)),
                 ("decode GEMV", f"4 linears x rows {dispatch.GEMV_ROWS}",
-                 dispatch.time_gemv(linears, dtype)),
+                 dispatch.time_gemv(REFERENCES.linear, linears, dtype)),
                 ("RMSNorm", f"hidden {hidden}, rows {dispatch.STEP_ROWS}, alone and after an add",
-                 dispatch.time_rms_norm(hidden, dtype))]
+                 dispatch.time_rms_norm(REFERENCES.rms_norm, hidden, dtype))]
         if dtype == torch.bfloat16 and not onednn_packs(dtype):  # (where oneDNN takes bf16 the GEMM is its)
             rows.append(("bf16 GEMM", f"4 linears x {dispatch.GEMM_ROWS} rows",
                          dispatch.time_gemm(linears, dtype)))
         for kv_name, kv_dtype in [(name, None), *([("fp8_e4m3", FP8)] if args.fp8 else [])]:
-            rows.append(("RoPE / cache write", f"{heads}x{kv_heads}x{d}, rows {dispatch.STEP_ROWS}, "
-                         f"{kv_name} pool", dispatch.time_rope_cache(heads, kv_heads, d, dtype, kv_dtype)))
+            rows.append(("RoPE / cache write", f"{heads}x{kv_heads}x{d}, rows {dispatch.STEP_ROWS}, {kv_name} pool",
+                         dispatch.time_rope_cache(REFERENCES.rope_cache, heads, kv_heads, d, dtype, kv_dtype)))
         if args.fp8:
             rows.append(("paged decode", f"{heads}x{kv_heads}x{d}, seqs x tokens {decode}, fp8_e4m3 pool",
-                         dispatch.time_paged_decode(heads, kv_heads, d, dtype, kv_dtype=FP8)))
+                         dispatch.time_paged_decode(REFERENCES.paged_decode, heads, kv_heads, d, dtype,
+                                                    kv_dtype=FP8)))
         for kernel, shape, times in rows:
             if times is None:
                 print(f"| {kernel} | {name} | {shape} | (not on this build) | | |")

@@ -28,7 +28,7 @@ from pdserve.kv_transfer.page_table import Section
 from pdserve.models.config import ModelConfig
 from pdserve.kernels.kv_quant import FP8, KVScales, is_quantized
 from pdserve.kernels.stage_decoder import StageDecoder
-from pdserve.kernels.dispatch import choose_paths
+from pdserve.models.torch_paths import choose_paths
 from pdserve.models.recurrent_state import RecurrentState, StateSlice
 from pdserve.models.deepseek_v3 import DeepseekV3ForCausalLM
 from pdserve.models.llama import LlamaForCausalLM, stage_layers

@@ -14,16 +14,25 @@ import logging
 import os
 import threading
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from pdserve.kernels import cpu
-from pdserve.models.recurrent_state import StateSlice
 
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / "recurrent.c"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # REC_F32, REC_BF16 in csrc/recurrent.c
+
+
+class StateSlice(Protocol):
+    """One sequence's rows in a step, as the kernels read them (the models' recurrent_state.StateSlice)."""
+
+    q_start: int  # first row of the sequence in the step's flattened tokens
+    q_len: int
+    fresh: bool  # no tokens before this chunk: the state starts at zero
+    slot: int  # its slot in the state pools
 
 
 class _ConvArgs(ctypes.Structure):

@@ -23,7 +23,6 @@ import ctypes
 import torch
 
 from pdserve.kernels import cpu
-from pdserve.models.attention import AttentionMetadata, PagedKVCache
 
 
 class _LayerArgs(ctypes.Structure):
@@ -80,7 +79,7 @@ class StageDecoder:
         lib.decode_layers.restype = ctypes.c_int
         return cls(model, lib)
 
-    def _layer_args(self, cache: PagedKVCache) -> ctypes.Array:
+    def _layer_args(self, cache) -> ctypes.Array:  # cache: attention.PagedKVCache
         if self._args is None or self._pool is not cache.pool:
             args = (_LayerArgs * len(self.layers))()
             for i, layer in enumerate(self.layers):
@@ -95,11 +94,13 @@ class StageDecoder:
             self._args, self._pool = args, cache.pool
         return self._args
 
-    def __call__(self, h: torch.Tensor, rope_table: tuple[torch.Tensor, torch.Tensor], cache: PagedKVCache,
-                 md: AttentionMetadata) -> torch.Tensor | None:
+    def __call__(self, h: torch.Tensor, rope_table: tuple[torch.Tensor, torch.Tensor], cache,
+                 md) -> torch.Tensor | None:
         """h: [rows, hidden], each decode token's input to the first local layer -> the last local layer's
         output, [rows, hidden]; None where the step is not decode tokens only, of a row count the module
-        path gives the GEMV, or a kernel refused it (the caller then runs the modules)."""
+        path gives the GEMV, or a kernel refused it (the caller then runs the modules). cache: the stage's
+        attention.PagedKVCache; md: the step's attention.AttentionMetadata (the models' types, read by their
+        fields)."""
         cos, signed_sin = rope_table
         indices = (md.slot_blocks, md.slot_offsets, md.decode_blocks, md.decode_lens)
         if (not md.decode_only or h.shape[0] not in cpu.SKINNY_ROWS.get(h.dtype, ())

@@ -1,5 +1,6 @@
-"""The per-machine choice between each native kernel and its PyTorch path (kernels/dispatch.py):
-timed once and kept, read back, forced by PDSERVE_KERNEL_PATH, and either way the tokens of transformers.
+"""The per-machine choice between each native kernel and its PyTorch path (kernels/dispatch.py, raced against
+the paths of models/torch_paths.py): timed once and kept, read back, forced by PDSERVE_KERNEL_PATH, and either
+way the tokens of transformers.
 
 The suite runs with PDSERVE_KERNEL_PATH=native (tests/conftest.py), so that the tests of the native paths
 run them whatever the timing says; these tests set the variable themselves."""
@@ -16,6 +17,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kernels import cpu, dispatch
+from pdserve.models import torch_paths
 from pdserve.models.layers import _LINEARS
 from pdserve.testing import make_tiny_model
 
@@ -42,8 +44,8 @@ def tiny(tmp_path_factory, hf_greedy):
 
 
 def test_the_forcing_variable_is_read_and_checked():
-    both = dict.fromkeys([cpu.FLASH_PREFILL, cpu.PAGED_DECODE, cpu.GEMV, cpu.RMS_NORM,
-                          cpu.ROPE_CACHE, cpu.GEMM], False)
+    both = dict.fromkeys([cpu.FLASH_PREFILL, cpu.PAGED_DECODE, cpu.GEMV, cpu.RMS_NORM, cpu.ROPE_CACHE, cpu.GEMM],
+                         False)
     assert dispatch.forced_paths("torch") == both
     assert dispatch.forced_paths("native") == {k: True for k in both}
     assert dispatch.forced_paths("auto") == dispatch.forced_paths("") == {}
@@ -96,7 +98,7 @@ def test_the_choice_is_timed_once_kept_and_read_back(tiny, tmp_path, monkeypatch
         model = llm.engine.runner.model
         heads = (SHAPE["num_heads"], SHAPE["num_kv_heads"], SHAPE["head_dim"])
         with caplog.at_level(logging.INFO, logger=dispatch.__name__):
-            first = dispatch.choose_paths(model, torch.float32, *heads, cache=cache)
+            first = torch_paths.choose_paths(model, torch.float32, *heads, cache=cache)
         assert set(first) == set(dispatch.KERNELS) - {cpu.GEMM}  # (bf16 only)
         assert caplog.text.count("(timed: native") == 5, caplog.text
         stored = json.loads(cache.read_text())
@@ -109,7 +111,7 @@ def test_the_choice_is_timed_once_kept_and_read_back(tiny, tmp_path, monkeypatch
         cache.write_text(json.dumps(stored))
         caplog.clear()
         with caplog.at_level(logging.INFO, logger=dispatch.__name__):
-            again = dispatch.choose_paths(model, torch.float32, *heads, cache=cache)
+            again = torch_paths.choose_paths(model, torch.float32, *heads, cache=cache)
         assert caplog.text.count("(cached: native") == 5 and "timed" not in caplog.text, caplog.text
         assert again == {**first, cpu.FLASH_PREFILL: not first[cpu.FLASH_PREFILL]}
         assert cpu.native(cpu.FLASH_PREFILL, torch.float32) == again[cpu.FLASH_PREFILL]
@@ -149,7 +151,7 @@ def test_an_mla_model_races_no_attention_kernel(tmp_path, monkeypatch):
 
     decided = []
     monkeypatch.setattr(model_runner, "choose_paths",
-                        lambda *a, **k: decided.append(dispatch.choose_paths(*a, **k)) or decided[-1])
+                        lambda *a, **k: decided.append(torch_paths.choose_paths(*a, **k)) or decided[-1])
     with LLM(EngineConfig(model=str(make_tiny_deepseek_v3(tmp_path / "m", num_layers=2)))):
         pass
     assert len(decided) == 1
