@@ -1,5 +1,6 @@
 """Each native CPU kernel against the PyTorch path it replaces, on one model's shapes: the timings the
-kernel dispatch (pdserve/models/kernel_dispatch.py) makes at a model's start, as a table.
+kernel dispatch (pdserve/kernels/dispatch.py, against models/torch_paths.py's paths) makes at a model's
+start, as a table.
 
     python benchmarks/bench_cpu_paths.py [--dtypes float32 bfloat16] [--threads N] [--fp8]
                                          [--shape HEADS KV_HEADS HEAD_DIM HIDDEN INTERMEDIATE]
@@ -23,9 +24,10 @@ from types import SimpleNamespace
 
 import torch
 
-from pdserve.models import cpu_kernels, kernel_dispatch
-from pdserve.models.kv_quant import FP8
+from pdserve.kernels import cpu, dispatch
+from pdserve.kernels.kv_quant import FP8
 from pdserve.models.layers import onednn_packs
+from pdserve.models.torch_paths import REFERENCES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -42,11 +44,11 @@ def main() -> None:
     args = ap.parse_args()
     heads, kv_heads, d, hidden, inter = args.shape
     torch.set_num_threads(args.threads)
-    if cpu_kernels.load() is None:
+    if cpu.load() is None:
         raise SystemExit("no native kernels (no C compiler, or PDSERVE_CPU_KERNELS=0)")
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; ATen "
-          f"{torch.backends.cpu.get_cpu_capability()}; native kernels in the {cpu_kernels.kernel_isa()} form "
-          f"(-march={os.environ.get(cpu_kernels.MARCH_ENV, '').strip() or 'native'})")
+          f"{torch.backends.cpu.get_cpu_capability()}; native kernels in the {cpu.kernel_isa()} form "
+          f"(-march={os.environ.get(cpu.MARCH_ENV, '').strip() or 'native'})")
     print("| kernel | dtype | shape | native ms | PyTorch ms | PyTorch / native |")
     print("|---|---|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
@@ -57,24 +59,25 @@ def main() -> None:
             w = torch.randn(n, k, generator=g).to(dtype)
             packed = torch.ops.mkldnn._reorder_linear_weight(w) if onednn_packs(dtype) else w
             linears.append(SimpleNamespace(gemv_weight=w, weight=packed, bias=None))
-        decode = ",".join(f"{b}x{ctx}" for b, ctx in kernel_dispatch.PAGED_DECODE_CASES)
-        rows = [("flash prefill", f"{heads}x{kv_heads}x{d}, {kernel_dispatch.FLASH_TOKENS} tokens",
-                 kernel_dispatch.time_flash_prefill(heads, kv_heads, d, dtype)),
+        decode = ",".join(f"{b}x{ctx}" for b, ctx in dispatch.PAGED_DECODE_CASES)
+        rows = [("flash prefill", f"{heads}x{kv_heads}x{d}, {dispatch.FLASH_TOKENS} tokens",
+                 dispatch.time_flash_prefill(REFERENCES.causal_attention, heads, kv_heads, d, dtype)),
                 ("paged decode", f"{heads}x{kv_heads}x{d}, seqs x tokens {decode}",
-                 kernel_dispatch.time_paged_decode(heads, kv_heads, d, dtype)),
-                ("decode GEMV", f"4 linears x rows {kernel_dispatch.GEMV_ROWS}",
-                 kernel_dispatch.time_gemv(linears, dtype)),
-                ("RMSNorm", f"hidden {hidden}, rows {kernel_dispatch.STEP_ROWS}, alone and after an add",
-                 kernel_dispatch.time_rms_norm(hidden, dtype))]
+                 dispatch.time_paged_decode(REFERENCES.paged_decode, heads, kv_heads, d, dtype)),
+                ("decode GEMV", f"4 linears x rows {dispatch.GEMV_ROWS}",
+                 dispatch.time_gemv(REFERENCES.linear, linears, dtype)),
+                ("RMSNorm", f"hidden {hidden}, rows {dispatch.STEP_ROWS}, alone and after an add",
+                 dispatch.time_rms_norm(REFERENCES.rms_norm, hidden, dtype))]
         if dtype == torch.bfloat16 and not onednn_packs(dtype):  # (where oneDNN takes bf16 the GEMM is its)
-            rows.append(("bf16 GEMM", f"4 linears x {kernel_dispatch.GEMM_ROWS} rows",
-                         kernel_dispatch.time_gemm(linears, dtype)))
+            rows.append(("bf16 GEMM", f"4 linears x {dispatch.GEMM_ROWS} rows",
+                         dispatch.time_gemm(linears, dtype)))
         for kv_name, kv_dtype in [(name, None), *([("fp8_e4m3", FP8)] if args.fp8 else [])]:
-            rows.append(("RoPE / cache write", f"{heads}x{kv_heads}x{d}, rows {kernel_dispatch.STEP_ROWS}, "
-                         f"{kv_name} pool", kernel_dispatch.time_rope_cache(heads, kv_heads, d, dtype, kv_dtype)))
+            rows.append(("RoPE / cache write", f"{heads}x{kv_heads}x{d}, rows {dispatch.STEP_ROWS}, {kv_name} pool",
+                         dispatch.time_rope_cache(REFERENCES.rope_cache, heads, kv_heads, d, dtype, kv_dtype)))
         if args.fp8:
             rows.append(("paged decode", f"{heads}x{kv_heads}x{d}, seqs x tokens {decode}, fp8_e4m3 pool",
-                         kernel_dispatch.time_paged_decode(heads, kv_heads, d, dtype, kv_dtype=FP8)))
+                         dispatch.time_paged_decode(REFERENCES.paged_decode, heads, kv_heads, d, dtype,
+                                                    kv_dtype=FP8)))
         for kernel, shape, times in rows:
             if times is None:
                 print(f"| {kernel} | {name} | {shape} | (not on this build) | | |")

@@ -6,7 +6,7 @@
 The header names the CPU's ISA (AVX2, AVX-512, AVX-512 BF16, AMX, NEON) and the path each CPU kernel takes
 (native build, decode GEMV, flash prefill's bf16 products, oneDNN packing per dtype). Then it prints one
 table per weight dtype, after the line of what the kernel dispatch chose at the engine's start
-(models/kernel_dispatch.py: each native kernel or its PyTorch path, whichever is faster here): prefill
+(kernels/dispatch.py: each native kernel or its PyTorch path, whichever is faster here): prefill
 tokens/s at 512 and 2048 prompt tokens, time to first token at 1024, decode tokens/s at batch 1 and
 with 16 concurrent requests, and the ratio pdserve / transformers. It also measures memory-read
 bandwidth in the same run and prints the batch-1 decode roofline (weight bytes / bandwidth).
@@ -71,7 +71,7 @@ def cpu_paths() -> str:
     """The ISA this run has and the path each CPU kernel takes on it, for the header: a figure from an
     AVX-512 machine says nothing of an AVX2 one. The ISA is the CPU's own; ATen's capability and oneDNN's
     bf16 honour ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA, the native kernels PDSERVE_KERNEL_MARCH."""
-    from pdserve.models import cpu_kernels
+    from pdserve.kernels import cpu
     from pdserve.models.layers import onednn_packs
 
     try:
@@ -80,12 +80,12 @@ def cpu_paths() -> str:
         flags = []
     isa = ("AMX" if "amx_tile" in flags else "AVX-512 BF16" if "avx512_bf16" in flags else "AVX-512"
            if "avx512f" in flags else "AVX2" if "avx2" in flags else "NEON" if "asimd" in flags else platform.machine())
-    lib = cpu_kernels.load()
-    march = os.environ.get(cpu_kernels.MARCH_ENV, "").strip() or "native"
+    lib = cpu.load()
+    march = os.environ.get(cpu.MARCH_ENV, "").strip() or "native"
     native = ("off (no compiler or PDSERVE_CPU_KERNELS=0)" if lib is None
-              else f"built for -march={march} ({cpu_kernels.kernel_isa()} form)")
+              else f"built for -march={march} ({cpu.kernel_isa()} form)")
     pairs = lib is not None and lib.flash_prefill_bf16_pairs() == 1
-    gemv = cpu_kernels.skinny_linear_runs()
+    gemv = cpu.skinny_linear_runs()
     return (f"isa: {isa} (ATen {torch.backends.cpu.get_cpu_capability()}); native kernels {native}; "
             f"decode GEMV {'on' if gemv else 'off (no AVX-512 or AVX2 + FMA in the build)'}; "
             f"flash prefill bf16 products {'bf16 (AVX512-BF16)' if pairs else 'fp32'}; "
@@ -94,10 +94,10 @@ def cpu_paths() -> str:
 
 
 def kernel_choices(dtype: str) -> str:
-    """The path kernel_dispatch chose for each kernel at the engine's start (logged there too)."""
-    from pdserve.models import cpu_kernels
+    """The path the kernel dispatch chose for each kernel at the engine's start (logged there too)."""
+    from pdserve.kernels import cpu
 
-    chosen = {kernel: use for (kernel, dt), use in cpu_kernels.chosen_paths().items() if str(dt) == f"torch.{dtype}"}
+    chosen = {kernel: use for (kernel, dt), use in cpu.chosen_paths().items() if str(dt) == f"torch.{dtype}"}
     paths = ", ".join(f"{kernel} {'native' if use else 'torch'}" for kernel, use in sorted(chosen.items()))
     return f"kernel dispatch ({dtype}): {paths or 'nothing decided (no native kernels)'}"
 

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from pdserve.models import recurrent_kernels
+from pdserve.kernels import recurrent
 from pdserve.models.config import LinearAttentionShape, Mamba2Shape
 from pdserve.models.gated_deltanet import GatedDeltaNet, deltanet_state
 from pdserve.models.mamba2 import Mamba2Mixer, mamba2_state
@@ -58,18 +58,18 @@ def steps() -> list[tuple[str, int, list[StateSlice]]]:
 
 def best_pair(mixer, state, rows: int, seqs: list[StateSlice], repeats: int, dtype: torch.dtype) -> tuple[float, float]:
     """Best seconds of (PyTorch path, native), timed in turns."""
-    load = recurrent_kernels.load
+    load = recurrent.load
     x = torch.randn(rows, HIDDEN).to(dtype)
     best = [math.inf, math.inf]
     try:
         for _ in range(repeats):
             for native in (False, True):
-                recurrent_kernels.load = load if native else (lambda: None)
+                recurrent.load = load if native else (lambda: None)
                 t = time.perf_counter()
                 mixer(x, state, 0, seqs)
                 best[native] = min(best[native], time.perf_counter() - t)
     finally:
-        recurrent_kernels.load = load
+        recurrent.load = load
     return best[0], best[1]
 
 
@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=40)
     args = ap.parse_args()
-    if recurrent_kernels.load() is None:
+    if recurrent.load() is None:
         raise SystemExit("the native recurrent kernel cannot be built here (no C compiler or PDSERVE_CPU_KERNELS=0)")
     torch.set_num_threads(os.cpu_count() or 1)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "

@@ -40,9 +40,9 @@ def test_the_switches_make_a_machine_without_avx512():
     """The premise of the module: under the switches, oneDNN takes no bf16 and the kernels no AVX-512."""
     out = _on_avx2_machine(
         "import torch, ctypes\n"
-        "from pdserve.models import cpu_kernels\n"
+        "from pdserve.kernels import cpu\n"
         "print(torch.ops.mkldnn._is_mkldnn_bf16_supported(), torch.backends.cpu.get_cpu_capability())\n"
-        "print(cpu_kernels.kernel_isa())\n")
+        "print(cpu.kernel_isa())\n")
     assert out.splitlines() == ["False AVX2", "avx2-fma"], out
 
 
@@ -89,14 +89,14 @@ def test_the_kernels_compile_for_aarch64(tmp_path):
     """ARM servers build the library from the same sources: every csrc/*.c compiles for aarch64 (the
     plain C forms) with zig's cross C compiler (the ziglang package, in the test extra)."""
     pytest.importorskip("ziglang", reason="no ziglang (pip install ziglang): no cross compiler")
-    from pdserve.models import cpu_kernels
+    from pdserve.kernels import cpu
 
-    flags = [f for f in cpu_kernels.FLAGS if not f.startswith("-march") and f != "-shared"]
+    flags = [f for f in cpu.FLAGS if not f.startswith("-march") and f != "-shared"]
     cc = [sys.executable, "-m", "ziglang", "cc", "-target", "aarch64-linux-gnu", "-Werror=implicit-function-declaration"]
     builds = [subprocess.Popen([*cc, *flags, "-c", str(src), "-o", str(tmp_path / f"{src.stem}.o")],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-              for src in cpu_kernels.SOURCES]
-    for src, build in zip(cpu_kernels.SOURCES, builds):
+              for src in cpu.SOURCES]
+    for src, build in zip(cpu.SOURCES, builds):
         out, _ = build.communicate(timeout=300)
         assert build.returncode == 0, f"{src.name} does not compile for aarch64:\n{out}"
         assert (tmp_path / f"{src.stem}.o").read_bytes()[18] == 183  # e_machine: EM_AARCH64

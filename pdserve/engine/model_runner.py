@@ -22,13 +22,13 @@ from pdserve.engine.kv.wire import WIRE_VERSION, KVCommand, KVWireError, RankRep
 from pdserve.engine import static_decode
 from pdserve.engine.sampler import SampleResult, SampleSpec, sample
 from pdserve.host_malloc import keep_freed_memory
-from pdserve.models import cpu_kernels
+from pdserve.kernels import cpu
 from pdserve.models.attention import AttentionMetadata, PagedKVCache, SeqSlice
 from pdserve.kv_transfer.page_table import Section
 from pdserve.models.config import ModelConfig
-from pdserve.models.kv_quant import FP8, KVScales, is_quantized
-from pdserve.models.cpu_decode import StageDecoder
-from pdserve.models.kernel_dispatch import choose_paths
+from pdserve.kernels.kv_quant import FP8, KVScales, is_quantized
+from pdserve.kernels.stage_decoder import StageDecoder
+from pdserve.models.torch_paths import choose_paths
 from pdserve.models.recurrent_state import RecurrentState, StateSlice
 from pdserve.models.deepseek_v3 import DeepseekV3ForCausalLM
 from pdserve.models.llama import LlamaForCausalLM, stage_layers
@@ -134,7 +134,7 @@ class ModelRunner:
         self.tokens_per_block = ecfg.tokens_per_block
         if device.type == "cpu":
             keep_freed_memory()  # activations live in malloc'd host memory: see host_malloc.py
-            cpu_kernels.load()  # build the native CPU kernels now, not inside the first request
+            cpu.load()  # build the native CPU kernels now, not inside the first request
         tc = ecfg.cache_transceiver_config
         if model_cfg.moe is not None and ecfg.moe_experts == "replicated":
             model_cfg = replace(model_cfg, moe=replace(model_cfg.moe, replicated=True))  # models/moe.py
@@ -176,7 +176,7 @@ class ModelRunner:
         else:
             self.pool = torch.zeros(shape, dtype=self.kv_dtype, device=device)
         kv_layer_ids = model_cfg.kv_layers(self.model.first_layer, self.model.num_local_layers)
-        scales = None  # an FP8 pool's static scales: the checkpoint's, else 1.0 (models/kv_quant.py)
+        scales = None  # an FP8 pool's static scales: the checkpoint's, else 1.0 (kernels/kv_quant.py)
         if is_quantized(self.kv_dtype):
             scales = KVScales.from_checkpoint(read_kv_scales(model_dir), kv_layer_ids)
         self.cache = PagedKVCache(self.pool, ecfg.kv_layout, scales)

@@ -52,7 +52,7 @@ class RankInfo:
     canary_slots: int = 0  # the last slots of every block pool, kept free for the first-contact canary (canary.py)
     # What a KV byte means; both sides must agree (write_plan refuses a mismatch at first contact).
     kv_dtype: str = "unspecified"  # the KV pools' torch dtype name: "bfloat16", "float8_e4m3fn", ...
-    kv_scale_scheme: str = "none"  # "none", or "per_tensor_static" (an FP8 pool: models/kv_quant.py)
+    kv_scale_scheme: str = "none"  # "none", or "per_tensor_static" (an FP8 pool: kernels/kv_quant.py)
     kv_scales: tuple[tuple[int, float, float], ...] = ()  # (global layer, k_scale, v_scale) per scaled KV layer
 
     VERSION: ClassVar[int] = 4  # bumped with any change of fields: from_bytes refuses another version

@@ -9,7 +9,7 @@ The KV pool of one rank is a single block-major tensor:
 contiguously, which lets the KV exchange move a block with one descriptor.
 
 Prefills on CPU do not use SDPA, whose CPU flash kernel runs its tiles on the generic BLAS. The
-native kernel `cpu_kernels.flash_prefill` takes them (`benchmarks/bench_cpu_paths.py` times it against
+native kernel `cpu.flash_prefill` takes them (`benchmarks/bench_cpu_paths.py` times it against
 the PyTorch path on a model's shapes). Without the native kernels, prefills of TILED_MIN_TOKENS or more take
 `_tiled_causal_attention`, exact softmax attention tile by tile with oneDNN's GEMMs, and shorter
 ones SDPA.
@@ -24,8 +24,8 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from pdserve.models import cpu_kernels
-from pdserve.models.kv_quant import KVScales, dequant_tables, dequantize, is_quantized, quantize
+from pdserve.kernels import cpu
+from pdserve.kernels.kv_quant import KVScales, dequant_tables, dequantize, is_quantized, quantize
 from pdserve.models.layers import RotaryEmbedding, onednn_linear
 
 
@@ -229,7 +229,7 @@ def fused_decode():
     """triton_decode.paged_decode (one kernel, reading the pool where it lies), or None without Triton,
     which CUDA builds of torch ship with."""
     try:
-        from pdserve.models import triton_decode
+        from pdserve.kernels import triton_decode
     except ImportError:
         return None
     return triton_decode.paged_decode
@@ -239,7 +239,7 @@ def fused_decode():
 def _fused_rope():
     """triton_rope.rope_cache_write (RoPE and the K/V write in one kernel), or None without Triton."""
     try:
-        from pdserve.models import triton_rope
+        from pdserve.kernels import triton_rope
     except ImportError:
         return None
     return triton_rope.rope_cache_write
@@ -249,11 +249,11 @@ def rotate_and_cache(qkv: torch.Tensor, heads: int, rope_table: tuple[torch.Tens
                      cache: PagedKVCache, md: AttentionMetadata) -> torch.Tensor:
     """RoPE on q and k of qkv [n, heads + 2 * kv_heads, d], and the new K and V written to the cache.
     Returns the rotated q and k side by side, [n, heads + kv_heads, d]. On CPU one native call
-    (cpu_kernels.rope_cache_write, the same bits), on CUDA one Triton kernel (triton_rope.py, the same
+    (cpu.rope_cache_write, the same bits), on CUDA one Triton kernel (triton_rope.py, the same
     bits); elsewhere RotaryEmbedding.rotate + PagedKVCache.write."""
-    native = cpu_kernels.native(cpu_kernels.ROPE_CACHE, qkv.dtype)  # (kernel_dispatch: where it beats PyTorch)
-    qk = cpu_kernels.rope_cache_write(qkv, heads, *rope_table, cache.pool, cache.layout, layer, md.slot_blocks,
-                                      md.slot_offsets, cache.scales) if native else None
+    native = cpu.native(cpu.ROPE_CACHE, qkv.dtype)  # (kernels/dispatch.py: where it beats PyTorch)
+    qk = cpu.rope_cache_write(qkv, heads, *rope_table, cache.pool, cache.layout, layer, md.slot_blocks,
+                              md.slot_offsets, cache.scales) if native else None
     if qk is None and qkv.is_cuda and _fused_rope() is not None:  # one kernel, the PyTorch form's bits
         qk = _fused_rope()(qkv, heads, *rope_table, cache.pool, cache.layout, layer, md.slot_blocks, md.slot_offsets)
     if qk is None:
@@ -272,7 +272,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     out = None if md.decode_only else torch.empty(n, heads, d, dtype=q.dtype, device=q.device)
     # SDPA gets 4-D [1, heads, len, d] inputs: with 3-D ones PyTorch's CPU backend falls back to the
     # math kernel and materialises the whole [heads, len, len] score matrix.
-    flash = cpu_kernels.native(cpu_kernels.FLASH_PREFILL, q.dtype)  # (kernel_dispatch: where it beats PyTorch)
+    flash = cpu.native(cpu.FLASH_PREFILL, q.dtype)  # (kernels/dispatch.py: where it beats PyTorch)
     stored = cache.quantized  # FP8 K/V go to the flash kernel as stored, with their dequantisation tables
     for s in md.prefills:
         rows = slice(s.q_start, s.q_start + s.q_len)
@@ -285,8 +285,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         else:
             ks, vs = cache.gather(layer, s.block_ids, s.ctx_len, None if stored else q.dtype)  # [kv_heads, ctx, d]
         table = cache.dequant_table(layer, q.dtype) if stored else None
-        if flash and cpu_kernels.flash_prefill(q[rows], ks, vs, scale, out=out[rows], window=window,
-                                               dequant=table) is not None:
+        if flash and cpu.flash_prefill(q[rows], ks, vs, scale, out=out[rows], window=window,
+                                       dequant=table) is not None:
             continue  # written into out; None off CPU or without the native kernels
         if stored:
             ks, vs = cache.decode(layer, ks, vs, q.dtype)
@@ -309,9 +309,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     if md.decode_rows.numel():
         # One query per sequence: the native kernel reads the pool directly; else SDPA over a gather.
         qd = q if md.decode_only else q[md.decode_rows]  # [b, heads, d]
-        runs = cpu_kernels.native(cpu_kernels.PAGED_DECODE, q.dtype)  # (kernel_dispatch: where it beats PyTorch)
-        o = cpu_kernels.paged_decode_attention(qd, cache.pool, cache.layout, layer, md.decode_blocks, md.decode_lens,
-                                               scale, window, cache.scales) if runs else None
+        runs = cpu.native(cpu.PAGED_DECODE, q.dtype)  # (kernels/dispatch.py: where it beats PyTorch)
+        o = cpu.paged_decode_attention(qd, cache.pool, cache.layout, layer, md.decode_blocks, md.decode_lens,
+                                       scale, window, cache.scales) if runs else None
         if o is None and qd.is_cuda and fused_decode() is not None:  # no gather of the pool on the GPU
             o = fused_decode()(qd, cache.pool, cache.layout, layer, md.decode_blocks, md.decode_lens, scale, window)
         if o is None:

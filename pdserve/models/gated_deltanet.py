@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.models.config import LinearAttentionShape
-from pdserve.models import recurrent_kernels
+from pdserve.kernels import recurrent
 from pdserve.models.layers import MergedColumnParallelLinear, RowParallelLinear, _shard
 from pdserve.models.recurrent_state import (RecurrentState, StateGeometry, StateSlice, causal_conv, causal_conv_step,
                                            decode_slots)
@@ -158,9 +158,9 @@ class GatedDeltaNet(nn.Module):
         n = x.shape[0]
         vd = self.v_heads * s.v_head_dim
         qkv, z, b, a = self.in_proj(x).split([self.conv_weight.shape[0], vd, self.v_heads, self.v_heads], dim=-1)
-        native = recurrent_kernels.deltanet_forward(qkv, z, b, a, state.conv[:, layer], state.ssm[:, layer], seqs,
-                                                    self.conv_weight, *self._fp32_params(), self.norm.weight,
-                                                    self.norm.eps, self.k_heads)
+        native = recurrent.deltanet_forward(qkv, z, b, a, state.conv[:, layer], state.ssm[:, layer], seqs,
+                                            self.conv_weight, *self._fp32_params(), self.norm.weight,
+                                            self.norm.eps, self.k_heads)
         if native is not None:
             return self.out_proj(native)
         z = z.view(n, self.v_heads, s.v_head_dim)

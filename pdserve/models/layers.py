@@ -12,8 +12,8 @@ fp16 on CPU, bf16 on a CPU whose oneDNN cannot take it: `onednn_packs`) the weig
 A decode step of a few sequences is the exception: oneDNN's GEMM streams the weights slower there
 than a plain loop over their rows, so `pack_for_cpu(model, gemv=True)` keeps each linear's plain
 weight beside the packed one as `gemv_weight`, and `linear` sends decode steps (`decode_step`) of
-`cpu_kernels.SKINNY_ROWS` rows (up to 16, but for 9-11 fp32 rows) to the native GEMV
-(`cpu_kernels.skinny_linear`). That costs the linear weights' memory a second time
+`cpu.SKINNY_ROWS` rows (up to 16, but for 9-11 fp32 rows) to the native GEMV
+(`cpu.skinny_linear`). That costs the linear weights' memory a second time
 (`cpu_decode_gemv` in the engine config).
 """
 
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.host_malloc import huge_page_buffer
-from pdserve.models import cpu_gemm, cpu_kernels
+from pdserve.kernels import cpu, gemm
 from pdserve.models.config import RopeScaling
 from pdserve.parallel.state import ParallelState
 
@@ -72,18 +72,18 @@ def decode_step(decode_only: bool):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            gemv_weight: torch.Tensor | None = None) -> torch.Tensor:
     """x: [..., in] @ weight: [out, in] (plain, or packed by `pack_for_cpu`) -> [..., out]; in a decode
-    step (`decode_step`) of cpu_kernels.SKINNY_ROWS rows, the native GEMV, when the layer keeps a plain
-    `gemv_weight`; a plain bf16 weight where oneDNN takes no bf16, the native bf16 GEMM (cpu_gemm)."""
+    step (`decode_step`) of cpu.SKINNY_ROWS rows, the native GEMV, when the layer keeps a plain
+    `gemv_weight`; a plain bf16 weight where oneDNN takes no bf16, the native bf16 GEMM (kernels/gemm.py)."""
     if (gemv_weight is not None and _DECODE_STEP.get()
-            and x.numel() // x.shape[-1] in cpu_kernels.SKINNY_ROWS.get(x.dtype, ())):
-        out = cpu_kernels.skinny_linear(x, gemv_weight, bias)
+            and x.numel() // x.shape[-1] in cpu.SKINNY_ROWS.get(x.dtype, ())):
+        out = cpu.skinny_linear(x, gemv_weight, bias)
         if out is not None:
             return out
     if weight.is_mkldnn:
         return onednn_linear(x, weight, bias)
-    if (x.dtype == torch.bfloat16 and x.numel() >= cpu_gemm.MIN_ROWS * x.shape[-1] and not _onednn_bf16()
-            and cpu_kernels.native(cpu_kernels.GEMM, x.dtype)):
-        out = cpu_gemm.gemm_bf16(x, weight, bias)  # (kernel_dispatch: where it beats F.linear)
+    if (x.dtype == torch.bfloat16 and x.numel() >= gemm.MIN_ROWS * x.shape[-1] and not _onednn_bf16()
+            and cpu.native(cpu.GEMM, x.dtype)):
+        out = gemm.gemm_bf16(x, weight, bias)  # (kernels/dispatch.py: where it beats F.linear)
         if out is not None:
             return out
     return F.linear(x, weight, bias)
@@ -109,7 +109,7 @@ def pack_for_cpu(model: nn.Module, gemv: bool = False) -> None:
     oneDNN's CPU GEMM does not take, or when torch was built without it. With `gemv`, each linear also
     keeps its plain weight for steps of a few rows (where the native GEMV runs)."""
     on_cpu = next(model.parameters()).device.type == "cpu"
-    gemv = gemv and on_cpu and cpu_kernels.skinny_linear_runs()  # off CPU: no kernel build, no probe
+    gemv = gemv and on_cpu and cpu.skinny_linear_runs()  # off CPU: no kernel build, no probe
     lookup = getattr(model, "embed_tokens", None)
     linears = [m for m in model.modules()
                if isinstance(m, _LINEARS) and m.weight.device.type == "cpu" and m.weight.dtype in _FLOAT_DTYPES]
@@ -134,7 +134,7 @@ def pack_for_cpu(model: nn.Module, gemv: bool = False) -> None:
             # A tied head keeps both: the lookup needs plain rows, the head the packed matrix.
     if any(m.weight is not None and not m.weight.is_mkldnn and m.weight.dtype == torch.bfloat16 for m in linears):
         log.warning("bf16 on this CPU: oneDNN's bf16 GEMM needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, so the "
-                    "bf16 weights stay plain and multiply through the native bf16 GEMM (cpu_gemm) where it is "
+                    "bf16 weights stay plain and multiply through the native bf16 GEMM (kernels/gemm.py) where it is "
                     "built and faster, else F.linear; float32 may be the faster dtype here")
     if kept:
         log.info("decode GEMV: keeping plain linear weights beside oneDNN's packed ones (+%.0f MB; "
@@ -326,7 +326,7 @@ class VocabParallelEmbedding(nn.Module):
 def _fused_norm():
     """triton_norm.rms_norm (the residual add and the norm in one kernel), or None without Triton."""
     try:
-        from pdserve.models import triton_norm
+        from pdserve.kernels import triton_norm
     except ImportError:
         return None
     return triton_norm.rms_norm
@@ -342,8 +342,8 @@ class RMSNorm(nn.Module):
         self.weight.copy_(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        native = cpu_kernels.native(cpu_kernels.RMS_NORM, x.dtype)  # (kernel_dispatch: where it beats PyTorch)
-        out = cpu_kernels.rms_norm(x, self.weight, self.eps) if native else None  # one call, the same rounding
+        native = cpu.native(cpu.RMS_NORM, x.dtype)  # (kernels/dispatch.py: where it beats PyTorch)
+        out = cpu.rms_norm(x, self.weight, self.eps) if native else None  # one call, the same rounding
         if out is None and x.is_cuda and _fused_norm() is not None:  # one Triton kernel (triton_norm.py)
             out = _fused_norm()(x, self.weight, self.eps)
         return out[1] if out is not None else self.torch_forward(x)
@@ -357,8 +357,8 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, norm(h)) for h = x + y: the residual add fused with the norm that follows it."""
-        if cpu_kernels.native(cpu_kernels.RMS_NORM, x.dtype):
-            native = cpu_kernels.rms_norm(y, self.weight, self.eps, residual=x)
+        if cpu.native(cpu.RMS_NORM, x.dtype):
+            native = cpu.rms_norm(y, self.weight, self.eps, residual=x)
             if native is not None:
                 return native
         if x.is_cuda and _fused_norm() is not None:

@@ -135,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
                                     for i in range(self.num_local_layers))
         self.num_kv_layers, self.num_recurrent_layers = self.num_local_layers, 0  # every layer keeps KV
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.stage_decoder = None  # cpu_decode.StageDecoder, set by the model runner where it applies
+        self.stage_decoder = None  # stage_decoder.StageDecoder, set by the model runner where it applies
         if ps.is_last_stage:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
             if cfg.tie_word_embeddings and self.embed_tokens is not None:

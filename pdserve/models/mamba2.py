@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.models.config import Mamba2Shape
-from pdserve.models import recurrent_kernels
+from pdserve.kernels import recurrent
 from pdserve.models.layers import MergedColumnParallelLinear, RowParallelLinear, _shard
 from pdserve.models.recurrent_state import (RecurrentState, StateGeometry, StateSlice, causal_conv, causal_conv_step,
                                            decode_slots)
@@ -117,9 +117,9 @@ class Mamba2Mixer(nn.Module):
         s, n = self.shape, x.shape[0]
         inner, bc = self.heads * s.head_dim, self.groups * s.state_size
         z, xbc, dt = self.in_proj(x).split([inner, inner + 2 * bc, self.heads], dim=-1)
-        native = recurrent_kernels.mamba2_forward(z, xbc, dt, state.conv[:, layer], state.ssm[:, layer], seqs,
-                                                  self.conv_weight, self.conv_bias, *self._fp32_params(),
-                                                  s.time_step_min, self.norm_weight, self.eps, self.groups)
+        native = recurrent.mamba2_forward(z, xbc, dt, state.conv[:, layer], state.ssm[:, layer], seqs,
+                                          self.conv_weight, self.conv_bias, *self._fp32_params(),
+                                          s.time_step_min, self.norm_weight, self.eps, self.groups)
         if native is not None:
             return self.out_proj(native)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=s.time_step_min)  # [n, heads]

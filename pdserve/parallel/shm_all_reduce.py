@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.host import host_id
-from pdserve.models import cpu_kernels
+from pdserve.kernels import cpu
 from pdserve.parallel.state import ParallelState
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ def shm_all_reduce_for(group, group_ranks: list[int], rank: int, timeout_s: floa
                        host: str) -> ShmAllReduce | None:
     """The group's shared-memory all-reduce, or None (every rank of the group agrees) where it cannot
     run: disabled, a rank without the kernel library, or ranks on different hosts."""
-    lib = None if os.environ.get(ENABLE_ENV, "1") == "0" else cpu_kernels.load()
+    lib = None if os.environ.get(ENABLE_ENV, "1") == "0" else cpu.load()
     ready = torch.tensor([1 if lib is not None and hasattr(lib, "shm_all_reduce") else 0], dtype=torch.int64)
     dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=group)
     if not ready.item():

@@ -67,10 +67,10 @@ def test_greedy_tokens_equal_transformers(hybrid, engine):
 def test_the_pytorch_recurrence_without_the_native_kernel_equals_transformers(hybrid, monkeypatch):
     """Where the native kernel cannot be built, the DeltaNet layers run their PyTorch path (the chunked rule,
     the batched decode step): transformers' tokens too."""
-    from pdserve.models import recurrent_kernels
+    from pdserve.kernels import recurrent
 
     asked = []
-    monkeypatch.setattr(recurrent_kernels, "load", lambda: asked.append(1))
+    monkeypatch.setattr(recurrent, "load", lambda: asked.append(1))
     d, prompts, ref = hybrid
     assert _run(d, prompts, max_num_tokens=7) == ref
     assert asked  # the layers asked for the kernel, and went on without it

@@ -62,10 +62,10 @@ def test_greedy_tokens_equal_transformers(nemotron, engine):
 def test_the_pytorch_recurrence_without_the_native_kernel_equals_transformers(nemotron, monkeypatch):
     """Where the native kernel cannot be built, the Mamba2 layers run their PyTorch path (the chunked scan,
     the batched decode step): transformers' tokens too."""
-    from pdserve.models import recurrent_kernels
+    from pdserve.kernels import recurrent
 
     asked = []
-    monkeypatch.setattr(recurrent_kernels, "load", lambda: asked.append(1))
+    monkeypatch.setattr(recurrent, "load", lambda: asked.append(1))
     d, prompts, ref = nemotron
     assert _run(d, prompts) == ref
     assert asked  # the layers asked for the kernel, and went on without it

@@ -10,7 +10,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.llm import LLM
 from pdserve.engine.llm_engine import LLMEngine, RequestError
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.models import cpu_kernels
+from pdserve.kernels import cpu
 from pdserve.testing import make_tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -82,7 +82,7 @@ def test_pytorch_paths_match_transformers(tiny, layout, missing, monkeypatch):
     """The model as it runs without a C compiler (and on CUDA): every native kernel replaced by its
     PyTorch path; and with only the attention kernels missing after the native cache write."""
     for name in missing:
-        monkeypatch.setattr(cpu_kernels, name, lambda *args, **kwargs: None)
+        monkeypatch.setattr(cpu, name, lambda *args, **kwargs: None)
     d, prompts, ref = tiny
     assert _run(d, prompts, kv_layout=layout) == ref
 
@@ -98,7 +98,7 @@ def test_one_sequence_at_a_time_with_and_without_the_gemv(tiny, gemv):
                           cpu_decode_gemv=gemv)) as llm:
         linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, _LINEARS)]
         kept = [m.gemv_weight for m in linears if m.gemv_weight is not None]
-        assert len(kept) == (len(linears) if gemv and cpu_kernels.skinny_linear_runs() else 0)
+        assert len(kept) == (len(linears) if gemv and cpu.skinny_linear_runs() else 0)
         assert all(not w.is_mkldnn and w.is_contiguous() for w in kept)
         assert [c.token_ids for c in llm.generate(prompts, GREEDY)] == ref
 
@@ -163,7 +163,7 @@ def test_long_prompts_match_transformers(tiny, hf_greedy, native, monkeypatch):
     attention.TILED_MIN_TOKENS, the tiled oneDNN prefill; whole and in chunks that start after a
     cached part, greedy tokens must not move."""
     if not native:
-        monkeypatch.setattr(cpu_kernels, "flash_prefill", lambda *args, **kwargs: None)
+        monkeypatch.setattr(cpu, "flash_prefill", lambda *args, **kwargs: None)
     d, _, _ = tiny
     model = transformers.AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32)
     g = torch.Generator().manual_seed(7)
@@ -215,7 +215,7 @@ def test_sliding_window_attention_matches_transformers(sliding, case, monkeypatc
     d, prompts, ref = sliding
     if case == "PyTorch paths":
         for name in _NATIVE:
-            monkeypatch.setattr(cpu_kernels, name, lambda *args, **kwargs: None)
+            monkeypatch.setattr(cpu, name, lambda *args, **kwargs: None)
     cfg = {"NHD": {"kv_layout": "NHD"}, "chunked": {"max_num_tokens": 16},
            "one at a time": {"max_num_seqs": 1}}.get(case, {})
     assert _run(d, prompts, **cfg) == ref

@@ -1,4 +1,4 @@
-"""The FP8 KV cache (`kv_cache_dtype: fp8_e4m3`, per-tensor static scales: models/kv_quant.py).
+"""The FP8 KV cache (`kv_cache_dtype: fp8_e4m3`, per-tensor static scales: kernels/kv_quant.py).
 
 Two oracles. Exact: transformers' greedy `generate` on the same fp32 weights, with an attention that
 reads K and V rounded through float8_e4m3fn under the same scales, gives the engine's tokens one for one
@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 from pdserve.config import EngineConfig
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.models import cpu_kernels
-from pdserve.models.kv_quant import FP8, FP8_MAX, KVScales, dequantize, quantize
+from pdserve.kernels import cpu
+from pdserve.kernels.kv_quant import FP8, FP8_MAX, KVScales, dequantize, quantize
 from pdserve.testing import make_tiny_model
 
 from low_precision_oracle import greedy_with_logprobs
@@ -167,7 +167,7 @@ def test_checkpoint_scales_are_read_and_applied(tmp_path):
         generate()
 
 
-@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler to build the CPU kernels")
+@pytest.mark.skipif(cpu.load() is None, reason="no C compiler to build the CPU kernels")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_engine_on_fp8_against_the_pytorch_path(tmp_path, monkeypatch, dtype):
     """A tiny Llama with an FP8 cache under per-layer scales, 4 prompts x 12 greedy tokens, batched with
@@ -195,14 +195,14 @@ def test_the_engine_on_fp8_against_the_pytorch_path(tmp_path, monkeypatch, dtype
 
     ran = []
     for name in ("rope_cache_write", "flash_prefill", "paged_decode_attention"):
-        def counted(*args, real=getattr(cpu_kernels, name), name=name, **kw):
+        def counted(*args, real=getattr(cpu, name), name=name, **kw):
             out = real(*args, **kw)
             ran.append(name if out is not None else None)
             return out
-        monkeypatch.setattr(cpu_kernels, name, counted)
+        monkeypatch.setattr(cpu, name, counted)
     native, staged = generate()
     assert staged and {"rope_cache_write", "flash_prefill", "paged_decode_attention"} <= set(ran)
-    monkeypatch.setattr(cpu_kernels, "load", lambda: None)  # every kernel off: the PyTorch paths
+    monkeypatch.setattr(cpu, "load", lambda: None)  # every kernel off: the PyTorch paths
     reference, staged = generate()
     assert not staged
     if dtype == "float32":

@@ -12,7 +12,7 @@ from pdserve.engine.block_manager import block_hashes
 from pdserve.engine.llm import LLM
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.models.kv_quant import FP8
+from pdserve.kernels.kv_quant import FP8
 from pdserve.testing import make_tiny_model
 from pdserve.engine.sequence import DisaggInfo, RequestType
 from pdserve.testing.disagg import context_first, handoff, step_until

@@ -13,11 +13,11 @@ import torch.multiprocessing as mp
 
 from pdserve.host import free_port
 
-from pdserve.models import cpu_kernels
+from pdserve.kernels import cpu
 from pdserve.parallel.shm_all_reduce import SLOT_BYTES, AllReduceError, attach_shm_all_reduce
 from pdserve.parallel.state import init_parallel
 
-pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no native kernel library here")
+pytestmark = pytest.mark.skipif(cpu.load() is None, reason="no native kernel library here")
 
 
 def _part(rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

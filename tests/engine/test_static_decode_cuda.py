@@ -1,5 +1,5 @@
 """CUDA graphs of the static decode step (engine/static_decode.py) and the fused paged decode kernel
-(models/triton_decode.py) on a CUDA device: graph replays give the eager steps' tokens, every graph is
+(kernels/triton_decode.py) on a CUDA device: graph replays give the eager steps' tokens, every graph is
 captured (a capture fails on any host synchronisation inside the step), and the kernel compiled for
 the device agrees with the PyTorch path. Skipped without a device (scripts/gpu_check runs them first)."""
 
@@ -90,7 +90,7 @@ def test_every_graph_is_captured(tiny):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_decode_kernel_matches_sdpa(layout, dtype):
     from pdserve.models.attention import AttentionMetadata, PagedKVCache, _sdpa_decode
-    from pdserve.models.triton_decode import paged_decode
+    from pdserve.kernels.triton_decode import paged_decode
 
     g = torch.Generator().manual_seed(0)
     blocks, kv_heads, T, d, heads = 64, 3, 16, 64, 9
@@ -110,12 +110,12 @@ def test_fused_decode_kernel_matches_sdpa(layout, dtype):
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_rope_cache_write_gives_the_pytorch_bits(layout, dtype):
-    """One kernel for RoPE and the K/V write (models/triton_rope.py) writes what RotaryEmbedding.rotate and
+    """One kernel for RoPE and the K/V write (kernels/triton_rope.py) writes what RotaryEmbedding.rotate and
     PagedKVCache.write write, bit for bit, at a decode's few tokens and a prefill's many (the two forms of
     rotate)."""
     from pdserve.models.attention import AttentionMetadata, PagedKVCache
     from pdserve.models.layers import RotaryEmbedding
-    from pdserve.models.triton_rope import rope_cache_write
+    from pdserve.kernels.triton_rope import rope_cache_write
 
     g = torch.Generator().manual_seed(1)
     heads, kv_heads, d, T, blocks = 9, 3, 64, 16, 32
@@ -136,10 +136,10 @@ def test_fused_rope_cache_write_gives_the_pytorch_bits(layout, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_rms_norm_matches_the_pytorch_form(dtype):
-    """One kernel for the residual add and RMSNorm (models/triton_norm.py): the add's bits, and the norm within
+    """One kernel for the residual add and RMSNorm (kernels/triton_norm.py): the add's bits, and the norm within
     the last bit of RMSNorm.torch_forward (its sum of squares is reduced in another order)."""
     from pdserve.models.layers import RMSNorm
-    from pdserve.models.triton_norm import rms_norm
+    from pdserve.kernels.triton_norm import rms_norm
 
     g = torch.Generator().manual_seed(2)
     for hidden, rows in ((576, 1), (576, 16), (4096, 300)):

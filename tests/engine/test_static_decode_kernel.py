@@ -1,4 +1,4 @@
-"""The decode attention kernel of CUDA steps (models/triton_decode.py), checked without a GPU: run by Triton's
+"""The decode attention kernel of CUDA steps (kernels/triton_decode.py), checked without a GPU: run by Triton's
 interpreter against the PyTorch path (gather + SDPA), and compiled by Triton's real compiler for Hopper.
 On a GPU, test_static_decode_cuda.py runs it compiled."""
 
@@ -14,7 +14,7 @@ import pytest
 _INTERPRETED = """
 import torch
 from pdserve.models.attention import AttentionMetadata, PagedKVCache, _sdpa_decode
-from pdserve.models.triton_decode import paged_decode
+from pdserve.kernels.triton_decode import paged_decode
 g = torch.Generator().manual_seed(0)
 for layout, dtype, window in (("HND", torch.float32, 0), ("NHD", torch.float32, 6), ("HND", torch.bfloat16, 6)):
     blocks, layers, kv_heads, T, d, heads = 20, 2, 2, 5, 16, 6  # 3 query heads a KV head; 5-token blocks
@@ -31,7 +31,7 @@ for layout, dtype, window in (("HND", torch.float32, 0), ("NHD", torch.float32, 
     assert out.dtype == dtype and err < (1e-5 if dtype == torch.float32 else 2e-2), (layout, dtype, window, err)
 
 from pdserve.models.layers import RotaryEmbedding
-from pdserve.models.triton_rope import rope_cache_write
+from pdserve.kernels.triton_rope import rope_cache_write
 heads, kv_heads, d, T, blocks = 6, 2, 16, 4, 24
 rope = RotaryEmbedding(d, 256, 10000.0, None)
 for layout, dtype, pool_dtype, n in (("HND", torch.float32, torch.float32, 5), ("NHD", torch.float32, torch.float32, 9),
@@ -54,7 +54,7 @@ for layout, dtype, pool_dtype, n in (("HND", torch.float32, torch.float32, 5), (
         assert pool.count_nonzero() == ref_pool.count_nonzero() == n * 2 * kv_heads * d
 
 from pdserve.models.layers import RMSNorm
-from pdserve.models.triton_norm import rms_norm
+from pdserve.kernels.triton_norm import rms_norm
 for dtype, hidden, rows in ((torch.float32, 96, 5), (torch.bfloat16, 160, 3), (torch.float16, 64, 2)):
     norm = RMSNorm(hidden, 1e-5, dtype)
     norm.weight.copy_(torch.randn(hidden, generator=g).to(dtype))
@@ -101,9 +101,9 @@ def test_fused_kernels_compile_for_hopper(tmp_path, monkeypatch, dtype, window, 
     """The same kernels through Triton's real compiler, to sm_90 cubins (Triton ships its own ptxas; no GPU
     needed): what the interpreter does not check (types of loop-carried values, constexpr branches) fails here."""
     pytest.importorskip("triton")
-    from pdserve.models.triton_decode import _paged_decode_kernel
-    from pdserve.models.triton_norm import _rms_norm_kernel
-    from pdserve.models.triton_rope import _rope_cache_kernel
+    from pdserve.kernels.triton_decode import _paged_decode_kernel
+    from pdserve.kernels.triton_norm import _rms_norm_kernel
+    from pdserve.kernels.triton_rope import _rope_cache_kernel
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     pointers = {"table_ptr": "*i64", "lens_ptr": "*i64", "blocks_ptr": "*i64", "offsets_ptr": "*i64"}
@@ -125,7 +125,7 @@ def test_a_kernel_that_fails_here_leaves_the_pytorch_path_said_once(monkeypatch,
     pytest.importorskip("triton")
     import torch
 
-    from pdserve.models import triton_decode, triton_norm, triton_rope
+    from pdserve.kernels import triton_decode, triton_norm, triton_rope
 
     def unbuildable(interpret):
         raise RuntimeError("no compiler here")

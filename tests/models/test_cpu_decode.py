@@ -1,4 +1,4 @@
-"""The one-call decode step (cpu_decode.StageDecoder, csrc/decode_layers.c) against the model's own
+"""The one-call decode step (stage_decoder.StageDecoder, csrc/decode_layers.c) against the model's own
 modules, step by step, inside real generation, one sequence at a time and several together."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.models import cpu_kernels
+from pdserve.kernels import cpu
 from pdserve.testing import make_tiny_model
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.skinny_linear_runs(),
+pytestmark = pytest.mark.skipif(not cpu.skinny_linear_runs(),
                                 reason="no C compiler, or a CPU without AVX-512: no native decode step")
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -18,11 +18,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.models import cpu_kernels
+from pdserve.kernels import cpu
 from pdserve.models.attention import PagedKVCache
 from pdserve.models.layers import RotaryEmbedding
 
-pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler to build the CPU kernels")
+pytestmark = pytest.mark.skipif(cpu.load() is None, reason="no C compiler to build the CPU kernels")
 
 
 def _pool(layout, num_blocks, layers, kv_heads, T, d, dtype, g):
@@ -68,7 +68,7 @@ def _case(layout, dtype, heads, kv_heads, d, T, lens, layers=3, layer=1, seed=0)
 def test_matches_float64_attention(layout, dtype, heads, kv_heads, d, T, lens):
     q, pool, cache, table, ctx = _case(layout, dtype, heads, kv_heads, d, T, lens)
     scale = d ** -0.5
-    out = cpu_kernels.paged_decode_attention(q, pool, layout, 1, table, ctx, scale)
+    out = cpu.paged_decode_attention(q, pool, layout, 1, table, ctx, scale)
     assert out is not None and out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out.double(), _reference(q, cache, 1, table, ctx, scale), atol=2e-6, rtol=2e-5)
 
@@ -79,14 +79,14 @@ def test_sliding_window_matches_float64(layout, window):
     """The window starts mid-block, on a block boundary, or covers everything (500)."""
     lens = [1, 19, 20, 21, 64, 65, 200, 333]
     q, pool, cache, table, ctx = _case(layout, torch.float32, 9, 3, 64, 32, lens, seed=window)
-    out = cpu_kernels.paged_decode_attention(q, pool, layout, 1, table, ctx, 0.125, window)
+    out = cpu.paged_decode_attention(q, pool, layout, 1, table, ctx, 0.125, window)
     torch.testing.assert_close(out.double(), _reference(q, cache, 1, table, ctx, 0.125, window), atol=2e-6,
                                rtol=2e-5)
 
 
 def test_bf16_queries_come_back_in_bf16():
     q, pool, cache, table, ctx = _case("HND", torch.bfloat16, 6, 2, 64, 32, [50, 70])
-    out = cpu_kernels.paged_decode_attention(q.bfloat16(), pool, "HND", 1, table, ctx, 0.125)
+    out = cpu.paged_decode_attention(q.bfloat16(), pool, "HND", 1, table, ctx, 0.125)
     assert out.dtype == torch.bfloat16
     ref = _reference(q.bfloat16().float(), cache, 1, table, ctx, 0.125)
     torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=1e-2)
@@ -97,11 +97,11 @@ def test_bad_block_ids_and_lengths_are_refused_not_read():
     bad = table.clone()
     bad[0, 1] = pool.shape[0]  # one past the last block
     with pytest.raises(IndexError, match="outside the block table"):
-        cpu_kernels.paged_decode_attention(q, pool, "HND", 0, bad, ctx, 0.125)
+        cpu.paged_decode_attention(q, pool, "HND", 0, bad, ctx, 0.125)
     with pytest.raises(IndexError, match="outside the block table"):  # longer than the table holds
-        cpu_kernels.paged_decode_attention(q, pool, "HND", 0, table, torch.tensor([65, 10]), 0.125)
+        cpu.paged_decode_attention(q, pool, "HND", 0, table, torch.tensor([65, 10]), 0.125)
     with pytest.raises(ValueError, match="head_dim"):
-        cpu_kernels.paged_decode_attention(q[..., :32], pool, "HND", 0, table, ctx, 0.125)
+        cpu.paged_decode_attention(q[..., :32], pool, "HND", 0, table, ctx, 0.125)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -117,7 +117,7 @@ def test_rms_norm_matches_pytorchs_form(dtype, rows, hidden):
         expected = F.rms_norm(x, (hidden,), w, 1e-5)
     else:
         expected = F.rms_norm(x.float(), (hidden,), None, 1e-5).to(dtype) * w
-    h, out = cpu_kernels.rms_norm(x, w, 1e-5)
+    h, out = cpu.rms_norm(x, w, 1e-5)
     assert h is None and out.dtype == dtype and out.shape == x.shape
     if dtype == torch.float32:
         torch.testing.assert_close(out, expected, atol=1e-6, rtol=4e-7)
@@ -151,7 +151,7 @@ def test_rope_cache_write_is_bit_identical_to_the_pytorch_ops(layout, model_dtyp
 
     qk = RotaryEmbedding.rotate(qkv[:, :heads + kv_heads], table)
     PagedKVCache(expected_pool, layout).write(2, qk[:, heads:], qkv[:, heads + kv_heads:], md)
-    native = cpu_kernels.rope_cache_write(qkv, heads, *table, pool, layout, 2, blocks, offsets)
+    native = cpu.rope_cache_write(qkv, heads, *table, pool, layout, 2, blocks, offsets)
 
     assert native.dtype == model_dtype and torch.equal(native, qk)
     assert torch.equal(pool, expected_pool)  # the slots written, and nothing else
@@ -162,8 +162,8 @@ def test_rope_cache_write_refuses_a_slot_outside_the_pool():
     cos = torch.ones(1, 8)
     for block, offset in ((2, 0), (-1, 0), (0, 4)):
         with pytest.raises(IndexError, match="outside the pool"):
-            cpu_kernels.rope_cache_write(qkv, 1, cos, cos, pool, "HND", 0, torch.tensor([block]),
-                                         torch.tensor([offset]))
+            cpu.rope_cache_write(qkv, 1, cos, cos, pool, "HND", 0, torch.tensor([block]),
+                                 torch.tensor([offset]))
     assert not pool.any()
 
 
@@ -172,25 +172,25 @@ def test_rms_norm_after_a_residual_add_matches_the_two_steps(dtype):
     g = torch.Generator().manual_seed(5)
     x, y = ((torch.randn(9, 576, generator=g) * 3).to(dtype) for _ in range(2))
     w = (torch.rand(576, generator=g) + 0.5).to(dtype)
-    h, out = cpu_kernels.rms_norm(y, w, 1e-6, residual=x)
+    h, out = cpu.rms_norm(y, w, 1e-6, residual=x)
     assert torch.equal(h, x + y)  # the sum rounded as PyTorch rounds it
-    assert torch.equal(out, cpu_kernels.rms_norm(x + y, w, 1e-6)[1])
+    assert torch.equal(out, cpu.rms_norm(x + y, w, 1e-6)[1])
 
 
 def test_rms_norm_leaves_mismatched_shapes_to_pytorch():
     x = torch.randn(2, 8)
-    assert cpu_kernels.rms_norm(x, torch.ones(4), 1e-6) is None  # never reads past the weight
-    assert cpu_kernels.rms_norm(x, torch.ones(8), 1e-6, residual=torch.randn(1, 8)) is None
+    assert cpu.rms_norm(x, torch.ones(4), 1e-6) is None  # never reads past the weight
+    assert cpu.rms_norm(x, torch.ones(8), 1e-6, residual=torch.randn(1, 8)) is None
 
 
 def test_build_is_cached_and_a_compiler_error_is_reported(tmp_path):
-    first = cpu_kernels.build(cache_dir=tmp_path)
-    assert cpu_kernels.build(cache_dir=tmp_path) == first and first.exists()
+    first = cpu.build(cache_dir=tmp_path)
+    assert cpu.build(cache_dir=tmp_path) == first and first.exists()
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]  # no temporary left behind
     broken = tmp_path / "broken.c"
     broken.write_text("int f( {\n")
-    with pytest.raises(cpu_kernels.KernelBuildError, match="broken.c"):
-        cpu_kernels.build([broken], cache_dir=tmp_path)
+    with pytest.raises(cpu.KernelBuildError, match="broken.c"):
+        cpu.build([broken], cache_dir=tmp_path)
 
 
 def test_loading_the_kernels_keeps_the_processs_floating_point_environment(tmp_path):
@@ -198,8 +198,8 @@ def test_loading_the_kernels_keeps_the_processs_floating_point_environment(tmp_p
     zero for whoever loaded it: every subnormal in the process became 0 (hypothesis refused to run)."""
     probe = (
         "import sys, ctypes\n"
-        "from pdserve.models import cpu_kernels\n"
-        f"ctypes.CDLL(str(cpu_kernels.build(cache_dir=__import__('pathlib').Path({str(tmp_path)!r}))))\n"
+        "from pdserve.kernels import cpu\n"
+        f"ctypes.CDLL(str(cpu.build(cache_dir=__import__('pathlib').Path({str(tmp_path)!r}))))\n"
         "tiny = sys.float_info.min / 4\n"
         "print(tiny * 1.0 > 0.0, float(__import__('torch').tensor([1e-40]) * 1) > 0.0)\n")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
@@ -209,7 +209,7 @@ def test_loading_the_kernels_keeps_the_processs_floating_point_environment(tmp_p
 
 def test_the_kernel_shares_pytorchs_openmp_runtime():
     """Two OpenMP runtimes in one process would each keep spinning threads on the same two cores."""
-    cpu_kernels.load()
+    cpu.load()
     with open("/proc/self/maps") as f:
         runtimes = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
     assert len(runtimes) == 1, runtimes
@@ -218,9 +218,9 @@ def test_the_kernel_shares_pytorchs_openmp_runtime():
 def test_disabled_by_environment_falls_back_to_pytorch(tmp_path):
     code = textwrap.dedent("""
         import torch
-        from pdserve.models import cpu_kernels
+        from pdserve.kernels import cpu
         q, pool = torch.randn(1, 2, 8), torch.randn(2, 1, 2, 2, 4, 8)
-        out = cpu_kernels.paged_decode_attention(q, pool, "HND", 0, torch.zeros(1, 1, dtype=torch.long),
+        out = cpu.paged_decode_attention(q, pool, "HND", 0, torch.zeros(1, 1, dtype=torch.long),
                                                  torch.tensor([3]), 1.0)
         print("fallback" if out is None else "kernel")
     """)

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.models import cpu_kernels
+from pdserve.kernels import cpu
 
-LIB = cpu_kernels.load()
+LIB = cpu.load()
 pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler to build the CPU kernels")
 
 
@@ -42,7 +42,7 @@ def bf16_form(request, monkeypatch):
 ])
 def test_fp32_matches_float64(n, past, heads, kv_heads, d, attention_float64):
     q, k, v = _inputs(n, past + n, heads, kv_heads, d, seed=n + past)
-    out = cpu_kernels.flash_prefill(q, k, v, d ** -0.5)
+    out = cpu.flash_prefill(q, k, v, d ** -0.5)
     assert out.shape == q.shape and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), attention_float64(q, k, v, d ** -0.5), atol=2e-6, rtol=1e-5)
 
@@ -55,7 +55,7 @@ def test_fp32_matches_float64(n, past, heads, kv_heads, d, attention_float64):
 ])
 def test_sliding_window_matches_float64(n, past, window, attention_float64):
     q, k, v = _inputs(n, past + n, 6, 2, 64, seed=window)
-    out = cpu_kernels.flash_prefill(q, k, v, 0.125, window=window)
+    out = cpu.flash_prefill(q, k, v, 0.125, window=window)
     torch.testing.assert_close(out.double(), attention_float64(q, k, v, 0.125, window), atol=2e-6, rtol=1e-5)
 
 
@@ -66,7 +66,7 @@ def test_sliding_window_bf16_is_as_accurate_as_pytorchs(bf16_form, attention_flo
     mask = (keys <= queries) & (keys > queries - window)
     torch_bf16 = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
                                                 scale=0.125, enable_gqa=True)[0].transpose(0, 1)
-    out = cpu_kernels.flash_prefill(q, k, v, 0.125, window=window)
+    out = cpu.flash_prefill(q, k, v, 0.125, window=window)
     as_accurate_as(out, torch_bf16, attention_float64(q, k, v, 0.125, window), max_ratio=2)
 
 
@@ -77,7 +77,7 @@ def test_running_max_that_keeps_growing_and_large_scores(attention_float64, as_a
     q, k, v = _inputs(300, 300, 4, 2, 64, seed=3)
     k = k * torch.linspace(0.1, 12.0, 300).view(1, 300, 1)  # later keys dominate, more and more
     for scale in (0.125, 1.0):
-        out = cpu_kernels.flash_prefill(q, k, v, scale)
+        out = cpu.flash_prefill(q, k, v, scale)
         assert torch.isfinite(out).all()
         exact = attention_float64(q, k, v, scale)
         torch_fp32 = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], is_causal=True,
@@ -94,9 +94,9 @@ def test_strided_q_k_v_as_the_engine_passes_them(attention_float64):
     k_rows, v_rows = torch.randn(90, 2, 32, generator=g), torch.randn(90, 2, 32, generator=g)
     k, v = k_rows.transpose(0, 1), v_rows.transpose(0, 1)
     assert not q.is_contiguous() and not k.is_contiguous()
-    out = cpu_kernels.flash_prefill(q, k, v, 0.2)
+    out = cpu.flash_prefill(q, k, v, 0.2)
     torch.testing.assert_close(out.double(), attention_float64(q, k, v, 0.2), atol=2e-6, rtol=1e-5)
-    assert torch.equal(out, cpu_kernels.flash_prefill(q.contiguous(), k.contiguous(), v.contiguous(), 0.2))
+    assert torch.equal(out, cpu.flash_prefill(q.contiguous(), k.contiguous(), v.contiguous(), 0.2))
 
 
 @pytest.mark.parametrize("n,past", [(600, 0), (77, 300)])
@@ -104,7 +104,7 @@ def test_bf16_is_as_accurate_as_pytorchs_own_bf16_attention(n, past, bf16_form, 
     """PyTorch's bf16 flash attention (scores and softmax fp32, probabilities rounded to bf16) is the
     yardstick for both forms of the bf16 products."""
     q, k, v = _inputs(n, past + n, 6, 2, 64, dtype=torch.bfloat16, seed=n)
-    out = cpu_kernels.flash_prefill(q, k, v, 0.125)
+    out = cpu.flash_prefill(q, k, v, 0.125)
     assert out.dtype == torch.bfloat16
     exact = attention_float64(q, k, v, 0.125)
     mask = torch.arange(past + n).unsqueeze(0) <= torch.arange(past, past + n).unsqueeze(1)
@@ -115,20 +115,20 @@ def test_bf16_is_as_accurate_as_pytorchs_own_bf16_attention(n, past, bf16_form, 
 
 def test_shapes_the_kernel_does_not_take_are_left_to_pytorch():
     q, k, v = _inputs(8, 8, 4, 2, 24)  # head_dim not a multiple of 16
-    assert cpu_kernels.flash_prefill(q, k, v, 0.2) is None
+    assert cpu.flash_prefill(q, k, v, 0.2) is None
     q, k, v = _inputs(8, 8, 4, 2, 32, dtype=torch.float16)  # no fp16 activations
-    assert cpu_kernels.flash_prefill(q, k, v, 0.2) is None
+    assert cpu.flash_prefill(q, k, v, 0.2) is None
     q, k, v = _inputs(8, 4, 4, 2, 32)  # more queries than context
-    assert cpu_kernels.flash_prefill(q, k, v, 0.2) is None
+    assert cpu.flash_prefill(q, k, v, 0.2) is None
     q, k, v = _inputs(8, 8, 4, 2, 32)  # K and V in another dtype than q (the caller converts them)
-    assert cpu_kernels.flash_prefill(q, k.bfloat16(), v.bfloat16(), 0.2) is None
+    assert cpu.flash_prefill(q, k.bfloat16(), v.bfloat16(), 0.2) is None
 
 
 def test_writes_into_the_given_output_and_checks_it(attention_float64):
     q, k, v = _inputs(20, 50, 4, 2, 32)
     out = torch.full((30, 4, 32), float("nan"))
-    assert cpu_kernels.flash_prefill(q, k, v, 0.2, out=out[5:25]) is not None
+    assert cpu.flash_prefill(q, k, v, 0.2, out=out[5:25]) is not None
     torch.testing.assert_close(out[5:25].double(), attention_float64(q, k, v, 0.2), atol=2e-6, rtol=1e-5)
     assert out[:5].isnan().all() and out[25:].isnan().all()  # nothing written outside it
     with pytest.raises(ValueError, match="contiguous"):
-        cpu_kernels.flash_prefill(q, k, v, 0.2, out=torch.empty(20, 32, 4).transpose(1, 2))
+        cpu.flash_prefill(q, k, v, 0.2, out=torch.empty(20, 32, 4).transpose(1, 2))

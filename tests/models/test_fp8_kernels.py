@@ -1,4 +1,4 @@
-"""The native CPU kernels on an FP8 KV pool (kv_cache_dtype fp8_e4m3, models/kv_quant.py): each against
+"""The native CPU kernels on an FP8 KV pool (kv_cache_dtype fp8_e4m3, kernels/kv_quant.py): each against
 the PyTorch path it replaces, bit for bit.
 
 Writing (the RoPE / cache write): the pool's bytes equal PagedKVCache.write's, which quantizes with
@@ -15,12 +15,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pdserve.models import cpu_kernels
+from pdserve.kernels import cpu
 from pdserve.models.attention import PagedKVCache
-from pdserve.models.kv_quant import FP8, KVScales, quantize
+from pdserve.kernels.kv_quant import FP8, KVScales, quantize
 from pdserve.models.layers import RotaryEmbedding
 
-pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler to build the CPU kernels")
+pytestmark = pytest.mark.skipif(cpu.load() is None, reason="no C compiler to build the CPU kernels")
 
 SCALES = KVScales((1.0, 0.061, 2.5), (1.0, 0.37, 3.0))  # 1.0, and scales that do not divide evenly
 
@@ -47,8 +47,8 @@ def test_the_kernels_e4m3_rounding_is_torchs_on_every_kind_of_value():
         qkv = torch.cat([torch.zeros(n, 2, d), values], dim=1)  # one query head, K zero, V the values
         table = (torch.ones(n, d), torch.zeros(n, d))  # cos 1, sin 0: rotation is the identity
         slots = torch.arange(n)
-        assert cpu_kernels.rope_cache_write(qkv, 1, *table, pool, "HND", layer, slots, torch.zeros(n, dtype=torch.long),
-                                            SCALES) is not None
+        assert cpu.rope_cache_write(qkv, 1, *table, pool, "HND", layer, slots, torch.zeros(n, dtype=torch.long),
+                                    SCALES) is not None
         expected = quantize(values[:, 0], SCALES.v[layer]).view(torch.uint8)
         got = pool[:, layer, 1, 0, 0].view(torch.uint8)
         nan = expected.view(FP8).float().isnan()
@@ -75,8 +75,8 @@ def test_rope_cache_write_into_fp8_is_bit_identical_to_the_pytorch_ops(layout, m
         qk = RotaryEmbedding.rotate(qkv[rows, :heads + kv_heads], table)
         md = SimpleNamespace(slot_blocks=blocks[rows], slot_offsets=offsets[rows])
         PagedKVCache(expected_pool, layout, SCALES).write(1, qk[:, heads:], qkv[rows, heads + kv_heads:], md)
-        native = cpu_kernels.rope_cache_write(qkv[rows].contiguous(), heads, *table, pool, layout, 1, blocks[rows],
-                                              offsets[rows], SCALES)
+        native = cpu.rope_cache_write(qkv[rows].contiguous(), heads, *table, pool, layout, 1, blocks[rows],
+                                      offsets[rows], SCALES)
         assert torch.equal(native, qk)
     assert torch.equal(pool.view(torch.uint8), expected_pool.view(torch.uint8))
 
@@ -106,8 +106,8 @@ def test_paged_decode_on_fp8_equals_the_kernel_on_the_dequantized_pool(layout, d
         plain = torch.stack([torch.stack(cache.decode(i, pool[:, i, 0], pool[:, i, 1], dtype), dim=1)
                              for i in range(3)], dim=1)
         for window in (0, 20):
-            fp8 = cpu_kernels.paged_decode_attention(q, pool, layout, layer, table, ctx, d ** -0.5, window, SCALES)
-            ref = cpu_kernels.paged_decode_attention(q, plain, layout, layer, table, ctx, d ** -0.5, window)
+            fp8 = cpu.paged_decode_attention(q, pool, layout, layer, table, ctx, d ** -0.5, window, SCALES)
+            ref = cpu.paged_decode_attention(q, plain, layout, layer, table, ctx, d ** -0.5, window)
             assert fp8.dtype == dtype and torch.equal(fp8, ref)
 
 
@@ -115,9 +115,9 @@ def test_an_fp8_pool_without_its_scales_is_refused():
     pool = torch.zeros(2, 3, 2, 1, 4, 16, dtype=FP8)
     q, table, ctx = torch.randn(1, 1, 16), torch.zeros(1, 1, dtype=torch.long), torch.tensor([3])
     with pytest.raises(ValueError, match="needs its KV scales"):
-        cpu_kernels.paged_decode_attention(q, pool, "HND", 0, table, ctx, 0.25)
+        cpu.paged_decode_attention(q, pool, "HND", 0, table, ctx, 0.25)
     with pytest.raises(ValueError, match="needs its KV scales"):
-        cpu_kernels.paged_decode_attention(q, pool, "HND", 0, table, ctx, 0.25, scales=KVScales.ones(2))
+        cpu.paged_decode_attention(q, pool, "HND", 0, table, ctx, 0.25, scales=KVScales.ones(2))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -133,9 +133,9 @@ def test_flash_prefill_on_fp8_equals_the_kernel_on_the_dequantized_keys(dtype, n
     k, v = kv[0].transpose(0, 1), kv[1].transpose(0, 1)  # [kv_heads, ctx, d], strided
     cache = PagedKVCache(torch.zeros(1, 3, 2, 1, 1, d, dtype=FP8), "HND", SCALES)
     table = cache.dequant_table(1, dtype)
-    fp8 = cpu_kernels.flash_prefill(q, k, v, d ** -0.5, window=window, dequant=table)
+    fp8 = cpu.flash_prefill(q, k, v, d ** -0.5, window=window, dequant=table)
     ks, vs = cache.decode(1, k, v, dtype)
-    ref = cpu_kernels.flash_prefill(q, ks, vs, d ** -0.5, window=window)
+    ref = cpu.flash_prefill(q, ks, vs, d ** -0.5, window=window)
     assert fp8 is not None and torch.equal(fp8, ref)
-    assert cpu_kernels.flash_prefill(q, k, v, d ** -0.5) is None  # FP8 bytes without their tables: not the kernel's
+    assert cpu.flash_prefill(q, k, v, d ** -0.5) is None  # FP8 bytes without their tables: not the kernel's
 

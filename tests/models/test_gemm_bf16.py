@@ -1,4 +1,4 @@
-"""The bf16 GEMM for CPUs where oneDNN takes no bf16 (models/cpu_gemm.py, csrc/gemm_bf16.c), against float64
+"""The bf16 GEMM for CPUs where oneDNN takes no bf16 (kernels/gemm.py, csrc/gemm_bf16.c), against float64
 and against F.linear's own error. Its AVX2 + FMA code is in every x86-64 build of the library, so it runs
 here whatever this machine has; on an AVX2-only machine layers.linear sends every bf16 linear of more rows
 than the GEMV's to it (the AVX2 child run, tests/test_cpu_without_avx512.py, serves bf16 through it)."""
@@ -9,9 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.models import cpu_gemm, cpu_kernels, layers
+from pdserve.kernels import cpu, gemm
 
-pytestmark = pytest.mark.skipif(cpu_gemm.gemm_bf16(torch.ones(1, 4).bfloat16(), torch.ones(2, 4).bfloat16()) is None,
+from pdserve.models import layers
+
+pytestmark = pytest.mark.skipif(gemm.gemm_bf16(torch.ones(1, 4).bfloat16(), torch.ones(2, 4).bfloat16()) is None,
                                 reason="no native kernels with AVX2 + FMA")
 
 
@@ -25,7 +27,7 @@ def test_as_accurate_as_f_linear(m, n, k, with_bias):
     x = torch.randn(m, k + 3, generator=g).bfloat16()[:, 3:]  # rows k + 3 apart
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if with_bias else None
-    out = cpu_gemm.gemm_bf16(x, w, b)
+    out = gemm.gemm_bf16(x, w, b)
     exact = x.double() @ w.double().T + (b.double() if with_bias else 0)
     theirs = F.linear(x, w, b)
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
@@ -37,26 +39,26 @@ def test_as_accurate_as_f_linear(m, n, k, with_bias):
 def test_batched_input_and_what_it_does_not_take():
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(2, 3, 32, generator=g).bfloat16(), torch.randn(8, 32, generator=g).bfloat16()
-    assert torch.equal(cpu_gemm.gemm_bf16(x, w), cpu_gemm.gemm_bf16(x.reshape(6, 32), w).view(2, 3, 8))
-    assert cpu_gemm.gemm_bf16(x.float(), w.float()) is None  # bf16 only
-    assert cpu_gemm.gemm_bf16(x, w.T.contiguous().T) is None  # a strided weight
-    assert cpu_gemm.gemm_bf16(torch.zeros(0, 32).bfloat16(), w) is None  # nothing to multiply: F.linear's
+    assert torch.equal(gemm.gemm_bf16(x, w), gemm.gemm_bf16(x.reshape(6, 32), w).view(2, 3, 8))
+    assert gemm.gemm_bf16(x.float(), w.float()) is None  # bf16 only
+    assert gemm.gemm_bf16(x, w.T.contiguous().T) is None  # a strided weight
+    assert gemm.gemm_bf16(torch.zeros(0, 32).bfloat16(), w) is None  # nothing to multiply: F.linear's
 
 
 def test_a_linear_takes_it_only_where_onednn_takes_no_bf16_and_the_dispatch_chose_it(monkeypatch):
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(40, 64, generator=g).bfloat16(), torch.randn(24, 64, generator=g).bfloat16()
-    calls, real = [], cpu_gemm.gemm_bf16
-    monkeypatch.setattr(cpu_gemm, "gemm_bf16", lambda *a: calls.append(1) or real(*a))
+    calls, real = [], gemm.gemm_bf16
+    monkeypatch.setattr(gemm, "gemm_bf16", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(layers, "_onednn_bf16", lambda: False)  # as on an AVX2-only CPU
     assert torch.equal(layers.linear(x, w), real(x, w)) and len(calls) == 1
     assert torch.equal(layers.linear(x.float(), w.float()), F.linear(x.float(), w.float())) and len(calls) == 1
-    few = x[:cpu_gemm.MIN_ROWS - 1]  # a decode step's rows (an LM head's): F.linear is the faster there
+    few = x[:gemm.MIN_ROWS - 1]  # a decode step's rows (an LM head's): F.linear is the faster there
     assert torch.equal(layers.linear(few, w), F.linear(few, w)) and len(calls) == 1
-    cpu_kernels.set_native(cpu_kernels.GEMM, torch.bfloat16, False)  # the dispatch chose F.linear
+    cpu.set_native(cpu.GEMM, torch.bfloat16, False)  # the dispatch chose F.linear
     try:
         assert torch.equal(layers.linear(x, w), F.linear(x, w)) and len(calls) == 1
     finally:
-        cpu_kernels.reset_paths()
+        cpu.reset_paths()
     monkeypatch.setattr(layers, "_onednn_bf16", lambda: True)  # oneDNN's bf16 (on a plain weight: F.linear)
     assert torch.equal(layers.linear(x, w), F.linear(x, w)) and len(calls) == 1

@@ -16,7 +16,8 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.llm import LLM
 from pdserve.host_malloc import HUGE_PAGE, huge_page_buffer, keep_freed_memory
-from pdserve.models import cpu_kernels, layers
+from pdserve.kernels import cpu
+from pdserve.models import layers
 from pdserve.testing import make_tiny_model
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or ctypes.util.find_library("c") is None,
@@ -73,7 +74,7 @@ def test_a_huge_page_buffer_starts_on_a_huge_page_and_gets_them():
     assert _huge_kib(buf.data_ptr()) >= 4 * HUGE_PAGE // 1024  # at least half of it, should memory be short
 
 
-@pytest.mark.skipif(not cpu_kernels.skinny_linear_runs(), reason="no native GEMV here: no plain weights kept")
+@pytest.mark.skipif(not cpu.skinny_linear_runs(), reason="no native GEMV here: no plain weights kept")
 def test_the_engine_keeps_its_decode_weights_in_huge_pages(tmp_path):
     """Every linear's plain weight (what the GEMV streams at a decode step) lies in one 2 MiB-aligned buffer
     of huge pages and holds the layer's weight (the greedy-output tests run the engine on them)."""

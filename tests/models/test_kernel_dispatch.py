@@ -1,5 +1,6 @@
-"""The per-machine choice between each native kernel and its PyTorch path (models/kernel_dispatch.py):
-timed once and kept, read back, forced by PDSERVE_KERNEL_PATH, and either way the tokens of transformers.
+"""The per-machine choice between each native kernel and its PyTorch path (kernels/dispatch.py, raced against
+the paths of models/torch_paths.py): timed once and kept, read back, forced by PDSERVE_KERNEL_PATH, and either
+way the tokens of transformers.
 
 The suite runs with PDSERVE_KERNEL_PATH=native (tests/conftest.py), so that the tests of the native paths
 run them whatever the timing says; these tests set the variable themselves."""
@@ -15,12 +16,13 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.models import cpu_kernels, kernel_dispatch
+from pdserve.kernels import cpu, dispatch
+from pdserve.models import torch_paths
 from pdserve.models.layers import _LINEARS
 from pdserve.testing import make_tiny_model
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler to build the CPU kernels")
+pytestmark = pytest.mark.skipif(cpu.load() is None, reason="no C compiler to build the CPU kernels")
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 SHAPE = {"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16}
@@ -29,7 +31,7 @@ SHAPE = {"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16}
 @pytest.fixture(autouse=True)
 def _forget_paths():
     yield
-    cpu_kernels.reset_paths()  # the choices are process-wide: leave none to the next test
+    cpu.reset_paths()  # the choices are process-wide: leave none to the next test
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +44,15 @@ def tiny(tmp_path_factory, hf_greedy):
 
 
 def test_the_forcing_variable_is_read_and_checked():
-    both = dict.fromkeys([cpu_kernels.FLASH_PREFILL, cpu_kernels.PAGED_DECODE, cpu_kernels.GEMV, cpu_kernels.RMS_NORM,
-                          cpu_kernels.ROPE_CACHE, cpu_kernels.GEMM], False)
-    assert kernel_dispatch.forced_paths("torch") == both
-    assert kernel_dispatch.forced_paths("native") == {k: True for k in both}
-    assert kernel_dispatch.forced_paths("auto") == kernel_dispatch.forced_paths("") == {}
-    assert kernel_dispatch.forced_paths("flash_prefill=torch, gemv=auto") == {cpu_kernels.FLASH_PREFILL: False}
+    both = dict.fromkeys([cpu.FLASH_PREFILL, cpu.PAGED_DECODE, cpu.GEMV, cpu.RMS_NORM, cpu.ROPE_CACHE, cpu.GEMM],
+                         False)
+    assert dispatch.forced_paths("torch") == both
+    assert dispatch.forced_paths("native") == {k: True for k in both}
+    assert dispatch.forced_paths("auto") == dispatch.forced_paths("") == {}
+    assert dispatch.forced_paths("flash_prefill=torch, gemv=auto") == {cpu.FLASH_PREFILL: False}
     for bad in ("fast", "flash=torch", "gemv=never"):
         with pytest.raises(ValueError, match="PDSERVE_KERNEL_PATH=.*expected auto, native, torch"):
-            kernel_dispatch.forced_paths(bad)
+            dispatch.forced_paths(bad)
 
 
 @pytest.mark.parametrize("races,native", [([(1.0, 2.0)], True), ([(1.0, 0.97)], True),
@@ -61,7 +63,7 @@ def test_pytorch_is_chosen_only_where_it_wins_two_races(tmp_path, races, native)
     the second race's then. Within 5% (TIE) a race is the native path's."""
     times = iter(races)
     cache = tmp_path / "choices.json"
-    assert kernel_dispatch._decide("gemv", torch.float32, "t", lambda: next(times), {}, cache) == native
+    assert dispatch._decide("gemv", torch.float32, "t", lambda: next(times), {}, cache) == native
     (entry,) = json.loads(cache.read_text()).values()
     assert entry == {"native": native, "native_ms": races[-1][0], "torch_ms": races[-1][1]}
     assert next(times, None) is None  # the second race only where the first went to PyTorch
@@ -78,7 +80,7 @@ def test_a_race_one_side_leads_by_far_ends_after_one_turn():
         def run(i, seconds):
             counts[i] += 1
             time.sleep(seconds)
-        native_ms, reference_ms = kernel_dispatch._race(lambda: run(0, native_s), lambda: run(1, reference_s))
+        native_ms, reference_ms = dispatch._race(lambda: run(0, native_s), lambda: run(1, reference_s))
         assert counts == [calls, calls]
         assert native_ms >= native_s * 1e3 and reference_ms >= reference_s * 1e3
 
@@ -87,32 +89,32 @@ def test_the_choice_is_timed_once_kept_and_read_back(tiny, tmp_path, monkeypatch
     """The first start times both paths and keeps the times and the choice in the cache; the next reads
     them back without timing (shown by a stored choice, flipped by hand, being the one taken)."""
     d, _, _ = tiny
-    monkeypatch.setenv(kernel_dispatch.PATH_ENV, "auto")
-    monkeypatch.setattr(kernel_dispatch, "FLASH_TOKENS", 256)  # shorter timings: the test is of the keeping
-    monkeypatch.setattr(kernel_dispatch, "PAGED_DECODE_CASES", ((1, 256), (4, 64)))
-    monkeypatch.setattr(kernel_dispatch, "STEP_ROWS", (1, 16))
+    monkeypatch.setenv(dispatch.PATH_ENV, "auto")
+    monkeypatch.setattr(dispatch, "FLASH_TOKENS", 256)  # shorter timings: the test is of the keeping
+    monkeypatch.setattr(dispatch, "PAGED_DECODE_CASES", ((1, 256), (4, 64)))
+    monkeypatch.setattr(dispatch, "STEP_ROWS", (1, 16))
     cache = tmp_path / "choices.json"
     with LLM(EngineConfig(model=str(d), device="cpu", tokens_per_block=8)) as llm:
         model = llm.engine.runner.model
         heads = (SHAPE["num_heads"], SHAPE["num_kv_heads"], SHAPE["head_dim"])
-        with caplog.at_level(logging.INFO, logger=kernel_dispatch.__name__):
-            first = kernel_dispatch.choose_paths(model, torch.float32, *heads, cache=cache)
-        assert set(first) == set(kernel_dispatch.KERNELS) - {cpu_kernels.GEMM}  # (bf16 only)
+        with caplog.at_level(logging.INFO, logger=dispatch.__name__):
+            first = torch_paths.choose_paths(model, torch.float32, *heads, cache=cache)
+        assert set(first) == set(dispatch.KERNELS) - {cpu.GEMM}  # (bf16 only)
         assert caplog.text.count("(timed: native") == 5, caplog.text
         stored = json.loads(cache.read_text())
         assert len(stored) == 5
         for entry in stored.values():
             times = (entry["native_ms"], entry["torch_ms"])  # (within TIE a race is native's)
-            assert entry["native"] == (not kernel_dispatch._torch_wins(times)) and entry["native_ms"] > 0
-        (flash_key,) = [key for key in stored if f"|{cpu_kernels.FLASH_PREFILL}|float32|4x2x16@256" in key]
-        stored[flash_key]["native"] = not first[cpu_kernels.FLASH_PREFILL]
+            assert entry["native"] == (not dispatch._torch_wins(times)) and entry["native_ms"] > 0
+        (flash_key,) = [key for key in stored if f"|{cpu.FLASH_PREFILL}|float32|4x2x16@256" in key]
+        stored[flash_key]["native"] = not first[cpu.FLASH_PREFILL]
         cache.write_text(json.dumps(stored))
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger=kernel_dispatch.__name__):
-            again = kernel_dispatch.choose_paths(model, torch.float32, *heads, cache=cache)
+        with caplog.at_level(logging.INFO, logger=dispatch.__name__):
+            again = torch_paths.choose_paths(model, torch.float32, *heads, cache=cache)
         assert caplog.text.count("(cached: native") == 5 and "timed" not in caplog.text, caplog.text
-        assert again == {**first, cpu_kernels.FLASH_PREFILL: not first[cpu_kernels.FLASH_PREFILL]}
-        assert cpu_kernels.native(cpu_kernels.FLASH_PREFILL, torch.float32) == again[cpu_kernels.FLASH_PREFILL]
+        assert again == {**first, cpu.FLASH_PREFILL: not first[cpu.FLASH_PREFILL]}
+        assert cpu.native(cpu.FLASH_PREFILL, torch.float32) == again[cpu.FLASH_PREFILL]
 
 
 @pytest.mark.parametrize("path", ["native", "torch"])
@@ -120,19 +122,19 @@ def test_each_forced_path_gives_transformers_tokens(tiny, monkeypatch, path):
     """Forced to PyTorch, no native attention, GEMV, RMSNorm or RoPE / cache write runs (the plain weight
     copies and the C decode step are gone); forced native, they do. Both give transformers' greedy tokens."""
     d, prompts, ref = tiny
-    monkeypatch.setenv(kernel_dispatch.PATH_ENV, path)
-    gemv_runs = cpu_kernels.skinny_linear_runs()  # (a trial call: before the calls are counted)
+    monkeypatch.setenv(dispatch.PATH_ENV, path)
+    gemv_runs = cpu.skinny_linear_runs()  # (a trial call: before the calls are counted)
     calls = []
     for name in ("flash_prefill", "paged_decode_attention", "skinny_linear", "rms_norm", "rope_cache_write"):
-        kernel = getattr(cpu_kernels, name)
-        monkeypatch.setattr(cpu_kernels, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
+        kernel = getattr(cpu, name)
+        monkeypatch.setattr(cpu, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
     with LLM(EngineConfig(model=str(d), device="cpu", tokens_per_block=8, max_num_seqs=1)) as llm:
         model = llm.engine.runner.model
         gemv_weights = [m.gemv_weight for m in model.modules() if isinstance(m, _LINEARS)]
         calls.clear()  # (the dispatch's own trial calls)
         assert [c.token_ids for c in llm.generate(prompts, GREEDY)] == ref
     native = path == "native"
-    assert cpu_kernels.native(cpu_kernels.FLASH_PREFILL, torch.float32) == native
+    assert cpu.native(cpu.FLASH_PREFILL, torch.float32) == native
     assert ("flash_prefill" in calls) == native
     assert ("rms_norm" in calls) == native and ("rope_cache_write" in calls) == native  # (prefills: no C step)
     assert native or "paged_decode_attention" not in calls  # (native, the C decode step runs it)
@@ -149,11 +151,11 @@ def test_an_mla_model_races_no_attention_kernel(tmp_path, monkeypatch):
 
     decided = []
     monkeypatch.setattr(model_runner, "choose_paths",
-                        lambda *a, **k: decided.append(kernel_dispatch.choose_paths(*a, **k)) or decided[-1])
+                        lambda *a, **k: decided.append(torch_paths.choose_paths(*a, **k)) or decided[-1])
     with LLM(EngineConfig(model=str(make_tiny_deepseek_v3(tmp_path / "m", num_layers=2)))):
         pass
     assert len(decided) == 1
-    assert cpu_kernels.FLASH_PREFILL not in decided[0] and cpu_kernels.PAGED_DECODE not in decided[0], decided
+    assert cpu.FLASH_PREFILL not in decided[0] and cpu.PAGED_DECODE not in decided[0], decided
 
 
 def test_ranks_storing_choices_at_once_keep_every_entry(tmp_path):
@@ -167,8 +169,8 @@ def test_ranks_storing_choices_at_once_keep_every_entry(tmp_path):
 
     def rank(r: int) -> None:
         for i in range(25):
-            kernel_dispatch._store_choice(cache, f"rank{r}|{i}", {"native": True, "native_ms": 1.0, "torch_ms": 2.0})
-            if cache.exists() and not kernel_dispatch._load_choices(cache):
+            dispatch._store_choice(cache, f"rank{r}|{i}", {"native": True, "native_ms": 1.0, "torch_ms": 2.0})
+            if cache.exists() and not dispatch._load_choices(cache):
                 seen_broken.append(r)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]

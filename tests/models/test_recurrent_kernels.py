@@ -11,14 +11,14 @@ import math
 import pytest
 import torch
 
-from pdserve.models import recurrent_kernels
+from pdserve.kernels import recurrent
 from pdserve.models.config import LinearAttentionShape, Mamba2Shape
 from pdserve.models.gated_deltanet import GatedDeltaNet, deltanet_state
 from pdserve.models.mamba2 import Mamba2Mixer, mamba2_state
 from pdserve.models.recurrent_state import RecurrentState, StateSlice
 from pdserve.parallel.state import ParallelState
 
-pytestmark = pytest.mark.skipif(recurrent_kernels.load() is None, reason="no C compiler: the native kernels")
+pytestmark = pytest.mark.skipif(recurrent.load() is None, reason="no C compiler: the native kernels")
 
 HIDDEN, SLOTS = 96, 6
 
@@ -66,7 +66,7 @@ def _run(make, dtype, native: bool, monkeypatch):
     state.ssm.copy_(0.3 * torch.randn(state.ssm.shape, generator=g))
     with monkeypatch.context() as m:
         if not native:
-            m.setattr(recurrent_kernels, "load", lambda: None)
+            m.setattr(recurrent, "load", lambda: None)
         outs = [layer(torch.randn(rows, HIDDEN, generator=g).to(dtype), state, 1, seqs) for rows, seqs in _steps()]
     return outs, state
 

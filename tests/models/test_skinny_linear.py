@@ -9,9 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.models import cpu_kernels, layers
+from pdserve.kernels import cpu
 
-LIB = cpu_kernels.load()
+from pdserve.models import layers
+
+LIB = cpu.load()
 pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler to build the CPU kernels")
 
 SHAPES = [  # m, n, k
@@ -41,7 +43,7 @@ def _exact(x, w, b):
 
 
 def _skip_without_avx512():
-    if not cpu_kernels.skinny_linear_runs():
+    if not cpu.skinny_linear_runs():
         pytest.skip("the kernel library was built without AVX-512 or AVX2 + FMA")
 
 
@@ -50,7 +52,7 @@ def _skip_without_avx512():
 def test_fp32_matches_float64(m, n, k, bias):
     _skip_without_avx512()
     x, w, b = _inputs(m, n, k, torch.float32, seed=m * 1000 + n + k, bias=bias)
-    out = cpu_kernels.skinny_linear(x, w, b)
+    out = cpu.skinny_linear(x, w, b)
     assert out.shape == (m, n) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), _exact(x, w, b), rtol=1e-5, atol=1e-5 * k ** 0.5)
 
@@ -59,7 +61,7 @@ def test_fp32_matches_float64(m, n, k, bias):
 def test_bf16_as_accurate_as_pytorch(m, n, k, as_accurate_as):
     _skip_without_avx512()
     x, w, b = _inputs(m, n, k, torch.bfloat16, seed=m * 1000 + n + k)
-    out = cpu_kernels.skinny_linear(x, w, b)
+    out = cpu.skinny_linear(x, w, b)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     as_accurate_as(out, F.linear(x, w, b), _exact(x, w, b), max_ratio=2.0)
 
@@ -68,8 +70,8 @@ def test_bf16_products_widened_to_fp32(tmp_path, as_accurate_as):
     """The form a CPU with AVX-512 but without AVX512-BF16 compiles: both bf16 halves of a pair widened
     to fp32. Built here with those instructions turned off, and called directly."""
     _skip_without_avx512()
-    source = [s for s in cpu_kernels.SOURCES if s.name == "skinny_linear.c"]
-    lib = ctypes.CDLL(str(cpu_kernels.build(source, tmp_path, [*cpu_kernels.FLAGS, "-mno-avx512bf16"])))
+    source = [s for s in cpu.SOURCES if s.name == "skinny_linear.c"]
+    lib = ctypes.CDLL(str(cpu.build(source, tmp_path, [*cpu.FLAGS, "-mno-avx512bf16"])))
     lib.skinny_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_int, ctypes.c_int]
     for m, n, k in [(1, 960, 576), (6, 33, 100)]:
         x, w, b = _inputs(m, n, k, torch.bfloat16, seed=n)
@@ -84,13 +86,13 @@ def test_a_row_does_not_depend_on_its_batch(dtype):
     in a batch gets the same bits. (fp32 within 1-8 rows, and within 9-16, which the lane loop takes.)"""
     _skip_without_avx512()
     x, w, b = _inputs(16, 70, 200, dtype, seed=5)
-    together = cpu_kernels.skinny_linear(x[:8], w, b)
+    together = cpu.skinny_linear(x[:8], w, b)
     for i in range(8):
-        assert torch.equal(cpu_kernels.skinny_linear(x[i:i + 1], w, b), together[i:i + 1])
-    assert torch.equal(cpu_kernels.skinny_linear(x[2:7], w, b), together[2:7])
-    sixteen = cpu_kernels.skinny_linear(x, w, b)
-    assert torch.equal(cpu_kernels.skinny_linear(x[3:12], w, b), sixteen[3:12])
-    assert torch.equal(cpu_kernels.skinny_linear(x[:13], w, b), sixteen[:13])
+        assert torch.equal(cpu.skinny_linear(x[i:i + 1], w, b), together[i:i + 1])
+    assert torch.equal(cpu.skinny_linear(x[2:7], w, b), together[2:7])
+    sixteen = cpu.skinny_linear(x, w, b)
+    assert torch.equal(cpu.skinny_linear(x[3:12], w, b), sixteen[3:12])
+    assert torch.equal(cpu.skinny_linear(x[:13], w, b), sixteen[:13])
     if dtype == torch.bfloat16:
         assert torch.equal(sixteen[:8], together)
 
@@ -101,21 +103,21 @@ def test_strided_rows_and_leading_dims():
     wide = torch.zeros(3, 100)
     wide[:, 10:74] = x
     strided = wide[:, 10:74]  # rows 100 apart
-    assert torch.equal(cpu_kernels.skinny_linear(strided, w, b), cpu_kernels.skinny_linear(x, w, b))
+    assert torch.equal(cpu.skinny_linear(strided, w, b), cpu.skinny_linear(x, w, b))
     every_other = torch.stack([x, torch.zeros_like(x)], dim=-1)[..., 0]  # stride 2 along K: copied first
-    assert torch.equal(cpu_kernels.skinny_linear(every_other, w, b), cpu_kernels.skinny_linear(x, w, b))
-    out = cpu_kernels.skinny_linear(x.view(3, 1, 64), w, b)
+    assert torch.equal(cpu.skinny_linear(every_other, w, b), cpu.skinny_linear(x, w, b))
+    out = cpu.skinny_linear(x.view(3, 1, 64), w, b)
     assert out.shape == (3, 1, 24)
 
 
 def test_refused_inputs_are_left_to_pytorch():
     x, w, b = _inputs(1, 8, 32, torch.float32, seed=1)
-    assert cpu_kernels.skinny_linear(x.half(), w.half()) is None  # fp16
-    assert cpu_kernels.skinny_linear(x, w.bfloat16()) is None  # mixed dtypes
-    assert cpu_kernels.skinny_linear(x, w.T.contiguous().T) is None  # a strided weight
-    assert cpu_kernels.skinny_linear(x, w, b[:4]) is None  # a bias of the wrong size
+    assert cpu.skinny_linear(x.half(), w.half()) is None  # fp16
+    assert cpu.skinny_linear(x, w.bfloat16()) is None  # mixed dtypes
+    assert cpu.skinny_linear(x, w.T.contiguous().T) is None  # a strided weight
+    assert cpu.skinny_linear(x, w, b[:4]) is None  # a bias of the wrong size
     if torch.backends.mkldnn.is_available():
-        assert cpu_kernels.skinny_linear(x, torch.ops.mkldnn._reorder_linear_weight(w)) is None  # packed
+        assert cpu.skinny_linear(x, torch.ops.mkldnn._reorder_linear_weight(w)) is None  # packed
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -124,7 +126,7 @@ def test_linear_sends_a_few_rows_to_the_gemv(dtype):
     other row counts (more, or 9-11 fp32 rows), or any prefill, the GEMM on the packed weight; both agree
     with F.linear."""
     _skip_without_avx512()
-    taken = cpu_kernels.SKINNY_ROWS[dtype]
+    taken = cpu.SKINNY_ROWS[dtype]
     limit = max(taken)
     x, w, b = _inputs(limit + 1, 48, 64, dtype, seed=2)
     packed = torch.ops.mkldnn._reorder_linear_weight(w) if layers.onednn_packs(dtype) else w  # as pack_for_cpu
@@ -136,7 +138,7 @@ def test_linear_sends_a_few_rows_to_the_gemv(dtype):
     for rows in sorted({1, 8, limit}):
         with layers.decode_step(True):
             few = layers.linear(x[:rows], packed, b, gemv_weight=w)
-        assert torch.equal(few, cpu_kernels.skinny_linear(x[:rows], w, b))
+        assert torch.equal(few, cpu.skinny_linear(x[:rows], w, b))
         torch.testing.assert_close(few, F.linear(x[:rows], w, b), **tol)
         prefill = layers.linear(x[:rows], packed, b, gemv_weight=w)  # not a decode step: the GEMM
         assert torch.equal(prefill, layers.linear(x[:rows], packed, b))

@@ -28,7 +28,7 @@ from pdserve.kv_transfer.page_table import (BufferEntry, LayerGroup, MapperKind,
                                            page_table_for_block_major_pool, page_table_for_latent_pool)
 from pdserve.kv_transfer.rank_info import RankInfo
 from pdserve.kv_transfer.transceiver import KVTransceiver
-from pdserve.models.kv_quant import SCHEME, KVScales
+from pdserve.kernels.kv_quant import SCHEME, KVScales
 from pdserve.parallel.state import ParallelState
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class KVPoolGeometry:
 
     kv_layer_ids: tuple[int, ...] | None = None  # global ids of the pool's layers; None: first_layer onwards
     latent: bool = False  # MLA: one latent per token and layer, the same on every TP rank (a REPLICATED pool)
-    kv_scales: KVScales | None = None  # an FP8 pool's static scales (models/kv_quant.py), in pool layer order
+    kv_scales: KVScales | None = None  # an FP8 pool's static scales (kernels/kv_quant.py), in pool layer order
 
     def __post_init__(self) -> None:
         if self.layout not in MapperKind.__members__:

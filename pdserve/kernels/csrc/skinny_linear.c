@@ -4,7 +4,7 @@
  * the time to stream W from memory once, and at a few rows this loop on plain row-major weights streams
  * W faster than oneDNN's GEMM on its packed weights. Past 8 fp32 rows the tiles turn compute-bound, so
  * 9 to 16 fp32 rows take a second loop (lanes_f32, below). The engine sends it the steps of
- * cpu_kernels.SKINNY_ROWS rows (layers.linear), where the kernel dispatch found it the faster.
+ * cpu.SKINNY_ROWS rows (layers.linear), where the kernel dispatch found it the faster.
  *
  * Work is split by output columns (rows of W), NR at a time: each thread streams its own share of W
  * once, and the NR rows it holds meet every row of x before it moves on (for more than MR rows of x,
@@ -201,7 +201,7 @@ INLINE int64_t share_start(int64_t tiles, int next) {
  * tiles above turn compute-bound on their horizontal sums, and oneDNN's GEMM is little better. Here x
  * is transposed once per call into xt [k][16] (zero lanes past m), and LR rows of W at a time meet it:
  * acc[j] (column n0 + j of all 16 rows) += W[n0 + j][kk] * xt[kk], kk in order. No horizontal sums
- * (from 12 rows it beats oneDNN: cpu_kernels.SKINNY_ROWS), and each value of y is one fp32 sum over K
+ * (from 12 rows it beats oneDNN: cpu.SKINNY_ROWS), and each value of y is one fp32 sum over K
  * in order, whatever the number of rows, so a sequence's result still does not depend on its batch. */
 #define LR 16 /* rows of W per tile of the lane kernel */
 #define LANE_MIN_ROWS 9

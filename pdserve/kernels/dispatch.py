@@ -3,28 +3,27 @@ decided by timing both on the model's own shapes.
 
 A kernel's build form follows the compiler's -march (AVX-512, AVX2 + FMA, plain C), but whether it beats
 PyTorch depends on the machine: its core, its memory, the ISA that ATen and oneDNN take on it. So at
-model load (`choose_paths`, from the model runner) each kernel that has a PyTorch alternative is timed
-against it, and the faster is kept:
+model load each kernel that has a PyTorch alternative is timed against it, and the faster is kept. The
+PyTorch paths are the models' (`References`, handed in by models/torch_paths.py, whose `choose_paths` the
+model runner calls); nothing here imports a model:
 
-- flash prefill (`cpu_kernels.flash_prefill`) against the path attention.paged_attention takes without
-  it (at FLASH_TOKENS tokens the tiled oneDNN path, `attention._tiled_causal_attention`, or SDPA where
-  torch has no oneDNN): causal attention of FLASH_TOKENS tokens with the model's query heads, KV heads
-  and head_dim.
-- paged decode attention (`cpu_kernels.paged_decode_attention`) against the gather and SDPA that
-  attention.paged_attention runs without it (`attention._sdpa_decode`), at PAGED_DECODE_CASES (sequences,
-  context tokens) with the model's heads; where PyTorch wins, the one-call C decode step (which runs the
-  kernel) is not used either.
-- the decode GEMV (`cpu_kernels.skinny_linear`) against the GEMM a linear takes without it (oneDNN on the
+- flash prefill (`cpu.flash_prefill`) against the path attention.paged_attention takes without
+  it (at FLASH_TOKENS tokens the tiled oneDNN path, or SDPA where torch has no oneDNN): causal attention
+  of FLASH_TOKENS tokens with the model's query heads, KV heads and head_dim.
+- paged decode attention (`cpu.paged_decode_attention`) against the gather and SDPA that
+  attention.paged_attention runs without it, at PAGED_DECODE_CASES (sequences, context tokens) with the
+  model's heads; where PyTorch wins, the one-call C decode step (which runs the kernel) is not used either.
+- the decode GEMV (`cpu.skinny_linear`) against the GEMM a linear takes without it (oneDNN on the
   packed weight, or F.linear), on the first layer's linears at GEMV_ROWS rows each. Where the GEMM wins,
   the plain weight copies the GEMV needed are dropped and the one-call C decode step (which runs the
   GEMV) is not used.
-- RMSNorm (`cpu_kernels.rms_norm`) against layers.RMSNorm's PyTorch form, alone and after a residual add,
-  and the RoPE / cache write (`cpu_kernels.rope_cache_write`) against RotaryEmbedding.rotate and
+- RMSNorm (`cpu.rms_norm`) against layers.RMSNorm's PyTorch form, alone and after a residual add,
+  and the RoPE / cache write (`cpu.rope_cache_write`) against RotaryEmbedding.rotate and
   PagedKVCache.write, each at STEP_ROWS rows with the model's hidden size or heads (and the pool's dtype).
   The one-call C decode step, where it runs, calls both kernels whatever was chosen: it is a whole
   step's path, raced by its attention and GEMV.
-- where oneDNN takes no bf16 (`layers.onednn_packs`), the bf16 GEMM of `cpu_gemm` against F.linear, on the
-  first layer's linears at GEMM_ROWS rows (layers.linear takes it for every linear of more rows than the
+- where oneDNN takes no bf16 (`layers.onednn_packs`), the bf16 GEMM of kernels/gemm.py against F.linear, on
+  the first layer's linears at GEMM_ROWS rows (layers.linear takes it for every linear of more rows than the
   GEMV's).
 
 Each pair is timed in turns, best of five each (one, where a side is LEAD times slower), so a slow spell of
@@ -49,21 +48,19 @@ import os
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from pdserve.models import cpu_gemm, cpu_kernels
-from pdserve.models.attention import (AttentionMetadata, PagedKVCache, _sdpa_decode, _tiled_causal_attention,
-                                      _use_tiled)
-from pdserve.models.layers import _LINEARS, RMSNorm, RotaryEmbedding, linear, onednn_packs
+from pdserve.kernels import cpu, gemm
+from pdserve.kernels.kv_quant import KVScales, is_quantized
 
 log = logging.getLogger(__name__)
 
 PATH_ENV = "PDSERVE_KERNEL_PATH"
-KERNELS = (cpu_kernels.FLASH_PREFILL, cpu_kernels.PAGED_DECODE, cpu_kernels.GEMV, cpu_kernels.RMS_NORM,
-           cpu_kernels.ROPE_CACHE, cpu_kernels.GEMM)
+KERNELS = (cpu.FLASH_PREFILL, cpu.PAGED_DECODE, cpu.GEMV, cpu.RMS_NORM, cpu.ROPE_CACHE, cpu.GEMM)
 FLASH_TOKENS = 1024  # a prompt length where attention is a good share of a prefill
 PAGED_DECODE_CASES = ((1, 1024), (16, 512))  # (sequences, context tokens) of a decode step
 GEMV_ROWS = (1, 4, 16)  # decode steps of one, a few and the most sequences the GEMV takes
@@ -72,6 +69,28 @@ GEMM_ROWS = 128  # a prefill chunk's rows, for the bf16 GEMM
 CHOICES_FILE = "choices.json"
 TIE = 0.05  # a race PyTorch wins by less than this share of native's time is a tie
 LEAD = 3.0  # a race where one side takes this many times the other's time is decided after one turn
+
+
+@dataclass(frozen=True)
+class References:
+    """The PyTorch path each kernel is raced against, handed in by the models. Where a path needs objects
+    of its own (a cache view, step metadata, a norm module), it takes the race's inputs, builds them there,
+    outside the timing, and returns the call that is timed.
+
+    causal_attention(q [tokens, heads, d], k, v [kv_heads, tokens, d], scale) -> () -> attention
+    paged_decode(pool [blocks, 1, 2, kv_heads, T, d] (HND), [(q [b, heads, d], block_table [b, nb],
+                 context_lens [b])], scale) -> () -> every case's decode attention
+    rope_cache(pool, heads, [(qkv [n, heads + 2 * kv_heads, d], (cos, signed_sin), slot_blocks [n],
+               slot_offsets [n])]) -> () -> every case's RoPE and K/V write into layer 0 of the pool
+    rms_norm(weight [hidden], eps) -> x [rows, hidden] -> norm(x)
+    linear(x, weight, bias) -> x @ weight.T + bias: the GEMM a linear takes outside a decode step
+    """
+
+    causal_attention: Callable
+    paged_decode: Callable
+    rope_cache: Callable
+    rms_norm: Callable
+    linear: Callable
 
 
 def forced_paths(spec: str | None = None) -> dict[str, bool]:
@@ -111,139 +130,128 @@ def _race(native: Callable[[], object], reference: Callable[[], object], repeats
     return best[0] * 1e3, best[1] * 1e3
 
 
-def time_flash_prefill(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[float, float] | None:
-    """(native ms, PyTorch ms) for causal attention of FLASH_TOKENS tokens; None where the kernel does not
-    take the shape."""
+def time_flash_prefill(reference: Callable, heads: int, kv_heads: int, head_dim: int,
+                       dtype: torch.dtype) -> tuple[float, float] | None:
+    """(native ms, PyTorch ms) for causal attention of FLASH_TOKENS tokens (`reference`:
+    References.causal_attention); None where the kernel does not take the shape."""
     g, tokens = torch.Generator().manual_seed(0), FLASH_TOKENS
     q = torch.randn(tokens, heads, head_dim, generator=g).to(dtype)
     k, v = (torch.randn(kv_heads, tokens, head_dim, generator=g).to(dtype) for _ in range(2))
     scale = head_dim ** -0.5
-    if cpu_kernels.flash_prefill(q, k, v, scale) is None:
+    if cpu.flash_prefill(q, k, v, scale) is None:
         return None
-    qs, tiled = q.transpose(0, 1).unsqueeze(0), _use_tiled(q, tokens)
-
-    def reference() -> torch.Tensor:  # the path attention.paged_attention takes without the kernel
-        if tiled:
-            return _tiled_causal_attention(q, k, v, scale)
-        return F.scaled_dot_product_attention(qs, k[None], v[None], is_causal=True, scale=scale, enable_gqa=True)
-    return _race(lambda: cpu_kernels.flash_prefill(q, k, v, scale), reference)
+    return _race(lambda: cpu.flash_prefill(q, k, v, scale), reference(q, k, v, scale))
 
 
-def time_paged_decode(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, tokens_per_block: int = 16,
-                      kv_dtype: torch.dtype | None = None) -> tuple[float, float] | None:
-    """(native ms, PyTorch ms) for decode attention at PAGED_DECODE_CASES, each sequence's blocks scattered
-    over one pool (of `kv_dtype`, default `dtype`; an FP8 one with scales 1), summed; None where the kernel
-    does not take the shape."""
+def time_paged_decode(reference: Callable, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                      tokens_per_block: int = 16, kv_dtype: torch.dtype | None = None) -> tuple[float, float] | None:
+    """(native ms, PyTorch ms) for decode attention at PAGED_DECODE_CASES (`reference`:
+    References.paged_decode), each sequence's blocks scattered over one pool (of `kv_dtype`, default `dtype`;
+    an FP8 one with scales 1), summed; None where the kernel does not take the shape."""
     g = torch.Generator().manual_seed(0)
     T = tokens_per_block
     total = sum(b * (ctx // T) for b, ctx in PAGED_DECODE_CASES)
     pool = torch.randn(total, 1, 2, kv_heads, T, head_dim, generator=g).to(kv_dtype or dtype)  # one layer, HND
-    cache, scale, blocks, at = PagedKVCache(pool, "HND"), head_dim ** -0.5, torch.randperm(total, generator=g), 0
+    scales = KVScales.ones(1) if is_quantized(pool.dtype) else None
+    scale, blocks, at = head_dim ** -0.5, torch.randperm(total, generator=g), 0
     cases = []
     for b, ctx in PAGED_DECODE_CASES:
         table = blocks[at:at + b * (ctx // T)].view(b, ctx // T)
         at += table.numel()
-        empty = torch.zeros(0, dtype=torch.int64)
-        md = AttentionMetadata(empty, empty, [], torch.arange(b), table, torch.full((b,), ctx), T, decode_only=True)
-        cases.append((torch.randn(b, heads, head_dim, generator=g).to(dtype), md))
-    if cpu_kernels.paged_decode_attention(cases[0][0], pool, "HND", 0, cases[0][1].decode_blocks,
-                                          cases[0][1].decode_lens, scale, scales=cache.scales) is None:
+        cases.append((torch.randn(b, heads, head_dim, generator=g).to(dtype), table, torch.full((b,), ctx)))
+    if cpu.paged_decode_attention(cases[0][0], pool, "HND", 0, *cases[0][1:], scale, scales=scales) is None:
         return None
 
-    def run(native: bool) -> None:
-        for q, md in cases:
-            if native:
-                cpu_kernels.paged_decode_attention(q, pool, "HND", 0, md.decode_blocks, md.decode_lens, scale,
-                                                   scales=cache.scales)
-            else:
-                _sdpa_decode(q, 0, cache, md, scale, 0)
-    return _race(lambda: run(True), lambda: run(False))
+    def native() -> None:
+        for q, table, lens in cases:
+            cpu.paged_decode_attention(q, pool, "HND", 0, table, lens, scale, scales=scales)
+    return _race(native, reference(pool, cases, scale))
 
 
-def time_gemv(layers: list, dtype: torch.dtype) -> tuple[float, float] | None:
-    """(native ms, GEMM ms) for `layers`' linears (each with a plain `gemv_weight`) at GEMV_ROWS rows,
-    summed; None where the kernel does not run."""
+def time_gemv(reference: Callable, layers: list, dtype: torch.dtype) -> tuple[float, float] | None:
+    """(native ms, GEMM ms) for `layers`' linears (each with a plain `gemv_weight`) at GEMV_ROWS rows, summed
+    (`reference`: References.linear); None where the kernel does not run."""
     g = torch.Generator().manual_seed(0)
     cases = [(m, torch.randn(rows, m.gemv_weight.shape[1], generator=g).to(dtype)) for m in layers
              for rows in GEMV_ROWS]
-    if not cases or cpu_kernels.skinny_linear(cases[0][1], cases[0][0].gemv_weight) is None:
+    if not cases or cpu.skinny_linear(cases[0][1], cases[0][0].gemv_weight) is None:
         return None
 
     def run(native: bool) -> None:
         for m, x in cases:
             if native:
-                cpu_kernels.skinny_linear(x, m.gemv_weight, m.bias)
+                cpu.skinny_linear(x, m.gemv_weight, m.bias)
             else:
-                linear(x, m.weight, m.bias)  # not in a decode step: the GEMM, as without the GEMV
+                reference(x, m.weight, m.bias)  # not in a decode step: the GEMM, as without the GEMV
     return _race(lambda: run(True), lambda: run(False))
 
 
-def time_rms_norm(hidden: int, dtype: torch.dtype) -> tuple[float, float] | None:
+def time_rms_norm(reference: Callable, hidden: int, dtype: torch.dtype) -> tuple[float, float] | None:
     """(native ms, PyTorch ms) for RMSNorm of STEP_ROWS rows of `hidden`, alone and after a residual add
-    (layers.RMSNorm's forward and add_and_norm), summed; None where the kernel does not run."""
-    g = torch.Generator().manual_seed(0)
-    norm = RMSNorm(hidden, 1e-6, dtype)
-    norm.weight.copy_(torch.rand(hidden, generator=g) + 0.5)
+    (`reference`: References.rms_norm), summed; None where the kernel does not run."""
+    g, eps = torch.Generator().manual_seed(0), 1e-6
+    weight = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
     cases = [tuple(torch.randn(rows, hidden, generator=g).to(dtype) for _ in range(2)) for rows in STEP_ROWS]
-    if cpu_kernels.rms_norm(cases[0][0], norm.weight, norm.eps) is None:
+    if cpu.rms_norm(cases[0][0], weight, eps) is None:
         return None
+    norm = reference(weight, eps)
 
     def run(native: bool) -> None:
         for x, y in cases:
             if native:
-                cpu_kernels.rms_norm(x, norm.weight, norm.eps)
-                cpu_kernels.rms_norm(y, norm.weight, norm.eps, residual=x)
+                cpu.rms_norm(x, weight, eps)
+                cpu.rms_norm(y, weight, eps, residual=x)
             else:
-                norm.torch_forward(x)
-                norm.torch_forward(x + y)
+                norm(x)
+                norm(x + y)
     return _race(lambda: run(True), lambda: run(False))
 
 
-def time_rope_cache(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+def rope_table(head_dim: int, positions: torch.Tensor, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sign-folded sin, [n, 1, head_dim] each, of plain rotate-half RoPE at `positions`: the table the
+    models' RotaryEmbedding makes (without a scaling), for the race's inputs."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = torch.outer(positions.float(), inv)
+    sin = freqs.sin()
+    return torch.cat([freqs, freqs], dim=-1).cos().unsqueeze(1), torch.cat([-sin, sin], dim=-1).unsqueeze(1)
+
+
+def time_rope_cache(reference: Callable, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                     kv_dtype: torch.dtype | None = None) -> tuple[float, float] | None:
     """(native ms, PyTorch ms) for RoPE on q and k and K and V into scattered slots of a pool (of
-    `kv_dtype`, default `dtype`; FP8 with scales 1) at STEP_ROWS tokens, summed: cpu_kernels.rope_cache_write
-    against RotaryEmbedding.rotate and PagedKVCache.write (attention.rotate_and_cache's two paths); None
-    where the kernel does not take the shape."""
+    `kv_dtype`, default `dtype`; FP8 with scales 1) at STEP_ROWS tokens, summed: cpu.rope_cache_write against
+    `reference` (References.rope_cache); None where the kernel does not take the shape."""
     g, T = torch.Generator().manual_seed(0), 16
     blocks = -(-sum(STEP_ROWS) // T)
     pool = torch.zeros(blocks, 1, 2, kv_heads, T, head_dim, dtype=kv_dtype or dtype)  # one layer, HND
-    cache, rope = PagedKVCache(pool, "HND"), RotaryEmbedding(head_dim, 4096, 10000.0, None)
+    scales = KVScales.ones(1) if is_quantized(pool.dtype) else None
     slots, at, cases = torch.randperm(blocks * T, generator=g), 0, []
     for rows in STEP_ROWS:
         qkv = torch.randn(rows, heads + 2 * kv_heads, head_dim, generator=g).to(dtype)
         where = slots[at:at + rows]
         at += rows
-        md = AttentionMetadata(where // T, where % T, [], torch.zeros(0, dtype=torch.long),
-                               torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long), T)
-        cases.append((qkv, rope.table(torch.arange(rows) + 100), md))
-    first = cases[0]
-    if cpu_kernels.rope_cache_write(first[0], heads, *first[1], pool, "HND", 0, first[2].slot_blocks,
-                                    first[2].slot_offsets, cache.scales) is None:
+        cases.append((qkv, rope_table(head_dim, torch.arange(rows) + 100), where // T, where % T))
+    qkv, table, slot_blocks, slot_offsets = cases[0]
+    if cpu.rope_cache_write(qkv, heads, *table, pool, "HND", 0, slot_blocks, slot_offsets, scales) is None:
         return None
 
-    def run(native: bool) -> None:
-        for qkv, table, md in cases:
-            if native:
-                cpu_kernels.rope_cache_write(qkv, heads, *table, pool, "HND", 0, md.slot_blocks, md.slot_offsets,
-                                             cache.scales)
-            else:
-                qk = RotaryEmbedding.rotate(qkv[:, :heads + kv_heads], table)
-                cache.write(0, qk[:, heads:], qkv[:, heads + kv_heads:], md)
-    return _race(lambda: run(True), lambda: run(False))
+    def native() -> None:
+        for qkv, table, slot_blocks, slot_offsets in cases:
+            cpu.rope_cache_write(qkv, heads, *table, pool, "HND", 0, slot_blocks, slot_offsets, scales)
+    return _race(native, reference(pool, heads, cases))
 
 
 def time_gemm(layers: list, dtype: torch.dtype) -> tuple[float, float] | None:
     """(native ms, F.linear ms) for `layers`' linears (plain weights) at GEMM_ROWS rows, summed: the bf16
-    GEMM of cpu_gemm against F.linear; None where it does not run (another dtype, no AVX2 + FMA)."""
+    GEMM of kernels/gemm.py against F.linear; None where it does not run (another dtype, no AVX2 + FMA)."""
     g = torch.Generator().manual_seed(0)
     cases = [(m, torch.randn(GEMM_ROWS, m.weight.shape[1], generator=g).to(dtype)) for m in layers]
-    if not cases or cpu_gemm.gemm_bf16(cases[0][1], cases[0][0].weight) is None:
+    if not cases or gemm.gemm_bf16(cases[0][1], cases[0][0].weight) is None:
         return None
 
     def run(native: bool) -> None:
         for m, x in cases:
-            (cpu_gemm.gemm_bf16 if native else F.linear)(x, m.weight, m.bias)
+            (gemm.gemm_bf16 if native else F.linear)(x, m.weight, m.bias)
     return _race(lambda: run(True), lambda: run(False))
 
 
@@ -293,12 +301,12 @@ def _decide(kernel: str, dtype: torch.dtype, shape: str, timer: Callable[[], tup
     """Native (True) or torch (False) for one kernel; None where the kernel does not run here."""
     name = str(dtype).removeprefix("torch.")
     if kernel in forced:
-        cpu_kernels.set_native(kernel, dtype, forced[kernel])
+        cpu.set_native(kernel, dtype, forced[kernel])
         log.info("kernel dispatch: %s %s %s: %s (forced by %s)", kernel, name, shape,
                  "native" if forced[kernel] else "torch", PATH_ENV)
         return forced[kernel]
-    library = cpu_kernels.library_name()
-    key = "|".join([_cpu_name(), cpu_kernels._cpu_signature().strip(), library or "", kernel, name, shape,
+    library = cpu.library_name()
+    key = "|".join([_cpu_name(), cpu._cpu_signature().strip(), library or "", kernel, name, shape,
                     str(torch.get_num_threads()), torch.backends.cpu.get_cpu_capability()])
     entry = _load_choices(cache).get(key)
     how = "cached"
@@ -311,92 +319,57 @@ def _decide(kernel: str, dtype: torch.dtype, shape: str, timer: Callable[[], tup
         entry = {"native": not _torch_wins(times), "native_ms": round(times[0], 3), "torch_ms": round(times[1], 3)}
         _store_choice(cache, key, entry)
         how = "timed"
-    cpu_kernels.set_native(kernel, dtype, entry["native"])
+    cpu.set_native(kernel, dtype, entry["native"])
     log.info("kernel dispatch: %s %s %s: %s (%s: native %.2f ms, torch %.2f ms)", kernel, name, shape,
              "native" if entry["native"] else "torch", how, entry["native_ms"], entry["torch_ms"])
     return entry["native"]
 
 
-def choose_paths(model: torch.nn.Module, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+def choose_paths(references: References, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+                 hidden: int | None = None, gemm_linears: list = (), gemv_linears: list = (),
                  cache: Path | None = None, kv_dtype: torch.dtype | None = None) -> dict[str, bool]:
-    """Decides each kernel's path for this model (see the module docstring) and returns kernel -> native.
-    `heads`, `kv_heads`: this rank's query and KV heads (heads 0: a model that runs no paged attention
-    kernel; only its GEMV is raced); `kv_dtype`: the KV pool's, where it is not `dtype` (an FP8 pool's
-    paged decode is raced on FP8). Call after `layers.pack_for_cpu`."""
-    if cpu_kernels.load() is None or dtype not in (torch.float32, torch.bfloat16):
+    """Decides each kernel's path for a model (see the module docstring) and returns kernel -> native.
+    `references`: the PyTorch paths, from the models; `heads`, `kv_heads`: this rank's query and KV heads
+    (heads 0: a model that runs no paged attention kernel); `hidden`: its RMSNorm's width (None: no RMSNorm);
+    `gemm_linears`: its linears, one per weight shape, where oneDNN takes no bf16 (those with a plain weight
+    race the bf16 GEMM); `gemv_linears`: its linears with a plain `gemv_weight`, one per shape; `kv_dtype`:
+    the KV pool's, where it is not `dtype` (an FP8 pool's paged decode is raced on FP8). Call after the
+    linears are packed (layers.pack_for_cpu); where the GEMV loses, the caller drops its plain weight copies."""
+    if cpu.load() is None or dtype not in (torch.float32, torch.bfloat16):
         return {}
     forced = forced_paths()
-    cache = cache or cpu_kernels._cache_dir() / CHOICES_FILE
+    cache = cache or cpu._cache_dir() / CHOICES_FILE
     chosen = {}
     heads_shape = f"{heads}x{kv_heads}x{head_dim}"
     kv_dtype = kv_dtype if kv_dtype not in (None, dtype) else None
     on_pool = f"/{str(kv_dtype).removeprefix('torch.')}" if kv_dtype else ""  # (a pool of another dtype)
     decode_shape = ",".join(f"b{b}x{ctx}" for b, ctx in PAGED_DECODE_CASES) + on_pool
     rows = ",".join(map(str, STEP_ROWS))
-    attention = [(cpu_kernels.FLASH_PREFILL, f"{heads_shape}@{FLASH_TOKENS}", time_flash_prefill),
-                 (cpu_kernels.PAGED_DECODE, f"{heads_shape}@{decode_shape}",
-                  lambda *a: time_paged_decode(*a, kv_dtype=kv_dtype)),
-                 (cpu_kernels.ROPE_CACHE, f"{heads_shape}@{rows}{on_pool}",
-                  lambda *a: time_rope_cache(*a, kv_dtype=kv_dtype))]
+    attention = [(cpu.FLASH_PREFILL, f"{heads_shape}@{FLASH_TOKENS}",
+                  lambda *a: time_flash_prefill(references.causal_attention, *a)),
+                 (cpu.PAGED_DECODE, f"{heads_shape}@{decode_shape}",
+                  lambda *a: time_paged_decode(references.paged_decode, *a, kv_dtype=kv_dtype)),
+                 (cpu.ROPE_CACHE, f"{heads_shape}@{rows}{on_pool}",
+                  lambda *a: time_rope_cache(references.rope_cache, *a, kv_dtype=kv_dtype))]
     for kernel, shape, timer in attention if heads >= 1 else []:
         use = _decide(kernel, dtype, shape, lambda timer=timer: timer(heads, kv_heads, head_dim, dtype), forced, cache)
         if use is not None:
             chosen[kernel] = use
-    norm = next((m for m in model.modules() if isinstance(m, RMSNorm)), None)
-    if norm is not None:
-        hidden = norm.weight.shape[0]
-        use = _decide(cpu_kernels.RMS_NORM, dtype, f"{hidden}@{rows}", lambda: time_rms_norm(hidden, dtype), forced,
+    if hidden is not None:
+        use = _decide(cpu.RMS_NORM, dtype, f"{hidden}@{rows}",
+                      lambda: time_rms_norm(references.rms_norm, hidden, dtype), forced, cache)
+        if use is not None:
+            chosen[cpu.RMS_NORM] = use
+    plain = [m for m in gemm_linears if not m.weight.is_mkldnn]
+    if dtype == torch.bfloat16 and plain:  # (elsewhere oneDNN takes bf16)
+        shape = ",".join(f"{m.weight.shape[0]}x{m.weight.shape[1]}" for m in plain) + f"@{GEMM_ROWS}"
+        use = _decide(cpu.GEMM, dtype, shape, lambda: time_gemm(plain, dtype), forced, cache)
+        if use is not None:
+            chosen[cpu.GEMM] = use
+    if gemv_linears:
+        shape = ",".join(f"{m.gemv_weight.shape[0]}x{m.gemv_weight.shape[1]}" for m in gemv_linears)
+        use = _decide(cpu.GEMV, dtype, shape, lambda: time_gemv(references.linear, gemv_linears, dtype), forced,
                       cache)
         if use is not None:
-            chosen[cpu_kernels.RMS_NORM] = use
-    plain = [m for m in _first_linears(model) if not m.weight.is_mkldnn]
-    if dtype == torch.bfloat16 and plain and not onednn_packs(dtype):  # (elsewhere oneDNN takes bf16)
-        shape = ",".join(f"{m.weight.shape[0]}x{m.weight.shape[1]}" for m in plain) + f"@{GEMM_ROWS}"
-        use = _decide(cpu_kernels.GEMM, dtype, shape, lambda: time_gemm(plain, dtype), forced, cache)
-        if use is not None:
-            chosen[cpu_kernels.GEMM] = use
-    gemv_layers = _first_gemv_linears(model)
-    if gemv_layers:
-        shape = ",".join(f"{m.gemv_weight.shape[0]}x{m.gemv_weight.shape[1]}" for m in gemv_layers)
-        gemv = _decide(cpu_kernels.GEMV, dtype, shape, lambda: time_gemv(gemv_layers, dtype), forced, cache)
-        if gemv is not None:
-            chosen[cpu_kernels.GEMV] = gemv
-        if gemv is False:
-            _drop_gemv_weights(model)
+            chosen[cpu.GEMV] = use
     return chosen
-
-
-def _first_linears(model: torch.nn.Module) -> list:
-    """The linears, one per weight shape, in model order."""
-    seen, out = set(), []
-    for m in model.modules():
-        if isinstance(m, _LINEARS) and isinstance(m.weight, torch.Tensor) and tuple(m.weight.shape) not in seen:
-            seen.add(tuple(m.weight.shape))
-            out.append(m)
-    return out
-
-
-def _first_gemv_linears(model: torch.nn.Module) -> list:
-    """The linears with a plain `gemv_weight`, one per weight shape, in model order (a layer's set)."""
-    seen, out = set(), []
-    for m in model.modules():
-        w = getattr(m, "gemv_weight", None)
-        if isinstance(w, torch.Tensor) and tuple(w.shape) not in seen:
-            seen.add(tuple(w.shape))
-            out.append(m)
-    return out
-
-
-def _drop_gemv_weights(model: torch.nn.Module) -> None:
-    """The GEMV lost: its plain weight copies go (where the layer keeps a packed one), and with them the
-    GEMV and the one-call C decode step, which both need them."""
-    freed = 0
-    for m in model.modules():
-        w = getattr(m, "gemv_weight", None)
-        if isinstance(w, torch.Tensor):
-            if m.weight is not None and m.weight.is_mkldnn:
-                freed += w.numel() * w.element_size()
-            m.gemv_weight = None
-    if freed:
-        log.info("kernel dispatch: the GEMM beats the GEMV here; its plain weight copies dropped (%.0f MB)",
-                 freed / 1e6)

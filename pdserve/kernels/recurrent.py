@@ -2,8 +2,8 @@
 DeltaNet (gated_deltanet.py) and Mamba2 (mamba2.py), from their input projections' outputs to the gated
 norm that feeds the output projection, the conv and SSM states read and written in place in their pool slots.
 
-The library is built from `csrc/recurrent.c` alone with cpu_kernels.build (its own cache entry), and loaded
-as cpu_kernels loads its own: `PDSERVE_CPU_KERNELS=0` or no working C compiler leaves every wrapper here
+The library is built from `csrc/recurrent.c` alone with cpu.build (its own cache entry), and loaded
+as cpu.load loads the main one: `PDSERVE_CPU_KERNELS=0` or no working C compiler leaves every wrapper here
 returning None, and the mixer keeps its PyTorch path (the reason is logged once).
 """
 
@@ -14,16 +14,25 @@ import logging
 import os
 import threading
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from pdserve.models import cpu_kernels
-from pdserve.models.recurrent_state import StateSlice
+from pdserve.kernels import cpu
 
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / "recurrent.c"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # REC_F32, REC_BF16 in csrc/recurrent.c
+
+
+class StateSlice(Protocol):
+    """One sequence's rows in a step, as the kernels read them (the models' recurrent_state.StateSlice)."""
+
+    q_start: int  # first row of the sequence in the step's flattened tokens
+    q_len: int
+    fresh: bool  # no tokens before this chunk: the state starts at zero
+    slot: int  # its slot in the state pools
 
 
 class _ConvArgs(ctypes.Structure):
@@ -73,12 +82,12 @@ def load() -> ctypes.CDLL | None:
         if _tried:
             return _lib
         _tried = True
-        if os.environ.get(cpu_kernels.ENABLE_ENV, "1") == "0":
-            log.info("%s=0: the recurrent layers run in PyTorch", cpu_kernels.ENABLE_ENV)
+        if os.environ.get(cpu.ENABLE_ENV, "1") == "0":
+            log.info("%s=0: the recurrent layers run in PyTorch", cpu.ENABLE_ENV)
             return None
         try:
-            lib = ctypes.CDLL(str(cpu_kernels.build(sources=SOURCES)))
-        except (cpu_kernels.KernelBuildError, OSError) as exc:
+            lib = ctypes.CDLL(str(cpu.build(sources=SOURCES)))
+        except (cpu.KernelBuildError, OSError) as exc:
             log.warning("native recurrent kernels unavailable, the recurrent layers run in PyTorch: %s", exc)
             return None
         lib.deltanet_forward.argtypes = [ctypes.POINTER(_DeltaNetArgs), ctypes.c_int, ctypes.c_int]

@@ -1,5 +1,5 @@
 /* The argument structs and entry points of the kernels that decode_layers.c chains together.
- * The structs are mirrored by ctypes classes in cpu_kernels.py: field order and types must match. */
+ * The structs are mirrored by ctypes classes in kernels/cpu.py: field order and types must match. */
 #ifndef PDSERVE_KERNELS_H
 #define PDSERVE_KERNELS_H
 

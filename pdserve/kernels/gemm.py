@@ -1,8 +1,8 @@
 """A bf16 GEMM for CPUs where oneDNN takes no bf16 (`layers.onednn_packs`: AVX2 + FMA without AVX-512 BF16
 or AVX-NE-CONVERT), in the native kernel library (csrc/gemm_bf16.c): there a bf16 linear's plain weight
 otherwise goes through F.linear, PyTorch's own bf16 GEMM, several times slower than its fp32 one. The
-kernel widens each tile to fp32 and multiplies with FMAs; kernel_dispatch races it against F.linear on
-the model's linears (`cpu_kernels.GEMM`), and layers.linear takes it where it won.
+kernel widens each tile to fp32 and multiplies with FMAs; the kernel dispatch races it against F.linear on
+the model's linears (`cpu.GEMM`), and layers.linear takes it where it won.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import ctypes
 
 import torch
 
-from pdserve.models import cpu_kernels
+from pdserve.kernels import cpu
 
 _bound: set[int] = set()  # ids of the libraries whose gemm_bf16 has its argtypes
 # Linears of fewer rows stay on F.linear (layers.linear): the kernel widens all of W whatever the row count
@@ -30,7 +30,7 @@ def gemm_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
             or (bias is not None and (bias.dtype != x.dtype or bias.shape != weight.shape[:1]
                                       or not bias.is_contiguous()))):
         return None
-    lib = cpu_kernels.load()
+    lib = cpu.load()
     if lib is None:
         return None
     if id(lib) not in _bound:

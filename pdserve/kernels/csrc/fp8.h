@@ -1,4 +1,4 @@
-/* An FP8 KV pool (models/kv_quant.py): float8_e4m3fn values, 1 sign, 4 exponent (bias 7) and 3 mantissa
+/* An FP8 KV pool (kernels/kv_quant.py): float8_e4m3fn values, 1 sign, 4 exponent (bias 7) and 3 mantissa
  * bits, no infinities, 0x7f and 0xff NaN, 448 the largest finite value, 2^-9 the smallest subnormal.
  *
  * Reading: the kernels look each byte up in a 256-entry table of what it reads back as (the layer's

@@ -13,13 +13,13 @@
 - a GEMV for decode steps of a few sequences (`csrc/skinny_linear.c`): a few rows times a plain
   weight matrix; oneDNN's GEMM streams the weights slower there (`SKINNY_ROWS`).
 - a batch-1 decode step through a stage's layers (`csrc/decode_layers.c`), chaining the kernels above
-  in C; its ctypes side is `models/cpu_decode.py`.
+  in C; its ctypes side is `kernels/stage_decoder.py`.
 - the tensor-parallel all-reduce of one host's ranks through a shared segment
   (`csrc/shm_all_reduce.c`); its ctypes side is `parallel/shm_all_reduce.py`.
 
 An FP8 KV pool (kv_quant.py) is read and written by the kernels that touch the pool: its view carries the
 layer's scales and its dequantisation tables (csrc/pool.h, csrc/fp8.h), and the values they read are the
-PyTorch path's. Every `csrc/*.c` goes into one library (with `csrc/gemm_bf16.c`, cpu_gemm.py's bf16 GEMM).
+PyTorch path's. Every `csrc/*.c` goes into one library (with `csrc/gemm_bf16.c`, kernels/gemm.py's bf16 GEMM).
 
 Build: the machine's C compiler (`$CC`, else `cc`) with `-O3 -march=native -fopenmp`, into
 `$PDSERVE_KERNEL_CACHE` (default `~/.cache/pdserve/kernels`) under a name that hashes the source,
@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.models.kv_quant import FP8, KVScales, dequant_tables
+from pdserve.kernels.kv_quant import FP8, KVScales, dequant_tables
 
 log = logging.getLogger(__name__)
 
@@ -232,13 +232,13 @@ _lib: ctypes.CDLL | None = None
 _lib_name: str | None = None
 _tried = False
 
-# Kernels with a PyTorch alternative, whose path kernel_dispatch decides per machine; the callers ask
+# Kernels with a PyTorch alternative, whose path the dispatch (dispatch.py) decides per machine; the callers ask
 # `native(kernel, dtype)` (True until decided: the kernel wherever it runs).
 FLASH_PREFILL = "flash_prefill"
 GEMV = "gemv"
 PAGED_DECODE = "paged_decode"
 RMS_NORM = "rms_norm"
-GEMM = "gemm"  # bf16 only, where oneDNN takes no bf16 (cpu_gemm.py)
+GEMM = "gemm"  # bf16 only, where oneDNN takes no bf16 (gemm.py)
 ROPE_CACHE = "rope_cache"
 _native: dict[tuple[str, torch.dtype], bool] = {}
 
@@ -253,7 +253,7 @@ def set_native(kernel: str, dtype: torch.dtype, use: bool) -> None:
 
 
 def chosen_paths() -> dict[tuple[str, torch.dtype], bool]:
-    """The paths decided so far (kernel_dispatch), (kernel, dtype) -> native."""
+    """The paths decided so far (dispatch.py), (kernel, dtype) -> native."""
     return dict(_native)
 
 
