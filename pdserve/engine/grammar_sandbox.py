@@ -182,6 +182,10 @@ class GrammarSandbox:
     def check(self, spec: GuidedSpec, what: str) -> str | None:
         """None when `spec` compiled in the sandbox, else why it cannot be used (a sentence about `what`, e.g.
         "the grammar crashed the grammar compiler (SIGSEGV)"). Blocks while the children are busy."""
+        try:
+            spec.text.encode()
+        except UnicodeEncodeError:  # no compiler takes it, and the wire to the child would not
+            return f"the {what} holds a lone UTF-16 surrogate: send it as valid Unicode"
         key = digest(spec)
         with self._cond:
             if key in self._good:

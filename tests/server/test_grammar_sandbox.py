@@ -177,6 +177,7 @@ def test_the_sandbox_outlives_its_compilers_and_replaces_a_lost_child(tiny_model
         assert sandbox.check(GuidedSpec("regex", "[a-z]+", "p"), "regex") is None
         assert sandbox._idle and sandbox._idle[0] is not child and sandbox._idle[0].alive
         assert "not JSON" in sandbox.check(GuidedSpec("json", "{", "p"), "JSON schema")
+        assert "lone UTF-16 surrogate" in sandbox.check(GuidedSpec("regex", "a\ud800", "p"), "regex")
     finally:
         sandbox.close()
     assert not sandbox._idle and child.proc.poll() is not None
