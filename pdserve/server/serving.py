@@ -24,7 +24,7 @@ from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import GuidedSpec, SamplingParams
 from pdserve.engine.scheduler import GRAMMAR_FAILED, KV_NOT_FOUND
 from pdserve.engine.sequence import DisaggInfo, RequestType, Resume, num_answers
-from pdserve.json_writer import items_at_least
+from pdserve.server.chat_prompt import prompt_text, renders_in_place
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.guided_request import compiled_spec
 from pdserve.server.handoff import answer_choices, context_answer_params, first_gen_logprobs
@@ -36,7 +36,6 @@ from pdserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessage,
     ChatTokenLogprob,
     CompletionChoice,
     CompletionChunk,
@@ -55,7 +54,7 @@ from pdserve.server.protocol import (
     random_id,
 )
 from pdserve.server.streaming import OwnedStream
-from pdserve.server.tools import CallStream, assistant_message, render_messages, tool_setup
+from pdserve.server.tools import CallStream, assistant_message, tool_setup
 
 SSE_DONE = "data: [DONE]\n\n"
 # A logit_bias key: ASCII digits, few enough for int() (str.isdigit also passes '²', which int() refuses).
@@ -63,11 +62,6 @@ _TOKEN_ID = re.compile(r"[0-9]{1,18}")
 # Texts shorter than this hold the event loop too briefly to matter and are encoded on it, longer ones
 # in a worker thread
 _ENCODE_IN_PLACE = 8192
-# Messages of fewer characters than this (_size) are rendered through the chat template on the event loop, more
-# in a worker thread
-_RENDER_IN_PLACE = 1 << 16
-_MESSAGE_SIZE = 64  # a message's role, its template's markup and its dict: 60 K short messages took ~0.5 s
-_TOOLS_IN_PLACE = 1 << 12  # items in the tools' schemas (the template writes them as JSON)
 
 
 # Characters JSON may leave raw inside a string that str.splitlines (httpx's aiter_lines, requests'
@@ -88,25 +82,6 @@ def usage_of(*outs: RequestOutput) -> Usage:
     return Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=completion,
                  total_tokens=out.num_prompt_tokens + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
-
-
-def _size(messages: list[ChatMessage]) -> int:
-    """About how many characters of the messages a chat template reads: their strings' (contents, text parts,
-    tool_call_ids, their calls' ids, names and arguments), and _MESSAGE_SIZE a message for the rest."""
-    def chars(value) -> int:
-        return len(value) if isinstance(value, str) else 0
-
-    def call(c: dict) -> int:
-        fn = c.get("function")
-        return chars(c.get("id")) + (chars(fn.get("name")) + chars(fn.get("arguments")) if isinstance(fn, dict) else 0)
-
-    def content(m: ChatMessage) -> int:
-        if isinstance(m.content, list):
-            return sum(chars(part.get("text")) for part in m.content)
-        return chars(m.content)
-
-    return sum(_MESSAGE_SIZE + content(m) + chars(m.tool_call_id) + sum(map(call, m.tool_calls or ()))
-               for m in messages)
 
 
 async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
@@ -333,37 +308,12 @@ class OpenAIServing:
         return await asyncio.to_thread(self.tokenizer.at_least_tokens, text)
 
     async def _chat_prompt(self, req: ChatCompletionRequest, tools=None) -> list[int]:
-        small = _size(req.messages) < _RENDER_IN_PLACE and items_at_least(req.tools, _TOOLS_IN_PLACE) < _TOOLS_IN_PLACE
-        if small:
-            rendered = self._prompt_text(req, tools)
+        if renders_in_place(req):
+            rendered = prompt_text(self.tokenizer, req, tools)
         else:  # reading megabytes of calls' arguments, thousands of messages or a huge schema holds the loop seconds
-            rendered = await asyncio.to_thread(self._prompt_text, req, tools)
+            rendered = await asyncio.to_thread(prompt_text, self.tokenizer, req, tools)
         # The template already wrote any BOS it wants; encoding must not add a second one.
         return await self._encode(rendered, add_special_tokens=False, param="messages")
-
-    def _prompt_text(self, req: ChatCompletionRequest, tools) -> str:
-        """The request's messages through the chat template."""
-        messages = []
-        for i, m in enumerate(req.messages):
-            content = m.content or ""
-            if isinstance(content, list):
-                parts = []
-                for part in content:
-                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise bad_request(f"messages[{i}].content: only text parts ({{\"type\": \"text\", "
-                                          f"\"text\": ...}}) are supported, got {part.get('type')!r}", "messages")
-                    parts.append(part["text"])
-                content = "\n".join(parts)
-            messages.append({"role": m.role, "content": content, **m.model_dump(include={"tool_calls", "tool_call_id"},
-                                                                                exclude_none=True)})
-        messages, extra = render_messages(messages, tools, self.tokenizer.chat_template)
-        try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                      **extra)
-        except ValueError as e:  # no template, or the template refused these messages
-            raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
-        except Exception as e:  # jinja2 raises its own TemplateError (e.g. raise_exception in the template)
-            raise bad_request(f"the chat template refused these messages: {e}", "messages") from None
 
     def _sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
                          max_tokens_param: str = "max_tokens", guided: GuidedSpec | None = None,
