@@ -70,7 +70,7 @@ def main() -> None:
     finally:
         grammars.close()
     print(f"first guided request of an instance (child start, tokenizer views): {first * 1e3:.0f} ms\n")
-    print(f"| grammar | in-process ms | new grammar, sandboxed ms | new / in-process | cached ms |")
+    print("| grammar | in-process ms | new grammar, sandboxed ms | new / in-process | cached ms |")
     print("|---|---|---|---|---|")
     for name, row in times.items():
         old, new, hit = _ms(row["in-process"]), _ms(row["new"]), _ms(row["cached"])

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.host import free_port
+from pdserve.testing.servers import wait_for_health
 
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -45,17 +46,8 @@ def _launch(args, log: Path) -> tuple[subprocess.Popen, str]:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"pdserve launch exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(1)
-    raise SystemExit("pdserve launch did not become healthy in 600 s")
+    wait_for_health(url, proc, lambda: log.read_text()[-3000:], timeout=600)
+    return proc, url
 
 
 def _answer(http: httpx.Client, model: str) -> str:
@@ -103,8 +95,8 @@ def main() -> None:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
     text = log.read_text()
-    print(f"| grammars | statuses | answer median / max s | slowest /health s | member restarts | "
-          f"answer after equals before |")
+    print("| grammars | statuses | answer median / max s | slowest /health s | member restarts | "
+          "answer after equals before |")
     print("|---|---|---|---|---|---|")
     print(f"| {args.n} | {dict(statuses)} | {statistics.median(times):.2f} / {max(times):.2f} | {slowest:.2f} | "
           f"{text.count('restarting it in')} | {after == before} |")
