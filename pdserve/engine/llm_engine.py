@@ -36,6 +36,7 @@ from pdserve.engine.sequence import DisaggInfo, RequestType, Resume, Sequence, c
 from pdserve.engine.step_budget import TpotBudget, attention_work
 from pdserve.engine.worker import pick_device, set_threads, worker_main
 from pdserve.host import free_port
+from pdserve.models import config_memo
 from pdserve.models.config import ModelConfig
 from pdserve.parallel.shm_all_reduce import attach_shm_all_reduce
 from pdserve.parallel.state import init_parallel
@@ -87,7 +88,7 @@ class LLMEngine:
                  pool_allocator=None):
         self.ecfg = ecfg
         self.model_dir = Path(resolve_model(ecfg.model, cache_dir=ecfg.cache_dir))
-        self.model_cfg = ModelConfig.from_hf(read_config(self.model_dir))
+        self.model_cfg = ModelConfig.from_hf(read_config(self.model_dir), remember_in=config_memo.default_dir())
         why = self.model_cfg.layout_problem(ecfg.tensor_parallel_size, ecfg.pipeline_parallel_size)
         if why is not None:
             raise ValueError(why)

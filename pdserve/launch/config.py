@@ -173,12 +173,14 @@ def unsplittable_models(cfg: ClusterConfig) -> str | None:
     """Why an instance's model cannot be split as its tensor and pipeline parallel sizes ask, or None.
     Each model is resolved here, before any instance starts: a GGUF is converted once for all of them, and a
     layout that cannot work stops the launch before the other instances are up."""
+    from pdserve.models import config_memo
     from pdserve.models.config import ModelConfig
     from pdserve.weights import read_config, resolve_model
 
     for (role, i, _), conf in zip(instances(cfg), worker_configs(cfg)):
         try:
-            model = ModelConfig.from_hf(read_config(resolve_model(conf.get("model"), cache_dir=conf.get("cache_dir"))))
+            model_dir = resolve_model(conf.get("model"), cache_dir=conf.get("cache_dir"))
+            model = ModelConfig.from_hf(read_config(model_dir), remember_in=config_memo.default_dir())
         except (ValueError, OSError) as e:
             return f"{role}{i}: {e}"
         why = model.layout_problem(int(conf.get("tensor_parallel_size", 1)), int(conf.get("pipeline_parallel_size", 1)))

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from pdserve.models.config_memo import remembered
 
 # config.json 'architectures' -> transformers' model_type, whose config class reads the file
 SUPPORTED_ARCHITECTURES = {
@@ -220,8 +223,14 @@ class ModelConfig:
         return None
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """The model config.json `cfg` describes, read as transformers reads it (transformers_config)."""
+    def from_hf(cls, cfg: dict[str, Any], remember_in: Path | None = None) -> "ModelConfig":
+        """The model config.json `cfg` describes, read as transformers reads it (transformers_config). With
+        `remember_in` (a directory; config_memo.default_dir()), an answer read before for the same config,
+        transformers and pdserve is taken from there instead, which spares this process importing transformers."""
+        return remembered(cfg, cls._read_hf, cls, remember_in)
+
+    @classmethod
+    def _read_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         arch = next((a for a in cfg.get("architectures") or [] if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
