@@ -121,6 +121,11 @@ class EngineConfig(BaseModel):
     tokens_per_block: int = Field(32, ge=1, le=1024)
     kv_cache_memory_gb: float = Field(1.0, gt=0, description="KV pool size per rank, GiB")
     num_kv_blocks: int | None = Field(None, ge=1, description="overrides kv_cache_memory_gb when set")
+    memory_limit_gb: float | None = Field(
+        None, gt=0, description="the memory the weights, KV pool and recurrent state may take, GiB: on CPU all ranks "
+                                "together, on CUDA each rank's device; an instance that needs more is refused at start, "
+                                "before loading any weight. Default: what the machine has (MemAvailable; the device's "
+                                "free memory) (engine/footprint.py)")
     max_model_len: int | None = Field(None, ge=2, description="context window; default: the model's")
     max_num_seqs: int = Field(64, ge=1, description="max requests in one batch")
     max_num_tokens: int = Field(1024, ge=1, description="token budget of one forward step")

@@ -15,11 +15,14 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import time
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
+
+import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager, KVEvent
@@ -93,6 +96,8 @@ class LLMEngine:
         if why is not None:
             raise ValueError(why)
         self.max_model_len = self._max_model_len()
+        device = pick_device(ecfg, 0)
+        self._check_memory(device)  # before any weight is read: a model that cannot fit fails in seconds, not hours
         self.model_name = ecfg.served_model_name or _default_name(ecfg.model, self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
@@ -100,7 +105,7 @@ class LLMEngine:
         log.info(describe(self.sampling_defaults))
         self.instance_name = ecfg.instance_name or f"pdserve-{uuid.uuid4().hex[:8]}"
         self._procs: list[mp.Process] = []
-        self.runner = self._start_ranks(pool_allocator)
+        self.runner = self._start_ranks(pool_allocator, device)
         prefix_caching = ecfg.enable_prefix_caching and not self.model_cfg.recurrent_layers
         if ecfg.enable_prefix_caching and not prefix_caching:
             log.info("prefix caching is off for this hybrid model: its recurrent layers' state is kept for the "
@@ -127,10 +132,22 @@ class LLMEngine:
                              f"set max_model_len <= {limit}")
         return asked or limit
 
-    def _start_ranks(self, pool_allocator) -> ModelRunner:
+    def _check_memory(self, device) -> None:
+        """Refuse, naming the numbers and a TP / PP that fits, when the weights, KV pool and recurrent state of
+        every rank need more than memory_limit_gb or, without it, than this machine has (engine/footprint.py)."""
+        from pdserve.engine.footprint import available_bytes, memory_problem
+
+        kind = device.type
+        limit = self.ecfg.memory_limit_gb
+        available = int(limit * 2**30) if limit is not None else available_bytes(kind)
+        units = (torch.cuda.device_count() if kind == "cuda" else len(os.sched_getaffinity(0)))
+        why = memory_problem(self.model_cfg, self.ecfg, kind, available, units, self.max_model_len)
+        if why is not None:
+            raise ValueError(why + (f" (memory_limit_gb={limit})" if limit is not None else ""))
+
+    def _start_ranks(self, pool_allocator, device) -> ModelRunner:
         ecfg = self.ecfg
         set_threads(ecfg)
-        device = pick_device(ecfg, 0)
         port = ecfg.dist_port or free_port(ecfg.dist_host)
         if ecfg.world_size > 1:
             ctx = mp.get_context("spawn")
