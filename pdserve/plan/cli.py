@@ -17,6 +17,9 @@
 4. Write the pick's cluster.yaml; `pdserve launch plan-cluster.yaml` (or `pdserve launch --slo ...`,
    which plans and launches in one step) starts it.
 
+`--model` a config.json without weights (the file, or a directory holding only it) prints each TP x PP
+layout's memory per rank instead (plan/memory.py): without weights nothing can be timed, so nothing is ranked.
+
 `--rates R1 R2 ...` scores at exactly those rates, as `pdserve bench sweep` does, and `--json` keeps
 every prediction (with `--grid-ttft/--grid-tpot`, a goodput grid shaped like `pdserve bench grid`'s)
 for checking against a measured sweep (benchmarks/plan_check.py).
@@ -29,6 +32,7 @@ import json
 import sys
 from pathlib import Path
 
+from pdserve.plan.memory import config_only, memory_report
 from pdserve.plan.run import cluster_of, cluster_text, format_table, plan_document, predicted_grid, run_plan, \
     transfer_section
 
@@ -74,7 +78,11 @@ def plan_defaults() -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_plan_arguments(p, slo_required=True)
+    add_plan_arguments(p, slo_required=False)  # required to rank; a config.json without weights plans memory only
+    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
+                   help="a config.json without weights: each rank's KV pool (the instances' kv_cache_memory_gb)")
+    p.add_argument("--max-ranks", type=int, default=16,
+                   help="a config.json without weights: the largest TP x PP layout to size (default 16)")
     p.add_argument("--out", default="plan-cluster.yaml", help="where the pick's cluster.yaml goes")
     p.add_argument("--top", type=int, default=12, help="rows of the ranked table")
     p.add_argument("--rates", type=float, nargs="+", default=None,
@@ -99,6 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main_plan(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        config = config_only(args.model)
+        if config is not None:  # no weights: memory per rank, no timings (plan/memory.py)
+            if args.kv_cache_memory_gb <= 0 or args.max_ranks < 1:
+                raise ValueError("--kv-cache-memory-gb must be > 0 and --max-ranks >= 1")
+            print(memory_report(args, config))
+            return 0
+        if not args.slo:
+            raise ValueError("--slo ttft:MS,tpot:MS is required to rank deployments (a config.json without weights "
+                             "as --model sizes memory per rank without it)")
         for flag, out in (("--out", args.out), ("--json", args.json)):  # before minutes of profiling, not after
             if out and not Path(out).resolve().parent.is_dir():
                 raise ValueError(f"{flag} {out}: the directory {Path(out).resolve().parent} does not exist")

@@ -1,0 +1,56 @@
+"""`pdserve plan --model` a published config.json without weights: memory per rank for each TP x PP layout, from
+the footprint `pdserve serve` checks before loading (engine/footprint.py), and a plain word on what it cannot do."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.cli import main
+from pdserve.config import EngineConfig
+from pdserve.engine.footprint import GIB, footprint
+from pdserve.models.config import ModelConfig
+from pdserve.testing.published_configs import write_published_config
+from pdserve.weights.hf_dir import read_config
+
+
+@pytest.fixture(scope="module")
+def deepseek_v3(tmp_path_factory):
+    return write_published_config(tmp_path_factory.mktemp("deepseek_v3"), "deepseek_v3")
+
+
+def row(out: str, layout: str) -> list[str]:
+    return next(line for line in out.splitlines() if line.startswith(layout + " ")).split()
+
+
+def test_a_bare_deepseek_v3_config_prints_memory_per_rank(deepseek_v3, capsys):
+    assert main(["plan", "--model", str(deepseek_v3), "--dtype", "bfloat16", "--device", "cpu",
+                 "--max-ranks", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "61 layers, 61 keep KV: 68.6 KiB of KV a token" in out and "MLA latent 576 wide" in out
+    cfg = ModelConfig.from_hf(read_config(deepseek_v3))
+    weights = {}
+    for tp, pp in ((1, 1), (8, 1), (4, 2)):
+        fp = footprint(cfg, EngineConfig(dtype="bfloat16"), "cpu", tp=tp, pp=pp)
+        r = fp.largest
+        cells = row(out, f"TP{tp} PP{pp}")
+        assert cells[2:5] == [str(tp * pp), f"{(r.weights + r.cpu_copies) / GIB:.2f}", f"{r.kv_pool / GIB:.2f}"]
+        weights[tp, pp] = r.weights / GIB
+    assert 1250 < weights[1, 1] < 1255  # 671B parameters at 2 bytes
+    assert 155 < weights[8, 1] < 160  # an eighth, plus what every rank keeps whole
+    assert "TP16" not in out  # --max-ranks 8
+    assert "cannot rank deployments" in out and "no: memory" in out
+
+
+def test_the_file_itself_plans_too_and_qwen3_moe_is_its_published_size(tmp_path, capsys):
+    config = write_published_config(tmp_path, "qwen3_moe") / "config.json"
+    assert main(["plan", "--model", str(config), "--dtype", "bfloat16", "--device", "cpu", "--max-ranks", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "48 layers, 48 keep KV: 96.0 KiB of KV a token" in out  # 48 x K and V x 4 heads x 128 x 2 bytes
+    fp = footprint(ModelConfig.from_hf(read_config(config.parent)), EngineConfig(dtype="bfloat16"), "cpu")
+    assert 56 < fp.ranks[0].weights / GIB < 58  # 30.5B parameters at 2 bytes
+    assert row(out, "TP1 PP1")[3] == f"{(fp.ranks[0].weights + fp.ranks[0].cpu_copies) / GIB:.2f}"
+
+
+def test_ranking_still_needs_an_slo(capsys):
+    assert main(["plan"]) == 2
+    assert "--slo ttft:MS,tpot:MS is required" in capsys.readouterr().err
