@@ -189,6 +189,37 @@ def unsplittable_models(cfg: ClusterConfig) -> str | None:
     return None
 
 
+def too_big_for_memory(cfg: ClusterConfig, available: int | None = None) -> str | None:
+    """Why the instances that will run on this host's CPU need more memory together than it has (`available`
+    bytes; default MemAvailable), or None. Each instance checks its own footprint again when it starts
+    (engine/footprint.py), but alone: only here are the instances that share the host added up, before any
+    of them loads a weight. An instance on CUDA checks its devices itself."""
+    from pdserve.engine.footprint import GIB, available_bytes, footprint
+    from pdserve.engine.worker import pick_device
+    from pdserve.models import config_memo
+    from pdserve.models.config import ModelConfig
+    from pdserve.weights import read_config, resolve_model
+
+    needs = []
+    for (role, i, _), conf in zip(instances(cfg), worker_configs(cfg)):
+        wcfg = load_yaml(None, WorkerConfig, **conf)
+        if pick_device(wcfg, 0).type != "cpu":
+            continue
+        model_dir = resolve_model(wcfg.model, cache_dir=wcfg.cache_dir)
+        model = ModelConfig.from_hf(read_config(model_dir), remember_in=config_memo.default_dir())
+        needs.append((f"{role}{i}", footprint(model, wcfg, "cpu", wcfg.max_model_len or model.max_position_embeddings)))
+    available = available_bytes("cpu") if available is None else available
+    total = sum(fp.total for _, fp in needs)
+    if len(needs) < 2 or total <= available:
+        return None  # one instance alone is the instance's own check, with its own memory_limit_gb
+    each = ", ".join(f"{name} {fp.total / GIB:.2f} GiB ({len(fp.ranks)} rank(s): weights "
+                     f"{sum(r.weights + r.cpu_copies for r in fp.ranks) / GIB:.2f}, KV pool "
+                     f"{sum(r.kv_pool for r in fp.ranks) / GIB:.2f})" for name, fp in needs)
+    return (f"the instances on this host's CPU need {total / GIB:.2f} GiB together before any request ({each}), and "
+            f"it has {available / GIB:.2f} GiB available: start fewer instances, lower their kv_cache_memory_gb, "
+            "serve in bfloat16, or set the generation instances' cpu_decode_gemv: false")
+
+
 def model_name(cfg: ClusterConfig) -> str:
     conf = cfg.generation[0].config
     if conf.get("served_model_name"):

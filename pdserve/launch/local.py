@@ -37,7 +37,7 @@ import yaml
 from pdserve.host import die_with_parent, write_private
 from pdserve.launch.backoff import RestartBackoff
 from pdserve.launch.config import ClusterConfig, InstanceConfig, checked_cluster_config, instances, model_name, \
-    unsplittable_models, unusable_cores, worker_configs
+    too_big_for_memory, unsplittable_models, unusable_cores, worker_configs
 
 
 class ManagedProcess:
@@ -207,7 +207,7 @@ def launch(path: str | None, overrides: dict | None = None) -> int:
     cfg = checked_cluster_config(path, overrides)
     if cfg is None:
         return 1
-    why = unusable_cores(cfg) or unsplittable_models(cfg)
+    why = unusable_cores(cfg) or unsplittable_models(cfg) or too_big_for_memory(cfg)
     if why is not None:
         print(f"pdserve launch: error: {why}", file=sys.stderr)
         return 1
