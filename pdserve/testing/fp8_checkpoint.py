@@ -136,12 +136,12 @@ def dequantized_copy(fp8_dir: str | os.PathLike, out_dir: str | os.PathLike) -> 
     config = json.loads((Path(fp8_dir) / "config.json").read_text())
     q = config.pop("quantization_config")
     block = tuple(q["weight_block_size"]) if q.get("weight_block_size") else None
-    layers = config["num_hidden_layers"]
+    layers = config.get("num_hidden_layers")  # (none in Nemotron-H's, which counts layers_block_type)
     tensors = read_tensors(fp8_dir)
     out = {}
     for name, t in tensors.items():
         parts = name.split(".")
-        if name.startswith("model.layers.") and int(parts[2]) >= layers:
+        if layers is not None and name.startswith("model.layers.") and int(parts[2]) >= layers:
             continue
         if name.endswith(("weight_scale_inv", "weight_scale")):
             continue
