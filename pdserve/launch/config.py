@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import secrets
 import sys
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
@@ -189,6 +190,17 @@ def unsplittable_models(cfg: ClusterConfig) -> str | None:
     return None
 
 
+@lru_cache(maxsize=16)
+def _model_config(model: str | None, cache_dir: str | None):
+    """The ModelConfig of an instance's model (`pdserve plan` asks for each of its candidates' instances)."""
+    from pdserve.models import config_memo
+    from pdserve.models.config import ModelConfig
+    from pdserve.weights import read_config, resolve_model
+
+    return ModelConfig.from_hf(read_config(resolve_model(model, cache_dir=cache_dir)),
+                               remember_in=config_memo.default_dir())
+
+
 def too_big_for_memory(cfg: ClusterConfig, available: int | None = None) -> str | None:
     """Why the instances that will run on this host's CPU need more memory together than it has (`available`
     bytes; default MemAvailable), or None. Each instance checks its own footprint again when it starts
@@ -196,17 +208,13 @@ def too_big_for_memory(cfg: ClusterConfig, available: int | None = None) -> str 
     of them loads a weight. An instance on CUDA checks its devices itself."""
     from pdserve.engine.footprint import GIB, available_bytes, footprint
     from pdserve.engine.worker import pick_device
-    from pdserve.models import config_memo
-    from pdserve.models.config import ModelConfig
-    from pdserve.weights import read_config, resolve_model
 
     needs = []
     for (role, i, _), conf in zip(instances(cfg), worker_configs(cfg)):
         wcfg = load_yaml(None, WorkerConfig, **conf)
         if pick_device(wcfg, 0).type != "cpu":
             continue
-        model_dir = resolve_model(wcfg.model, cache_dir=wcfg.cache_dir)
-        model = ModelConfig.from_hf(read_config(model_dir), remember_in=config_memo.default_dir())
+        model = _model_config(wcfg.model, wcfg.cache_dir)
         needs.append((f"{role}{i}", footprint(model, wcfg, "cpu", wcfg.max_model_len or model.max_position_embeddings)))
     available = available_bytes("cpu") if available is None else available
     total = sum(fp.total for _, fp in needs)

@@ -53,6 +53,11 @@ def plan(args: argparse.Namespace, slo: PlanSLO, profile: Profile) -> tuple[list
     costs, transfers = step_costs(profile), transfer_costs(profile)
     transfer = transfers.get(args.backend)
     candidates = enumerate_candidates(profile.units, int(profile.key["units"]), args.input_len, slo.tpot_ms)
+    candidates, left_out = fitting(candidates, args, profile)
+    if not candidates:
+        raise ValueError(f"no deployment's instances fit in this host's memory together; e.g. {left_out}")
+    if left_out:
+        print(f"left out the deployments whose instances this host cannot hold together, e.g. {left_out}\n", flush=True)
     if transfer is None and any(c.kind == "disaggregated" for c in candidates):
         raise ValueError(f"the profile has no {args.backend} transfer timings (is it installed?); "
                          f"measured: {', '.join(transfers) or 'none'}")
@@ -71,6 +76,26 @@ def plan(args: argparse.Namespace, slo: PlanSLO, profile: Profile) -> tuple[list
         p.at_rate = at
         p.outcome = simulate(dep, wl, at)
     return rank(preds), at
+
+
+def fitting(candidates: list[Candidate], args: argparse.Namespace, profile: Profile,
+            available: int | None = None) -> tuple[list[Candidate], str | None]:
+    """The candidates whose instances this host can hold together (the check `pdserve launch` makes of their
+    cluster.yaml, launch/config.py: weights, KV pools and state of every instance on the CPU; `available` bytes,
+    default MemAvailable), and why the first one left out was."""
+    from pdserve.launch.config import ClusterConfig, too_big_for_memory
+
+    # the model the profile measured (resolved: --model left out is the default model's directory)
+    sized = argparse.Namespace(**{"dtype": "float32", "kv_cache_dtype": "auto", "port": 8000, **vars(args),
+                                  "model": profile.key["model"]})
+    kept, why = [], None
+    for cand in candidates:
+        problem = too_big_for_memory(ClusterConfig(**cluster_of(cand, sized, profile)), available)
+        if problem is None:
+            kept.append(cand)
+        else:
+            why = why or f"{cand.name}: {problem}"
+    return kept, why
 
 
 def format_table(preds: list[Prediction], slo: PlanSLO, at: float, top: int) -> str:

@@ -54,3 +54,24 @@ def test_the_file_itself_plans_too_and_qwen3_moe_is_its_published_size(tmp_path,
 def test_ranking_still_needs_an_slo(capsys):
     assert main(["plan"]) == 2
     assert "--slo ttft:MS,tpot:MS is required" in capsys.readouterr().err
+
+
+def test_a_plan_leaves_out_deployments_whose_instances_the_host_cannot_hold(tmp_path):
+    """With weights, the ranked plan keeps only the candidates `pdserve launch` would start: their instances'
+    memory added up (launch/config.py, too_big_for_memory) within what the host has."""
+    from pdserve.plan.cli import build_parser
+    from pdserve.plan.candidates import enumerate_candidates
+    from pdserve.plan.measurements import Profile
+    from pdserve.plan.run import fitting
+    from pdserve.testing import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", num_layers=2)
+    args = build_parser().parse_args(["--slo", "ttft:1000,tpot:100", "--backend", "shm"])
+    profile = Profile({"model": str(model), "device": "cpu", "units": 2}, {}, {})  # the model is the profile's
+    candidates = enumerate_candidates([1, 2], 2, 256)
+    one = footprint(ModelConfig.from_hf(read_config(model)), EngineConfig(), "cpu").total  # a generation instance
+    kept, why = fitting(candidates, args, profile, available=int(1.5 * one))
+    assert {c.name.split("-")[0] for c in kept} == {"agg1x2"}  # one instance: the two-instance ones need ~2x
+    assert why.startswith("agg2x1-c256: the instances on this host's CPU need") and "gen1" in why
+    kept, why = fitting(candidates, args, profile, available=3 * one)
+    assert kept == candidates and why is None
