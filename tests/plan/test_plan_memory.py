@@ -75,3 +75,15 @@ def test_a_plan_leaves_out_deployments_whose_instances_the_host_cannot_hold(tmp_
     assert why.startswith("agg2x1-c256: the instances on this host's CPU need") and "gen1" in why
     kept, why = fitting(candidates, args, profile, available=3 * one)
     assert kept == candidates and why is None
+
+
+def test_a_hybrid_model_counts_its_recurrent_state(tmp_path, capsys):
+    """NVIDIA-Nemotron-Nano-9B-v2's sizes: 27 Mamba2 layers keep 136.9 MiB of state a request (conv inputs in
+    bf16, SSM state fp32), allocated up front for every one of max_num_seqs (64) slots."""
+    d = write_published_config(tmp_path, "nemotron_h")
+    assert main(["plan", "--model", str(d), "--dtype", "bfloat16", "--device", "cpu", "--max-ranks", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "56 layers, 4 keep KV: 16.0 KiB of KV a token" in out and "recurrent state 136.9 MiB a request" in out
+    fp = footprint(ModelConfig.from_hf(read_config(d)), EngineConfig(dtype="bfloat16"), "cpu", tp=2)
+    assert row(out, "TP2 PP1")[5] == f"{fp.largest.state / GIB:.2f}"
+    assert abs(fp.largest.state * 2 / 64 / 2**20 - 136.9) < 0.05  # TP2 halves each slot
