@@ -1,7 +1,7 @@
 """How much memory each rank's weights, KV pool and recurrent state will take, known before any weight is read.
 
-The weights are counted on the model's own modules built on PyTorch's `meta` device: the very classes the
-engine loads into, with their shards, their replicated parts (MLA's latent projections, a MoE router, every
+The weights are counted on the model's own modules built with their large tensors on PyTorch's `meta` device
+(_LargeOnMeta): the very classes the engine loads into, with their shards, their replicated parts (MLA's latent projections, a MoE router, every
 expert with `moe_experts: replicated`) and their dtypes, but no storage. A checkpoint's tensors need not be
 opened: every weight is loaded at the serving dtype (an FP8 checkpoint's are dequantized to it, weights/fp8.py),
 so config.json alone fixes the loaded size, and `pdserve plan` can size a published model from its config.json.
@@ -29,6 +29,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from pdserve.config import EngineConfig
 from pdserve.models.config import ModelConfig
@@ -91,6 +92,25 @@ def layer_kind(cfg: ModelConfig, layer: int) -> tuple[bool, ...]:
     return tuple(layer in getattr(cfg, name) for name in _LAYER_SETS)
 
 
+class _LargeOnMeta(TorchFunctionMode):
+    """Tensors of a million elements or more made on the meta device (shape and dtype, no storage), smaller ones
+    on the CPU. Not `torch.device("meta")`: the RoPE tables a model computes at construction would run as meta
+    ops, whose Python kernels import torch._dynamo on first use (2-3 s of every server's start); computed on the
+    CPU for a few positions they cost nothing, and the parameters, the only large tensors, are empty factories."""
+
+    _SIZED = {torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._SIZED and kwargs.get("device") is None:
+            size = kwargs.get("size", args[0] if args else ())
+            if isinstance(size, int):  # torch.empty(3, 4)
+                size = [a for a in args if isinstance(a, int)]
+            if math.prod(size) >= 1 << 20:
+                kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
 @dataclass(frozen=True)
 class _Built:
     """Bytes of one meta-built stage: its own (outside the layers) and each local layer's."""
@@ -108,7 +128,7 @@ def _build(cfg: ModelConfig, kinds: tuple[tuple[bool, ...], ...], ps: ParallelSt
 
     sets = {name: tuple(j for j, k in enumerate(kinds) if k[i]) for i, name in enumerate(_LAYER_SETS)}
     small = replace(cfg, num_layers=len(kinds), **sets)
-    with torch.device("meta"):
+    with _LargeOnMeta():
         model = model_class(small)(small, ps, dtype, max_model_len)
     layers, stage = [0] * model.num_local_layers, 0
     layer_copies, stage_copies = [0] * model.num_local_layers, 0
@@ -137,10 +157,24 @@ def _build(cfg: ModelConfig, kinds: tuple[tuple[bool, ...], ...], ps: ParallelSt
     return _Built(stage, tuple(layers), stage_copies, tuple(layer_copies))
 
 
-@lru_cache(maxsize=64)
 def _weights_by_kind(cfg: ModelConfig, tp: int, dtype: torch.dtype, max_model_len: int, cpu_copies: bool):
     """({kind: (layer bytes, copies)}, stage bytes by position): the position is "only" (PP1), "first",
-    "middle" or "last" (a stage of a longer pipeline), each a (bytes, copies) pair."""
+    "middle" or "last" (a stage of a longer pipeline), each a (bytes, copies) pair.
+
+    Only the position tables (RoPE's cos and sin, [positions, dims]) depend on the context, and linearly: the
+    models are built for 2 and 3 positions and the difference extrapolated, so that no table of 163,840
+    positions is computed to be counted."""
+    two, three = _weights_at(cfg, tp, dtype, 2, cpu_copies), _weights_at(cfg, tp, dtype, 3, cpu_copies)
+
+    def at(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+        return tuple(x + (y - x) * (max_model_len - 2) for x, y in zip(a, b))
+
+    return ({k: at(v, three[0][k]) for k, v in two[0].items()},
+            {k: at(v, three[1][k]) for k, v in two[1].items()})
+
+
+@lru_cache(maxsize=64)
+def _weights_at(cfg: ModelConfig, tp: int, dtype: torch.dtype, max_model_len: int, cpu_copies: bool):
     kinds = tuple(dict.fromkeys(layer_kind(cfg, i) for i in range(cfg.num_layers)))
     whole = _build(cfg, kinds, ParallelState(tp, 1, 0), dtype, max_model_len, cpu_copies)
     per_kind = {k: (whole.layers[j], whole.layer_copies[j]) for j, k in enumerate(kinds)}

@@ -147,3 +147,20 @@ def test_a_model_that_fits_loads(llama_dir):
     fp = footprint(ModelConfig.from_hf(read_config(llama_dir)), ecfg, "cpu", MAX_LEN)
     engine = LLMEngine(ecfg.model_copy(update={"memory_limit_gb": fp.total * 1.01 / 2**30}))
     engine.shutdown()
+
+
+def test_the_check_costs_a_server_start_no_dynamo_import(llama_dir, tmp_path):
+    """Built on `torch.device("meta")`, the RoPE tables ran as meta ops, whose Python kernels imported
+    torch._dynamo: 2-3 s of every server's start on this machine."""
+    import pickle
+    import subprocess
+    import sys
+
+    (tmp_path / "cfg.pkl").write_bytes(pickle.dumps(ModelConfig.from_hf(read_config(llama_dir))))  # no transformers
+    code = ("import pickle, sys; from pdserve.config import EngineConfig; "
+            "from pdserve.engine.footprint import memory_problem; "
+            f"cfg = pickle.loads(open({str(tmp_path / 'cfg.pkl')!r}, 'rb').read()); "
+            "assert memory_problem(cfg, EngineConfig(), 'cpu', 1 << 40, 2) is None; "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
