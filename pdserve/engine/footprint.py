@@ -84,8 +84,8 @@ class Footprint:
         return (f"TP{self.tp} PP{self.pp}: per rank (the largest, rank {r.rank}) weights {r.weights / GIB:.2f} GiB"
                 f"{f' + CPU copies {r.cpu_copies / GIB:.2f} GiB' if r.cpu_copies else ''}, KV pool "
                 f"{r.kv_pool / GIB:.2f} GiB ({self.num_kv_blocks * self.tokens_per_block} tokens)"
-                f"{f', recurrent state {r.state / GIB:.2f} GiB' if r.state else ''}; all {len(self.ranks)} ranks "
-                f"{self.total / GIB:.2f} GiB")
+                f"{f', recurrent state {r.state / GIB:.2f} GiB' if r.state else ''}; {len(self.ranks)} rank(s) "
+                f"{self.total / GIB:.2f} GiB together")
 
 
 def layer_kind(cfg: ModelConfig, layer: int) -> tuple[bool, ...]:
@@ -270,10 +270,10 @@ def memory_problem(cfg: ModelConfig, ecfg: EngineConfig, device: str, available:
     fp = footprint(cfg, ecfg, device, max_model_len)
     if _fits(fp, device, available):
         return None
-    where = (f"all {len(fp.ranks)} ranks share this host: {fp.total / GIB:.2f} GiB, and it has "
-             f"{available / GIB:.2f} GiB available" if device == "cpu" else
-             f"a rank needs {fp.largest.total / GIB:.2f} GiB of its device, which has {available / GIB:.2f} GiB free")
-    why = f"the model does not fit in memory before loading any weight: {fp.describe()}; {where}"
+    where = (f"they share this host, which has {available / GIB:.2f} GiB available" if device == "cpu" else
+             f"rank {fp.largest.rank} needs {fp.largest.total / GIB:.2f} GiB of its device, which has "
+             f"{available / GIB:.2f} GiB free")
+    why = f"the model does not fit in memory (checked before loading any weight): {fp.describe()}; {where}"
     for t, p in layouts(cfg, units):
         other = footprint(cfg, ecfg, device, max_model_len, t, p)
         if (t, p) != (fp.tp, fp.pp) and _fits(other, device, available):

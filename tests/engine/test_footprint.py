@@ -131,7 +131,8 @@ def test_a_model_that_does_not_fit_is_refused_before_loading_naming_a_layout_tha
     why = refusal(monkeypatch, EngineConfig(**base, tensor_parallel_size=2, memory_limit_gb=limit))
     r = tp2.largest
     assert f"weights {r.weights / 2**30:.2f} GiB" in why and f"KV pool {r.kv_pool / 2**30:.2f} GiB" in why
-    assert f"{tp2.total / 2**30:.2f} GiB, and it has {limit:.2f} GiB available" in why
+    assert f"2 rank(s) {tp2.total / 2**30:.2f} GiB together; they share this host, which has {limit:.2f} GiB " \
+           "available" in why
     assert "tensor_parallel_size=1, pipeline_parallel_size=1 fits" in why and "memory_limit_gb" in why
 
 
