@@ -1,6 +1,6 @@
 """The memory footprint known before loading (engine/footprint.py) equals what loading takes: each rank's
-parameters and buffers after `load_weights` of a tiny checkpoint of each family, at TP1, TP2 and PP2, and the
-KV and state pools a ModelRunner-sized engine allocates."""
+parameters and buffers after `load_weights` of a tiny checkpoint of each family (and of an FP8 one, counted at
+the serving dtype), at TP1, TP2 and PP2, and the KV and state pools a ModelRunner-sized engine allocates."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pdserve.engine.model_runner import model_class
 from pdserve.models.config import ModelConfig
 from pdserve.models.loader import load_weights
 from pdserve.parallel.state import ParallelState
+from pdserve.testing.fp8_checkpoint import make_tiny_deepseek_v3_fp8
 from pdserve.testing.tiny import make_tiny_model
 from pdserve.testing.tiny_deepseek_v3 import make_tiny_deepseek_v3
 from pdserve.testing.tiny_nemotron_h import make_tiny_nemotron_h
@@ -34,6 +35,8 @@ WRITERS = {
     "qwen3_5": lambda d: make_tiny_model(d, arch="qwen3_5", num_layers=4),
     "deepseek_v3": lambda d: make_tiny_deepseek_v3(d, num_layers=3),
     "nemotron_h": lambda d: make_tiny_nemotron_h(d),
+    # FP8 [16, 24] blocks and an MTP layer: dequantized at load to the serving dtype, the MTP layer skipped
+    "deepseek_v3_fp8": lambda d: make_tiny_deepseek_v3_fp8(d, num_layers=3)[0],
 }
 
 
