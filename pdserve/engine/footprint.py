@@ -1,10 +1,11 @@
 """How much memory each rank's weights, KV pool and recurrent state will take, known before any weight is read.
 
 The weights are counted on the model's own modules built with their large tensors on PyTorch's `meta` device
-(_LargeOnMeta): the very classes the engine loads into, with their shards, their replicated parts (MLA's latent projections, a MoE router, every
-expert with `moe_experts: replicated`) and their dtypes, but no storage. A checkpoint's tensors need not be
-opened: every weight is loaded at the serving dtype (an FP8 checkpoint's are dequantized to it, weights/fp8.py),
-so config.json alone fixes the loaded size, and `pdserve plan` can size a published model from its config.json.
+(_LargeOnMeta): the very classes the engine loads into, with their shards, their replicated parts (MLA's latent
+projections, a MoE router, every expert with `moe_experts: replicated`) and their dtypes, but no storage. A
+checkpoint's tensors need not be opened: every weight is loaded at the serving dtype (an FP8 checkpoint's are
+dequantized to it, weights/fp8.py), so config.json alone fixes the loaded size, and `pdserve plan` can size a
+published model from its config.json.
 
 Building every layer of a large model costs seconds (DeepSeek-V3's 58 MoE layers hold 14,848 expert modules),
 so one model is built per kind of layer: layers that agree on every `*_layers` set of ModelConfig (sliding,
@@ -16,7 +17,7 @@ by the stage with the most KV layers), the recurrent state one slot per sequence
 a disaggregated instance), as ModelRunner allocates them. The few blocks past the cache manager's (the static
 decode step's padding block, the first-contact canary's) are left out.
 
-    footprint(cfg, ecfg, device="cpu", max_model_len=4096)     -> Footprint (one RankFootprint per rank)
+    footprint(cfg, ecfg, device, max_model_len, tp, pp)        -> Footprint (one RankFootprint per rank)
     memory_problem(cfg, ecfg, device, available, units)        -> why it does not fit and a layout that does, or None
 """
 
@@ -38,6 +39,7 @@ from pdserve.models.llama import stage_layers
 from pdserve.parallel.state import ParallelState
 
 GIB = 1 << 30
+_LINEARS = (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear)  # what layers.pack_for_cpu copies
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp8_e4m3": torch.float8_e4m3fn}
 # ModelConfig's sets of layer indices: two layers in the same sets are built alike
@@ -69,7 +71,6 @@ class Footprint:
     ranks: tuple[RankFootprint, ...]
     num_kv_blocks: int
     tokens_per_block: int
-    kv_bytes_per_token: int  # of the rank with the most KV layers: what one more pooled token costs it
 
     @property
     def total(self) -> int:
@@ -145,7 +146,7 @@ def _build(cfg: ModelConfig, kinds: tuple[tuple[bool, ...], ...], ps: ParallelSt
             layers[j] += n
     if cpu_copies and onednn_packs(dtype):  # layers.pack_for_cpu's second copies
         for name, m in model.named_modules():
-            if isinstance(m, (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear)) and m.weight.is_floating_point():
+            if isinstance(m, _LINEARS) and m.weight.is_floating_point():
                 j, n = where(name), m.weight.numel() * m.weight.element_size()
                 if j is None:
                     stage_copies += n
@@ -232,9 +233,7 @@ def footprint(cfg: ModelConfig, ecfg: EngineConfig, device: str = "cpu", max_mod
         kv = blocks * kv_block_bytes(cfg, len(cfg.kv_layers(layers.start, n)), tp, ecfg.tokens_per_block, kv_dtype)
         state = slots * per_slot * sum(cfg.is_recurrent(i) for i in layers)
         ranks += [RankFootprint(p * tp + t, layers, weights, copies, kv, state) for t in range(tp)]
-    most_kv = max(len(cfg.kv_layers(r.layers.start, len(r.layers))) for r in ranks)
-    per_token = kv_block_bytes(cfg, most_kv, tp, 1, kv_dtype)
-    return Footprint(tp, pp, tuple(ranks), blocks, ecfg.tokens_per_block, per_token)
+    return Footprint(tp, pp, tuple(ranks), blocks, ecfg.tokens_per_block)
 
 
 def available_bytes(device: str) -> int:

@@ -46,7 +46,8 @@ def memory_report(args: argparse.Namespace, config: Path) -> str:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    ecfg = EngineConfig(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory_gb=args.kv_cache_memory_gb)
+    ecfg = EngineConfig(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                        kv_cache_memory_gb=args.kv_cache_memory_gb)
     elt = ELEMENT_BYTES[args.dtype]
     kv_elt = elt if args.kv_cache_dtype == "auto" else ELEMENT_BYTES[args.kv_cache_dtype]
     kv_layers = len(cfg.kv_layers(0, cfg.num_layers))
@@ -87,8 +88,8 @@ def memory_report(args: argparse.Namespace, config: Path) -> str:
         lines.append(f"{f'TP{tp} PP{pp}':<10} {tp * pp:>5}  {(r.weights + r.cpu_copies) / GIB:>12.2f}  "
                      f"{r.kv_pool / GIB:>12.2f}  {r.state / GIB:>10.2f}  {fp.total / GIB:>10.1f}  "
                      f"{fp.num_kv_blocks * fp.tokens_per_block:>11}  {max(fit, 0):>18}  {fits}")
-    lines += ["", "KV tokens that fit: the pool's tokens if the rest of this machine's memory held it (every rank holds "
-              "as many blocks)."]
+    lines += ["", "KV tokens that fit: the pool's tokens if the rest of this machine's memory held it (every rank "
+              "holds as many blocks)."]
     if copies:
         lines.append("weights/rank counts the CPU's second copy of the linear weights (cpu_decode_gemv).")
     lines.append("Without the weights, pdserve plan cannot rank deployments or write a cluster.yaml: their prefill, "

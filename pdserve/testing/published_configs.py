@@ -21,7 +21,8 @@ QWEN3_30B_A3B = {"num_hidden_layers": 48, "hidden_size": 2048, "intermediate_siz
                  "num_experts_per_tok": 8, "norm_topk_prob": True, "vocab_size": 151936,
                  "max_position_embeddings": 40960, "rope_theta": 1000000.0, "tie_word_embeddings": False}
 
-NEMOTRON_NANO_9B_V2 = {"num_hidden_layers": 56, "hybrid_override_pattern": "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-",
+NEMOTRON_NANO_9B_V2 = {"num_hidden_layers": 56,
+                       "hybrid_override_pattern": "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-",
                        "hidden_size": 4480, "intermediate_size": 15680, "vocab_size": 131072,
                        "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "mamba_num_heads": 128,
                        "mamba_head_dim": 80, "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4,
