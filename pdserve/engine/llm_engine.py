@@ -135,7 +135,7 @@ class LLMEngine:
     def _check_memory(self, device) -> None:
         """Refuse, naming the numbers and a TP / PP that fits, when the weights, KV pool and recurrent state of
         every rank need more than memory_limit_gb or, without it, than this machine has (engine/footprint.py)."""
-        from pdserve.engine.footprint import available_bytes, memory_problem
+        from pdserve.engine.footprint import GIB, available_bytes, footprint, memory_problem
 
         kind = device.type
         limit = self.ecfg.memory_limit_gb
@@ -144,6 +144,8 @@ class LLMEngine:
         why = memory_problem(self.model_cfg, self.ecfg, kind, available, units, self.max_model_len)
         if why is not None:
             raise ValueError(why + (f" (memory_limit_gb={limit})" if limit is not None else ""))
+        log.info("memory: %s; %.2f GiB available", footprint(self.model_cfg, self.ecfg, kind, self.max_model_len)
+                 .describe(), available / GIB)
 
     def _start_ranks(self, pool_allocator, device) -> ModelRunner:
         ecfg = self.ecfg
