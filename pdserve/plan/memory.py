@@ -105,5 +105,5 @@ def _tokens_that_fit(fp, device: str, available: int) -> int:
         rest = available - sum(r.weights + r.cpu_copies + r.state for r in fp.ranks)
         tokens = rest / sum(per_token) if sum(per_token) else 0
     else:
-        tokens = min((available - r.weights - r.state) / t for r, t in zip(fp.ranks, per_token) if t)
+        tokens = min(((available - r.weights - r.state) / t for r, t in zip(fp.ranks, per_token) if t), default=0)
     return int(tokens) // fp.tokens_per_block * fp.tokens_per_block
