@@ -33,7 +33,7 @@ from pdserve.models.recurrent_state import RecurrentState, StateSlice
 from pdserve.models.deepseek_v3 import DeepseekV3ForCausalLM
 from pdserve.models.llama import LlamaForCausalLM, stage_layers
 from pdserve.models.nemotron_h import NemotronHForCausalLM
-from pdserve.models.qwen3_5 import Qwen3_5ForCausalLM
+from pdserve.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 from pdserve.models.layers import decode_step, pack_for_cpu
 from pdserve.models.loader import load_weights, read_kv_scales
 from pdserve.kv_transfer.canary import CANARY_SLOTS
@@ -103,8 +103,10 @@ def _state_buffers(state: RecurrentState) -> list[StateBuffer]:
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:
-    own = {"Qwen3_5ForCausalLM": Qwen3_5ForCausalLM, "NemotronHForCausalLM": NemotronHForCausalLM,
-           "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM}
+    own = {"Qwen3_5ForCausalLM": Qwen3_5ForCausalLM, "Qwen3_5MoeForCausalLM": Qwen3_5ForCausalLM,
+           "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+           "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+           "NemotronHForCausalLM": NemotronHForCausalLM, "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM}
     return own.get(cfg.architecture, LlamaForCausalLM)
 
 

@@ -18,9 +18,15 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+    # Qwen3.5 as published: vision-language classes; pdserve serves their text model (text_config)
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "NemotronHForCausalLM": "nemotron_h",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
+# The vision-language classes whose config.json nests the text model's keys under `text_config`
+VISION_LANGUAGE = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 # Nemotron-H's checkpoints name each layer's one mixer; the MoE kind is not served yet (refused by name).
 NEMOTRON_H_LAYERS = ("linear_attention", "full_attention", "mlp")
 
@@ -67,6 +73,8 @@ class LinearAttentionShape:
 class MoeShape:
     """A sparse MoE block's shape (Qwen3-MoE): a router picks `top_k` of `num_experts` SwiGLU experts of
     `intermediate_size` per token; with `norm_topk_prob` the chosen probabilities are rescaled to sum to 1.
+    Qwen3.5-MoE adds one shared expert of `shared_intermediate_size` whose output every token takes times
+    sigmoid(x @ shared_expert_gate) (`shared_gate`).
 
     DeepSeek-V3 scores by sigmoid instead of softmax and picks among the `topk_group` best of `n_group`
     expert groups (a group ranked by the sum of its two best biased scores), the weights times
@@ -81,6 +89,7 @@ class MoeShape:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_intermediate_size: int = 0
+    shared_gate: bool = False
     # how tensor parallelism places the routed experts (EngineConfig.moe_experts; moe.py), not the checkpoint's
     replicated: bool = False
 
@@ -201,8 +210,9 @@ class ModelConfig:
                                              self.mamba.num_heads, self.mamba.n_groups))
         if self.linear_attention is not None:  # every projection cut by whole heads, KV heads too
             la = self.linear_attention
+            experts = (self.moe.intermediate_size,) if self.moe_layers else ()  # each expert cut like an MLP
             return all(n % tp == 0 for n in (self.num_heads, self.num_kv_heads, self.intermediate_size,
-                                             la.num_k_heads, la.num_v_heads))
+                                             la.num_k_heads, la.num_v_heads, *experts))
         if self.moe_layers and self.moe.intermediate_size % tp:  # each expert cut like the dense MLP
             return False
         return (self.num_heads % tp == 0 and self.intermediate_size % tp == 0
@@ -237,7 +247,9 @@ class ModelConfig:
                 f"unsupported model architecture {cfg.get('architectures')!r} (config.json 'architectures'); "
                 f"pdserve serves {sorted(SUPPORTED_ARCHITECTURES)}"
             )
-        hf = transformers_config(cfg, arch)
+        top = hf = transformers_config(cfg, arch)
+        if arch in VISION_LANGUAGE:
+            hf = top.text_config  # the text model (the vision tower's tensors are skipped: models/qwen3_5.py)
         if arch == "NemotronHForCausalLM":
             return _nemotron_h(cls, hf)
         if arch == "DeepseekV3ForCausalLM":
@@ -261,6 +273,7 @@ class ModelConfig:
         elif rope_type != "default":
             raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
         family = SUPPORTED_ARCHITECTURES[arch]
+        qwen3_5, qwen3_5_moe = family.startswith("qwen3_5"), family.startswith("qwen3_5_moe")
         qwen3 = family in ("qwen3", "qwen3_moe")
         # Qwen2's q/k/v always carry a bias, as transformers builds it (its config has no key for it)
         attention_bias = family == "qwen2" or bool(getattr(hf, "attention_bias", False))
@@ -268,7 +281,8 @@ class ModelConfig:
             architecture=arch,
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
+            # Qwen3.5-MoE has no dense MLP: its one MLP-shaped part is the shared expert
+            intermediate_size=hf.shared_expert_intermediate_size if qwen3_5_moe else hf.intermediate_size,
             num_layers=hf.num_hidden_layers,
             num_heads=num_heads,
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
@@ -276,14 +290,15 @@ class ModelConfig:
             rms_norm_eps=float(hf.rms_norm_eps),
             rope_theta=float(rope.get("rope_theta", 10000.0)),
             max_position_embeddings=int(hf.max_position_embeddings),
-            tie_word_embeddings=bool(hf.tie_word_embeddings),
+            tie_word_embeddings=bool(top.tie_word_embeddings),  # the class's own config ties, not text_config
             attention_bias=attention_bias,
             rope_scaling=scaling,
             qk_norm=qwen3,
             o_proj_bias=qwen3 and attention_bias,
             **_sliding_window(hf, arch),
-            **(_qwen3_5(hf, rope) if family == "qwen3_5_text" else {}),
+            **(_qwen3_5(hf, rope) if qwen3_5 else {}),
             **(_moe(hf) if family == "qwen3_moe" else {}),
+            **(_qwen3_5_moe(hf) if qwen3_5_moe else {}),
         )
 
 
@@ -349,6 +364,20 @@ def _moe(hf) -> dict[str, Any]:
         raise ValueError(f"decoder_sparse_step={step} must be >= 1")
     layers = tuple(i for i in range(hf.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
     return {"moe": shape, "moe_layers": layers}
+
+
+def _qwen3_5_moe(hf) -> dict[str, Any]:
+    """Qwen3.5-MoE's block, in every layer: softmax top-k routing always renormalised (its config has no
+    norm_topk_prob), plus one shared expert scaled by its sigmoid gate."""
+    shape = MoeShape(num_experts=int(hf.num_experts), top_k=int(hf.num_experts_per_tok),
+                     intermediate_size=int(hf.moe_intermediate_size), norm_topk_prob=True,
+                     shared_intermediate_size=int(hf.shared_expert_intermediate_size), shared_gate=True)
+    if not 1 <= shape.top_k <= shape.num_experts:
+        raise ValueError(f"num_experts_per_tok={shape.top_k} must be between 1 and num_experts={shape.num_experts}")
+    if shape.shared_intermediate_size < 1:
+        raise ValueError(f"shared_expert_intermediate_size={shape.shared_intermediate_size} must be >= 1 "
+                         "(every Qwen3.5-MoE layer has a shared expert)")
+    return {"moe": shape, "moe_layers": tuple(range(hf.num_hidden_layers))}
 
 
 def _nemotron_h(cls, hf) -> "ModelConfig":

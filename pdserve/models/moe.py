@@ -26,6 +26,10 @@ scores (renormalised with norm_topk_prob) times routed_scaling_factor. Its share
 every token takes, cut over TP like the dense MLP (either way) and added to the partial sum before the one
 all-reduce.
 
+Qwen3.5-MoE (`MoeShape.shared_gate`) routes as Qwen3-MoE and adds one shared expert (`shared_expert.*`, in the
+singular) scaled per token by sigmoid(x @ shared_expert_gate.T), a [1, hidden] weight whole on every rank: the
+scale is the same on every rank, so it multiplies the rank's partial sum before the all-reduce.
+
 On CPU the choices are grouped by expert (a stable sort of the [tokens * top_k] choices, the rows gathered once),
 and the loop runs over the experts that got a token: one gate/up and one down product each, on its span of
 the sorted rows. The combine is batched: every output row weighted in one product, put back in token order by
@@ -76,6 +80,8 @@ class SparseMoeBlock(nn.Module):
                                      for _ in range(shape.num_experts))
         self.shared_experts = (Expert(hidden, shape.shared_intermediate_size, ps, dtype)
                                if shape.shared_intermediate_size else None)
+        self.shared_gate = (nn.Parameter(torch.empty(1, hidden, dtype=dtype), requires_grad=False)
+                            if shape.shared_gate else None)
 
     def load(self, take, prefix: str) -> None:
         """`prefix` is `model.layers.N.mlp.`: its router `gate.weight`, and each expert's three projections."""
@@ -83,8 +89,11 @@ class SparseMoeBlock(nn.Module):
         if self.score_bias is not None:
             self.score_bias.copy_(take(prefix + "gate.e_score_correction_bias"))
         experts = [(f"{prefix}experts.{e}.", expert) for e, expert in enumerate(self.experts)]
+        if self.shared_gate is not None:
+            self.shared_gate.copy_(take(prefix + "shared_expert_gate.weight"))
         if self.shared_experts is not None:
-            experts.append((prefix + "shared_experts.", self.shared_experts))
+            experts.append((prefix + ("shared_expert." if self.shared_gate is not None else "shared_experts."),
+                            self.shared_experts))
         for p, expert in experts:
             expert.gate_up_proj.load([take(p + "gate_proj.weight"), take(p + "up_proj.weight")])
             expert.down_proj.load(take(p + "down_proj.weight"))
@@ -123,7 +132,8 @@ class SparseMoeBlock(nn.Module):
         # a step may route no rows (a prefill chunk that samples nothing)
         out = self._routed(x, weights, chosen) if x.shape[0] else torch.zeros_like(x)
         if self.shared_experts is not None:  # after the routed sum, as transformers adds it
-            out += self.shared_experts(x)
+            shared = self.shared_experts(x)
+            out += shared if self.shared_gate is None else torch.sigmoid(F.linear(x, self.shared_gate)) * shared
         return self.ps.tp_all_reduce(out)
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:

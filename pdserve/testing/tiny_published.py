@@ -23,10 +23,13 @@ ValueRule = Callable[[str, tuple[int, ...], Randn], torch.Tensor]
 
 
 def save_published(out_dir: str | os.PathLike, config: Any, value: ValueRule, *, seed: int, dtype: torch.dtype,
-                   tokenizer: Tokenizer, max_position_embeddings: int, max_shard_size: int | str | None = None) -> Path:
+                   tokenizer: Tokenizer, max_position_embeddings: int, max_shard_size: int | str | None = None,
+                   original_format: bool = True) -> Path:
     """Write `config`'s model (a transformers config object; its `architectures[0]` is the class) with
     parameters drawn by `value` as `save_pretrained` writes it, sharded when the weights exceed
-    `max_shard_size` (model.safetensors.index.json), plus the tiny tokenizer files."""
+    `max_shard_size` (model.safetensors.index.json), plus the tiny tokenizer files. `original_format=False`
+    is save_pretrained's `save_original_format=False`: tensors as transformers holds them (an MoE's experts
+    fused into 3-D tensors), as checkpoints written by transformers 5 without its reverse mapping are."""
     import transformers
 
     from pdserve.testing.tiny_tokenizer import write_tokenizer_files
@@ -43,7 +46,8 @@ def save_published(out_dir: str | os.PathLike, config: Any, value: ValueRule, *,
             param.copy_(value(name, tuple(param.shape), randn))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.to(dtype).save_pretrained(out, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    model.to(dtype).save_pretrained(out, save_original_format=original_format,
+                                    **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     write_tokenizer_files(out, tokenizer, max_position_embeddings)
     return out
 
