@@ -4,7 +4,8 @@ writes it (each routed expert's tensors on their own, backbone.*), against trans
 An MoE layer routes as DeepSeek-V3 does (sigmoid scores, a correction bias, groups, a scaling factor) to
 squared-ReLU experts beside one shared expert; it keeps neither KV nor a state. The oracle runs through
 batching and prefill chunks, TP 2 (the experts cut, or replicated whole) and a disaggregated TP1 -> TP2 pair;
-Nemotron 3 Super's latent projections (`moe_latent_size`) on a checkpoint of their own.
+Nemotron 3 Super's latent projections (`moe_latent_size`) on a checkpoint of their own, its MTP layers beside
+it skipped.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.models.config import ModelConfig
 from pdserve.testing.disagg import assert_nothing_held, context_first, step_until
+from pdserve.testing.fp8_checkpoint import read_tensors, write_checkpoint
 from pdserve.testing.tiny_nemotron_h import make_tiny_nemotron_h
 from pdserve.weights.hf_dir import INDEX_FILE, read_config
 
@@ -131,9 +133,17 @@ def test_disaggregated_tp1_to_tp2_equals_aggregated(nano):
 
 @pytest.fixture(scope="module")
 def super_latent(tmp_path_factory, hf_greedy):
-    """Nemotron 3 Super's experts: routed in a 24-wide latent of the 64-wide hidden state."""
-    d = make_tiny_nemotron_h(tmp_path_factory.mktemp("nemotron3_super") / "m", pattern="M*E",
-                             moe={"moe_latent_size": 24})
+    """Nemotron 3 Super's experts: routed in a 24-wide latent of the 64-wide hidden state; beside the model,
+    multi-token-prediction layers under mtp.* (an attention and an MoE layer's tensors), which transformers'
+    NemotronH skips on load, as pdserve does (weights/mtp.py)."""
+    root = tmp_path_factory.mktemp("nemotron3_super")
+    src = make_tiny_nemotron_h(root / "src", pattern="M*E", moe={"moe_latent_size": 24})
+    tensors = read_tensors(src)
+    for name, t in list(tensors.items()):
+        for layer, mtp in (("backbone.layers.1.", "mtp.layers.0."), ("backbone.layers.2.", "mtp.layers.1.")):
+            if name.startswith(layer):
+                tensors[name.replace(layer, mtp)] = t.flip(0)
+    d = write_checkpoint(src, root / "published", tensors, json.loads((src / "config.json").read_text()))
     return _reference(d, hf_greedy, (5, 23))
 
 
@@ -144,4 +154,5 @@ def test_latent_experts_equal_transformers(super_latent, engine):
     the one all-reduce."""
     d, prompts, ref = super_latent
     assert ModelConfig.from_hf(read_config(d)).moe.latent_size == 24
+    assert any(n.startswith("mtp.layers.1.mixer.experts.") for n in read_tensors(d))
     assert _run(d, prompts, **engine) == ref
