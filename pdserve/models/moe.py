@@ -30,7 +30,8 @@ Nemotron-H's MoE layers (`MoeShape.activation == "relu2"`, Nemotron 3) route as 
 experts, the one shared expert too, are down(relu(up(x))^2), not gated, each cut over TP as the dense MLP.
 With `latent_size` (Nemotron 3 Super) the routed experts work in a latent: x is projected down to it first
 (whole on every rank, the routing still reads x), and their weighted sum projected back up; that up projection
-is linear, so it maps each rank's partial sum before the one all-reduce.
+is linear, so it maps each rank's partial sum before the one all-reduce. Its routing weights stay fp32, so each
+expert's output is weighted and the top_k summed in fp32 and cast once, as transformers' Nemotron-H experts do.
 
 On CPU the choices are grouped by expert (a stable sort of the [tokens * top_k] choices, the rows gathered once),
 and the loop runs over the experts that got a token: one gate/up and one down product each, on its span of
@@ -119,7 +120,7 @@ class SparseMoeBlock(nn.Module):
             self.latent_out.load(take(prefix + "fc2_latent_proj.weight"))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [n, hidden] -> (weights [n, top_k] in x's dtype, expert ids [n, top_k])."""
+        """x: [n, hidden] -> (weights [n, top_k] in x's dtype, Nemotron-H's in fp32; expert ids [n, top_k])."""
         if self.score_bias is not None:
             return self._route_grouped(x)
         probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
@@ -144,14 +145,15 @@ class SparseMoeBlock(nn.Module):
         weights = scores.gather(1, chosen)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return (weights * s.routed_scaling_factor).to(x.dtype), chosen
+        weights = weights * s.routed_scaling_factor
+        return (weights if s.activation == "relu2" else weights.to(x.dtype)), chosen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [n, hidden] -> [n, hidden]."""
         weights, chosen = self.route(x)
         routed_in = x if self.latent_in is None else self.latent_in(x)
         # a step may route no rows (a prefill chunk that samples nothing)
-        out = self._routed(routed_in, weights, chosen) if x.shape[0] else torch.zeros_like(routed_in)
+        out = self._routed(routed_in, weights, chosen).to(x.dtype) if x.shape[0] else torch.zeros_like(routed_in)
         if self.latent_out is not None:
             out = self.latent_out(out)
         if self.shared_experts is not None:  # after the routed sum, as transformers adds it
@@ -167,7 +169,8 @@ class SparseMoeBlock(nn.Module):
         lo, hi = self._span(n * k)
         mine = order[lo:hi]
         y = self._experts_on(x[mine // k], choices[mine], x.shape[1])
-        y.mul_(weights.flatten()[mine].unsqueeze(1))  # [hi - lo, hidden] in expert order
+        w = weights.flatten()[mine].unsqueeze(1)
+        y = y.mul_(w) if w.dtype == y.dtype else y * w  # [hi - lo, hidden] in expert order (fp32 weights: fp32)
         if hi - lo < n * k:
             y = torch.cat([y.new_zeros(lo, y.shape[1]), y, y.new_zeros(n * k - hi, y.shape[1])])
         sorted_at = torch.empty_like(order)
