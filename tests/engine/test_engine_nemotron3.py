@@ -98,7 +98,8 @@ def test_routing_groups_that_cannot_be_kept_are_refused_naming_the_keys(moe, err
     {},
     {"max_num_tokens": 7},  # prompts in chunks of 7 beside decodes
     pytest.param({"tensor_parallel_size": 2, "moe_experts": "replicated"}, marks=pytest.mark.slow),
-], ids=["batched", "chunks of 7", "tp2 replicated experts"])
+    pytest.param({"pipeline_parallel_size": 2}, marks=pytest.mark.slow),  # layers 0-2 and 3-5: an MoE layer each
+], ids=["batched", "chunks of 7", "tp2 replicated experts", "pp2"])
 def test_greedy_tokens_equal_transformers(nano, engine):
     """(TP2 with every expert cut in two: the latent test's TP2 and the disaggregated TP2 generation side.)"""
     d, prompts, ref = nano
