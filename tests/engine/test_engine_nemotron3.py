@@ -3,7 +3,8 @@ writes it (each routed expert's tensors on their own, backbone.*), against trans
 
 An MoE layer routes as DeepSeek-V3 does (sigmoid scores, a correction bias, groups, a scaling factor) to
 squared-ReLU experts beside one shared expert; it keeps neither KV nor a state. The oracle runs through
-batching and prefill chunks, TP 2 (the experts cut, or replicated whole) and a disaggregated TP1 -> TP2 pair;
+batching and prefill chunks, TP 2 (the experts cut, or replicated whole), PP 2, bf16 (as accurate as transformers'
+bf16) and a disaggregated TP1 -> TP2 pair;
 Nemotron 3 Super's latent projections (`moe_latent_size`) on a checkpoint of their own, its MTP layers beside
 it skipped.
 """
@@ -27,6 +28,8 @@ from pdserve.testing.disagg import assert_nothing_held, context_first, step_unti
 from pdserve.testing.fp8_checkpoint import read_tensors, write_checkpoint
 from pdserve.testing.tiny_nemotron_h import make_tiny_nemotron_h
 from pdserve.weights.hf_dir import INDEX_FILE, read_config
+
+from low_precision_oracle import assert_as_accurate, errors
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -104,6 +107,12 @@ def test_greedy_tokens_equal_transformers(nano, engine):
     """(TP2 with every expert cut in two: the latent test's TP2 and the disaggregated TP2 generation side.)"""
     d, prompts, ref = nano
     assert _run(d, prompts, **engine) == ref
+
+
+def test_bf16_is_as_accurate_as_transformers_bf16(nano):
+    """bf16 (the published checkpoints' dtype): tokens part ways on near-ties, so the oracle is accuracy."""
+    d, prompts, _ = nano
+    assert_as_accurate(*errors(d, prompts, "bfloat16", MAX_NEW, tokens_per_block=8))
 
 
 @pytest.mark.slow
