@@ -27,8 +27,8 @@ SUPPORTED_ARCHITECTURES = {
 }
 # The vision-language classes whose config.json nests the text model's keys under `text_config`
 VISION_LANGUAGE = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
-# Nemotron-H's checkpoints name each layer's one mixer; the MoE kind is not served yet (refused by name).
-NEMOTRON_H_LAYERS = ("linear_attention", "full_attention", "mlp")
+# Nemotron-H's checkpoints name each layer's one mixer (Nemotron 3's "moe": a mixture of experts).
+NEMOTRON_H_LAYERS = ("linear_attention", "full_attention", "mlp", "moe")
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,11 @@ class MoeShape:
 
     DeepSeek-V3 scores by sigmoid instead of softmax and picks among the `topk_group` best of `n_group`
     expert groups (a group ranked by the sum of its two best biased scores), the weights times
-    `routed_scaling_factor`; `shared_intermediate_size` > 0 adds a shared SwiGLU expert every token takes."""
+    `routed_scaling_factor`; `shared_intermediate_size` > 0 adds a shared SwiGLU expert every token takes.
+
+    Nemotron-H (Nemotron 3) routes as DeepSeek-V3 does, but its experts, shared one included, are
+    `activation` "relu2": not gated, down(relu(up(x))^2); with `latent_size` > 0 (Super) the routed experts
+    work in a latent of that width, between a down projection of x and an up projection of their sum."""
 
     num_experts: int
     top_k: int
@@ -90,6 +94,8 @@ class MoeShape:
     routed_scaling_factor: float = 1.0
     shared_intermediate_size: int = 0
     shared_gate: bool = False
+    activation: str = "silu"  # "silu": SwiGLU experts; "relu2": squared-ReLU, not gated (Nemotron-H)
+    latent_size: int = 0
     # how tensor parallelism places the routed experts (EngineConfig.moe_experts; moe.py), not the checkpoint's
     replicated: bool = False
 
@@ -205,9 +211,12 @@ class ModelConfig:
     def splits_by(self, tp: int) -> bool:
         """Whether tensor parallelism can split this model `tp` ways: query heads and the MLP evenly, KV
         heads evenly or replicated (one of num_kv_heads and tp divides the other)."""
-        if self.mamba is not None:  # Mamba2 heads and groups, attention and KV heads, the MLP: all cut evenly
-            return all(n % tp == 0 for n in (self.num_heads, self.num_kv_heads, self.intermediate_size,
-                                             self.mamba.num_heads, self.mamba.n_groups))
+        if self.mamba is not None:  # Mamba2 heads and groups, attention and KV heads, the MLP, experts: all cut evenly
+            cut = [self.num_heads, self.num_kv_heads, self.intermediate_size, self.mamba.num_heads, self.mamba.n_groups]
+            if self.moe_layers:  # the shared expert always; the routed ones unless replicated whole (moe.py)
+                cut.append(self.moe.shared_intermediate_size)
+                cut += [] if self.moe.replicated else [self.moe.intermediate_size]
+            return all(n % tp == 0 for n in cut)
         if self.linear_attention is not None:  # every projection cut by whole heads, KV heads too
             la = self.linear_attention
             experts = (self.moe.intermediate_size,) if self.moe_layers else ()  # each expert cut like an MLP
@@ -381,8 +390,9 @@ def _qwen3_5_moe(hf) -> dict[str, Any]:
 
 
 def _nemotron_h(cls, hf) -> "ModelConfig":
-    """Nemotron-H: one mixer per layer (Mamba2, attention without positions, or a squared-ReLU MLP), named by
-    `layers_block_type` (transformers reads the older `hybrid_override_pattern`, M * - E, into it)."""
+    """Nemotron-H: one mixer per layer (Mamba2, attention without positions, a squared-ReLU MLP, or Nemotron 3's
+    mixture of squared-ReLU experts), named by `layers_block_type` (transformers reads the older
+    `hybrid_override_pattern`, M * - E, into it)."""
     kinds = list(hf.layers_block_type or [])
     unknown = sorted(set(kinds) - set(NEMOTRON_H_LAYERS))
     if not kinds or unknown:
@@ -401,6 +411,7 @@ def _nemotron_h(cls, hf) -> "ModelConfig":
                         time_step_min=float(hf.time_step_min))
     if mamba.num_heads % mamba.n_groups:
         raise ValueError(f"mamba_num_heads={mamba.num_heads} must be a multiple of n_groups={mamba.n_groups}")
+    moe_layers = tuple(i for i, k in enumerate(kinds) if k == "moe")
     return cls(
         architecture="NemotronHForCausalLM", vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
         intermediate_size=hf.intermediate_size, num_layers=len(kinds), num_heads=heads,
@@ -408,7 +419,30 @@ def _nemotron_h(cls, hf) -> "ModelConfig":
         rms_norm_eps=float(hf.layer_norm_epsilon), rope_theta=10000.0,  # (no positions)
         max_position_embeddings=int(hf.max_position_embeddings), tie_word_embeddings=bool(hf.tie_word_embeddings),
         attention_bias=False, recurrent_layers=tuple(i for i, k in enumerate(kinds) if k == "linear_attention"),
-        cacheless_layers=tuple(i for i, k in enumerate(kinds) if k == "mlp"), mamba=mamba)
+        cacheless_layers=tuple(i for i, k in enumerate(kinds) if k in ("mlp", "moe")), mamba=mamba,
+        moe=_nemotron_h_moe(hf) if moe_layers else None, moe_layers=moe_layers)
+
+
+def _nemotron_h_moe(hf) -> MoeShape:
+    """Nemotron 3's experts: DeepSeek-V3's routing (sigmoid, correction bias, groups, scaling), squared-ReLU
+    experts, one shared expert of `moe_shared_expert_intermediate_size`, Super's `moe_latent_size`."""
+    moe = MoeShape(num_experts=int(hf.n_routed_experts), top_k=int(hf.num_experts_per_tok),
+                   intermediate_size=int(hf.moe_intermediate_size), norm_topk_prob=bool(hf.norm_topk_prob),
+                   scoring="sigmoid", n_group=int(hf.n_group or 1), topk_group=int(hf.topk_group or 1),
+                   routed_scaling_factor=float(hf.routed_scaling_factor),
+                   shared_intermediate_size=int(hf.moe_shared_expert_intermediate_size), activation="relu2",
+                   latent_size=int(hf.moe_latent_size or 0))
+    _check_groups(moe)
+    return moe
+
+
+def _check_groups(moe: MoeShape) -> None:
+    """Sigmoid routing's groups split the experts evenly, and top_k fits in the topk_group groups kept."""
+    if moe.num_experts % moe.n_group or not 1 <= moe.topk_group <= moe.n_group:
+        raise ValueError(f"n_routed_experts={moe.num_experts}, n_group={moe.n_group}, topk_group={moe.topk_group}: "
+                         "the groups must split the experts evenly and topk_group be between 1 and n_group")
+    if not 1 <= moe.top_k <= moe.topk_group * moe.num_experts // moe.n_group:
+        raise ValueError(f"num_experts_per_tok={moe.top_k} must be between 1 and the experts of topk_group groups")
 
 
 def _yarn(rope: dict[str, Any], max_positions: int) -> YarnRope:
@@ -452,11 +486,7 @@ def _deepseek_v3(cls, hf) -> "ModelConfig":
                    scoring="sigmoid", n_group=int(hf.n_group or 1), topk_group=int(hf.topk_group or 1),
                    routed_scaling_factor=float(hf.routed_scaling_factor),
                    shared_intermediate_size=int(hf.moe_intermediate_size) * int(hf.n_shared_experts or 0))
-    if moe.num_experts % moe.n_group or not 1 <= moe.topk_group <= moe.n_group:
-        raise ValueError(f"n_routed_experts={moe.num_experts}, n_group={moe.n_group}, topk_group={moe.topk_group}: "
-                         "the groups must split the experts evenly and topk_group be between 1 and n_group")
-    if not 1 <= moe.top_k <= moe.topk_group * moe.num_experts // moe.n_group:
-        raise ValueError(f"num_experts_per_tok={moe.top_k} must be between 1 and the experts of topk_group groups")
+    _check_groups(moe)
     return cls(
         architecture="DeepseekV3ForCausalLM", vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
         intermediate_size=hf.intermediate_size, num_layers=layers, num_heads=int(hf.num_attention_heads),
