@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.models.config import MoeShape
+from pdserve.models.shapes import MoeShape
 from pdserve.models.layers import ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from pdserve.parallel.state import ParallelState
 
