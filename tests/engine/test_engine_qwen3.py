@@ -33,10 +33,12 @@ ARCHS = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 def model(request, tmp_path_factory, hf_greedy):
     """3 layers, 4 query heads and 2 KV heads of 16 over a hidden size of 80 (head_dim is its own key, as in
     real Qwen3 checkpoints: 4 * 16 != 80); the MoE's layers 0 and 2 sparse, layer 1 dense. The greedy streams
-    are varied (12-16 distinct tokens of 16): a broken attention or routing would show."""
+    are varied (12-16 distinct tokens of 16): a broken attention or routing would show. Written by transformers'
+    save_pretrained in shards, so `pdserve serve DIR` below loads a sharded published checkpoint."""
     arch = request.param
     d = make_tiny_model(tmp_path_factory.mktemp(arch) / "m", arch=arch, num_layers=3, num_heads=4, num_kv_heads=2,
-                        head_dim=16, hidden_size=80)
+                        head_dim=16, hidden_size=80, max_shard_size="40KB")
+    assert len(list(d.glob("model-*.safetensors"))) > 1
     hf = transformers.AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32)
     assert type(hf).__name__ == ARCHS[arch]
     g = torch.Generator().manual_seed(1234)
