@@ -6,7 +6,7 @@ from __future__ import annotations
 from pdserve.json_writer import items_at_least
 from pdserve.server.errors import bad_request
 from pdserve.server.protocol import ChatCompletionRequest, ChatMessage
-from pdserve.server.tools import render_messages
+from pdserve.server.tools.chat import render_messages
 from pdserve.tokenizer import Tokenizer
 
 # Messages of fewer characters than this (_size) are rendered through the chat template on the event loop, more

@@ -54,7 +54,7 @@ from pdserve.server.protocol import (
     random_id,
 )
 from pdserve.server.streaming import OwnedStream
-from pdserve.server.tools import CallStream, assistant_message, tool_setup
+from pdserve.server.tools.chat import CallStream, assistant_message, tool_setup
 
 SSE_DONE = "data: [DONE]\n\n"
 # A logit_bias key: ASCII digits, few enough for int() (str.isdigit also passes '²', which int() refuses).
