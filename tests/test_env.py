@@ -111,3 +111,19 @@ def test_a_child_gets_this_environment_and_what_it_is_handed(monkeypatch):
     out = subprocess.run([sys.executable, "-c", code], env=env.for_child({env.DISAGG_CONFIG: "{}"}),
                          capture_output=True, text=True, check=True, cwd=ROOT).stdout
     assert out.split() == ["{}", "inherited"]
+
+
+def test_a_refused_value_stops_every_kernel_load_not_only_the_first():
+    """PDSERVE_CPU_KERNELS=off is an error naming the variable at each load of either library (a load that
+    refused once must not answer "no library" the next time, as if the kernels were turned off)."""
+    code = """
+from pdserve.kernels import cpu, recurrent
+for load in (cpu.load, cpu.load, recurrent.load, recurrent.load):
+    try:
+        load()
+    except ValueError as e:
+        print(e)
+"""
+    out = subprocess.run([sys.executable, "-c", code], env=env.for_child({env.CPU_KERNELS: "off"}),
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert out.splitlines() == ["PDSERVE_CPU_KERNELS='off': expected 1 (on, the default) or 0 (off)"] * 4, out

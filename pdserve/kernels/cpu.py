@@ -268,8 +268,8 @@ def load() -> ctypes.CDLL | None:
     with _lock:
         if _tried:
             return _lib
+        env = settings()  # (first: a value it refuses is refused again at the next call, not taken as "off")
         _tried = True
-        env = settings()
         if not env.cpu_kernels:
             log.info("%s=0: native CPU kernels disabled, the model runs in PyTorch only", CPU_KERNELS)
             return None

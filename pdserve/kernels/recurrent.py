@@ -81,8 +81,9 @@ def load() -> ctypes.CDLL | None:
     with _lock:
         if _tried:
             return _lib
+        enabled = settings().cpu_kernels  # (first, as in cpu.load)
         _tried = True
-        if not settings().cpu_kernels:
+        if not enabled:
             log.info("%s=0: the recurrent layers run in PyTorch", CPU_KERNELS)
             return None
         try:
