@@ -107,7 +107,8 @@ def test_settings_read_the_environment_as_it_is_now(monkeypatch, tmp_path):
 
 def test_a_child_gets_this_environment_and_what_it_is_handed(monkeypatch):
     monkeypatch.setenv("PDSERVE_TEST_MARK", "inherited")
-    code = "from pdserve.env import settings; import os; print(settings().disagg_config, os.environ['PDSERVE_TEST_MARK'])"
+    code = ("from pdserve.env import settings; import os; "
+            "print(settings().disagg_config, os.environ['PDSERVE_TEST_MARK'])")
     out = subprocess.run([sys.executable, "-c", code], env=env.for_child({env.DISAGG_CONFIG: "{}"}),
                          capture_output=True, text=True, check=True, cwd=ROOT).stdout
     assert out.split() == ["{}", "inherited"]

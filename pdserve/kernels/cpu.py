@@ -22,11 +22,11 @@ layer's scales and its dequantisation tables (csrc/pool.h, csrc/fp8.h), and the 
 PyTorch path's. Every `csrc/*.c` goes into one library (with `csrc/gemm_bf16.c`, kernels/gemm.py's bf16 GEMM).
 
 Build: the machine's C compiler (`$CC`, else `cc`) with `-O3 -march=native -fopenmp`, into
-`$PDSERVE_KERNEL_CACHE` (default `$PDSERVE_CACHE_DIR/kernels`, ~/.cache/pdserve/kernels) under a name that hashes the source,
-the flags, the compiler's version and this CPU's feature flags, so a cache shared between machines
-never loads a binary built for another CPU. A build is written to a temporary file and renamed into
-place, so ranks that build at once all end up loading one complete library. The library links the
-process's libgomp (the one PyTorch loaded), so its threads are PyTorch's OpenMP threads.
+`$PDSERVE_KERNEL_CACHE` (default `$PDSERVE_CACHE_DIR/kernels`, ~/.cache/pdserve/kernels; pdserve/env.py)
+under a name that hashes the source, the flags, the compiler's version and this CPU's feature flags, so a
+cache shared between machines never loads a binary built for another CPU. A build is written to a temporary
+file and renamed into place, so ranks that build at once all end up loading one complete library. The
+library links the process's libgomp (the one PyTorch loaded), so its threads are PyTorch's OpenMP threads.
 
 Where no compiler works, or with `PDSERVE_CPU_KERNELS=0`, every wrapper here returns None and the
 caller keeps its PyTorch path; the reason is logged once.
