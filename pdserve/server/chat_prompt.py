@@ -6,7 +6,7 @@ from __future__ import annotations
 from pdserve.json_writer import items_at_least
 from pdserve.server.errors import bad_request
 from pdserve.server.protocol import ChatCompletionRequest, ChatMessage
-from pdserve.server.tools import render_messages
+from pdserve.server.tools.chat import render_messages
 from pdserve.tokenizer import Tokenizer
 
 # OpenAI content parts that carry an image or a video: pdserve serves text models only (of a vision-language
