@@ -6,7 +6,8 @@ DisaggConfig) passed whole; what stays in the environment is what a process need
 or what a parent hands its children through it:
 
     PDSERVE_CACHE_DIR        the base of pdserve's caches (~/.cache/pdserve): converted/ (GGUF models
-                             converted once), profiles/ (`pdserve plan`), kernels/ (the compiled kernels)
+                             converted once), profiles/ (`pdserve plan`), kernels/ (the compiled kernels),
+                             configs/ (models' config.json as pdserve read them)
     PDSERVE_KERNEL_CACHE     the compiled kernel library and its dispatch choices (<base>/kernels)
     PDSERVE_CPU_KERNELS      1 (default) or 0: 0 keeps every layer in PyTorch (no native kernel is built)
     PDSERVE_KERNEL_MARCH     the -march the kernels are compiled for (native)
@@ -79,6 +80,11 @@ class Settings:
     def profiles_dir(self) -> Path:
         """Where `pdserve plan` keeps this machine's measured profiles."""
         return self.cache_dir / "profiles"
+
+    @property
+    def configs_dir(self) -> Path:
+        """Where a model's config.json, read once through transformers, is remembered (models/config_memo.py)."""
+        return self.cache_dir / "configs"
 
     @classmethod
     def read(cls, environ: Mapping[str, str]) -> Settings:
