@@ -115,15 +115,16 @@ def fused_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tens
                                                                                               ("up_proj", up))]
 
 
-def read_kv_scales(model_dir: Path) -> dict[int, tuple[float, float]]:
-    """Global layer -> (k_scale, v_scale) of every layer whose checkpoint tensors carry both (scalars)."""
+def read_kv_scales(model_dir: Path, rename: Callable[[str], str] = str) -> dict[int, tuple[float, float]]:
+    """Global layer -> (k_scale, v_scale) of every layer whose checkpoint tensors carry both (scalars), each
+    stored name read as `rename` (checkpoint_renamer of the model) maps it, as load_weights reads them."""
     found: dict[int, dict[str, float]] = {}
     for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                m = _KV_SCALE.match(name)
+            for stored in f.keys():
+                m = _KV_SCALE.match(name := rename(stored))
                 if m:
-                    t = f.get_tensor(name)
+                    t = f.get_tensor(stored)
                     if t.numel() != 1:
                         raise ValueError(f"checkpoint tensor {name} has shape {tuple(t.shape)}: pdserve's FP8 KV "
                                          "cache takes one scale per layer (a scalar)")
