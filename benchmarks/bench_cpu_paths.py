@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import torch
 
+from pdserve.env import settings
 from pdserve.kernels import cpu, dispatch
 from pdserve.kernels.kv_quant import FP8
 from pdserve.models.layers import onednn_packs
@@ -48,7 +49,7 @@ def main() -> None:
         raise SystemExit("no native kernels (no C compiler, or PDSERVE_CPU_KERNELS=0)")
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; ATen "
           f"{torch.backends.cpu.get_cpu_capability()}; native kernels in the {cpu.kernel_isa()} form "
-          f"(-march={os.environ.get(cpu.MARCH_ENV, '').strip() or 'native'})")
+          f"(-march={settings().kernel_march})")
     print("| kernel | dtype | shape | native ms | PyTorch ms | PyTorch / native |")
     print("|---|---|---|---|---|---|")
     g = torch.Generator().manual_seed(0)

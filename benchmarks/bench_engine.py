@@ -71,6 +71,7 @@ def cpu_paths() -> str:
     """The ISA this run has and the path each CPU kernel takes on it, for the header: a figure from an
     AVX-512 machine says nothing of an AVX2 one. The ISA is the CPU's own; ATen's capability and oneDNN's
     bf16 honour ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA, the native kernels PDSERVE_KERNEL_MARCH."""
+    from pdserve.env import settings
     from pdserve.kernels import cpu
     from pdserve.models.layers import onednn_packs
 
@@ -81,7 +82,7 @@ def cpu_paths() -> str:
     isa = ("AMX" if "amx_tile" in flags else "AVX-512 BF16" if "avx512_bf16" in flags else "AVX-512"
            if "avx512f" in flags else "AVX2" if "avx2" in flags else "NEON" if "asimd" in flags else platform.machine())
     lib = cpu.load()
-    march = os.environ.get(cpu.MARCH_ENV, "").strip() or "native"
+    march = settings().kernel_march
     native = ("off (no compiler or PDSERVE_CPU_KERNELS=0)" if lib is None
               else f"built for -march={march} ({cpu.kernel_isa()} form)")
     pairs = lib is not None and lib.flash_prefill_bf16_pairs() == 1

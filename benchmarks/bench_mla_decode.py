@@ -21,7 +21,7 @@ import time
 import torch
 
 from pdserve.models.attention import AttentionMetadata, PagedKVCache
-from pdserve.models.config import MlaShape
+from pdserve.models.shapes import MlaShape
 from pdserve.models.layers import RotaryEmbedding, decode_step, pack_for_cpu
 from pdserve.models.mla import MlaAttention
 from pdserve.parallel.state import ParallelState

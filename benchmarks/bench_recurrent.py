@@ -21,7 +21,7 @@ import time
 import torch
 
 from pdserve.kernels import recurrent
-from pdserve.models.config import LinearAttentionShape, Mamba2Shape
+from pdserve.models.shapes import LinearAttentionShape, Mamba2Shape
 from pdserve.models.gated_deltanet import GatedDeltaNet, deltanet_state
 from pdserve.models.mamba2 import Mamba2Mixer, mamba2_state
 from pdserve.models.recurrent_state import RecurrentState, StateSlice

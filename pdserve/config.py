@@ -164,7 +164,8 @@ class EngineConfig(BaseModel):
     dist_host: str = Field("127.0.0.1", description="address of rank 0's torch.distributed store")
     dist_port: int = Field(0, ge=0, le=65535, description="0 = pick a free port")
     dist_timeout_s: float = Field(300.0, gt=0, description="rank start-up and collective timeout")
-    cache_dir: str | None = Field(None, description="where converted GGUF models are cached; default ~/.cache/pdserve")
+    cache_dir: str | None = Field(None, description="where converted GGUF models are cached; default "
+                                                     "$PDSERVE_CACHE_DIR/converted (~/.cache/pdserve/converted)")
     seed: int = 0
     generation_config: Literal["auto", "none"] = Field(
         "auto", description="auto: a request that leaves temperature, top_p, top_k, min_p, repetition_penalty or "

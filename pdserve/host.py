@@ -9,6 +9,8 @@ import signal
 import socket
 from pathlib import Path
 
+from pdserve.env import settings
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -31,9 +33,6 @@ def write_private(path: Path, text: str) -> None:
 _handed_out: set[int] = set()
 
 
-HOST_ID_ENV = "PDSERVE_HOST_ID"
-
-
 def no_named_semaphores() -> None:
     """For a spawned child that starts no processes itself (a rank, a profiling child). A spawned
     child's default start method is spawn, under which each multiprocessing lock is a named POSIX
@@ -52,7 +51,7 @@ def host_id() -> str:
     """Which host (kernel) this process runs on, for "can these two share memory?": hostname and boot id.
     Two containers of one machine differ by hostname, as their /dev/shm usually does; two Ray nodes
     started on one machine agree. PDSERVE_HOST_ID overrides it (containers that do share /dev/shm)."""
-    override = os.environ.get(HOST_ID_ENV)
+    override = settings().host_id
     if override:
         return override
     try:

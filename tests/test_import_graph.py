@@ -60,7 +60,7 @@ def test_the_import_graph_has_no_cycle():
 FLOORS = [
     ("pdserve", "pdserve.host", "pdserve.host_malloc", "pdserve.cluster_auth", "pdserve.tls", "pdserve.json_writer",
      "pdserve.tokenizer",
-     "pdserve.weights"),
+     "pdserve.weights", "pdserve.env"),
     ("pdserve.kernels",),
     ("pdserve.parallel", "pdserve.kv_transfer"),
     ("pdserve.models",),

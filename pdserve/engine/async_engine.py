@@ -86,6 +86,9 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.sampling_defaults = engine.sampling_defaults
         self.kv_endpoint = engine.kv_endpoint
+        self.ecfg = engine.ecfg
+        self.vocab_size = engine.model_cfg.vocab_size
+        self.grammars = engine.guides.grammars  # compiles a request's grammar before it is added (and caches it)
 
     @classmethod
     def from_config(cls, ecfg: EngineConfig, kv_events_port: int | None = None, **kwargs) -> "AsyncEngine":

@@ -33,9 +33,9 @@ from pdserve.models.recurrent_state import RecurrentState, StateSlice
 from pdserve.models.deepseek_v3 import DeepseekV3ForCausalLM
 from pdserve.models.llama import LlamaForCausalLM, stage_layers
 from pdserve.models.nemotron_h import NemotronHForCausalLM
-from pdserve.models.qwen3_5 import Qwen3_5ForCausalLM
+from pdserve.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 from pdserve.models.layers import decode_step, pack_for_cpu
-from pdserve.models.loader import load_weights, read_kv_scales
+from pdserve.models.loader import checkpoint_renamer, load_weights, read_kv_scales
 from pdserve.kv_transfer.canary import CANARY_SLOTS
 from pdserve.kv_transfer.rank_info import RankInfo
 from pdserve.parallel.state import ParallelState, broadcast_bytes, recv_bytes, send_bytes
@@ -103,8 +103,10 @@ def _state_buffers(state: RecurrentState) -> list[StateBuffer]:
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:
-    own = {"Qwen3_5ForCausalLM": Qwen3_5ForCausalLM, "NemotronHForCausalLM": NemotronHForCausalLM,
-           "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM}
+    own = {"Qwen3_5ForCausalLM": Qwen3_5ForCausalLM, "Qwen3_5MoeForCausalLM": Qwen3_5ForCausalLM,
+           "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+           "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+           "NemotronHForCausalLM": NemotronHForCausalLM, "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM}
     return own.get(cfg.architecture, LlamaForCausalLM)
 
 
@@ -178,7 +180,7 @@ class ModelRunner:
         kv_layer_ids = model_cfg.kv_layers(self.model.first_layer, self.model.num_local_layers)
         scales = None  # an FP8 pool's static scales: the checkpoint's, else 1.0 (kernels/kv_quant.py)
         if is_quantized(self.kv_dtype):
-            scales = KVScales.from_checkpoint(read_kv_scales(model_dir), kv_layer_ids)
+            scales = KVScales.from_checkpoint(read_kv_scales(model_dir, checkpoint_renamer(self.model)), kv_layer_ids)
         self.cache = PagedKVCache(self.pool, ecfg.kv_layout, scales)
         self.static_decode = (static_decode.for_runner(ecfg, self.model, self.cache, device, max_model_len,
                                                        pad_block=self.num_blocks) if static else None)

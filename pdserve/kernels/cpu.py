@@ -22,11 +22,11 @@ layer's scales and its dequantisation tables (csrc/pool.h, csrc/fp8.h), and the 
 PyTorch path's. Every `csrc/*.c` goes into one library (with `csrc/gemm_bf16.c`, kernels/gemm.py's bf16 GEMM).
 
 Build: the machine's C compiler (`$CC`, else `cc`) with `-O3 -march=native -fopenmp`, into
-`$PDSERVE_KERNEL_CACHE` (default `~/.cache/pdserve/kernels`) under a name that hashes the source,
-the flags, the compiler's version and this CPU's feature flags, so a cache shared between machines
-never loads a binary built for another CPU. A build is written to a temporary file and renamed into
-place, so ranks that build at once all end up loading one complete library. The library links the
-process's libgomp (the one PyTorch loaded), so its threads are PyTorch's OpenMP threads.
+`$PDSERVE_KERNEL_CACHE` (default `$PDSERVE_CACHE_DIR/kernels`, ~/.cache/pdserve/kernels; pdserve/env.py)
+under a name that hashes the source, the flags, the compiler's version and this CPU's feature flags, so a
+cache shared between machines never loads a binary built for another CPU. A build is written to a temporary
+file and renamed into place, so ranks that build at once all end up loading one complete library. The
+library links the process's libgomp (the one PyTorch loaded), so its threads are PyTorch's OpenMP threads.
 
 Where no compiler works, or with `PDSERVE_CPU_KERNELS=0`, every wrapper here returns None and the
 caller keeps its PyTorch path; the reason is logged once.
@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.env import CPU_KERNELS, settings
 from pdserve.kernels.kv_quant import FP8, KVScales, dequant_tables
 
 log = logging.getLogger(__name__)
@@ -57,11 +58,6 @@ SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))  # with the heade
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 LIBS = ["-lm"]  # libm, which pulls in libmvec for the vectorised expf
 LINK_FLAGS = ["-shared", "-fopenmp"]
-ENABLE_ENV = "PDSERVE_CPU_KERNELS"
-CACHE_ENV = "PDSERVE_KERNEL_CACHE"
-# -march for the build: `native` (the default) compiles for this CPU; e.g. `x86-64-v3` (AVX2 + FMA, no
-# AVX-512) builds the form an AVX2-only machine gets, which is how that machine's paths are tested here.
-MARCH_ENV = "PDSERVE_KERNEL_MARCH"
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, FP8: 3}  # KV_* in csrc/pool.h
 _FLOAT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # activations: the first two of the same enum
 
@@ -164,11 +160,6 @@ class KernelBuildError(RuntimeError):
     """The C compiler failed or is missing; the message carries its output."""
 
 
-def _cache_dir() -> Path:
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "pdserve" / "kernels"
-
-
 def _cpu_signature() -> str:
     """This CPU's feature flags (what -march=native compiles for), or the machine name."""
     try:
@@ -184,11 +175,12 @@ def _cpu_signature() -> str:
 def build(sources: list[Path] = SOURCES, cache_dir: Path | None = None, flags: list[str] | None = None) -> Path:
     """Compile `sources` into one library in the kernel cache (once per sources, flags, compiler and CPU).
     Tests pass other `flags` to build a kernel's form for CPUs without some instructions; the default is
-    FLAGS with `$PDSERVE_KERNEL_MARCH` for -march when set."""
+    FLAGS with `$PDSERVE_KERNEL_MARCH` for -march (pdserve/env.py: e.g. `x86-64-v3`, AVX2 + FMA and no
+    AVX-512, builds the form an AVX2-only machine gets, which is how that machine's paths are tested here)."""
+    env = settings()
     if flags is None:
-        march = os.environ.get(MARCH_ENV, "").strip()
-        flags = [f"-march={march}" if f == "-march=native" and march else f for f in FLAGS]
-    compiler = os.environ.get("CC", "cc")
+        flags = [f"-march={env.kernel_march}" if f == "-march=native" else f for f in FLAGS]
+    compiler = env.compiler
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -197,7 +189,7 @@ def build(sources: list[Path] = SOURCES, cache_dir: Path | None = None, flags: l
     texts = [f"{f.name}\0{f.read_text()}" for f in [*sources, *headers]]
     parts = [*texts, *flags, *LINK_FLAGS, *LIBS, version, _cpu_signature()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
-    cache_dir = cache_dir or _cache_dir()
+    cache_dir = cache_dir or env.kernel_cache
     target = cache_dir / f"pdserve_kernels-{key[:16]}.so"
     if target.exists():
         return target
@@ -276,9 +268,10 @@ def load() -> ctypes.CDLL | None:
     with _lock:
         if _tried:
             return _lib
+        env = settings()  # (first: a value it refuses is refused again at the next call, not taken as "off")
         _tried = True
-        if os.environ.get(ENABLE_ENV, "1") == "0":
-            log.info("%s=0: native CPU kernels disabled, the model runs in PyTorch only", ENABLE_ENV)
+        if not env.cpu_kernels:
+            log.info("%s=0: native CPU kernels disabled, the model runs in PyTorch only", CPU_KERNELS)
             return None
         try:
             path = build()
@@ -286,7 +279,7 @@ def load() -> ctypes.CDLL | None:
         except (KernelBuildError, OSError) as exc:
             log.warning("native CPU kernels unavailable, the model runs in PyTorch only: %s", exc)
             return None
-        log.info("native CPU kernels built for -march=%s", os.environ.get(MARCH_ENV, "").strip() or "native")
+        log.info("native CPU kernels built for -march=%s", env.kernel_march)
         lib.paged_decode_attention.argtypes = [ctypes.POINTER(_DecodeArgs), ctypes.c_int, ctypes.c_int]
         lib.paged_decode_attention.restype = ctypes.c_int
         lib.rope_cache_write.argtypes = [ctypes.POINTER(_RopeCacheArgs), ctypes.c_int, ctypes.c_int, ctypes.c_int]

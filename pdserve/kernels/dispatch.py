@@ -54,12 +54,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pdserve.env import KERNEL_PATH, settings
 from pdserve.kernels import cpu, gemm
 from pdserve.kernels.kv_quant import KVScales, is_quantized
 
 log = logging.getLogger(__name__)
 
-PATH_ENV = "PDSERVE_KERNEL_PATH"
 KERNELS = (cpu.FLASH_PREFILL, cpu.PAGED_DECODE, cpu.GEMV, cpu.RMS_NORM, cpu.ROPE_CACHE, cpu.GEMM)
 FLASH_TOKENS = 1024  # a prompt length where attention is a good share of a prefill
 PAGED_DECODE_CASES = ((1, 1024), (16, 512))  # (sequences, context tokens) of a decode step
@@ -95,7 +95,7 @@ class References:
 
 def forced_paths(spec: str | None = None) -> dict[str, bool]:
     """`PDSERVE_KERNEL_PATH` (or `spec`) read: kernel -> True (native) / False (torch) for the forced ones."""
-    spec = (os.environ.get(PATH_ENV, "") if spec is None else spec).strip()
+    spec = (settings().kernel_path if spec is None else spec).strip()
     if spec in ("", "auto"):
         return {}
     paths = {"native": True, "torch": False}
@@ -106,7 +106,7 @@ def forced_paths(spec: str | None = None) -> dict[str, bool]:
         kernel, _, path = part.partition("=")
         kernel, path = kernel.strip(), path.strip()
         if kernel not in KERNELS or path not in (*paths, "auto"):
-            raise ValueError(f"{PATH_ENV}={spec!r}: expected auto, native, torch or a comma-separated list of "
+            raise ValueError(f"{KERNEL_PATH}={spec!r}: expected auto, native, torch or a comma-separated list of "
                              f"KERNEL=native|torch|auto with KERNEL one of {', '.join(KERNELS)}")
         if path != "auto":
             forced[kernel] = paths[path]
@@ -303,7 +303,7 @@ def _decide(kernel: str, dtype: torch.dtype, shape: str, timer: Callable[[], tup
     if kernel in forced:
         cpu.set_native(kernel, dtype, forced[kernel])
         log.info("kernel dispatch: %s %s %s: %s (forced by %s)", kernel, name, shape,
-                 "native" if forced[kernel] else "torch", PATH_ENV)
+                 "native" if forced[kernel] else "torch", KERNEL_PATH)
         return forced[kernel]
     library = cpu.library_name()
     key = "|".join([_cpu_name(), cpu._cpu_signature().strip(), library or "", kernel, name, shape,
@@ -338,7 +338,7 @@ def choose_paths(references: References, dtype: torch.dtype, heads: int, kv_head
     if cpu.load() is None or dtype not in (torch.float32, torch.bfloat16):
         return {}
     forced = forced_paths()
-    cache = cache or cpu._cache_dir() / CHOICES_FILE
+    cache = cache or settings().kernel_cache / CHOICES_FILE
     chosen = {}
     heads_shape = f"{heads}x{kv_heads}x{head_dim}"
     kv_dtype = kv_dtype if kv_dtype not in (None, dtype) else None

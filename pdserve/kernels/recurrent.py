@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
+from pdserve.env import CPU_KERNELS, settings
 from pdserve.kernels import cpu
 
 log = logging.getLogger(__name__)
@@ -81,9 +81,10 @@ def load() -> ctypes.CDLL | None:
     with _lock:
         if _tried:
             return _lib
+        enabled = settings().cpu_kernels  # (first, as in cpu.load)
         _tried = True
-        if os.environ.get(cpu.ENABLE_ENV, "1") == "0":
-            log.info("%s=0: the recurrent layers run in PyTorch", cpu.ENABLE_ENV)
+        if not enabled:
+            log.info("%s=0: the recurrent layers run in PyTorch", CPU_KERNELS)
             return None
         try:
             lib = ctypes.CDLL(str(cpu.build(sources=SOURCES)))

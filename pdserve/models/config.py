@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.models.config_memo import remembered
+from pdserve.models.shapes import LinearAttentionShape, Mamba2Shape, MlaShape, MoeShape, RopeScaling, YarnRope
 
 # config.json 'architectures' -> transformers' model_type, whose config class reads the file
 SUPPORTED_ARCHITECTURES = {
@@ -18,119 +19,17 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+    # Qwen3.5 as published: vision-language classes; pdserve serves their text model (text_config)
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "NemotronHForCausalLM": "nemotron_h",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
-# Nemotron-H's checkpoints name each layer's one mixer; the MoE kind is not served yet (refused by name).
-NEMOTRON_H_LAYERS = ("linear_attention", "full_attention", "mlp")
-
-
-@dataclass(frozen=True)
-class Mamba2Shape:
-    """A Mamba2 mixer's shape (Nemotron-H): `num_heads` heads of `head_dim` channels share `n_groups` groups of
-    B and C vectors of `state_size`; the causal conv runs over [x | B | C] channels."""
-
-    num_heads: int
-    head_dim: int
-    n_groups: int
-    state_size: int
-    conv_kernel: int
-    conv_bias: bool
-    time_step_min: float  # dt = softplus(dt_raw + dt_bias), clamped below here
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def conv_channels(self) -> int:
-        return self.intermediate_size + 2 * self.n_groups * self.state_size
-
-
-@dataclass(frozen=True)
-class LinearAttentionShape:
-    """A Gated DeltaNet layer's shape (Qwen3.5's `linear_attention` layers). Key heads serve
-    num_v_heads // num_k_heads value heads each; the causal conv runs over [q | k | v] channels."""
-
-    num_k_heads: int
-    num_v_heads: int
-    k_head_dim: int
-    v_head_dim: int
-    conv_kernel: int
-
-    @property
-    def conv_channels(self) -> int:
-        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
-
-
-@dataclass(frozen=True)
-class MoeShape:
-    """A sparse MoE block's shape (Qwen3-MoE): a router picks `top_k` of `num_experts` SwiGLU experts of
-    `intermediate_size` per token; with `norm_topk_prob` the chosen probabilities are rescaled to sum to 1.
-
-    DeepSeek-V3 scores by sigmoid instead of softmax and picks among the `topk_group` best of `n_group`
-    expert groups (a group ranked by the sum of its two best biased scores), the weights times
-    `routed_scaling_factor`; `shared_intermediate_size` > 0 adds a shared SwiGLU expert every token takes."""
-
-    num_experts: int
-    top_k: int
-    intermediate_size: int
-    norm_topk_prob: bool
-    scoring: str = "softmax"  # or "sigmoid" (DeepSeek-V3: with a per-expert e_score_correction_bias)
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    shared_intermediate_size: int = 0
-    # how tensor parallelism places the routed experts (EngineConfig.moe_experts; moe.py), not the checkpoint's
-    replicated: bool = False
-
-
-@dataclass(frozen=True)
-class YarnRope:
-    """YaRN frequency scaling (DeepSeek-V3's rope_scaling type 'yarn'): the interpolated and extrapolated
-    frequencies blended over the dims between the beta_fast and beta_slow rotations; cos and sin times
-    `attention_factor`, and attention's softmax scale times mscale(factor, mscale_all_dim) squared."""
-
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float
-    beta_slow: float
-    attention_factor: float
-    softmax_mscale: float  # the scale's factor, 1.0 without mscale_all_dim
-    truncate: bool = True
-
-
-@dataclass(frozen=True)
-class MlaShape:
-    """Multi-head latent attention (DeepSeek-V3). q comes through a rank-`q_lora_rank` bottleneck (None: one
-    q_proj); k and v through one shared latent of `kv_lora_rank` plus a `qk_rope_head_dim` RoPE key that every
-    head shares. The cache keeps that latent, one `latent_dim` vector per token and layer."""
-
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    rope_interleave: bool
-    yarn: YarnRope | None = None
-
-    @property
-    def latent_dim(self) -> int:
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """llama3-style frequency scaling (Llama 3.1+). `None` on ModelConfig means plain RoPE."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+# The vision-language classes whose config.json nests the text model's keys under `text_config`
+VISION_LANGUAGE = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+# Nemotron-H's checkpoints name each layer's one mixer (Nemotron 3's "moe": a mixture of experts).
+NEMOTRON_H_LAYERS = ("linear_attention", "full_attention", "mlp", "moe")
 
 
 @dataclass(frozen=True)
@@ -196,13 +95,17 @@ class ModelConfig:
     def splits_by(self, tp: int) -> bool:
         """Whether tensor parallelism can split this model `tp` ways: query heads and the MLP evenly, KV
         heads evenly or replicated (one of num_kv_heads and tp divides the other)."""
-        if self.mamba is not None:  # Mamba2 heads and groups, attention and KV heads, the MLP: all cut evenly
-            return all(n % tp == 0 for n in (self.num_heads, self.num_kv_heads, self.intermediate_size,
-                                             self.mamba.num_heads, self.mamba.n_groups))
+        if self.mamba is not None:  # Mamba2 heads and groups, attention and KV heads, the MLP, experts: all cut evenly
+            cut = [self.num_heads, self.num_kv_heads, self.intermediate_size, self.mamba.num_heads, self.mamba.n_groups]
+            if self.moe_layers:  # the shared expert always; the routed ones unless replicated whole (moe.py)
+                cut.append(self.moe.shared_intermediate_size)
+                cut += [] if self.moe.replicated else [self.moe.intermediate_size]
+            return all(n % tp == 0 for n in cut)
         if self.linear_attention is not None:  # every projection cut by whole heads, KV heads too
             la = self.linear_attention
+            experts = (self.moe.intermediate_size,) if self.moe_layers else ()  # each expert cut like an MLP
             return all(n % tp == 0 for n in (self.num_heads, self.num_kv_heads, self.intermediate_size,
-                                             la.num_k_heads, la.num_v_heads))
+                                             la.num_k_heads, la.num_v_heads, *experts))
         if self.moe_layers and self.moe.intermediate_size % tp:  # each expert cut like the dense MLP
             return False
         return (self.num_heads % tp == 0 and self.intermediate_size % tp == 0
@@ -237,7 +140,9 @@ class ModelConfig:
                 f"unsupported model architecture {cfg.get('architectures')!r} (config.json 'architectures'); "
                 f"pdserve serves {sorted(SUPPORTED_ARCHITECTURES)}"
             )
-        hf = transformers_config(cfg, arch)
+        top = hf = transformers_config(cfg, arch)
+        if arch in VISION_LANGUAGE:
+            hf = top.text_config  # the text model (the vision tower's tensors are skipped: models/qwen3_5.py)
         if arch == "NemotronHForCausalLM":
             return _nemotron_h(cls, hf)
         if arch == "DeepseekV3ForCausalLM":
@@ -261,6 +166,7 @@ class ModelConfig:
         elif rope_type != "default":
             raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
         family = SUPPORTED_ARCHITECTURES[arch]
+        qwen3_5, qwen3_5_moe = family.startswith("qwen3_5"), family.startswith("qwen3_5_moe")
         qwen3 = family in ("qwen3", "qwen3_moe")
         # Qwen2's q/k/v always carry a bias, as transformers builds it (its config has no key for it)
         attention_bias = family == "qwen2" or bool(getattr(hf, "attention_bias", False))
@@ -268,7 +174,8 @@ class ModelConfig:
             architecture=arch,
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
+            # Qwen3.5-MoE has no dense MLP: its one MLP-shaped part is the shared expert
+            intermediate_size=hf.shared_expert_intermediate_size if qwen3_5_moe else hf.intermediate_size,
             num_layers=hf.num_hidden_layers,
             num_heads=num_heads,
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
@@ -276,14 +183,15 @@ class ModelConfig:
             rms_norm_eps=float(hf.rms_norm_eps),
             rope_theta=float(rope.get("rope_theta", 10000.0)),
             max_position_embeddings=int(hf.max_position_embeddings),
-            tie_word_embeddings=bool(hf.tie_word_embeddings),
+            tie_word_embeddings=bool(top.tie_word_embeddings),  # the class's own config ties, not text_config
             attention_bias=attention_bias,
             rope_scaling=scaling,
             qk_norm=qwen3,
             o_proj_bias=qwen3 and attention_bias,
             **_sliding_window(hf, arch),
-            **(_qwen3_5(hf, rope) if family == "qwen3_5_text" else {}),
+            **(_qwen3_5(hf, rope) if qwen3_5 else {}),
             **(_moe(hf) if family == "qwen3_moe" else {}),
+            **(_qwen3_5_moe(hf) if qwen3_5_moe else {}),
         )
 
 
@@ -351,9 +259,24 @@ def _moe(hf) -> dict[str, Any]:
     return {"moe": shape, "moe_layers": layers}
 
 
+def _qwen3_5_moe(hf) -> dict[str, Any]:
+    """Qwen3.5-MoE's block, in every layer: softmax top-k routing always renormalised (its config has no
+    norm_topk_prob), plus one shared expert scaled by its sigmoid gate."""
+    shape = MoeShape(num_experts=int(hf.num_experts), top_k=int(hf.num_experts_per_tok),
+                     intermediate_size=int(hf.moe_intermediate_size), norm_topk_prob=True,
+                     shared_intermediate_size=int(hf.shared_expert_intermediate_size), shared_gate=True)
+    if not 1 <= shape.top_k <= shape.num_experts:
+        raise ValueError(f"num_experts_per_tok={shape.top_k} must be between 1 and num_experts={shape.num_experts}")
+    if shape.shared_intermediate_size < 1:
+        raise ValueError(f"shared_expert_intermediate_size={shape.shared_intermediate_size} must be >= 1 "
+                         "(every Qwen3.5-MoE layer has a shared expert)")
+    return {"moe": shape, "moe_layers": tuple(range(hf.num_hidden_layers))}
+
+
 def _nemotron_h(cls, hf) -> "ModelConfig":
-    """Nemotron-H: one mixer per layer (Mamba2, attention without positions, or a squared-ReLU MLP), named by
-    `layers_block_type` (transformers reads the older `hybrid_override_pattern`, M * - E, into it)."""
+    """Nemotron-H: one mixer per layer (Mamba2, attention without positions, a squared-ReLU MLP, or Nemotron 3's
+    mixture of squared-ReLU experts), named by `layers_block_type` (transformers reads the older
+    `hybrid_override_pattern`, M * - E, into it)."""
     kinds = list(hf.layers_block_type or [])
     unknown = sorted(set(kinds) - set(NEMOTRON_H_LAYERS))
     if not kinds or unknown:
@@ -372,6 +295,7 @@ def _nemotron_h(cls, hf) -> "ModelConfig":
                         time_step_min=float(hf.time_step_min))
     if mamba.num_heads % mamba.n_groups:
         raise ValueError(f"mamba_num_heads={mamba.num_heads} must be a multiple of n_groups={mamba.n_groups}")
+    moe_layers = tuple(i for i, k in enumerate(kinds) if k == "moe")
     return cls(
         architecture="NemotronHForCausalLM", vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
         intermediate_size=hf.intermediate_size, num_layers=len(kinds), num_heads=heads,
@@ -379,7 +303,30 @@ def _nemotron_h(cls, hf) -> "ModelConfig":
         rms_norm_eps=float(hf.layer_norm_epsilon), rope_theta=10000.0,  # (no positions)
         max_position_embeddings=int(hf.max_position_embeddings), tie_word_embeddings=bool(hf.tie_word_embeddings),
         attention_bias=False, recurrent_layers=tuple(i for i, k in enumerate(kinds) if k == "linear_attention"),
-        cacheless_layers=tuple(i for i, k in enumerate(kinds) if k == "mlp"), mamba=mamba)
+        cacheless_layers=tuple(i for i, k in enumerate(kinds) if k in ("mlp", "moe")), mamba=mamba,
+        moe=_nemotron_h_moe(hf) if moe_layers else None, moe_layers=moe_layers)
+
+
+def _nemotron_h_moe(hf) -> MoeShape:
+    """Nemotron 3's experts: DeepSeek-V3's routing (sigmoid, correction bias, groups, scaling), squared-ReLU
+    experts, one shared expert of `moe_shared_expert_intermediate_size`, Super's `moe_latent_size`."""
+    moe = MoeShape(num_experts=int(hf.n_routed_experts), top_k=int(hf.num_experts_per_tok),
+                   intermediate_size=int(hf.moe_intermediate_size), norm_topk_prob=bool(hf.norm_topk_prob),
+                   scoring="sigmoid", n_group=int(hf.n_group or 1), topk_group=int(hf.topk_group or 1),
+                   routed_scaling_factor=float(hf.routed_scaling_factor),
+                   shared_intermediate_size=int(hf.moe_shared_expert_intermediate_size), activation="relu2",
+                   latent_size=int(hf.moe_latent_size or 0))
+    _check_groups(moe)
+    return moe
+
+
+def _check_groups(moe: MoeShape) -> None:
+    """Sigmoid routing's groups split the experts evenly, and top_k fits in the topk_group groups kept."""
+    if moe.num_experts % moe.n_group or not 1 <= moe.topk_group <= moe.n_group:
+        raise ValueError(f"n_routed_experts={moe.num_experts}, n_group={moe.n_group}, topk_group={moe.topk_group}: "
+                         "the groups must split the experts evenly and topk_group be between 1 and n_group")
+    if not 1 <= moe.top_k <= moe.topk_group * moe.num_experts // moe.n_group:
+        raise ValueError(f"num_experts_per_tok={moe.top_k} must be between 1 and the experts of topk_group groups")
 
 
 def _yarn(rope: dict[str, Any], max_positions: int) -> YarnRope:
@@ -423,11 +370,7 @@ def _deepseek_v3(cls, hf) -> "ModelConfig":
                    scoring="sigmoid", n_group=int(hf.n_group or 1), topk_group=int(hf.topk_group or 1),
                    routed_scaling_factor=float(hf.routed_scaling_factor),
                    shared_intermediate_size=int(hf.moe_intermediate_size) * int(hf.n_shared_experts or 0))
-    if moe.num_experts % moe.n_group or not 1 <= moe.topk_group <= moe.n_group:
-        raise ValueError(f"n_routed_experts={moe.num_experts}, n_group={moe.n_group}, topk_group={moe.topk_group}: "
-                         "the groups must split the experts evenly and topk_group be between 1 and n_group")
-    if not 1 <= moe.top_k <= moe.topk_group * moe.num_experts // moe.n_group:
-        raise ValueError(f"num_experts_per_tok={moe.top_k} must be between 1 and the experts of topk_group groups")
+    _check_groups(moe)
     return cls(
         architecture="DeepseekV3ForCausalLM", vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
         intermediate_size=hf.intermediate_size, num_layers=layers, num_heads=int(hf.num_attention_heads),

@@ -23,17 +23,16 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pdserve.env import settings
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _MODELS = Path(__file__).parent
 
 
 def default_dir() -> Path:
-    """`configs/` under $PDSERVE_CACHE_DIR, else under ~/.cache/pdserve (as plan/profile.py's profiles)."""
-    from pdserve.weights.resolve import CACHE_ENV
-
-    base = os.environ.get(CACHE_ENV)
-    return (Path(base).expanduser() if base else Path.home() / ".cache" / "pdserve") / "configs"
+    """`configs/` under pdserve's cache ($PDSERVE_CACHE_DIR, else ~/.cache/pdserve; pdserve/env.py)."""
+    return settings().configs_dir
 
 
 def remembered(cfg: dict[str, Any], read: Callable[[dict[str, Any]], T], cls: type[T],

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.models.config import LinearAttentionShape
+from pdserve.models.shapes import LinearAttentionShape
 from pdserve.kernels import recurrent
 from pdserve.models.layers import MergedColumnParallelLinear, RowParallelLinear, _shard
 from pdserve.models.recurrent_state import (RecurrentState, StateGeometry, StateSlice, causal_conv, causal_conv_step,

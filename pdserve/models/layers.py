@@ -31,7 +31,7 @@ from torch import nn
 
 from pdserve.host_malloc import huge_page_buffer
 from pdserve.kernels import cpu, gemm
-from pdserve.models.config import RopeScaling
+from pdserve.models.shapes import RopeScaling
 from pdserve.parallel.state import ParallelState
 
 

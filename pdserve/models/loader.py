@@ -1,9 +1,11 @@
 """Load a Hugging Face checkpoint (one safetensors file or the shards its model.safetensors.index.json names)
 into one rank's model shard: the top-level tensors here, each decoder layer's by its own `load`, every name
-as the model class's CHECKPOINT_RENAMES maps it."""
+as the model class's CHECKPOINT_RENAMES maps it; the parts of a published checkpoint pdserve does not serve (a
+vision-language checkpoint's vision tower) skipped as its CHECKPOINT_SKIPS says, with one log line each."""
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -18,10 +20,14 @@ from pdserve.weights.fp8 import Fp8Scheme, dequantize_weights, scaled_tensor
 from pdserve.weights.hf_dir import read_config, weight_files
 from pdserve.weights.mtp import MtpWeights
 
+log = logging.getLogger(__name__)
+
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Tensors some checkpoints carry that are computed from the config anyway (RoPE's inverse frequencies).
 _DERIVED = ("rotary_emb.inv_freq",)
 _TOP_LEVEL = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")  # outside the layers
+# transformers' in-memory layout of an MoE's experts, one 3-D tensor per projection (fused_experts)
+_FUSED_EXPERTS = re.compile(r"^(.+\.experts\.)(gate_up_proj|down_proj)$")
 # An FP8 KV cache's static scales (kv_quant.py): read by read_kv_scales for the cache, not the model's.
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(k|v)_scale$")
 
@@ -34,11 +40,16 @@ def load_weights(model: nn.Module, model_dir: Path, show_progress: bool = False)
     files = weight_files(model_dir)
     foreign = []  # outside the layers and not ours: every stage refuses them
     rename = checkpoint_renamer(model)
+    skips = [(re.compile(pattern), what, []) for pattern, what in getattr(model, "CHECKPOINT_SKIPS", ())]
     config = read_config(model_dir)
     fp8, mtp = Fp8Scheme.from_config(config), MtpWeights(config, model.cfg.num_layers)
     for path in tqdm(files, desc="loading weights", disable=not show_progress):
         with safe_open(str(path), framework="pt") as f:
             for stored in f.keys():
+                skip = next((names for pattern, _, names in skips if pattern.match(stored)), None)
+                if skip is not None:
+                    skip.append(stored)
+                    continue
                 name = rename(stored)
                 m = _LAYER.match(name)
                 top = scaled_tensor(name)  # an FP8 scale goes where its weight goes
@@ -55,13 +66,17 @@ def load_weights(model: nn.Module, model_dir: Path, show_progress: bool = False)
                     if not name.endswith(_DERIVED):
                         foreign.append(name)
                 if keep:
-                    if name in wanted:
-                        raise ValueError(f"checkpoint holds {name!r} twice (once as {stored!r}): keep one spelling")
-                    wanted[name] = f.get_tensor(stored)
+                    for part, tensor in fused_experts(name, f.get_tensor(stored)):
+                        if part in wanted:
+                            raise ValueError(f"checkpoint holds {part!r} twice (once as {stored!r}): keep one spelling")
+                        wanted[part] = tensor
     _refuse_unused(foreign)
     dequantize_weights(wanted, fp8, _serving_dtype(model))
     if model.ps.rank == 0:
         mtp.report()
+        for _, what, names in skips:
+            if names:
+                log.info("skipped %d tensors of %s (%s, ...): pdserve does not serve it", len(names), what, names[0])
     _assign(model, wanted)
 
 
@@ -73,7 +88,8 @@ def _serving_dtype(model: nn.Module) -> torch.dtype:
 def checkpoint_renamer(model: nn.Module) -> Callable[[str], str]:
     """A stored tensor's name -> the name pdserve's layers load it by. A family whose published checkpoints
     name tensors otherwise (Nemotron-H's backbone.*) lists its `(pattern, replacement)` regexes, applied in
-    order, as its model class's CHECKPOINT_RENAMES: the one place that family's mapping lives."""
+    order, as its model class's CHECKPOINT_RENAMES: the one place that family's mapping lives. (Its
+    CHECKPOINT_SKIPS, `(pattern, what they are)` pairs, name the stored tensors it leaves unread.)"""
     renames = [(re.compile(pattern), repl) for pattern, repl in getattr(model, "CHECKPOINT_RENAMES", ())]
 
     def rename(stored: str) -> str:
@@ -83,15 +99,32 @@ def checkpoint_renamer(model: nn.Module) -> Callable[[str], str]:
     return rename
 
 
-def read_kv_scales(model_dir: Path) -> dict[int, tuple[float, float]]:
-    """Global layer -> (k_scale, v_scale) of every layer whose checkpoint tensors carry both (scalars)."""
+def fused_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A checkpoint tensor as the per-expert tensors the MoE block loads. Experts stored as transformers 5 holds
+    them (save_pretrained(save_original_format=False)): `experts.gate_up_proj` [experts, 2 * inter, hidden], gate
+    rows first, and `experts.down_proj` [experts, hidden, inter] -> `experts.{e}.gate_proj.weight`, ... (views);
+    any other tensor as it is."""
+    m = _FUSED_EXPERTS.match(name)
+    if m is None or tensor.ndim != 3:
+        return [(name, tensor)]
+    prefix, kind = m.groups()
+    if kind == "down_proj":
+        return [(f"{prefix}{e}.down_proj.weight", down) for e, down in enumerate(tensor)]
+    gate, up = tensor.chunk(2, dim=1)
+    return [(f"{prefix}{e}.{proj}.weight", w[e]) for e in range(len(tensor)) for proj, w in (("gate_proj", gate),
+                                                                                              ("up_proj", up))]
+
+
+def read_kv_scales(model_dir: Path, rename: Callable[[str], str] = str) -> dict[int, tuple[float, float]]:
+    """Global layer -> (k_scale, v_scale) of every layer whose checkpoint tensors carry both (scalars), each
+    stored name read as `rename` (checkpoint_renamer of the model) maps it, as load_weights reads them."""
     found: dict[int, dict[str, float]] = {}
     for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                m = _KV_SCALE.match(name)
+            for stored in f.keys():
+                m = _KV_SCALE.match(name := rename(stored))
                 if m:
-                    t = f.get_tensor(name)
+                    t = f.get_tensor(stored)
                     if t.numel() != 1:
                         raise ValueError(f"checkpoint tensor {name} has shape {tuple(t.shape)}: pdserve's FP8 KV "
                                          "cache takes one scale per layer (a scalar)")

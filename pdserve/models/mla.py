@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.models.attention import AttentionMetadata, PagedKVCache
-from pdserve.models.config import MlaShape, YarnRope
+from pdserve.models.shapes import MlaShape, YarnRope
 from pdserve.models.layers import ColumnParallelLinear, ReplicatedLinear, RMSNorm, RotaryEmbedding, RowParallelLinear
 from pdserve.parallel.state import ParallelState
 

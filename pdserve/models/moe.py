@@ -26,6 +26,17 @@ scores (renormalised with norm_topk_prob) times routed_scaling_factor. Its share
 every token takes, cut over TP like the dense MLP (either way) and added to the partial sum before the one
 all-reduce.
 
+Qwen3.5-MoE (`MoeShape.shared_gate`) routes as Qwen3-MoE and adds one shared expert (`shared_expert.*`, in the
+singular) scaled per token by sigmoid(x @ shared_expert_gate.T), a [1, hidden] weight whole on every rank: the
+scale is the same on every rank, so it multiplies the rank's partial sum before the all-reduce.
+
+Nemotron-H's MoE layers (`MoeShape.activation == "relu2"`, Nemotron 3) route as DeepSeek-V3 does; their
+experts, the one shared expert too, are down(relu(up(x))^2), not gated, each cut over TP as the dense MLP.
+With `latent_size` (Nemotron 3 Super) the routed experts work in a latent: x is projected down to it first
+(whole on every rank, the routing still reads x), and their weighted sum projected back up; that up projection
+is linear, so it maps each rank's partial sum before the one all-reduce. Its routing weights stay fp32, so each
+expert's output is weighted and the top_k summed in fp32 and cast once, as transformers' Nemotron-H experts do.
+
 On CPU the choices are grouped by expert (a stable sort of the [tokens * top_k] choices, the rows gathered once),
 and the loop runs over the experts that got a token: one gate/up and one down product each, on its span of
 the sorted rows. The combine is batched: every output row weighted in one product, put back in token order by
@@ -41,8 +52,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.models.config import MoeShape
-from pdserve.models.layers import MergedColumnParallelLinear, RowParallelLinear
+from pdserve.models.shapes import MoeShape
+from pdserve.models.layers import ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from pdserve.parallel.state import ParallelState
 
 
@@ -59,6 +70,18 @@ class Expert(nn.Module):
         return self.down_proj(F.silu(gate).mul_(up))
 
 
+class Relu2Expert(nn.Module):
+    """One squared-ReLU expert's slice (Nemotron-H), not gated; returns its partial sum as Expert does."""
+
+    def __init__(self, hidden: int, intermediate: int, ps: ParallelState, dtype: torch.dtype):
+        super().__init__()
+        self.up_proj = ColumnParallelLinear(hidden, intermediate, False, ps, dtype)
+        self.down_proj = RowParallelLinear(intermediate, hidden, ps, dtype, reduce=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.relu(self.up_proj(x)).square_())
+
+
 class SparseMoeBlock(nn.Module):
     def __init__(self, shape: MoeShape, hidden: int, ps: ParallelState, dtype: torch.dtype):
         super().__init__()
@@ -72,25 +95,41 @@ class SparseMoeBlock(nn.Module):
                                    requires_grad=False)
         self.score_bias = (nn.Parameter(torch.zeros(shape.num_experts), requires_grad=False) if sigmoid else None)
         whole = ParallelState() if shape.replicated else ps  # a replicated expert's linears keep every row
-        self.experts = nn.ModuleList(Expert(hidden, shape.intermediate_size, whole, dtype)
+        kind = Relu2Expert if shape.activation == "relu2" else Expert
+        width = shape.latent_size or hidden  # the routed experts' input and output
+        self.experts = nn.ModuleList(kind(width, shape.intermediate_size, whole, dtype)
                                      for _ in range(shape.num_experts))
-        self.shared_experts = (Expert(hidden, shape.shared_intermediate_size, ps, dtype)
+        self.shared_experts = (kind(hidden, shape.shared_intermediate_size, ps, dtype)
                                if shape.shared_intermediate_size else None)
+        self.shared_gate = (nn.Parameter(torch.empty(1, hidden, dtype=dtype), requires_grad=False)
+                            if shape.shared_gate else None)
+        self.latent_in = ReplicatedLinear(hidden, width, False, ps, dtype) if shape.latent_size else None
+        self.latent_out = ReplicatedLinear(width, hidden, False, ps, dtype) if shape.latent_size else None
 
     def load(self, take, prefix: str) -> None:
-        """`prefix` is `model.layers.N.mlp.`: its router `gate.weight`, and each expert's three projections."""
+        """`prefix` is `model.layers.N.mlp.` (Nemotron-H: `.mixer.`): its router `gate.weight`, and each expert's
+        projections (three; Nemotron-H's two), the latent ones `fc1_latent_proj` and `fc2_latent_proj`."""
         self.router.copy_(take(prefix + "gate.weight"))
         if self.score_bias is not None:
             self.score_bias.copy_(take(prefix + "gate.e_score_correction_bias"))
         experts = [(f"{prefix}experts.{e}.", expert) for e, expert in enumerate(self.experts)]
+        if self.shared_gate is not None:
+            self.shared_gate.copy_(take(prefix + "shared_expert_gate.weight"))
         if self.shared_experts is not None:
-            experts.append((prefix + "shared_experts.", self.shared_experts))
+            experts.append((prefix + ("shared_expert." if self.shared_gate is not None else "shared_experts."),
+                            self.shared_experts))
         for p, expert in experts:
-            expert.gate_up_proj.load([take(p + "gate_proj.weight"), take(p + "up_proj.weight")])
+            if isinstance(expert, Relu2Expert):
+                expert.up_proj.load(take(p + "up_proj.weight"))
+            else:
+                expert.gate_up_proj.load([take(p + "gate_proj.weight"), take(p + "up_proj.weight")])
             expert.down_proj.load(take(p + "down_proj.weight"))
+        if self.latent_in is not None:
+            self.latent_in.load(take(prefix + "fc1_latent_proj.weight"))
+            self.latent_out.load(take(prefix + "fc2_latent_proj.weight"))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [n, hidden] -> (weights [n, top_k] in x's dtype, expert ids [n, top_k])."""
+        """x: [n, hidden] -> (weights [n, top_k] in x's dtype, Nemotron-H's in fp32; expert ids [n, top_k])."""
         if self.score_bias is not None:
             return self._route_grouped(x)
         probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
@@ -115,15 +154,20 @@ class SparseMoeBlock(nn.Module):
         weights = scores.gather(1, chosen)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return (weights * s.routed_scaling_factor).to(x.dtype), chosen
+        weights = weights * s.routed_scaling_factor
+        return (weights if s.activation == "relu2" else weights.to(x.dtype)), chosen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [n, hidden] -> [n, hidden]."""
         weights, chosen = self.route(x)
+        routed_in = x if self.latent_in is None else self.latent_in(x)
         # a step may route no rows (a prefill chunk that samples nothing)
-        out = self._routed(x, weights, chosen) if x.shape[0] else torch.zeros_like(x)
+        out = self._routed(routed_in, weights, chosen).to(x.dtype) if x.shape[0] else torch.zeros_like(routed_in)
+        if self.latent_out is not None:
+            out = self.latent_out(out)
         if self.shared_experts is not None:  # after the routed sum, as transformers adds it
-            out += self.shared_experts(x)
+            shared = self.shared_experts(x)
+            out += shared if self.shared_gate is None else torch.sigmoid(F.linear(x, self.shared_gate)) * shared
         return self.ps.tp_all_reduce(out)
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
@@ -135,7 +179,8 @@ class SparseMoeBlock(nn.Module):
         lo, hi = self._span(n * k)
         mine = order[lo:hi]
         y = self._experts_on(x[mine // k], choices[mine], x.shape[1])
-        y.mul_(weights.flatten()[mine].unsqueeze(1))  # [hi - lo, hidden] in expert order
+        w = weights.flatten()[mine].unsqueeze(1)
+        y = y.mul_(w) if w.dtype == y.dtype else y * w  # [hi - lo, hidden] in expert order (fp32 weights: fp32)
         if hi - lo < n * k:
             y = torch.cat([y.new_zeros(lo, y.shape[1]), y, y.new_zeros(n * k - hi, y.shape[1])])
         sorted_at = torch.empty_like(order)

@@ -3,10 +3,12 @@
     out = x + mixer(norm(x)),   mixer = Mamba2Mixer ('linear_attention': a recurrent state per sequence)
                                       | attention ('full_attention': paged KV, no positional encoding)
                                       | MLP ('mlp': up, squared ReLU, down)
+                                      | MoE ('moe', Nemotron 3: routed squared-ReLU experts and a shared one;
+                                        moe.SparseMoeBlock)
 
-Only the attention layers keep KV; the cache's layer index of one is its rank among this stage's
-attention layers, a Mamba2 layer's state index its rank among this stage's Mamba2 layers. Norms scale by
-their weight in fp32 and cast once.
+Only the attention layers keep KV (the MLP and MoE layers keep neither KV nor a state); the cache's layer
+index of one is its rank among this stage's attention layers, a Mamba2 layer's state index its rank among this
+stage's Mamba2 layers. Norms scale by their weight in fp32 and cast once.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pdserve.models.config import ModelConfig
 from pdserve.models.hybrid_stage import HybridStage
 from pdserve.models.layers import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pdserve.models.mamba2 import Mamba2Mixer, mamba2_state
+from pdserve.models.moe import SparseMoeBlock
 from pdserve.models.recurrent_state import StateGeometry
 from pdserve.parallel.state import ParallelState
 
@@ -79,14 +82,16 @@ class ReluSquaredMLP(nn.Module):
 class NemotronHLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, ps: ParallelState, dtype: torch.dtype, index: int, slot: int):
         super().__init__()
-        self.kind = ("mamba" if cfg.is_recurrent(index) else "mlp" if index in cfg.cacheless_layers
-                     else "attention")
+        self.kind = ("mamba" if cfg.is_recurrent(index) else "moe" if cfg.is_moe(index)
+                     else "mlp" if index in cfg.cacheless_layers else "attention")
         self.slot = slot  # this layer's index in the KV cache (attention) or in the state (mamba)
         self.norm = Fp32RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if self.kind == "mamba":
             self.mixer = Mamba2Mixer(cfg.mamba, cfg.hidden_size, cfg.rms_norm_eps, ps, dtype)
         elif self.kind == "attention":
             self.mixer = Attention(cfg, ps, dtype)
+        elif self.kind == "moe":
+            self.mixer = SparseMoeBlock(cfg.moe, cfg.hidden_size, ps, dtype)
         else:
             self.mixer = ReluSquaredMLP(cfg, ps, dtype)
 
@@ -102,7 +107,7 @@ class NemotronHLayer(nn.Module):
         else:
             out = (self.mixer(normed, state, self.slot, md.states) if self.kind == "mamba"
                    else self.mixer(normed if rows is None else normed[rows]))
-            out = out if rows is None or self.kind == "mlp" else out[rows]
+            out = out if rows is None or self.kind != "mamba" else out[rows]
         return (x if rows is None else x[rows]) + out
 
 

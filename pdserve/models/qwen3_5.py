@@ -4,6 +4,13 @@
     mixer = GatedDeltaNet (layer_types 'linear_attention', a recurrent state per sequence)
           | GatedAttention ('full_attention': paged KV, q/k norms, RoPE on part of each head,
                             the output times sigmoid of a per-head gate)
+    mlp   = a SwiGLU MLP (Qwen3.5), or in every layer of Qwen3.5-MoE a sparse MoE block with a
+            sigmoid-gated shared expert (moe.py)
+
+Qwen3.5 is published as a vision-language model (Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration):
+the text model's tensors under `model.language_model.*`, the vision tower's under `model.visual.*`, `mtp.*` beside
+them. pdserve serves the text model and skips the vision tower (Qwen3_5ForConditionalGeneration below); text-only
+positions make the published multimodal RoPE (mrope: one position per axis, all three equal) plain RoPE.
 
 Norms are zero-centred: the weight w scales by (1 + w), in fp32. Only the attention layers keep KV;
 the cache's layer index of one is its rank among this stage's attention layers, and the recurrent
@@ -22,6 +29,7 @@ from pdserve.models.hybrid_stage import HybridStage
 from pdserve.models.recurrent_state import StateGeometry
 from pdserve.models.layers import ColumnParallelLinear, MergedColumnParallelLinear, RotaryEmbedding, RowParallelLinear
 from pdserve.models.llama import MLP
+from pdserve.models.moe import SparseMoeBlock
 from pdserve.parallel.state import ParallelState
 
 
@@ -88,15 +96,18 @@ class HybridDecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(cfg, ps, dtype)
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, ps, dtype)
+        self.mlp = SparseMoeBlock(cfg.moe, cfg.hidden_size, ps, dtype) if cfg.is_moe(index) else MLP(cfg, ps, dtype)
 
     def load(self, take, prefix: str) -> None:
         if self.recurrent:
             self.linear_attn.load(take, prefix + "linear_attn.")
         else:
             self.self_attn.load(take, prefix + "self_attn.")
-        self.mlp.gate_up_proj.load([take(prefix + "mlp.gate_proj.weight"), take(prefix + "mlp.up_proj.weight")])
-        self.mlp.down_proj.load(take(prefix + "mlp.down_proj.weight"))
+        if isinstance(self.mlp, SparseMoeBlock):
+            self.mlp.load(take, prefix + "mlp.")
+        else:
+            self.mlp.gate_up_proj.load([take(prefix + "mlp.gate_proj.weight"), take(prefix + "mlp.up_proj.weight")])
+            self.mlp.down_proj.load(take(prefix + "mlp.down_proj.weight"))
         self.input_layernorm.load(take(prefix + "input_layernorm.weight"))
         self.post_attention_layernorm.load(take(prefix + "post_attention_layernorm.weight"))
 
@@ -113,7 +124,8 @@ class HybridDecoderLayer(nn.Module):
 
 
 class Qwen3_5ForCausalLM(HybridStage):
-    """The same interface as LlamaForCausalLM, plus `state` (hybrid_stage.py)."""
+    """The same interface as LlamaForCausalLM, plus `state` (hybrid_stage.py). Serves Qwen3_5MoeForCausalLM too:
+    ModelConfig.moe_layers says which layers take the MoE block."""
 
     def __init__(self, cfg: ModelConfig, ps: ParallelState, dtype: torch.dtype, max_positions: int):
         super().__init__(cfg, ps, dtype)
@@ -129,3 +141,12 @@ class Qwen3_5ForCausalLM(HybridStage):
     def forward(self, ids_or_hidden: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
                 md: AttentionMetadata, out_rows: torch.Tensor | None = None) -> torch.Tensor:
         return self.run_layers(ids_or_hidden, out_rows, self.rope.table(positions), cache, md, self.state)
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """Qwen3.5 as published (dense or MoE): the text model of a vision-language checkpoint. Its tensors are
+    renamed to Qwen3_5ForCausalLM's; the vision tower's are skipped (a chat request with images is refused
+    before it gets here: server/chat_prompt.py); `mtp.*` is the MTP weights' (weights/mtp.py)."""
+
+    CHECKPOINT_RENAMES = ((r"^model\.language_model\.", "model."),)
+    CHECKPOINT_SKIPS = ((r"^model\.visual\.", "the vision tower (model.visual.*)"),)

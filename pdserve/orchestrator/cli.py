@@ -25,11 +25,11 @@ import time
 from urllib.parse import urlsplit
 
 from pdserve import tls
+from pdserve.env import DISAGG_CONFIG, for_child, settings
 from pdserve.orchestrator.config import DisaggConfig, load_disagg_config
 
 log = logging.getLogger("pdserve.orchestrator")
 
-CONFIG_ENV = "PDSERVE_DISAGG_CONFIG"
 _CHILD_STOP_S = 10.0
 
 
@@ -53,7 +53,7 @@ def main_disaggregated(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.internal_role is not None:
-            cfg = DisaggConfig.model_validate_json(os.environ[CONFIG_ENV])
+            cfg = DisaggConfig.model_validate_json(_handed_config())
         else:
             if args.config is None:
                 raise ValueError("pdserve disaggregated needs a config: -c disagg.yaml (see docs/orchestrator.md)")
@@ -69,6 +69,15 @@ def main_disaggregated(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"pdserve disaggregated: error: {e}", file=sys.stderr)
         return 2
+
+
+def _handed_config() -> str:
+    """The fleet supervisor's validated config, which a child of the fleet gets in its environment."""
+    handed = settings().disagg_config
+    if handed is None:
+        raise ValueError(f"--internal-role is for the processes of a fleet, started with {DISAGG_CONFIG} set; "
+                         "start the orchestrator with -c disagg.yaml")
+    return handed
 
 
 def _run_coordinator(cfg: DisaggConfig) -> int:
@@ -112,7 +121,7 @@ def _run_worker(cfg: DisaggConfig, index: int, reuse_port: bool) -> int:
 
 
 def _run_fleet(cfg: DisaggConfig, log_level: str) -> int:
-    env = {**os.environ, CONFIG_ENV: cfg.model_dump_json()}
+    env = for_child({DISAGG_CONFIG: cfg.model_dump_json()})
     base = [sys.executable, "-m", "pdserve.orchestrator.cli", "--log-level", log_level, "--internal-role"]
     own_coordinator = cfg.uses_coordinator and cfg.disagg_coordinator_url is None
     roles = ([["coordinator"]] if own_coordinator else []) + [

@@ -394,7 +394,8 @@ class Orchestrator:
             return answer
         if self.cfg.migrate_streams:  # what a move needs: the ids of the tokens streamed so far
             body["return_token_ids"] = True
-        return Relay(self, req, *await self._open_stream(req, body, whole))
+        return Relay(req, *await self._open_stream(req, body, whole), timeout=timeout, metrics=self.metrics,
+                     move=self.move_stream)
 
     async def _open_stream(self, req: Request, body: dict, whole: bool = True) -> tuple[Route, httpx.Response]:
         """`body` sent streaming to a generation instance (the one the request holds, or any), through
@@ -404,7 +405,7 @@ class Orchestrator:
             self.http, "generation", url, req.api, body, timeout, self.member_headers), whole)
         return req.hand_over("generation"), response
 
-    async def _moved(self, req: Request, route: Route, e: OrchestratorError, so_far: Streamed,
+    async def move_stream(self, req: Request, route: Route, e: OrchestratorError, so_far: Streamed,
                      moves: int) -> tuple[Route, httpx.Response] | None:
         """A stream whose generation instance at `route` was lost mid-stream (`e`), opened again on another
         instance, which goes on from the output `so_far` (served whole there: prompt and output recomputed);

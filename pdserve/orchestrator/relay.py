@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 import httpx
 
 from pdserve.orchestrator import sse
 from pdserve.orchestrator.errors import OrchestratorError
+from pdserve.orchestrator.metrics import OrchestratorMetrics
+from pdserve.orchestrator.request import Request
 from pdserve.orchestrator.routers import Route
 from pdserve.orchestrator.upstream import iter_stream
 
@@ -55,6 +57,11 @@ class Streamed:
         return sse.EVENT_END.join(out) + sse.EVENT_END
 
 
+# (request, its route that was lost, the error, what the client has had, moves so far) -> the stream opened on
+# another instance, or None where it may not move
+Move = Callable[[Request, Route, OrchestratorError, Streamed, int], Awaitable[tuple[Route, httpx.Response] | None]]
+
+
 class Relay:
     """A generation worker's open SSE stream, relayed to the client.
 
@@ -70,37 +77,39 @@ class Relay:
     relayed only once their blank line has arrived, so the half of one that a dying worker sent never
     runs into what follows."""
 
-    def __init__(self, orch, req, route: Route, response: httpx.Response):
-        """`orch`: the Orchestrator whose request `req` this is (its config, metrics, cluster, and `_moved`,
-        which opens the stream again elsewhere); not imported here, since it imports this module."""
-        self.orch, self.req, self.route, self.response = orch, req, route, response
+    def __init__(self, req: Request, route: Route, response: httpx.Response, *, timeout: float,
+                 metrics: OrchestratorMetrics, move: Move):
+        """`req` handed `route` over to this relay (Request.hand_over), which finishes it; `timeout` is the
+        longest a worker may stay silent; `move` opens the stream again on another instance
+        (Orchestrator.move_stream)."""
+        self.req, self.route, self.response = req, route, response
+        self.timeout, self.metrics, self.move = timeout, metrics, move
         self._released = False  # this route's worker connection and reservation
         self._ended = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        orch, req = self.orch, self.req
+        req = self.req
         first, moves = True, 0
         streamed = Streamed(bool(req.body.get("return_token_ids")))
         try:
             while True:
                 tail = b""
                 try:
-                    async for chunk in iter_stream(self.response, "generation", self.route.url,
-                                                   orch.cfg.request_timeout):
+                    async for chunk in iter_stream(self.response, "generation", self.route.url, self.timeout):
                         events, end, tail = (tail + chunk).rpartition(sse.EVENT_END)
                         if not end:
                             continue
                         if first:
                             first = False
-                            orch.metrics.ttft.observe(time.monotonic() - req.arrival)
+                            self.metrics.ttft.observe(time.monotonic() - req.arrival)
                         yield streamed.take(events + end)
                     if tail:
                         yield tail
                     return
                 except OrchestratorError as e:
-                    orch.metrics.worker_errors.labels("generation", str(e.status)).inc()
+                    self.metrics.worker_errors.labels("generation", str(e.status)).inc()
                     await self._release()
-                    moved = await orch._moved(req, self.route, e, streamed, moves)
+                    moved = await self.move(req, self.route, e, streamed, moves)
                     if moved is None:
                         yield sse.event(e.body())
                         yield sse.DONE
@@ -120,7 +129,7 @@ class Relay:
         try:
             await self.response.aclose()
         finally:
-            await self.orch.cluster.finish("generation", self.route.url, self.req.route_req)
+            await self.req.finish_handed("generation", self.route)
 
     async def aclose(self) -> None:
         if self._ended:
@@ -129,4 +138,4 @@ class Relay:
         try:
             await self._release()
         finally:
-            self.orch.metrics.e2e.observe(time.monotonic() - self.req.arrival)
+            self.metrics.e2e.observe(time.monotonic() - self.req.arrival)

@@ -58,8 +58,13 @@ class Request:
             await self._cluster.finish(role, route.url, self.route_req)
 
     def hand_over(self, role: str) -> Route:
-        """The route on `role`, which from now on its taker finishes (a streamed answer's relay)."""
+        """The route on `role`, which from now on its taker finishes (a streamed answer's relay), with
+        finish_handed."""
         return self._held.pop(role)
+
+    async def finish_handed(self, role: str, route: Route) -> None:
+        """The instance at `route`, a route this request handed over on `role`, is done with it."""
+        await self._cluster.finish(role, route.url, self.route_req)
 
     def kv_pulled(self) -> None:
         """The generation side has the KV: its context instance frees it on its own."""

@@ -28,13 +28,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pdserve.env import settings
 from pdserve.host import host_id
 from pdserve.kernels import cpu
 from pdserve.parallel.state import ParallelState
 
 log = logging.getLogger(__name__)
 
-ENABLE_ENV = "PDSERVE_SHM_ALL_REDUCE"
 SLOT_BYTES = 2 << 20  # a prefill chunk of 512 tokens x 1024 hidden fp32 fits; larger ones go to gloo
 FLAG_BYTES = 64  # FLAG_BYTES in csrc/shm_all_reduce.c
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -147,7 +147,7 @@ def shm_all_reduce_for(group, group_ranks: list[int], rank: int, timeout_s: floa
                        host: str) -> ShmAllReduce | None:
     """The group's shared-memory all-reduce, or None (every rank of the group agrees) where it cannot
     run: disabled, a rank without the kernel library, or ranks on different hosts."""
-    lib = None if os.environ.get(ENABLE_ENV, "1") == "0" else cpu.load()
+    lib = cpu.load() if settings().shm_all_reduce else None
     ready = torch.tensor([1 if lib is not None and hasattr(lib, "shm_all_reduce") else 0], dtype=torch.int64)
     dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=group)
     if not ready.item():

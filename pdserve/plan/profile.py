@@ -35,11 +35,11 @@ from datetime import UTC
 from pathlib import Path
 from typing import Any
 
+from pdserve.env import settings
 from pdserve.host import no_named_semaphores
 from pdserve.host import die_with_parent
 from pdserve.kv_transfer.agents.base import MemoryRegion
 from pdserve.plan.measurements import Profile, StepTimings
-from pdserve.weights.resolve import CACHE_ENV
 
 PREFILL_TOKENS = (16, 64, 128, 256, 512, 1024, 2048, 4096)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -99,8 +99,7 @@ def profile_key(model_dir: Path, dtype: str, device: str, kv_cache_dtype: str = 
 
 
 def profiles_dir() -> Path:
-    base = os.environ.get(CACHE_ENV)
-    return (Path(base).expanduser() if base else Path.home() / ".cache" / "pdserve") / "profiles"
+    return settings().profiles_dir
 
 
 def cache_path(key: dict[str, Any]) -> Path:

@@ -125,7 +125,7 @@ def build_app(engine, cfg: WorkerConfig) -> FastAPI:
     async def disagg_info(request: Request):
         """What an orchestrator needs to route to this worker (docs/disaggregation.md); with a cluster
         token, and the orchestrator's challenge in X-Cluster-Nonce, also the proof that it holds the token."""
-        ecfg = engine.engine.ecfg
+        ecfg = engine.ecfg
         nonce = request.headers.get(NONCE_HEADER)
         proof = {"holds_cluster_token": True, "cluster_proof": member_proof(cluster_token, nonce) if nonce else None} \
             if cluster_token else {}

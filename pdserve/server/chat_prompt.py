@@ -6,9 +6,12 @@ from __future__ import annotations
 from pdserve.json_writer import items_at_least
 from pdserve.server.errors import bad_request
 from pdserve.server.protocol import ChatCompletionRequest, ChatMessage
-from pdserve.server.tools import render_messages
+from pdserve.server.tools.chat import render_messages
 from pdserve.tokenizer import Tokenizer
 
+# OpenAI content parts that carry an image or a video: pdserve serves text models only (of a vision-language
+# checkpoint, its text model: the vision tower is not loaded)
+_MEDIA_PARTS = ("image_url", "input_image", "image", "video_url", "video")
 # Messages of fewer characters than this (_size) are rendered through the chat template on the event loop, more
 # in a worker thread
 _RENDER_IN_PLACE = 1 << 16
@@ -48,6 +51,11 @@ def prompt_text(tokenizer: Tokenizer, req: ChatCompletionRequest, tools) -> str:
         if isinstance(content, list):
             parts = []
             for part in content:
+                if part.get("type") in _MEDIA_PARTS:
+                    raise bad_request(f"messages[{i}].content: images are not served (a part of type "
+                                      f"{part['type']!r}): pdserve serves the text model only, a vision-language "
+                                      "checkpoint's without its vision tower; send only text parts "
+                                      "({\"type\": \"text\", \"text\": ...})", "messages")
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise bad_request(f"messages[{i}].content: only text parts ({{\"type\": \"text\", "
                                       f"\"text\": ...}}) are supported, got {part.get('type')!r}", "messages")

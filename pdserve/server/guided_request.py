@@ -28,7 +28,7 @@ _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 async def compiled_spec(grammars: Grammars, req, tools=None) -> GuidedSpec | None:
-    """The request's output constraint (its own, or the one its tool_choice forces: server/tools.py), compiled
+    """The request's output constraint (its own, or the one its tool_choice forces: server/tools/chat.py), compiled
     (once per distinct spec, in a worker thread: a large schema takes milliseconds) so that a bad one is a 400
     naming its field before any compute."""
     spec = guided_spec(req.response_format, req.structured_outputs)

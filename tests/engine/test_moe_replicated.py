@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.models.config import MoeShape
+from pdserve.models.shapes import MoeShape
 from pdserve.models.moe import SparseMoeBlock
 from pdserve.parallel.state import ParallelState
 

@@ -6,8 +6,9 @@ by KV heads (Llama, Qwen2, Qwen3, Qwen3-MoE, Nemotron-H; every expert by its int
 Nemotron-H's Mamba2 state by heads and its conv state section by section, DeepSeek-V3's latent (the same on
 every TP rank) sent to both generation ranks whole, in bf16 and in FP8 blocks (with the MTP layer DeepSeek
 ships, skipped). Qwen3-MoE also goes the other way, context TP2 -> generation TP1: of the two TP2 -> TP1 cases
-this module held before (Qwen3, Qwen3-MoE), the one that cuts experts too. Qwen3.5 joins when its published
-writer does (published_families.py says which).
+this module held before (Qwen3, Qwen3-MoE), the one that cuts experts too. Qwen3.5 is served from
+its vision-language checkpoints (dense and MoE, the vision tower skipped), its Gated DeltaNet state re-cut by
+heads on the way, and Nemotron-H with Nemotron 3's MoE layers too.
 
 `pdserve launch` starts every instance as `pdserve serve --config FILE` (launch/local.py), the same `_serve`,
 engine and loader as `pdserve serve DIR`, whose positional DIR only fills the same WorkerConfig.model: a launch
@@ -51,7 +52,8 @@ def published(tmp_path_factory, hf_greedy):
             d = FAMILIES[name](tmp_path_factory.mktemp("published") / name, "40KB")
             shards = set(json.loads((d / INDEX_FILE).read_text())["weight_map"].values())
             assert len(shards) > 1 and all((d / s).exists() for s in shards)
-            model = transformers.AutoModelForCausalLM.from_pretrained(oracle_dir(d), dtype=torch.float32)
+            published_class = getattr(transformers, json.loads((d / "config.json").read_text())["architectures"][0])
+            model = published_class.from_pretrained(oracle_dir(d), dtype=torch.float32)
             done[name] = d, hf_greedy(model, [PROMPT], MAX_NEW)[0]
         return done[name]
     return get

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from pdserve.models.config import ModelConfig, MoeShape
+from pdserve.models.config import ModelConfig
+from pdserve.models.shapes import MoeShape
 from pdserve.models.moe import SparseMoeBlock
 from pdserve.parallel.state import ParallelState
 

@@ -13,6 +13,7 @@ import logging
 import pytest
 import torch
 
+from pdserve import env
 from pdserve.config import EngineConfig
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
@@ -89,7 +90,7 @@ def test_the_choice_is_timed_once_kept_and_read_back(tiny, tmp_path, monkeypatch
     """The first start times both paths and keeps the times and the choice in the cache; the next reads
     them back without timing (shown by a stored choice, flipped by hand, being the one taken)."""
     d, _, _ = tiny
-    monkeypatch.setenv(dispatch.PATH_ENV, "auto")
+    monkeypatch.setenv(env.KERNEL_PATH, "auto")
     monkeypatch.setattr(dispatch, "FLASH_TOKENS", 256)  # shorter timings: the test is of the keeping
     monkeypatch.setattr(dispatch, "PAGED_DECODE_CASES", ((1, 256), (4, 64)))
     monkeypatch.setattr(dispatch, "STEP_ROWS", (1, 16))
@@ -122,7 +123,7 @@ def test_each_forced_path_gives_transformers_tokens(tiny, monkeypatch, path):
     """Forced to PyTorch, no native attention, GEMV, RMSNorm or RoPE / cache write runs (the plain weight
     copies and the C decode step are gone); forced native, they do. Both give transformers' greedy tokens."""
     d, prompts, ref = tiny
-    monkeypatch.setenv(dispatch.PATH_ENV, path)
+    monkeypatch.setenv(env.KERNEL_PATH, path)
     gemv_runs = cpu.skinny_linear_runs()  # (a trial call: before the calls are counted)
     calls = []
     for name in ("flash_prefill", "paged_decode_attention", "skinny_linear", "rms_norm", "rope_cache_write"):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.models.config import ModelConfig, MoeShape
+from pdserve.models.config import ModelConfig
+from pdserve.models.shapes import MoeShape
 from pdserve.models.moe import SparseMoeBlock
 from pdserve.parallel.state import ParallelState
 

@@ -20,7 +20,7 @@ from test_tool_syntaxes import LLAMA3, TEMPLATES
 from test_tool_syntaxes import TOOLS as ALL_TOOLS
 
 from pdserve.engine.guided import Grammars
-from pdserve.server.tools import SYNTAXES, tool_setup
+from pdserve.server.tools.chat import SYNTAXES, tool_setup
 from pdserve.testing import make_tiny_model
 from pdserve.testing.tiny import EOS_TOKEN_ID
 from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer

@@ -15,7 +15,7 @@ from pdserve.config import EngineConfig, WorkerConfig
 from pdserve.server.app import build_app
 from pdserve.server.errors import APIError
 from pdserve.engine.guided import Grammars
-from pdserve.server.tools import CallStream, call_syntax, parse_calls, render_messages, tool_setup
+from pdserve.server.tools.chat import CallStream, call_syntax, parse_calls, render_messages, tool_setup
 from pdserve.testing import make_tiny_model
 from pdserve.tokenizer import Tokenizer
 

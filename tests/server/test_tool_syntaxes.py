@@ -1,4 +1,4 @@
-"""The tool-call syntaxes of the families the model issues added (server/tool_syntax.py, tool_xml.py): Qwen3.5's
+"""The tool-call syntaxes of the families the model issues added (server/tools/): Qwen3.5's
 XML-style calls, DeepSeek-V3's and DeepSeek-V3.1's. Per syntax: a chat template is told apart by its text, a
 finished output is read into calls (text that is no call, or a malformed call, stays content; XML values become
 their schema's types), a streamed output's deltas add up to exactly the non-streamed calls wherever the text is
@@ -20,8 +20,8 @@ from test_tool_calls import ADD, WEATHER
 from pdserve.config import EngineConfig, WorkerConfig
 from pdserve.server.app import build_app
 from pdserve.engine.guided import Grammars
-from pdserve.server.partial_json import INCOMPLETE, value_end
-from pdserve.server.tools import SYNTAXES, CallStream, call_syntax, parse_calls, render_messages, tool_setup
+from pdserve.server.tools.partial_json import INCOMPLETE, value_end
+from pdserve.server.tools.chat import SYNTAXES, CallStream, call_syntax, parse_calls, render_messages, tool_setup
 from pdserve.testing import make_tiny_model
 from pdserve.testing.tiny_deepseek_v3 import make_tiny_deepseek_v3
 from pdserve.tokenizer import Tokenizer

@@ -81,14 +81,6 @@ def test_an_unserved_architecture_is_refused_naming_it_and_the_served_ones(tmp_p
         LLM(EngineConfig(model=str(d), num_kv_blocks=8))
 
 
-def test_nemotron_h_moe_layers_are_refused_by_name():
-    """Nemotron 3's MoE layers are not served yet: said by name, not taken for something else."""
-    with pytest.raises(ValueError, match=r"\['moe'\] is not served yet"):
-        ModelConfig.from_hf({"architectures": ["NemotronHForCausalLM"], "layers_block_type": ["mamba", "moe"],
-                             "vocab_size": 512, "hidden_size": 64, "num_attention_heads": 4, "head_dim": 16,
-                             "mamba_num_heads": 8, "mamba_head_dim": 8, "n_groups": 2})
-
-
 def test_a_shard_the_index_names_but_the_directory_lacks_is_named(tmp_path):
     d = make_tiny_model(tmp_path / "m", arch="qwen3", num_layers=1, max_shard_size=SHARD)
     lost = sorted(d.glob("model-*.safetensors"))[1]

@@ -91,9 +91,11 @@ def test_not_found_errors_say_how_to_fix(tmp_path, monkeypatch):
         resolve_model(None, cache_dir=tmp_path)
 
 
-def test_default_cache_dir_reads_the_given_environment(tmp_path):
-    assert default_cache_dir({"PDSERVE_CACHE_DIR": str(tmp_path)}) == tmp_path
-    assert default_cache_dir({}) == Path.home() / ".cache" / "pdserve" / "converted"
+def test_default_cache_dir_is_converted_under_the_cache_base(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    assert default_cache_dir() == tmp_path / "converted"
+    monkeypatch.delenv("PDSERVE_CACHE_DIR")
+    assert default_cache_dir() == Path.home() / ".cache" / "pdserve" / "converted"
 
 
 @pytest.mark.slow

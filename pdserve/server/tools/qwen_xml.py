@@ -35,8 +35,8 @@ import math
 import re
 
 from pdserve.engine.guided import JSON_LAYOUT
-from pdserve.server.tool_syntax import (NL, Call, Cursor, Incomplete, Invalid, Scan, Syntax, held_from, lark_literal,
-                                        lark_text, scan_tagged)
+from pdserve.server.tools.base import (NL, Call, Cursor, Incomplete, Invalid, Scan, Syntax, held_from, lark_literal,
+                                       lark_text, scan_tagged)
 
 _KEY = re.compile(r"[^<>\n]{1,128}")
 

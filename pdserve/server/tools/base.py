@@ -1,14 +1,5 @@
-r"""The tool-call syntaxes of the model families pdserve serves: how each writes a call, how a call is read out of
-the text (finished or still growing), the grammar that forces one, and how a past call is written back.
-
-- hermes (the default; Qwen2.5, Qwen3, Qwen3-MoE, SmolLM2, Hermes):
-  <tool_call>\n{"name": N, "arguments": {...}}\n</tool_call>, any number, text around them
-- llama3 (Llama 3.1 - 3.3): the whole output is [<|python_tag|>]{"name": N, "parameters": {...}}
-- qwen3_xml (Qwen3.5, Qwen3-Coder, Nemotron 3; tool_xml.py):
-  <tool_call>\n<function=N>\n<parameter=K>\nV\n</parameter>\n</function>\n</tool_call>
-- deepseek_v3 (DeepSeek-V3, R1): <｜tool▁calls▁begin｜>, per call
-  <｜tool▁call▁begin｜>function<｜tool▁sep｜>N\n```json\n{...}\n```<｜tool▁call▁end｜>, then <｜tool▁calls▁end｜>
-- deepseek_v31 (DeepSeek-V3.1): the same, each call <｜tool▁call▁begin｜>N<｜tool▁sep｜>{...}<｜tool▁call▁end｜>
+"""What every tool-call syntax shares: the scan of a choice's text (`Scan`, its `Call`s, the `Cursor` that
+reads it), the `Syntax` interface, the grammar's building blocks and the reading of a JSON call object.
 
 Each syntax's `scan(text, schemas, final)` reads a choice's text so far into a `Scan`: where the calls begin (the
 text before is content), the calls as far as they go (a name once it is complete, the arguments' JSON text so
@@ -27,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 
 from pdserve.engine.guided import JSON_LAYOUT
-from pdserve.server.partial_json import INCOMPLETE, INVALID, object_members, skip_ws, value_end
+from pdserve.server.tools.partial_json import INCOMPLETE, INVALID, object_members, skip_ws, value_end
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 NL = "\n"
@@ -154,7 +145,7 @@ class Syntax:
 
     name = ""
     example = ""  # how to call, for a template that does not describe the tools itself
-    # Its tags' texts: where the tokenizer makes one a special token, it stays in the output text (tools.py)
+    # Its tags' texts: where the tokenizer makes one a special token, it stays in the output text (chat.py)
     markers: tuple[str, ...] = ()
     arguments_as_text = False  # its templates write a past call's arguments as given (JSON text), not | tojson
 
@@ -215,32 +206,6 @@ def scan_tagged(text: str, tag: str, end: str, final: bool, read_call) -> Scan:
     return scan_with(text, start, final, read)
 
 
-class Hermes(Syntax):
-    """<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>, any number, text around them. The default."""
-
-    name = "hermes"
-    TAG, END = "<tool_call>", "</tool_call>"
-    markers = (TAG, END)
-    example = '<tool_call>\n{"name": <function-name>, "arguments": <args-object>}\n</tool_call>'
-
-    def asks_for(self, template: str) -> bool:
-        return True
-
-    def grammar(self, functions: list[dict], parallel: bool, special: dict[str, int] | None = None) -> str:
-        schema = call_object_schema(functions, "arguments")
-        more = ' ("\\n" call)*' if parallel else ""  # calls one a line, as Qwen's templates write them
-        tag, end = lark_text(self.TAG + NL, special), lark_text(NL + self.END, special)
-        return f"start: call{more}\ncall: {tag} body {end}\nbody: %json {json.dumps(schema)}\n"
-
-    def scan(self, text: str, schemas: dict[str, dict], final: bool) -> Scan:
-        return scan_tagged(text, self.TAG, self.END, final,
-                           lambda cur, call: json_call(cur, call, ("arguments", "parameters"), False))
-
-    def write_calls(self, calls: list[tuple[str, dict]]) -> str:
-        return "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a}, ensure_ascii=False)}\n</tool_call>"
-                         for n, a in calls)
-
-
 def json_call(cur: Cursor, call: Call, argument_keys: tuple[str, ...], name_needs_arguments: bool) -> None:
     """A {"name": ..., <one of argument_keys>: {...}} object into `call`, its arguments the raw text of their
     value ("{}" when it has none, unless `name_needs_arguments`: where the object alone says it is a call, its
@@ -276,137 +241,3 @@ def json_call(cur: Cursor, call: Call, argument_keys: tuple[str, ...], name_need
         raise Invalid
     call.arguments = arguments or "{}"
     cur.i = end
-
-
-class Llama3(Syntax):
-    """Llama 3.1's: the whole output is one {"name": ..., "parameters": {...}} (after an optional <|python_tag|>).
-    Asked for by a template whose text names `"parameters": dictionary of argument name` or writes
-    <|python_tag|>. JSON without "parameters" (or "arguments") is content."""
-
-    name = "llama3"
-    PYTHON_TAG = "<|python_tag|>"
-    markers = (PYTHON_TAG,)
-    example = '{"name": <function-name>, "parameters": <args-object>}'
-
-    def asks_for(self, template: str) -> bool:
-        return '"parameters": dictionary of argument name' in template or self.PYTHON_TAG in template
-
-    def grammar(self, functions: list[dict], parallel: bool, special: dict[str, int] | None = None) -> str:
-        schema = call_object_schema(functions, "parameters")
-        return f"start: %json {json.dumps(schema)}\n"  # one call a turn, as Llama 3.1's template asks
-
-    def scan(self, text: str, schemas: dict[str, dict], final: bool) -> Scan:
-        i = skip_ws(text, 0)
-        body = text[i:]
-        if not body.startswith(("{", self.PYTHON_TAG)) and (final or not self.PYTHON_TAG.startswith(body)):
-            return Scan(len(text))  # an output that begins so is no call
-
-        def read(cur: Cursor, calls: list[Call], scan: Scan) -> None:
-            cur.ws()
-            if cur.at(self.PYTHON_TAG):
-                cur.ws()
-            calls.append(Call())
-            json_call(cur, calls[0], ("parameters", "arguments"), name_needs_arguments=True)
-            cur.ws()
-            if cur.rest():
-                raise Invalid
-
-        return scan_with(text, 0, final, read)
-
-    def write_calls(self, calls: list[tuple[str, dict]]) -> str:
-        return "\n".join(json.dumps({"name": n, "parameters": a}, ensure_ascii=False) for n, a in calls)
-
-
-class DeepSeekV3(Syntax):
-    """DeepSeek-V3's (and R1's): <｜tool▁calls▁begin｜>, then per call <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
-    and its arguments in a ```json fence, then <｜tool▁call▁end｜>; <｜tool▁calls▁end｜> after the last. Asked
-    for by a template that writes <｜tool▁sep｜> and a ```json fence. Its templates write a past call's arguments
-    as the JSON text they are given."""
-
-    name = "deepseek_v3"
-    BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
-    CALL, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
-    markers = (BEGIN, END, CALL, SEP, CALL_END)
-    between = "\n"  # what its templates write between two calls
-    arguments_as_text = True
-    example = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜><function-name>\n```json\n"
-               "<args-object>\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
-
-    def asks_for(self, template: str) -> bool:
-        return self.SEP in template and "```json" in template
-
-    def head(self, name: str) -> str:
-        return f"{self.CALL}function{self.SEP}{name}\n```json\n"
-
-    def tail(self) -> str:
-        return f"\n```{self.CALL_END}"
-
-    def grammar(self, functions: list[dict], parallel: bool, special: dict[str, int] | None = None) -> str:
-        more = (f" ({lark_literal(self.between)} call)*" if self.between else " call*") if parallel else ""
-        rules = [f"start: {lark_text(self.BEGIN, special)} call{more} {lark_text(self.END, special)}",
-                 "call: " + " | ".join(f"f{i}" for i in range(len(functions)))]
-        for i, f in enumerate(functions):
-            rules.append(f"f{i}: {lark_text(self.head(f['name']), special)} a{i} {lark_text(self.tail(), special)}")
-            rules.append(f"a{i}: %json {json_schema(f)}")
-        return "\n".join(rules) + "\n"
-
-    def read_call(self, cur: Cursor, call: Call) -> None:
-        cur.expect(self.CALL)
-        cur.expect("function")
-        cur.expect(self.SEP)
-        call.name = cur.name_until("\n")
-        cur.expect("```json")
-        cur.ws()
-        cur.json_object(call)
-        cur.ws()
-        cur.expect("```")
-        cur.ws()
-        cur.expect(self.CALL_END)
-
-    def scan(self, text: str, schemas: dict[str, dict], final: bool) -> Scan:
-        start = text.find(self.BEGIN)
-        if start < 0:
-            return Scan(len(text) if final else held_from(text, self.BEGIN))
-
-        def read(cur: Cursor, calls: list[Call], scan: Scan) -> None:
-            cur.expect(self.BEGIN)
-            while True:
-                cur.ws()
-                if calls and (final and not cur.rest() or cur.at(self.END)):  # (a model may stop before the end)
-                    scan.rest = cur.rest()
-                    return
-                calls.append(Call())
-                self.read_call(cur, calls[-1])
-
-        return scan_with(text, start, final, read)
-
-    def write_calls(self, calls: list[tuple[str, dict]]) -> str:
-        body = self.between.join(self.head(n) + json.dumps(a, ensure_ascii=False) + self.tail() for n, a in calls)
-        return self.BEGIN + body + self.END
-
-
-class DeepSeekV31(DeepSeekV3):
-    """DeepSeek-V3.1's shorter form: <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜> per call, in the
-    same <｜tool▁calls▁begin｜> ... <｜tool▁calls▁end｜>. Asked for by a template that writes <｜tool▁sep｜> and no
-    ```json fence."""
-
-    name = "deepseek_v31"
-    between = ""
-    example = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜><function-name><｜tool▁sep｜><args-object><｜tool▁call▁end｜>"
-               "<｜tool▁calls▁end｜>")
-
-    def asks_for(self, template: str) -> bool:
-        return self.SEP in template and "```json" not in template
-
-    def head(self, name: str) -> str:
-        return f"{self.CALL}{name}{self.SEP}"
-
-    def tail(self) -> str:
-        return self.CALL_END
-
-    def read_call(self, cur: Cursor, call: Call) -> None:
-        cur.expect(self.CALL)
-        call.name = cur.name_until(self.SEP)
-        cur.json_object(call)
-        cur.ws()
-        cur.expect(self.CALL_END)

@@ -1,7 +1,7 @@
 """Tool calling on /v1/chat/completions: `tools`, `tool_choice`, `parallel_tool_calls`, the assistant's
 `tool_calls` and `tool` messages through the chat template, and the model's calls read out of its text.
 
-The call syntax is the one the model's chat template asks for (tool_syntax.py, tool_xml.py): Hermes / Qwen's
+The call syntax is the one the model's chat template asks for (a module each beside this one): Hermes / Qwen's
 `<tool_call>` JSON (the default, SmolLM2's family's too), Llama 3.1's bare JSON, the XML-style one of Qwen3.5,
 Qwen3-Coder and Nemotron 3, DeepSeek-V3's and DeepSeek-V3.1's.
 
@@ -30,9 +30,13 @@ from pdserve.server.errors import bad_request
 from pdserve.json_writer import json_dumps
 from pdserve.server.json_body import MalformedBody, parse_json_text
 from pdserve.server.protocol import AssistantMessage, ChatChunkChoice, DeltaMessage
-from pdserve.server.tool_syntax import NAME as _NAME
-from pdserve.server.tool_syntax import DeepSeekV3, DeepSeekV31, Hermes, Llama3, Syntax
-from pdserve.server.tool_xml import QwenXML
+from pdserve.server.tools.base import NAME as _NAME
+from pdserve.server.tools.base import Syntax
+from pdserve.server.tools.deepseek_v3 import DeepSeekV3
+from pdserve.server.tools.deepseek_v31 import DeepSeekV31
+from pdserve.server.tools.hermes import Hermes
+from pdserve.server.tools.llama3 import Llama3
+from pdserve.server.tools.qwen_xml import QwenXML
 
 SYNTAXES: dict[str, Syntax] = {s.name: s for s in (DeepSeekV3(), DeepSeekV31(), QwenXML(), Llama3(), Hermes())}
 

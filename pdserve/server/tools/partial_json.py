@@ -1,6 +1,6 @@
 """JSON text that may still be growing: where a value ends, or that it cannot end (the text is no JSON).
 
-A streamed tool call's arguments are sent as their raw JSON text while the model writes them (server/tools.py):
+A streamed tool call's arguments are sent as their raw JSON text while the model writes them (server/tools/chat.py):
 everything of a value that has been written belongs to it, so what matters is where it ends and whether the text
 so far can still be JSON at all. `value_end` answers that for one value; `object_members` walks an object's
 members as far as the text goes.
