@@ -282,3 +282,16 @@ def memory_problem(cfg: ModelConfig, ecfg: EngineConfig, device: str, available:
              "set cpu_decode_gemv: false" if fp.largest.cpu_copies else ""]
     return (f"{why}. No TP / PP of up to {units} {'ranks' if device == 'cpu' else 'devices'} fits on this machine: "
             + ", ".join(h for h in hints if h) + (", or " if any(hints) else "") + "use a machine with more memory")
+
+
+def check_memory(cfg: ModelConfig, ecfg: EngineConfig, device: str, max_model_len: int) -> str:
+    """What this instance will hold and what is available (a line to log), or a ValueError, naming the numbers
+    and a TP / PP that fits, when every rank's weights, KV pool and recurrent state need more than
+    memory_limit_gb or, without it, than this machine has."""
+    limit = ecfg.memory_limit_gb
+    available = int(limit * GIB) if limit is not None else available_bytes(device)
+    units = torch.cuda.device_count() if device == "cuda" else len(os.sched_getaffinity(0))
+    why = memory_problem(cfg, ecfg, device, available, units, max_model_len)
+    if why is not None:
+        raise ValueError(why + (f" (memory_limit_gb={limit})" if limit is not None else ""))
+    return f"memory: {footprint(cfg, ecfg, device, max_model_len).describe()}; {available / GIB:.2f} GiB available"

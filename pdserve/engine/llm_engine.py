@@ -15,14 +15,11 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing as mp
-import os
 import time
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
-
-import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager, KVEvent
@@ -97,7 +94,9 @@ class LLMEngine:
             raise ValueError(why)
         self.max_model_len = self._max_model_len()
         device = pick_device(ecfg, 0)
-        self._check_memory(device)  # before any weight is read: a model that cannot fit fails in seconds, not hours
+        # before any weight is read: a model that cannot fit fails in seconds, not hours
+        from pdserve.engine.footprint import check_memory  # (it imports the models' classes)
+        log.info(check_memory(self.model_cfg, ecfg, device.type, self.max_model_len))
         self.model_name = ecfg.served_model_name or _default_name(ecfg.model, self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
@@ -131,21 +130,6 @@ class LLMEngine:
             raise ValueError(f"max_model_len={asked} is longer than the model's max_position_embeddings ({limit}); "
                              f"set max_model_len <= {limit}")
         return asked or limit
-
-    def _check_memory(self, device) -> None:
-        """Refuse, naming the numbers and a TP / PP that fits, when the weights, KV pool and recurrent state of
-        every rank need more than memory_limit_gb or, without it, than this machine has (engine/footprint.py)."""
-        from pdserve.engine.footprint import GIB, available_bytes, footprint, memory_problem
-
-        kind = device.type
-        limit = self.ecfg.memory_limit_gb
-        available = int(limit * 2**30) if limit is not None else available_bytes(kind)
-        units = (torch.cuda.device_count() if kind == "cuda" else len(os.sched_getaffinity(0)))
-        why = memory_problem(self.model_cfg, self.ecfg, kind, available, units, self.max_model_len)
-        if why is not None:
-            raise ValueError(why + (f" (memory_limit_gb={limit})" if limit is not None else ""))
-        log.info("memory: %s; %.2f GiB available", footprint(self.model_cfg, self.ecfg, kind, self.max_model_len)
-                 .describe(), available / GIB)
 
     def _start_ranks(self, pool_allocator, device) -> ModelRunner:
         ecfg = self.ecfg
