@@ -5,11 +5,14 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, WorkerConfig
 from pdserve.engine.async_engine import AsyncEngine
+from pdserve.server.app import build_app
 from pdserve.testing.servers import UvicornThread
 
 MAX_MODEL_LEN = 128
@@ -26,6 +29,25 @@ def tiny_engine(model_dir) -> AsyncEngine:
     return AsyncEngine.from_config(EngineConfig(
         model=str(model_dir), served_model_name="tiny", device="cpu", max_model_len=MAX_MODEL_LEN,
         num_kv_blocks=NUM_KV_BLOCKS, tokens_per_block=TOKENS_PER_BLOCK, max_num_tokens=256))
+
+
+@contextmanager
+def served(model_dir, **engine) -> Iterator[ServerThread]:
+    """A real server in a thread over its own engine of `model_dir` (served as "tiny", on the CPU, `engine`'s
+    EngineConfig keys beside); the engine shut down after."""
+    eng = AsyncEngine.from_config(EngineConfig(model=str(model_dir), served_model_name="tiny", device="cpu", **engine))
+    try:
+        with ServerThread(build_app(eng, WorkerConfig(model=str(model_dir)))) as srv:
+            yield srv
+    finally:
+        eng.shutdown()
+
+
+def openai_client(srv: ServerThread):
+    """The official client, pointed at `srv`, one try per call."""
+    import openai
+
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=60, max_retries=0)
 
 
 def scrape(http_client: httpx.Client) -> dict[str, float]:

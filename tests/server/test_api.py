@@ -12,13 +12,10 @@ import time
 import httpx
 import pytest
 
-from pdserve.config import EngineConfig, WorkerConfig
-from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.server.app import build_app
 from pdserve.testing import make_tiny_model
 
-from server_harness import MAX_MODEL_LEN, TOKENS_PER_BLOCK, ServerThread, scrape, wait_kv_baseline
+from server_harness import MAX_MODEL_LEN, TOKENS_PER_BLOCK, scrape, served, wait_kv_baseline
 
 PROMPTS = ["The capital of France is", "def forward(self, hidden_states):", "Numbers: 1 2 3",
            "Unicode: café naïve 日本語"]
@@ -225,13 +222,8 @@ def long_window_url(tmp_path_factory):
     length bound, so that it is encoded."""
     model = make_tiny_model(tmp_path_factory.mktemp("long") / "m", num_layers=1, num_heads=2, num_kv_heads=1,
                             max_position_embeddings=1 << 16)
-    engine = AsyncEngine.from_config(EngineConfig(model=str(model), served_model_name="tiny", device="cpu",
-                                                  max_model_len=1 << 16, num_kv_blocks=16, tokens_per_block=8))
-    try:
-        with ServerThread(build_app(engine, WorkerConfig(model=str(model)))) as srv:
-            yield srv.url
-    finally:
-        engine.shutdown()
+    with served(model, max_model_len=1 << 16, num_kv_blocks=16, tokens_per_block=8) as srv:
+        yield srv.url
 
 
 def test_a_long_prompt_is_encoded_without_holding_the_event_loop(long_window_url):

@@ -9,10 +9,8 @@ import json
 
 import jsonschema
 import pytest
-from server_harness import ServerThread
+from server_harness import openai_client, served
 
-from pdserve.config import EngineConfig, WorkerConfig
-from pdserve.server.app import build_app
 from pdserve.server.errors import APIError
 from pdserve.engine.guided import Grammars
 from pdserve.server.tools.chat import CallStream, call_syntax, parse_calls, render_messages, tool_setup
@@ -39,17 +37,8 @@ def tool_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tool_client(tool_model):
-    openai = pytest.importorskip("openai")
-    from pdserve.engine.async_engine import AsyncEngine
-
-    model = tool_model
-    engine = AsyncEngine.from_config(EngineConfig(model=str(model), served_model_name="tiny", device="cpu",
-                                                  max_model_len=1024, num_kv_blocks=256, tokens_per_block=8))
-    try:
-        with ServerThread(build_app(engine, WorkerConfig(model=str(model)))) as srv:
-            yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=60, max_retries=0)
-    finally:
-        engine.shutdown()
+    with served(tool_model, max_model_len=1024, num_kv_blocks=256, tokens_per_block=8) as srv:
+        yield openai_client(srv)
 
 
 def _check(call) -> dict:

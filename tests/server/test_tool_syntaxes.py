@@ -14,11 +14,9 @@ import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_harness import ServerThread
+from server_harness import openai_client, served
 from test_tool_calls import ADD, WEATHER
 
-from pdserve.config import EngineConfig, WorkerConfig
-from pdserve.server.app import build_app
 from pdserve.engine.guided import Grammars
 from pdserve.server.tools.partial_json import INCOMPLETE, value_end
 from pdserve.server.tools.chat import SYNTAXES, CallStream, call_syntax, parse_calls, render_messages, tool_setup
@@ -199,17 +197,9 @@ def _serve_tiny(root, syntax: str):
 
 @pytest.fixture(scope="module", params=NEW)
 def family_client(request, tmp_path_factory):
-    openai = pytest.importorskip("openai")
-    from pdserve.engine.async_engine import AsyncEngine
-
     model = _serve_tiny(tmp_path_factory.mktemp("tool-syntax"), request.param)
-    engine = AsyncEngine.from_config(EngineConfig(model=str(model), served_model_name="tiny", device="cpu",
-                                                  max_model_len=1536, num_kv_blocks=256, tokens_per_block=8))
-    try:
-        with ServerThread(build_app(engine, WorkerConfig(model=str(model)))) as srv:
-            yield request.param, openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=60, max_retries=0)
-    finally:
-        engine.shutdown()
+    with served(model, max_model_len=1536, num_kv_blocks=256, tokens_per_block=8) as srv:
+        yield request.param, openai_client(srv)
 
 
 def test_required_calls_parse_and_validate_streamed_and_not(family_client):

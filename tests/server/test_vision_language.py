@@ -5,10 +5,8 @@ part is one 400 saying images are not served and what to send instead; text-only
 from __future__ import annotations
 
 import pytest
-from server_harness import ServerThread
+from server_harness import openai_client, served
 
-from pdserve.config import EngineConfig, WorkerConfig
-from pdserve.server.app import build_app
 from pdserve.testing.tiny_qwen3_5 import make_tiny_qwen3_5
 
 openai = pytest.importorskip("openai")
@@ -17,16 +15,9 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    from pdserve.engine.async_engine import AsyncEngine
-
     model = make_tiny_qwen3_5(tmp_path_factory.mktemp("qwen3_5_vl") / "m", num_layers=4)
-    engine = AsyncEngine.from_config(EngineConfig(model=str(model), served_model_name="tiny", device="cpu",
-                                                  max_model_len=256, num_kv_blocks=64, tokens_per_block=8))
-    try:
-        with ServerThread(build_app(engine, WorkerConfig(model=str(model)))) as srv:
-            yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=60, max_retries=0)
-    finally:
-        engine.shutdown()
+    with served(model, max_model_len=256, num_kv_blocks=64, tokens_per_block=8) as srv:
+        yield openai_client(srv)
 
 
 @pytest.mark.parametrize("content", [[IMAGE], [{"type": "text", "text": "What is this?"}, IMAGE]],
