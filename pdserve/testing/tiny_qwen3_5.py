@@ -7,9 +7,9 @@ Qwen3_5MoeForConditionalGeneration. config.json nests the text model under `text
 own class instead (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM).
 
 `make_tiny_qwen3_5(dir)`: 4 text layers (3 Gated DeltaNet, then gated attention: tiny_hybrid.py's shape), and
-a vision tower of one block of width 16, never run: pdserve serves the text model. The MoE has 8 experts of 32, top 2, and a shared expert of 64 behind its sigmoid gate. Weights are
-scaled as tiny.py's docstring explains; router weights at twice unit scale keep routing decisive (as
-tiny_qwen3.py's).
+a vision tower of one block of width 16, never run: pdserve serves the text model. The MoE has 8 experts of
+32, top 2, and a shared expert of 64 behind its sigmoid gate. Weights are scaled as tiny.py's docstring
+explains; router weights at twice unit scale keep routing decisive (as tiny_qwen3.py's).
 """
 
 from __future__ import annotations
